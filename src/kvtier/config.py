@@ -1,0 +1,848 @@
+"""Configuration: parsed once, at the edge, into frozen typed objects.
+
+Nothing deeper in kvtier reads raw dicts: every tier, policy and manager is built from the
+objects below. Units are in the field names (``capacity_bytes``); defaults live here only.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from decimal import Decimal, InvalidOperation, localcontext
+
+import yaml
+
+from kvtier.errors import ConfigError
+
+__all__ = [
+    "TierConfig",
+    "CPUTierConfig",
+    "DiskTierConfig",
+    "CascadeConfig",
+    "KvtierConfig",
+    "load_config",
+    "parse_size",
+    "format_size",
+    "describe",
+]
+
+MiB = 1 << 20
+
+#: eviction policies shipped with kvtier; others load through ``eviction_module_path``
+BUILTIN_EVICTION_POLICIES = ("lru", "arc")
+#: tier kinds the configuration knows, with the class of their section
+TIER_KINDS = ("cpu", "lmdb", "files")
+WRITE_POLICIES = ("write_back", "write_through")
+PIN_MEMORY_CHOICES = ("auto", "on", "off")
+O_DIRECT_CHOICES = ("auto", "on", "off")
+FSYNC_CHOICES = ("none", "batch", "always")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """What every tier has, whatever its kind."""
+
+    # unique name of the tier in the stack; shows in stats, events and errors
+    name: str
+    # which implementation: one of TIER_KINDS
+    kind: str
+    # the tier never holds more payload than this many bytes
+    capacity_bytes: int
+    # eviction policy: a registered name (lru, arc) or a class name in eviction_module_path
+    eviction: str = "lru"
+    # module to import an out-of-tree eviction policy class from (None: built-in names only)
+    eviction_module_path: str | None = None
+    # where the tier keeps its bytes: a file for cpu (default: a fresh file under /dev/shm),
+    # a directory for disk tiers (required there)
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class CPUTierConfig(TierConfig):
+    """The CPU tier: one shared-memory region of fixed-size rows."""
+
+    # pin the region for DMA with cudaHostRegister: auto (when CUDA is present), on (fail
+    # if it cannot be pinned), off
+    pin_memory: str = "auto"
+
+
+@dataclass(frozen=True)
+class DiskTierConfig(TierConfig):
+    """A disk tier (lmdb or files) under ``path``."""
+
+    # O_DIRECT for block I/O: auto (probe once, fall back with a logged, counted warning),
+    # on (fail at open if unsupported), off
+    o_direct: str = "auto"
+    # when to fsync: none (leave it to the OS), batch (once per batch of blocks), always
+    # (each block)
+    fsync: str = "batch"
+
+
+@dataclass(frozen=True)
+class CascadeConfig:
+    """How blocks move between tiers."""
+
+    # write_back: demote the coldest CPU blocks ahead of need at on_schedule_end;
+    # write_through: cascade every stored block down
+    write_policy: str = "write_back"
+    # bound of the bytes demoted (written to the next tier) per scheduler step
+    max_demote_bytes_per_step: int = 512 * MiB
+    # bound of the bytes promoted (read from a lower tier) per scheduler step
+    max_promote_bytes_per_step: int = 512 * MiB
+
+
+@dataclass(frozen=True)
+class KvtierConfig:
+    """A whole kvtier setup: the ordered tier stack and how blocks move along it."""
+
+    # ordered fastest first; tiers[0] is always the cpu tier (the gateway to the GPU)
+    tiers: tuple[TierConfig, ...]
+    # tokens an offloaded block spans (a multiple of the engine's GPU block size);
+    # None: the same as the engine's block
+    block_size_tokens: int | None = None
+    cascade: CascadeConfig = field(default_factory=CascadeConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes
+# --------------------------------------------------------------------------------------------
+
+# Keyed by the lower-cased unit so that `gib` and `GIB` work; the lower-cased forms of binary
+# and decimal units never collide, so folding case loses nothing.
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+}
+# Bare prefixes are refused rather than guessed: `64G` means 64 * 10^9 to some tools and
+# 64 * 2^30 to others, and a 7% error in a capacity goes unnoticed.
+_AMBIGUOUS_UNITS = {"k": ("KiB", "kB"), "m": ("MiB", "MB"), "g": ("GiB", "GB"), "t": ("TiB", "TB")}
+# Kubernetes' `Gi` is not ambiguous, but one spelling per unit keeps configs greppable.
+_KUBERNETES_UNITS = {"ki": "KiB", "mi": "MiB", "gi": "GiB", "ti": "TiB"}
+_CANONICAL_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "kB", "MB", "GB", "TB")
+_SIZE_FORMS = (
+    "a whole number of bytes: an int >= 0, or a string such as '4096', '4096B', '512MiB', "
+    "'64GiB', '1.5TB' (binary KiB MiB GiB TiB = 1024^n, decimal kB MB GB TB = 1000^n)"
+)
+_SIZE_RE = re.compile(r"\s*([+-]?)\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
+# format_size stops at TiB because parse_size accepts nothing larger: an exact size's text
+# must parse back.
+_FORMAT_UNITS = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
+
+
+def parse_size(value: object, field: str) -> int:
+    """Return ``value`` as a whole number of bytes, or raise ConfigError naming ``field``.
+
+    Accepts an int >= 0, a whole float, or a string of a number and an optional unit
+    (``4096``, ``4096B``, ``2 KiB``, ``512MiB``, ``1.5TB``). Binary units are 1024^n and
+    decimal units 1000^n; units fold case only where that stays unambiguous, so ``gib`` is
+    GiB and ``gb`` is GB, while a bare ``G`` is refused.
+    """
+    # bool is an int subclass, and `capacity: yes` is a typo, never a size of 1 byte
+    if isinstance(value, bool):
+        raise ConfigError(field, value, _SIZE_FORMS, "write a size such as 64GiB")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(field, value, _SIZE_FORMS, "sizes cannot be negative")
+        return value
+    if isinstance(value, float):
+        # Decimal(float) is exact, so 1024.0 passes and 1.5 is caught as a fraction of a byte
+        return _whole_bytes(Decimal(value), value, field)
+    if not isinstance(value, str):
+        raise ConfigError(field, value, _SIZE_FORMS, "write a size such as 64GiB")
+
+    match = _SIZE_RE.fullmatch(value)
+    if match is None:
+        raise ConfigError(field, value, _SIZE_FORMS, "write a size such as 64GiB or 4096")
+    sign, number, unit = match.groups()
+    if sign == "-":
+        raise ConfigError(field, value, _SIZE_FORMS, "sizes cannot be negative")
+    folded = unit.lower()
+    if folded in _AMBIGUOUS_UNITS:
+        binary, decimal = _AMBIGUOUS_UNITS[folded]
+        raise ConfigError(
+            field,
+            value,
+            _SIZE_FORMS,
+            f"'{unit}' is ambiguous: write {number}{binary} (binary) or {number}{decimal} "
+            "(decimal)",
+        )
+    if folded in _KUBERNETES_UNITS:
+        raise ConfigError(
+            field, value, _SIZE_FORMS, f"write {number}{_KUBERNETES_UNITS[folded]}"
+        )
+    if folded not in _SIZE_UNITS:
+        guess = _closest(unit, _CANONICAL_UNITS)
+        hint = f"did you mean {number}{guess}?" if guess else "use one of " + ", ".join(
+            _CANONICAL_UNITS
+        )
+        raise ConfigError(field, value, _SIZE_FORMS, f"unknown unit '{unit}'; {hint}")
+    # Enough digits that the product is exact: a rounded product could pass a fraction of a
+    # byte off as a whole one.
+    with localcontext() as context:
+        context.prec = len(number) + 16
+        amount = Decimal(number) * _SIZE_UNITS[folded]
+    return _whole_bytes(amount, value, field)
+
+
+def _whole_bytes(amount: Decimal, value: object, field: str) -> int:
+    try:
+        whole = amount.is_finite() and amount == amount.to_integral_value()
+    except InvalidOperation:  # a signalling NaN
+        whole = False
+    if not whole:
+        raise ConfigError(
+            field, value, _SIZE_FORMS, "the size must come to a whole number of bytes"
+        )
+    if amount < 0:
+        raise ConfigError(field, value, _SIZE_FORMS, "sizes cannot be negative")
+    return int(amount)
+
+
+def format_size(n: int) -> str:
+    """Render ``n`` bytes for people, in binary units: ``64 GiB``, ``1.5 MiB``, ``512 B``.
+
+    Shows at most two decimals, so the result may be rounded; ``describe`` adds the exact
+    byte count where it is.
+    """
+    return _format_size(n)[0]
+
+
+def _format_size(n: int) -> tuple[str, bool]:
+    """format_size's text, and whether that text is exactly ``n`` bytes."""
+    # A programming mistake, not user input: callers format sizes they already validated.
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"format_size takes an int number of bytes, got {n!r}")
+    if n < 0:
+        raise ValueError(f"format_size takes a number of bytes >= 0, got {n}")
+    for index, (unit, size) in enumerate(_FORMAT_UNITS):
+        if n < size:
+            continue
+        shown = (Decimal(n) / size).quantize(Decimal("0.01"))
+        # 1048575 B rounds to 1024.00 KiB; one unit up reads better and is as close
+        if shown >= 1024 and index > 0:
+            unit, size = _FORMAT_UNITS[index - 1]
+            shown = (Decimal(n) / size).quantize(Decimal("0.01"))
+        text = f"{shown:f}".rstrip("0").rstrip(".")
+        return f"{text} {unit}", shown * size == n
+    return f"{n} B", True
+
+
+# --------------------------------------------------------------------------------------------
+# Schema
+# --------------------------------------------------------------------------------------------
+
+
+class _Missing:
+    """Stands for a key the input lacks, so an error reads ``got <missing>``.
+
+    ``None`` would read as if the user had written ``null``, which is a different mistake.
+    """
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+_TOP_KEYS = ("tiers", "block_size_tokens", "cascade")
+# Keys of vLLM's kv_connector_extra_config that belong to vLLM; kvtier accepts and skips them
+# so that the whole extra config can be handed over untouched.
+_VLLM_PASSTHROUGH_KEYS = ("spec_name", "spec_module_path", "offload_prompt_only")
+# vLLM's name for the offloaded block size; an alias of block_size_tokens
+_VLLM_BLOCK_SIZE_KEY = "block_size"
+# the extra-config key that points at a kvtier YAML file instead of inline keys
+_INCLUDE_KEY = "kvtier_config"
+_VLLM_KEYS = _VLLM_PASSTHROUGH_KEYS + (_VLLM_BLOCK_SIZE_KEY, _INCLUDE_KEY)
+
+# Which section class each kind builds: adding a kind is one entry here, never a new branch.
+_TIER_CLASSES: dict[str, type[TierConfig]] = {
+    "cpu": CPUTierConfig,
+    "lmdb": DiskTierConfig,
+    "files": DiskTierConfig,
+}
+assert set(_TIER_CLASSES) == set(TIER_KINDS), "every kind needs a section class"
+
+# YAML keys that differ from their field names: people write `capacity: 64GiB`, while the
+# field keeps its unit in its name.
+_TIER_FIELD_BY_KEY = {"capacity": "capacity_bytes"}
+_TIER_KEY_BY_FIELD = {f: k for k, f in _TIER_FIELD_BY_KEY.items()}
+
+# Kind-specific options: their choices, and whether a YAML boolean stands for on/off. YAML 1.1
+# reads an unquoted `off` as false, so `pin_memory: off` arrives here as False.
+_TIER_OPTIONS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "pin_memory": (PIN_MEMORY_CHOICES, True),
+    "o_direct": (O_DIRECT_CHOICES, True),
+    "fsync": (FSYNC_CHOICES, False),
+}
+_TIER_NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _tier_keys(cls: type[TierConfig]) -> tuple[str, ...]:
+    """The YAML keys a tier section of class ``cls`` accepts, in field order (common first)."""
+    return tuple(_TIER_KEY_BY_FIELD.get(f.name, f.name) for f in fields(cls))
+
+
+def _extra_fields(cls: type[TierConfig]) -> tuple[str, ...]:
+    """Fields a section class adds to TierConfig: its kind-specific options."""
+    common = {f.name for f in fields(TierConfig)}
+    return tuple(f.name for f in fields(cls) if f.name not in common)
+
+
+assert all(
+    name in _TIER_OPTIONS for cls in _TIER_CLASSES.values() for name in _extra_fields(cls)
+), "every kind-specific field needs an entry in _TIER_OPTIONS"
+
+_CASCADE_KEYS = tuple(f.name for f in fields(CascadeConfig))
+
+
+def _join(path: str, key: object) -> str:
+    text = key if isinstance(key, str) else repr(key)
+    return f"{path}.{text}" if path else text
+
+
+def _closest(word: object, choices: tuple[str, ...] | list[str]) -> str | None:
+    """The choice nearest to ``word`` ignoring case, or None if nothing is close."""
+    if not isinstance(word, str):
+        return None
+    by_folded = {choice.lower(): choice for choice in choices}
+    found = difflib.get_close_matches(word.lower(), list(by_folded), n=1, cutoff=0.6)
+    return by_folded[found[0]] if found else None
+
+
+def _choice_fix(value: object, choices: tuple[str, ...]) -> str:
+    guess = _closest(value, choices)
+    if guess is not None:
+        return f"did you mean '{guess}'?"
+    return "write one of " + ", ".join(choices)
+
+
+def _check_keys(section: Mapping, valid: tuple[str, ...], path: str, what: str) -> None:
+    """Refuse any key outside ``valid``: a typo silently ignored is a setting silently lost."""
+    for key in section:
+        if isinstance(key, str) and key in valid:
+            continue
+        guess = _closest(key, valid)
+        fix = f"did you mean '{guess}'?" if guess else "remove it or use one of the keys above"
+        raise ConfigError(
+            _join(path, key), key, f"a key of {what}: " + ", ".join(valid), fix
+        )
+
+
+def _require_mapping(value: object, path: str, what: str, fix: str) -> Mapping:
+    if not isinstance(value, Mapping):
+        raise ConfigError(path, value, f"a mapping ({what})", fix)
+    return value
+
+
+def _positive_int(value: object, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(path, value, "a positive int", "write a whole number such as 256")
+    return value
+
+
+def _positive_size(value: object, path: str) -> int:
+    size = parse_size(value, path)
+    if size == 0:
+        raise ConfigError(path, value, "a size > 0", "write a size such as 512MiB")
+    return size
+
+
+def _non_empty_str(value: object, path: str, expected: str, fix: str) -> str:
+    if isinstance(value, os.PathLike):
+        value = os.fsdecode(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(path, value, expected, fix)
+    return value
+
+
+def _parse_choice(value: object, path: str, choices: tuple[str, ...], bools: bool) -> str:
+    if bools and isinstance(value, bool):
+        return "on" if value else "off"
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(path, value, "one of " + ", ".join(choices), _choice_fix(value, choices))
+    return value
+
+
+def _parse_tier(section: object, path: str) -> TierConfig:
+    section = _require_mapping(
+        section,
+        path,
+        "one tier",
+        "write the tier as a mapping such as {name: cpu, kind: cpu, capacity: 64GiB}",
+    )
+    # kind first: it decides which keys the rest of the section may hold
+    kind = section.get("kind", _MISSING)
+    if not isinstance(kind, str) or kind not in _TIER_CLASSES:
+        fix = _choice_fix(kind, TIER_KINDS) if kind is not _MISSING else (
+            "add kind: cpu, kind: lmdb or kind: files"
+        )
+        raise ConfigError(_join(path, "kind"), kind, "one of " + ", ".join(TIER_KINDS), fix)
+    cls = _TIER_CLASSES[kind]
+    valid = _tier_keys(cls)
+    for key in section:
+        if not isinstance(key, str) or key in valid:
+            continue
+        owners = [k for k, c in _TIER_CLASSES.items() if key in _tier_keys(c)]
+        if owners:
+            raise ConfigError(
+                _join(path, key),
+                key,
+                f"a key of a {kind} tier: " + ", ".join(valid),
+                f"'{key}' applies only to tiers of kind {' and '.join(owners)}; remove it here",
+            )
+    _check_keys(section, valid, path, f"a {kind} tier")
+
+    name = section.get("name", kind)
+    if not isinstance(name, str) or not _TIER_NAME_RE.fullmatch(name):
+        raise ConfigError(
+            _join(path, "name"),
+            name,
+            "a non-empty string of letters, digits, '_' and '-'",
+            "write a name such as nvme0 (quote it if YAML reads it as a number)",
+        )
+
+    capacity = section.get("capacity", _MISSING)
+    if capacity is _MISSING:
+        raise ConfigError(
+            _join(path, "capacity"), capacity, _SIZE_FORMS, "add capacity: such as 64GiB"
+        )
+    capacity_bytes = _positive_size(capacity, _join(path, "capacity"))
+
+    module_path = section.get("eviction_module_path")
+    if module_path is not None:
+        module_path = _non_empty_str(
+            module_path,
+            _join(path, "eviction_module_path"),
+            "a dotted module path such as my_pkg.policies",
+            "write the module that defines the policy class",
+        )
+    eviction = section.get("eviction", "lru")
+    if module_path is None:
+        if not isinstance(eviction, str) or eviction not in BUILTIN_EVICTION_POLICIES:
+            raise ConfigError(
+                _join(path, "eviction"),
+                eviction,
+                "one of " + ", ".join(BUILTIN_EVICTION_POLICIES)
+                + " (or any class name when eviction_module_path is set)",
+                _choice_fix(eviction, BUILTIN_EVICTION_POLICIES)
+                + "; set eviction_module_path to load an out-of-tree policy",
+            )
+    else:
+        eviction = _non_empty_str(
+            eviction,
+            _join(path, "eviction"),
+            f"the name of a policy class in {module_path}",
+            "write the class name",
+        )
+
+    # cpu may omit path (a fresh /dev/shm file); a disk tier has nowhere to go without one
+    path_optional = cls is CPUTierConfig
+    tier_path = section.get("path", None if path_optional else _MISSING)
+    if tier_path is not None or not path_optional:
+        tier_path = _non_empty_str(
+            tier_path,
+            _join(path, "path"),
+            "a non-empty path string" + ("" if path_optional else " (a directory)"),
+            f"add path: such as /var/tmp/kvtier-{name}"
+            if tier_path is _MISSING
+            else "write the path as a string",
+        )
+
+    options = {}
+    for option in _extra_fields(cls):
+        if option in section:
+            choices, bools = _TIER_OPTIONS[option]
+            options[option] = _parse_choice(section[option], _join(path, option), choices, bools)
+
+    return cls(
+        name=name,
+        kind=kind,
+        capacity_bytes=capacity_bytes,
+        eviction=eviction,
+        eviction_module_path=module_path,
+        path=tier_path,
+        **options,
+    )
+
+
+def _parse_tiers(value: object) -> tuple[TierConfig, ...]:
+    if value is _MISSING:
+        raise ConfigError(
+            "tiers",
+            value,
+            "a non-empty list of tiers, the cpu tier first",
+            "add tiers: with at least - {name: cpu, kind: cpu, capacity: 4GiB}",
+        )
+    # a bare string is a sequence too, but never a list of tiers
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
+        raise ConfigError(
+            "tiers",
+            value,
+            "a list of tier mappings",
+            "write each tier as a list item starting with '- '",
+        )
+    if not value:
+        raise ConfigError(
+            "tiers",
+            value,
+            "at least one tier, the cpu tier first",
+            "add - {name: cpu, kind: cpu, capacity: 4GiB}",
+        )
+
+    tiers: list[TierConfig] = []
+    index_by_name: dict[str, int] = {}
+    for index, section in enumerate(value):
+        path = f"tiers[{index}]"
+        tier = _parse_tier(section, path)
+        if tier.name in index_by_name:
+            raise ConfigError(
+                f"{path}.name",
+                tier.name,
+                f"a name unique in the stack (tiers[{index_by_name[tier.name]}] has it)",
+                "give each tier its own name (a tier without one is named after its kind)",
+            )
+        index_by_name[tier.name] = index
+        tiers.append(tier)
+
+    # Checked after every tier parsed, so that a misplaced cpu tier gets the better message.
+    cpu_indexes = [i for i, tier in enumerate(tiers) if tier.kind == "cpu"]
+    if tiers[0].kind != "cpu":
+        where = f"move tiers[{cpu_indexes[0]}] (kind cpu) first" if cpu_indexes else (
+            "add a tier of kind cpu first"
+        )
+        raise ConfigError(
+            "tiers[0].kind",
+            tiers[0].kind,
+            "'cpu': every load into the GPU comes from the cpu tier, so it heads the stack",
+            where,
+        )
+    if len(cpu_indexes) > 1:
+        extra = cpu_indexes[1]
+        raise ConfigError(
+            f"tiers[{extra}].kind",
+            "cpu",
+            "exactly one cpu tier (tiers[0])",
+            "merge the cpu tiers into one, or make this one lmdb or files",
+        )
+    return tuple(tiers)
+
+
+def _parse_cascade(value: object) -> CascadeConfig:
+    section = _require_mapping(
+        value,
+        "cascade",
+        "of " + ", ".join(_CASCADE_KEYS),
+        "write cascade: {write_policy: write_back} or leave the key out for defaults",
+    )
+    _check_keys(section, _CASCADE_KEYS, "cascade", "cascade")
+    settings: dict[str, object] = {}
+    if "write_policy" in section:
+        settings["write_policy"] = _parse_choice(
+            section["write_policy"], "cascade.write_policy", WRITE_POLICIES, bools=False
+        )
+    for key in ("max_demote_bytes_per_step", "max_promote_bytes_per_step"):
+        if key in section:
+            settings[key] = _positive_size(section[key], f"cascade.{key}")
+    return CascadeConfig(**settings)
+
+
+def _parse_document(document: object, root: str, from_yaml: bool) -> KvtierConfig:
+    """Build a KvtierConfig from one mapping.
+
+    ``from_yaml``: the mapping came from a kvtier YAML file or text, which holds kvtier keys
+    only; vLLM's keys (and kvtier_config) belong in vLLM's extra config, and accepting them in
+    the file would let a setting look effective where it is not.
+    """
+    document = _require_mapping(
+        document,
+        root,
+        "of kvtier keys: " + ", ".join(_TOP_KEYS),
+        "write the settings as key: value lines, starting with tiers:",
+    )
+    valid = _TOP_KEYS if from_yaml else _TOP_KEYS + _VLLM_KEYS
+    for key in document:
+        if from_yaml and key in _VLLM_KEYS:
+            fix = (
+                "a kvtier YAML cannot include another; put its settings here"
+                if key == _INCLUDE_KEY
+                else f"move '{key}' to vLLM's kv_connector_extra_config"
+            )
+            raise ConfigError(
+                key, document[key], "a kvtier key: " + ", ".join(_TOP_KEYS), fix
+            )
+    _check_keys(document, valid, "", "the kvtier configuration")
+
+    if not from_yaml and _INCLUDE_KEY in document:
+        return _parse_include(document)
+
+    tiers = _parse_tiers(document.get("tiers", _MISSING))
+    block_size_tokens = document.get("block_size_tokens")
+    if block_size_tokens is not None:
+        block_size_tokens = _positive_int(block_size_tokens, "block_size_tokens")
+    block_size_tokens = _merge_block_size(document, block_size_tokens)
+    cascade = (
+        _parse_cascade(document["cascade"]) if "cascade" in document else CascadeConfig()
+    )
+    return KvtierConfig(tiers=tiers, block_size_tokens=block_size_tokens, cascade=cascade)
+
+
+def _merge_block_size(document: Mapping, block_size_tokens: int | None) -> int | None:
+    """Fold vLLM's ``block_size`` into ``block_size_tokens``; both must agree if both given."""
+    if _VLLM_BLOCK_SIZE_KEY not in document:
+        return block_size_tokens
+    block_size = _positive_int(document[_VLLM_BLOCK_SIZE_KEY], _VLLM_BLOCK_SIZE_KEY)
+    if block_size_tokens is not None and block_size_tokens != block_size:
+        raise ConfigError(
+            _VLLM_BLOCK_SIZE_KEY,
+            block_size,
+            f"the same value as block_size_tokens ({block_size_tokens}): both set the "
+            "offloaded block size in tokens",
+            "give only one of block_size and block_size_tokens",
+        )
+    return block_size
+
+
+def _parse_include(document: Mapping) -> KvtierConfig:
+    """The extra-config form that names a kvtier YAML file in ``kvtier_config``."""
+    inline = [key for key in _TOP_KEYS if key in document]
+    if inline:
+        raise ConfigError(
+            _INCLUDE_KEY,
+            document[_INCLUDE_KEY],
+            f"no inline kvtier keys beside it (found {', '.join(inline)})",
+            "give either kvtier_config or inline keys (tiers, cascade, block_size_tokens), "
+            "not both",
+        )
+    include = _non_empty_str(
+        document[_INCLUDE_KEY],
+        _INCLUDE_KEY,
+        "the path of a kvtier YAML file",
+        "write the path, e.g. kvtier_config: tiers.yaml",
+    )
+    text = _read_file(include, _INCLUDE_KEY)
+    loaded = _parse_document(_load_yaml(text, include), include, from_yaml=True)
+    block_size_tokens = _merge_block_size(document, loaded.block_size_tokens)
+    if block_size_tokens == loaded.block_size_tokens:
+        return loaded
+    return KvtierConfig(
+        tiers=loaded.tiers, block_size_tokens=block_size_tokens, cascade=loaded.cascade
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Sources
+# --------------------------------------------------------------------------------------------
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys.
+
+    PyYAML keeps the last of two equal keys without a word; a tier written twice would lose
+    its first half as silently as a misspelt key would.
+    """
+
+    def construct_mapping(self, node, deep=False):
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<:` overrides are what a merge is for
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:
+                continue  # unhashable: the base class reports it with its mark
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key {key!r}",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str, where: str) -> object:
+    try:
+        # a SafeLoader subclass, so YAML tags cannot build arbitrary Python objects
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as error:
+        raise _yaml_error(error, text, where) from None
+
+
+def _at(mark: yaml.Mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _yaml_error(error: yaml.YAMLError, text: str, where: str) -> ConfigError:
+    """A ConfigError that points at the line and column PyYAML blamed."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    context, context_mark = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context and context_mark is not None:
+        # an unclosed bracket is reported at the end of input; where it opened is the clue
+        problem = f"{problem}, {context} at {_at(context_mark)}"
+    if mark is None:
+        return ConfigError(where, text[:80], f"valid YAML ({problem})")
+    lines = text.splitlines()
+    line = lines[mark.line].strip() if mark.line < len(lines) else ""
+    return ConfigError(
+        f"{where} {_at(mark)}",
+        line or "<end of input>",
+        f"valid YAML ({problem})",
+        f"check the indentation, quoting and brackets at {_at(mark)}",
+    )
+
+
+def _read_file(path: str | os.PathLike, field: str) -> str:
+    shown = os.fsdecode(path)
+    try:
+        with open(path, encoding="utf-8") as stream:
+            return stream.read()
+    except FileNotFoundError:
+        raise ConfigError(
+            field,
+            shown,
+            "the path of an existing kvtier YAML file",
+            f"check the path (it resolves to {os.path.abspath(shown)}), or pass the YAML text "
+            "itself",
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(
+            field, shown, "a YAML file, not a directory", "name the file inside it"
+        ) from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            field, shown, "a UTF-8 text file", f"re-save it as UTF-8 ({error.reason})"
+        ) from None
+    except OSError as error:
+        raise ConfigError(
+            field, shown, "a readable YAML file", f"fix the file: {error.strerror}"
+        ) from None
+
+
+def _looks_like_path(text: str) -> bool:
+    """Whether a str that names no existing file was meant as a path rather than YAML text.
+
+    One line with no colon cannot be a useful YAML document; a one-line ``*.yaml`` with a
+    colon not followed by a space is a path such as ``C:/kvtier.yaml`` (a YAML key needs
+    ``: ``), while ``kvtier_config: tiers.yaml`` stays YAML.
+    """
+    if "\n" in text:
+        return False
+    if ":" not in text:
+        return True
+    return text.rstrip().endswith((".yaml", ".yml")) and ": " not in text
+
+
+def load_config(source: object) -> KvtierConfig:
+    """Parse ``source`` into a KvtierConfig, raising ConfigError for anything wrong with it.
+
+    ``source`` is one of:
+
+    * a KvtierConfig, returned as is;
+    * a dict: the kvtier schema, or vLLM's ``kv_connector_extra_config`` (whose keys
+      spec_name, spec_module_path and offload_prompt_only are skipped, ``block_size`` is an
+      alias of block_size_tokens, and ``kvtier_config`` names a YAML file to load instead of
+      inline keys);
+    * a path (str or os.PathLike) to a kvtier YAML file;
+    * YAML text: a str holding a newline or a colon that names no existing file.
+
+    A YAML file or text holds kvtier keys only (tiers, cascade, block_size_tokens).
+    """
+    if isinstance(source, KvtierConfig):
+        return source
+    if isinstance(source, Mapping):
+        return _parse_document(source, "config", from_yaml=False)
+    if isinstance(source, os.PathLike):
+        shown = os.fsdecode(source)
+        text = _read_file(source, "config")
+        return _parse_document(_load_yaml(text, shown), shown, from_yaml=True)
+    if isinstance(source, str):
+        if not source.strip():
+            raise ConfigError(
+                "config",
+                source,
+                "a path to a kvtier YAML file, YAML text, a dict or a KvtierConfig",
+                "pass the path of a YAML file such as examples/cpu-only.yaml",
+            )
+        if os.path.isfile(source) or _looks_like_path(source):
+            text = _read_file(source, "config")
+            return _parse_document(_load_yaml(text, source), source, from_yaml=True)
+        return _parse_document(_load_yaml(source, "YAML text"), "YAML text", from_yaml=True)
+    raise ConfigError(
+        "config",
+        source,
+        "a path to a kvtier YAML file, YAML text, a dict or a KvtierConfig",
+        "pass one of those",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Describe
+# --------------------------------------------------------------------------------------------
+
+
+def _describe_size(n: int) -> str:
+    """format_size, plus the exact count where the human form had to round."""
+    shown, exact = _format_size(n)
+    return shown if exact else f"{shown} ({n} B)"
+
+
+def describe(config: KvtierConfig) -> str:
+    """A multi-line summary of the stack, fastest tier first, for ``kvtier config check``."""
+    rows = []
+    for index, tier in enumerate(config.tiers):
+        eviction = tier.eviction
+        if tier.eviction_module_path is not None:
+            eviction += f" (from {tier.eviction_module_path})"
+        if tier.path is not None:
+            where = tier.path
+        elif tier.kind == "cpu":
+            where = "(a fresh file under /dev/shm)"
+        else:
+            where = "(none)"
+        options = "  ".join(
+            f"{option}={getattr(tier, option)}" for option in _extra_fields(type(tier))
+        )
+        rows.append(
+            (
+                f"[{index}]",
+                tier.name,
+                tier.kind,
+                _describe_size(tier.capacity_bytes),
+                f"eviction={eviction}",
+                f"path={where}",
+                options,
+            )
+        )
+    # columns padded to their widest cell, so that tiers read as a table
+    widths = [max(len(cell) for cell in column) for column in zip(*rows)]
+    count = len(config.tiers)
+    lines = [f"kvtier stack: {count} tier{'s' if count != 1 else ''}, fastest first"]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths)]
+        lines.append("  " + "  ".join(cells).rstrip())
+    block = config.block_size_tokens
+    lines.append(
+        "block_size_tokens: "
+        + (f"{block}" if block is not None else "the engine's GPU block size")
+    )
+    cascade = config.cascade
+    lines.append(
+        f"cascade: write_policy={cascade.write_policy}  "
+        f"max_demote_bytes_per_step={_describe_size(cascade.max_demote_bytes_per_step)}  "
+        f"max_promote_bytes_per_step={_describe_size(cascade.max_promote_bytes_per_step)}"
+    )
+    return "\n".join(lines)
