@@ -1,0 +1,77 @@
+from helpers import key
+from kvtier.policies.arc import ARCPolicy
+
+
+def test_new_keys_land_in_t1_and_a_touch_promotes_to_t2():
+    policy = ARCPolicy(4)
+    policy.insert([key(0), key(1)], [0, 1])
+    assert list(policy._t1) == [key(0), key(1)] and not policy._t2
+    policy.touch([key(0)])
+    assert list(policy._t2) == [key(0)] and list(policy._t1) == [key(1)]
+    policy.touch([key(0)])  # stays in t2, at the recent end
+    assert list(policy._t2) == [key(0)]
+
+
+def test_eviction_prefers_t1_while_above_target_and_remembers_ghosts():
+    policy = ARCPolicy(4)
+    policy.insert([key(i) for i in range(4)], [0, 1, 2, 3])
+    policy.touch([key(0), key(1)])  # t1 = {2, 3}, t2 = {0, 1}, p = 0
+    victims = policy.evict(1, set())
+    assert victims == [(key(2), 2)]  # |t1| = 2 > p = 0: take t1's oldest
+    assert key(2) in policy._b1 and not policy.contains(key(2))
+
+
+def test_ghost_hit_in_b1_grows_target_and_goes_to_t2():
+    policy = ARCPolicy(4)
+    policy.insert([key(i) for i in range(4)], [0, 1, 2, 3])
+    policy.evict(2, set())  # key 0 and 1 become b1 ghosts
+    assert policy.target_t1_blocks == 0
+    policy.insert([key(0)], [0])
+    assert policy.target_t1_blocks >= 1
+    assert key(0) in policy._t2 and key(0) not in policy._b1
+
+
+def test_ghost_hit_in_b2_shrinks_target():
+    policy = ARCPolicy(2)
+    policy.insert([key(0), key(1)], [0, 1])
+    policy.touch([key(0), key(1)])  # both frequent
+    policy.evict(1, set())  # t1 empty: from t2 -> b2 ghost of key 0
+    assert key(0) in policy._b2
+    policy._p = 1.0
+    policy.insert([key(0)], [0])
+    assert policy.target_t1_blocks == 0.0
+    assert key(0) in policy._t2
+
+
+def test_evict_skips_pinned_and_falls_back_to_the_other_list():
+    policy = ARCPolicy(3)
+    policy.insert([key(0), key(1), key(2)], [0, 1, 2])
+    policy.touch([key(2)])  # t1 = {0, 1}, t2 = {2}
+    victims = policy.evict(1, {key(0), key(1)})
+    assert victims == [(key(2), 2)]
+    assert policy.evict(3, set()) is None  # only 2 left
+    assert len(policy) == 2
+
+
+def test_ghost_lists_stay_bounded():
+    capacity = 8
+    policy = ARCPolicy(capacity)
+    for i in range(200):
+        if len(policy) == capacity:
+            assert policy.evict(1, set()) is not None
+        if not policy.contains(key(i % 37)):
+            policy.insert([key(i % 37)], [i])
+        if i % 3 == 0:
+            policy.touch([key((i * 7) % 37)])
+        sizes = len(policy._t1), len(policy._t2), len(policy._b1), len(policy._b2)
+        assert sizes[0] + sizes[2] <= capacity
+        assert sum(sizes) <= 2 * capacity
+
+
+def test_clear_resets_history():
+    policy = ARCPolicy(2)
+    policy.insert([key(0), key(1)], [0, 1])
+    policy.evict(1, set())
+    dropped = policy.clear()
+    assert dropped == [(key(1), 1)]
+    assert len(policy) == 0 and not policy._b1 and policy.target_t1_blocks == 0

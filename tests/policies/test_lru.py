@@ -1,0 +1,53 @@
+import pytest
+
+from helpers import key
+from kvtier.policies.lru import LRUPolicy
+
+
+def filled(n: int) -> LRUPolicy:
+    policy = LRUPolicy(n)
+    policy.insert([key(i) for i in range(n)], list(range(n)))
+    return policy
+
+
+def test_evicts_least_recently_used_first():
+    policy = filled(4)
+    policy.touch([key(0), key(2)])
+    victims = policy.evict(2, set())
+    assert victims == [(key(1), 1), (key(3), 3)]
+    assert list(policy) == [key(0), key(2)]
+
+
+def test_evict_skips_and_is_all_or_nothing():
+    policy = filled(3)
+    assert policy.evict(1, {key(0)}) == [(key(1), 1)]
+    before = list(policy)
+    assert policy.evict(2, {key(0)}) is None
+    assert list(policy) == before
+    assert policy.evict(3, set()) is None
+    assert list(policy) == before
+
+
+def test_get_contains_remove_touch_unknown():
+    policy = filled(2)
+    assert policy.get(key(1)) == 1 and policy.contains(key(1))
+    assert policy.get(key(9)) is None and not policy.contains(key(9))
+    policy.touch([key(9)])  # unknown keys are ignored
+    assert policy.remove(key(1)) == 1
+    assert policy.remove(key(1)) is None
+    assert len(policy) == 1
+
+
+def test_clear_returns_everything_and_keeps_bound_methods_valid():
+    policy = filled(3)
+    assert sorted(policy.clear()) == sorted((key(i), i) for i in range(3))
+    assert len(policy) == 0
+    policy.insert([key(7)], [0])
+    assert policy.contains(key(7))  # the bound C method still sees the same dict
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_evict_count(count):
+    policy = filled(3)
+    victims = policy.evict(count, set())
+    assert victims is not None and len(victims) == count
