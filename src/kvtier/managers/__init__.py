@@ -1,0 +1,1 @@
+"""OffloadingManagers: the scheduler side of kvtier."""

@@ -1,0 +1,199 @@
+"""An OffloadingManager over one tier: one Backend for the slots, one EvictionPolicy for the order."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator
+
+from kvtier.base import (
+    Backend,
+    LoadStoreSpec,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from kvtier.errors import BlockStateError
+from kvtier.policies.base import EvictionPolicy
+
+__all__ = ["SingleTierManager"]
+
+
+class SingleTierManager(OffloadingManager):
+    """Keeps blocks in one tier (the CPU tier, in a one-tier stack).
+
+    Where each block's state lives — no per-block object, to stay near 150 bytes per block:
+
+    * ready blocks: in the policy, ``key -> block id``; ``lookup`` is one membership test;
+    * blocks being written: ``_pending``, ``key -> block id``; invisible to ``lookup``, never
+      evicted, their slot owned by the writing transfer;
+    * pins: ``_pins``, ``key -> reads in flight``, only for ready blocks being read; the policy
+      is told to pass over them when evicting, so no slot is reused while a worker reads it.
+
+    The manager never waits: a single tier has nothing to promote, so ``lookup`` never says
+    ``None`` and ``on_schedule_end`` has nothing to flush.
+
+    Threading: the engine's scheduler thread only (see :class:`~kvtier.base.OffloadingManager`).
+    """
+
+    def __init__(self, backend: Backend, policy: EvictionPolicy, *, enable_events: bool = True):
+        self._backend = backend
+        self._policy = policy
+        self._pending: dict[OffloadKey, int] = {}
+        self._pins: dict[OffloadKey, int] = {}
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        # Bound once: these run per key on the hot path.
+        self._contains = policy.contains
+        self._get = policy.get
+
+    @property
+    def backend(self) -> Backend:
+        """The tier's Backend (its slots and spec type)."""
+        return self._backend
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The tier's eviction policy."""
+        return self._policy
+
+    # -- lookups and loads -------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool:
+        return self._contains(key)
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        get = self._get
+        block_ids = []
+        for key in keys:
+            block_id = get(key)
+            if block_id is None:
+                raise BlockStateError(
+                    f"prepare_load: key {key.hex()} is not a ready block; look it up first "
+                    "and load only keys that looked up True in this step"
+                )
+            block_ids.append(block_id)
+        pins = self._pins
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+        return self._backend.get_load_store_spec(keys, block_ids)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._policy.touch(keys)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        pins = self._pins
+        for key in keys:
+            count = pins.get(key)
+            if count is None:
+                continue  # loaded before a reset_cache: that block is gone already
+            if count == 1:
+                del pins[key]
+            else:
+                pins[key] = count - 1
+
+    # -- stores ------------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        contains, pending = self._contains, self._pending
+        to_store: list[OffloadKey] = []
+        present: list[OffloadKey] = []
+        # dict.fromkeys drops repeats within the offer, which would otherwise get two slots.
+        for key in dict.fromkeys(keys):
+            if key in pending:
+                continue  # another request is writing it already
+            if contains(key):
+                present.append(key)
+            else:
+                to_store.append(key)
+        backend = self._backend
+        if not to_store:
+            return PrepareStoreOutput([], backend.get_load_store_spec((), ()), [])
+
+        evicted_keys: list[OffloadKey] = []
+        shortfall = len(to_store) - backend.get_num_free_blocks()
+        if shortfall > 0:
+            # Never evict a pinned block, nor a ready block of this very offer: the engine
+            # relies on the blocks it offered being present after the call.
+            skip = self._pins.keys() | present if present else self._pins
+            victims = self._policy.evict(shortfall, skip)
+            if victims is None:
+                return None
+            evicted_keys = [key for key, _ in victims]
+            backend.free_block_ids([block_id for _, block_id in victims])
+            if self._events is not None:
+                self._events.append(
+                    OffloadingEvent(evicted_keys, backend.block_size, backend.medium, removed=True)
+                )
+
+        block_ids = backend.allocate_block_ids(len(to_store))
+        pending.update(zip(to_store, block_ids))
+        return PrepareStoreOutput(
+            to_store, backend.get_load_store_spec(to_store, block_ids), evicted_keys
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        pending = self._pending
+        done: list[OffloadKey] = []
+        block_ids: list[int] = []
+        for key in keys:
+            block_id = pending.pop(key, None)
+            if block_id is not None:  # ready keys, and keys from before a reset, are left alone
+                done.append(key)
+                block_ids.append(block_id)
+        if not done:
+            return
+        if success:
+            self._policy.insert(done, block_ids)
+            if self._events is not None:
+                backend = self._backend
+                self._events.append(
+                    OffloadingEvent(done, backend.block_size, backend.medium, removed=False)
+                )
+        else:
+            # These blocks were never readable, so no event announced them and none retracts
+            # them: events track what lookup could see.
+            self._backend.free_block_ids(block_ids)
+
+    # -- requests, steps, lifecycle ------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        if self._events is None:
+            return iter(())
+        # Swap before yielding, so a consumer that stops early cannot see an event twice.
+        events, self._events = self._events, []
+        return iter(events)
+
+    def reset_cache(self) -> None:
+        dropped = self._policy.clear()
+        backend = self._backend
+        backend.free_block_ids([block_id for _, block_id in dropped])
+        backend.free_block_ids(self._pending.values())
+        self._pending.clear()
+        self._pins.clear()
+        if dropped and self._events is not None:
+            self._events.append(
+                OffloadingEvent([key for key, _ in dropped], backend.block_size, backend.medium, True)
+            )
+
+    def shutdown(self) -> None:
+        self.reset_cache()
+        self._backend.shutdown()
+
+    # -- introspection -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Block counts by state, and free slots."""
+        return {
+            "ready_blocks": len(self._policy),
+            "pending_blocks": len(self._pending),
+            "pinned_blocks": len(self._pins),
+            "free_blocks": self._backend.get_num_free_blocks(),
+        }
