@@ -1,0 +1,1 @@
+"""Benchmarks behind ``kvtier bench``: each measures kvtier and a baseline in the same run."""

@@ -1,0 +1,27 @@
+"""How every benchmark reports: an aligned table for people, then one JSON line for tools."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], out: TextIO) -> None:
+    """Rows as an aligned text table of ``columns``; floats with 3 significant digits."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}"
+        return "-" if value is None else str(value)
+
+    cells = [[cell(row.get(col)) for col in columns] for row in rows]
+    widths = [max(len(col), *(len(r[i]) for r in cells)) for i, col in enumerate(columns)]
+    print("  ".join(col.rjust(w) for col, w in zip(columns, widths)), file=out)
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)), file=out)
+
+
+def print_json(record: dict[str, Any], out: TextIO) -> None:
+    """``record`` as one JSON line (the last line a benchmark prints)."""
+    print(json.dumps(record, sort_keys=True), file=out, flush=True)

@@ -1,0 +1,59 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli.main import main
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "config" in out and "bench" in out
+
+
+def test_installed_entry_point_runs():
+    # the console script is what users type; make sure it is wired to main()
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "kvtier"), "--help"], capture_output=True, text=True
+    )
+    assert result.returncode == 0 and "usage: kvtier" in result.stdout
+
+
+def test_config_check_prints_the_stack(capsys):
+    assert main(["config", "check", str(EXAMPLES / "cpu-lmdb.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "valid" in out and "lmdb" in out and "100 GiB" in out
+
+
+def test_config_check_names_the_bad_field(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tiers:\n  - {kind: cpu, capacity: 4GiB, evicton: lru}\n")
+    assert main(["config", "check", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "tiers[0].evicton" in err and "did you mean 'eviction'" in err
+
+
+def test_config_check_missing_file(tmp_path, capsys):
+    assert main(["config", "check", str(tmp_path / "nope.yaml")]) == 1
+    assert "nope.yaml" in capsys.readouterr().err
+
+
+def test_bench_manager_json_has_every_figure(capsys):
+    assert main(["bench", "manager", "--json", "--keys", "2000", "--capacity", "1000", "--runs", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["bench"] == "manager" and record["baseline"] in ("vllm", "reference")
+    combos = {(row["policy"], row["keys_per_call"]) for row in record["rows"]}
+    assert combos == {("lru", 64), ("lru", 1), ("arc", 64), ("arc", 1)}
+    for row in record["rows"]:
+        for figure in ("store_us", "lookup_us", "load_us", "metadata_bytes_per_block"):
+            assert row[figure] > 0
+        assert row["metadata_bytes_per_block_incl_keys"] > row["metadata_bytes_per_block"]
