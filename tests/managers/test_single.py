@@ -67,7 +67,7 @@ def test_failed_store_removes_only_the_blocks_being_written(manager):
     manager.complete_store([key(0), key(1)], CTX, success=False)
     assert manager.lookup(key(0), CTX) is True  # was ready: stays
     assert manager.lookup(key(1), CTX) is False
-    assert manager.stats() == {"ready_blocks": 1, "pending_blocks": 0, "pinned_blocks": 0, "free_blocks": 3}
+    assert manager.stats() == {"ready_blocks": 1, "pending_blocks": 0, "held_blocks": 0, "free_blocks": 3, "evictions": 0}
 
 
 def test_eviction_spares_pinned_and_offered_blocks(manager):
@@ -106,9 +106,9 @@ def test_pins_are_counted(manager):
     manager.prepare_load([key(0)], CTX)
     manager.prepare_load([key(0)], CTX)
     manager.complete_load([key(0)], CTX)
-    assert manager.stats()["pinned_blocks"] == 1
+    assert manager.stats()["held_blocks"] == 1
     manager.complete_load([key(0)], CTX)
-    assert manager.stats()["pinned_blocks"] == 0
+    assert manager.stats()["held_blocks"] == 0
 
 
 def test_prepare_load_of_a_missing_key_raises(manager):
@@ -117,7 +117,7 @@ def test_prepare_load_of_a_missing_key_raises(manager):
     manager.prepare_store([key(1)], CTX)
     with pytest.raises(BlockStateError):
         manager.prepare_load([key(1)], CTX)  # still being written
-    assert manager.stats()["pinned_blocks"] == 0
+    assert manager.stats()["held_blocks"] == 0
 
 
 def test_touch_changes_lru_victim():
@@ -158,7 +158,7 @@ def test_reset_cache_forgets_everything_and_ignores_stale_completions(manager):
     manager.prepare_load([key(0)], CTX)
     manager.prepare_store([key(2)], CTX)
     manager.reset_cache()
-    assert manager.stats() == {"ready_blocks": 0, "pending_blocks": 0, "pinned_blocks": 0, "free_blocks": 4}
+    assert manager.stats() == {"ready_blocks": 0, "pending_blocks": 0, "held_blocks": 0, "free_blocks": 4, "evictions": 0}
     manager.complete_load([key(0)], CTX)
     manager.complete_store([key(2)], CTX)
     assert not any(manager.lookup(key(i), CTX) for i in range(3))

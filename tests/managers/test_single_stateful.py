@@ -117,7 +117,7 @@ class SingleTierMachine(RuleBasedStateMachine):
         stats = self.manager.stats()
         assert stats["ready_blocks"] == len(self.ready)
         assert stats["pending_blocks"] == len(self.pending)
-        assert stats["pinned_blocks"] == len(self.pins)
+        assert stats["held_blocks"] == len(self.pins)
         assert stats["free_blocks"] == CAPACITY - len(self.ready) - len(self.pending)
 
     @invariant()

@@ -28,8 +28,10 @@ class SingleTierManager(OffloadingManager):
     * ready blocks: in the policy, ``key -> block id``; ``lookup`` is one membership test;
     * blocks being written: ``_pending``, ``key -> block id``; invisible to ``lookup``, never
       evicted, their slot owned by the writing transfer;
-    * pins: ``_pins``, ``key -> reads in flight``, only for ready blocks being read; the policy
-      is told to pass over them when evicting, so no slot is reused while a worker reads it.
+    * holds: ``_holds``, ``key -> reasons it must stay``, only for ready blocks: each read in
+      flight is one (a pin); a subclass may add its own (a block not yet saved below). The
+      policy is told to pass over held keys when evicting, so no slot is reused while a
+      worker reads it.
 
     The manager never waits: a single tier has nothing to promote, so ``lookup`` never says
     ``None`` and ``on_schedule_end`` has nothing to flush.
@@ -41,8 +43,10 @@ class SingleTierManager(OffloadingManager):
         self._backend = backend
         self._policy = policy
         self._pending: dict[OffloadKey, int] = {}
-        self._pins: dict[OffloadKey, int] = {}
+        self._holds: dict[OffloadKey, int] = {}
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        #: ready blocks dropped to make room, since start
+        self.evictions = 0
         # Bound once: these run per key on the hot path.
         self._contains = policy.contains
         self._get = policy.get
@@ -73,24 +77,28 @@ class SingleTierManager(OffloadingManager):
                     "and load only keys that looked up True in this step"
                 )
             block_ids.append(block_id)
-        pins = self._pins
+        holds = self._holds
         for key in keys:
-            pins[key] = pins.get(key, 0) + 1
+            holds[key] = holds.get(key, 0) + 1
         return self._backend.get_load_store_spec(keys, block_ids)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._policy.touch(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        pins = self._pins
+        release = self._release
         for key in keys:
-            count = pins.get(key)
-            if count is None:
-                continue  # loaded before a reset_cache: that block is gone already
-            if count == 1:
-                del pins[key]
-            else:
-                pins[key] = count - 1
+            release(key)
+
+    def _release(self, key: OffloadKey) -> None:
+        """Drop one hold on ``key`` (a finished read, or a reason that no longer applies)."""
+        count = self._holds.get(key)
+        if count is None:
+            return  # held before a reset_cache: that block is gone already
+        if count == 1:
+            del self._holds[key]
+        else:
+            self._holds[key] = count - 1
 
     # -- stores ------------------------------------------------------------------------------
 
@@ -115,18 +123,9 @@ class SingleTierManager(OffloadingManager):
         evicted_keys: list[OffloadKey] = []
         shortfall = len(to_store) - backend.get_num_free_blocks()
         if shortfall > 0:
-            # Never evict a pinned block, nor a ready block of this very offer: the engine
-            # relies on the blocks it offered being present after the call.
-            skip = self._pins.keys() | present if present else self._pins
-            victims = self._policy.evict(shortfall, skip)
-            if victims is None:
+            evicted_keys = self._evict(shortfall, present)
+            if evicted_keys is None:
                 return None
-            evicted_keys = [key for key, _ in victims]
-            backend.free_block_ids([block_id for _, block_id in victims])
-            if self._events is not None:
-                self._events.append(
-                    OffloadingEvent(evicted_keys, backend.block_size, backend.medium, removed=True)
-                )
 
         block_ids = backend.allocate_block_ids(len(to_store))
         pending.update(zip(to_store, block_ids))
@@ -149,6 +148,7 @@ class SingleTierManager(OffloadingManager):
             return
         if success:
             self._policy.insert(done, block_ids)
+            self._on_ready(done)
             if self._events is not None:
                 backend = self._backend
                 self._events.append(
@@ -158,6 +158,29 @@ class SingleTierManager(OffloadingManager):
             # These blocks were never readable, so no event announced them and none retracts
             # them: events track what lookup could see.
             self._backend.free_block_ids(block_ids)
+
+    def _evict(self, count: int, protected: list[OffloadKey]) -> list[OffloadKey] | None:
+        """Free ``count`` slots by evicting ready blocks; the evicted keys, or ``None``.
+
+        Never evicts a held block, nor one of ``protected`` (the ready keys of the offer being
+        placed: the engine relies on the blocks it offered being present after the call).
+        """
+        skip = self._holds.keys() | protected if protected else self._holds
+        victims = self._policy.evict(count, skip)
+        if victims is None:
+            return None
+        evicted_keys = [key for key, _ in victims]
+        backend = self._backend
+        backend.free_block_ids([block_id for _, block_id in victims])
+        self.evictions += len(evicted_keys)
+        if self._events is not None:
+            self._events.append(
+                OffloadingEvent(evicted_keys, backend.block_size, backend.medium, removed=True)
+            )
+        return evicted_keys
+
+    def _on_ready(self, keys: list[OffloadKey]) -> None:
+        """``keys`` were just stored and are ready; a hook for subclasses."""
 
     # -- requests, steps, lifecycle ------------------------------------------------------------
 
@@ -177,7 +200,7 @@ class SingleTierManager(OffloadingManager):
         backend.free_block_ids([block_id for _, block_id in dropped])
         backend.free_block_ids(self._pending.values())
         self._pending.clear()
-        self._pins.clear()
+        self._holds.clear()
         if dropped and self._events is not None:
             self._events.append(
                 OffloadingEvent([key for key, _ in dropped], backend.block_size, backend.medium, True)
@@ -190,10 +213,11 @@ class SingleTierManager(OffloadingManager):
     # -- introspection -------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        """Block counts by state, and free slots."""
+        """Block counts by state, free slots, and evictions since start."""
         return {
             "ready_blocks": len(self._policy),
             "pending_blocks": len(self._pending),
-            "pinned_blocks": len(self._pins),
+            "held_blocks": len(self._holds),
             "free_blocks": self._backend.get_num_free_blocks(),
+            "evictions": self.evictions,
         }
