@@ -38,6 +38,7 @@ from kvtier.config import (
 from kvtier.errors import BlockStateError, ConfigError, KvtierError, TierFullError
 from kvtier.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.policies import EvictionPolicy
+from kvtier.spec import TieredOffloadingSpec
 
 __version__ = "0.1.0"
 
@@ -70,6 +71,7 @@ __all__ = [
     "RequestOffloadingContext",
     "TierConfig",
     "TierFullError",
+    "TieredOffloadingSpec",
     "TransferResult",
     "TransferSpec",
     "build_manager",

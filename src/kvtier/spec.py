@@ -1,0 +1,202 @@
+"""``TieredOffloadingSpec``: one configuration, both sides of the offloading stack.
+
+The scheduler process calls :meth:`TieredOffloadingSpec.get_manager` and gets the configured
+manager, whose CPU tier creates a shared-memory region; every worker process calls
+:meth:`TieredOffloadingSpec.get_handlers` with the engine's KV cache, attaches to that region
+by path, pins it for DMA and gets the two CPU<->GPU handlers. Both sides derive the same
+geometry from the same configuration and page sizes, so they agree on the row layout
+(:mod:`kvtier.handlers.blocks`).
+
+This is the standalone form: the engine's layout is given as arguments. The vLLM subclass
+(``kvtier.integrations.vllm``) reads the same facts from vLLM's configuration.
+Importing this module does not import torch; :meth:`get_handlers` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import os
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+
+from kvtier.base import (
+    CanonicalKVCaches,
+    LoadStoreSpec,
+    OffloadingHandler,
+    OffloadingManager,
+    OffloadingSpec,
+)
+from kvtier.build import build_manager
+from kvtier.config import CPUTierConfig, KvtierConfig, load_config
+from kvtier.errors import ConfigError, KvtierError
+from kvtier.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtier.tiers.shm import SharedRegion, default_directory
+
+__all__ = ["TieredOffloadingSpec"]
+
+#: how long a worker waits for the scheduler side to create the CPU region
+DEFAULT_ATTACH_TIMEOUT_S = 10.0
+_ATTACH_POLL_S = 0.05
+
+
+def _positive_int(field: str, value: object) -> int:
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = 0
+    if isinstance(value, bool) or number < 1:
+        raise ConfigError(field, value, "an integer >= 1")
+    return number
+
+
+class TieredOffloadingSpec(OffloadingSpec):
+    """Builds the manager (scheduler side) and the CPU<->GPU handlers (worker side).
+
+    ``config``: anything :func:`kvtier.load_config` takes. ``gpu_block_size_tokens``: tokens
+    per GPU block of the engine. ``page_bytes[t]``: bytes per block of the engine's canonical
+    KV tensor ``t`` (the order of ``CanonicalKVCaches.tensors``), for this worker.
+
+    Derived: ``block_size_factor`` (GPU blocks per offloaded block: ``block_size_tokens //
+    gpu_block_size_tokens``, 1 when ``block_size_tokens`` is not set) and ``block_bytes``
+    (``factor * sum(page_bytes)``, one CPU row). If the CPU tier has no ``path``, the spec
+    picks ``<shm dir>/kvtier-<uuid>`` so that workers can find the region.
+
+    Who calls it: constructed in each process from the same arguments; :meth:`get_manager`
+    in the scheduler process, :meth:`get_handlers` in each worker process. Neither blocks
+    on I/O, except that :meth:`get_handlers` waits up to ``attach_timeout_s`` for the region
+    to appear and then while pinning it.
+    """
+
+    def __init__(
+        self,
+        config: KvtierConfig | dict | str | os.PathLike,
+        *,
+        gpu_block_size_tokens: int,
+        page_bytes: Sequence[int],
+        enable_events: bool = True,
+        attach_timeout_s: float = DEFAULT_ATTACH_TIMEOUT_S,
+        engine: str = "auto",
+    ):
+        """``engine``: the handlers' copy engine, ``auto`` (CUDA tensors: ``cuda``, CPU
+        tensors: ``thread``), ``cuda`` or ``thread``. Raises :class:`ConfigError` for
+        inconsistent arguments."""
+        config = load_config(config)
+        gpu_block = _positive_int("gpu_block_size_tokens", gpu_block_size_tokens)
+        try:
+            listed = None if isinstance(page_bytes, (str, bytes)) else list(page_bytes)
+        except TypeError:
+            listed = None
+        if not listed:
+            raise ConfigError(
+                "page_bytes", page_bytes, "a non-empty list of bytes per block, one per KV tensor"
+            )
+        pages = tuple(_positive_int(f"page_bytes[{i}]", p) for i, p in enumerate(listed))
+        tokens = config.block_size_tokens
+        if tokens is None:
+            factor = 1
+        elif tokens % gpu_block:
+            raise ConfigError(
+                "block_size_tokens",
+                tokens,
+                f"a multiple of the engine's GPU block size ({gpu_block} tokens)",
+                f"use {max(1, round(tokens / gpu_block)) * gpu_block}",
+            )
+        else:
+            factor = tokens // gpu_block
+        cpu = config.tiers[0]
+        assert isinstance(cpu, CPUTierConfig)  # load_config guarantees tiers[0] is the cpu tier
+        if cpu.path is None:
+            # Workers attach by path, so the path must be known before the region exists; a
+            # random name keeps two engines on one host apart.
+            cpu = dataclasses.replace(
+                cpu, path=os.path.join(default_directory(), f"kvtier-{uuid.uuid4().hex}")
+            )
+            config = dataclasses.replace(config, tiers=(cpu, *config.tiers[1:]))
+        #: the parsed configuration, with the CPU region's path filled in
+        self.config = config
+        self.gpu_block_size_tokens = gpu_block
+        self.page_bytes = pages
+        self.block_size_factor = factor
+        self.block_bytes = factor * sum(pages)
+        #: where the CPU tier's shared region lives
+        self.region_path: str = cpu.path
+        self.enable_events = enable_events
+        self.attach_timeout_s = float(attach_timeout_s)
+        self.engine = engine
+        self._manager: OffloadingManager | None = None
+        self._handler_sets: list = []
+
+    def get_manager(self) -> OffloadingManager:
+        """The configured manager (created on the first call, the same object afterwards).
+
+        Scheduler process. Creates the CPU region at :attr:`region_path`, never pinned here:
+        the scheduler side does not copy with the GPU, and pinning is per process (each
+        worker pins its own mapping).
+        """
+        if self._manager is None:
+            cpu = dataclasses.replace(self.config.tiers[0], pin_memory="off")
+            config = dataclasses.replace(self.config, tiers=(cpu, *self.config.tiers[1:]))
+            self._manager = build_manager(
+                config, self.block_bytes, enable_events=self.enable_events
+            )
+        return self._manager
+
+    def get_handlers(
+        self, kv_caches: CanonicalKVCaches
+    ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
+        """``(GPU spec, CPU spec, store handler)`` and ``(CPU spec, GPU spec, load handler)``.
+
+        Worker process. Checks ``kv_caches`` against ``page_bytes`` (:class:`ConfigError` on
+        a mismatch), attaches to the region (waiting up to ``attach_timeout_s`` for the
+        scheduler side to create it; :class:`KvtierError` after that) and pins it per the CPU
+        tier's ``pin_memory``. The handlers own the attached region: it is released once both
+        are shut down.
+        """
+        actual = [entry.page_size_bytes for entry in kv_caches.tensors]
+        if actual != list(self.page_bytes):
+            raise ConfigError(
+                "page_bytes",
+                list(self.page_bytes),
+                f"the page sizes of the engine's KV tensors, {actual}",
+                "pass page_bytes=[t.page_size_bytes for t in kv_caches.tensors] in every process",
+            )
+        from kvtier.handlers.cpu_gpu import CpuGpuOffloadingHandlers
+
+        region = self._attach_region()
+        try:
+            region.pin(self.config.tiers[0].pin_memory)
+            handlers = CpuGpuOffloadingHandlers(
+                kv_caches, region, self.block_size_factor, engine=self.engine, owns_region=True
+            )
+        except BaseException:
+            region.close()
+            raise
+        self._handler_sets.append(handlers)
+        yield GPULoadStoreSpec, CPULoadStoreSpec, handlers.gpu_to_cpu_handler
+        yield CPULoadStoreSpec, GPULoadStoreSpec, handlers.cpu_to_gpu_handler
+
+    def _attach_region(self) -> SharedRegion:
+        deadline = time.monotonic() + self.attach_timeout_s
+        while True:
+            try:
+                return SharedRegion.attach(self.region_path)
+            except KvtierError as exc:
+                # missing, or its creator has not finished the header yet: both resolve soon
+                # when the scheduler side is starting; give up at the deadline
+                if time.monotonic() >= deadline:
+                    raise KvtierError(
+                        f"the CPU tier's region {self.region_path} could not be attached within "
+                        f"{self.attach_timeout_s:g} s ({exc}); call get_manager() in the scheduler "
+                        f"process first, with the same configuration"
+                    ) from exc
+            time.sleep(_ATTACH_POLL_S)
+
+    def shutdown(self) -> None:
+        """Stop the handlers this spec built (waiting for their jobs) and the manager. Idempotent."""
+        for handlers in self._handler_sets:
+            handlers.shutdown()
+        self._handler_sets.clear()
+        if self._manager is not None:
+            self._manager.shutdown()
