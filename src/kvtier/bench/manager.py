@@ -166,9 +166,10 @@ def metadata_bytes(subject: Subject, policy: str, capacity: int, keys: list[byte
 
 
 def run(
-    *, num_keys: int = 100_000, capacity: int = 50_000, runs: int = 5, out: TextIO = sys.stdout
+    *, num_keys: int = 100_000, capacity: int = 50_000, runs: int = 5, out: TextIO | None = None
 ) -> dict[str, Any]:
     """Run the whole benchmark; print the table and the JSON line; return the JSON record."""
+    out = out or sys.stdout
     keys = make_keys(num_keys)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir="/dev/shm") as shm_dir:

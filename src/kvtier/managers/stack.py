@@ -3,10 +3,10 @@
 The CPU tier is the gateway (DESIGN.md section 2): every load into the GPU comes from it and
 every store from the GPU lands in it first. Secondary tiers only exchange blocks with it:
 
-* **promotion** — a key found only below makes :meth:`TierStackManager.lookup` reserve a CPU
-  row, queue the read and answer ``None``; :meth:`~TierStackManager.on_schedule_end` submits
-  the step's queued reads as one job per tier; once the read is verified the key looks up
-  ``True``. A key wanted by two requests is read once. A failed or corrupt read frees the row
+* **promotion** — a key found only below makes :meth:`TierStackManager.lookup` queue the read
+  and answer ``None``; :meth:`~TierStackManager.on_schedule_end` reserves CPU rows for the
+  step's queued reads and submits them as one job per tier; once the read is verified the key
+  looks up ``True``. A key wanted by two requests is read once. A failed or corrupt read frees the row
   and the key looks up ``False``.
 * **demotion** — a CPU block not yet saved below is *dirty* and held: CPU eviction never drops
   it. ``write_back`` saves the coldest dirty blocks at ``on_schedule_end`` whenever the clean
@@ -45,6 +45,8 @@ __all__ = ["TierStackManager"]
 
 #: the share of CPU blocks write_back keeps clean or free, so stores find room without waiting
 CLEAN_HEADROOM_FRACTION = 0.25
+#: ``_promoting`` value of a key whose read is queued but has no CPU row yet
+_UNRESERVED = -1
 
 
 @dataclass
@@ -67,7 +69,8 @@ class TierStackManager(SingleTierManager):
 
     State beyond :class:`SingleTierManager`'s, all keyed by OffloadKey:
 
-    * ``_promoting``: key -> CPU row reserved for a read from below (looks up ``None``);
+    * ``_promoting``: key -> CPU row of its read from below (``_UNRESERVED`` until the read
+      is submitted at the end of the step); looks up ``None``;
     * ``_promote_queue``: per tier, keys whose read is not submitted yet;
     * ``_dirty``: ready CPU blocks not saved below yet, in store order; each holds one hold;
     * ``_demoting``: key -> tier jobs still reading its CPU row; each job holds one hold.
@@ -127,19 +130,22 @@ class TierStackManager(SingleTierManager):
             return False  # being written into the CPU tier: not loadable yet
         for index, tier in enumerate(self._tiers):
             if tier.lookup(key):
-                row = self._reserve_row()
-                if row is None:
-                    break  # every CPU row is held: serve it as a miss rather than stall
-                self._promoting[key] = row
+                # The CPU row is reserved when the read is submitted, at the end of the step,
+                # not here: making room here could evict a block that looked up True a moment
+                # ago for a request whose prepare_load has not come yet.
+                self._promoting[key] = _UNRESERVED
                 self._promote_queue[index].append(key)
                 return None
         self.misses += 1
         return False
 
-    def _reserve_row(self) -> int | None:
-        if self._backend.get_num_free_blocks() == 0 and self._evict(1, []) is None:
-            return None
-        return self._backend.allocate_block_ids(1)[0]
+    def _reserve_rows(self, count: int) -> list[int]:
+        """Up to ``count`` CPU rows, evicting clean blocks if need be (end of step only)."""
+        backend = self._backend
+        shortfall = count - backend.get_num_free_blocks()
+        while shortfall > 0 and self._evict(shortfall, []) is None:
+            shortfall -= 1  # not that many evictable: take what there is
+        return backend.allocate_block_ids(min(count, backend.get_num_free_blocks()))
 
     # -- stores ------------------------------------------------------------------------------
 
@@ -186,10 +192,20 @@ class TierStackManager(SingleTierManager):
         for index, queue in enumerate(self._promote_queue):
             if not queue or budget <= 0:
                 continue
-            count = min(budget, len(queue))
-            keys = tuple(queue.popleft() for _ in range(count))
-            budget -= count
-            job = TierJob(next(self._job_ids), keys, tuple(self._promoting[k] for k in keys))
+            rows = self._reserve_rows(min(budget, len(queue)))
+            if not rows:
+                if not self._demoting:
+                    # Every CPU row is held and nothing being saved will free one: waiting
+                    # would never end, so these reads become misses.
+                    for key in queue:
+                        del self._promoting[key]
+                    queue.clear()
+                continue  # else blocks being saved below free rows soon: try next step
+            keys = tuple(queue.popleft() for _ in range(len(rows)))
+            budget -= len(keys)
+            for key, row in zip(keys, rows):
+                self._promoting[key] = row
+            job = TierJob(next(self._job_ids), keys, tuple(rows))
             self._jobs[job.job_id] = (index, job, True)
             self._counters[index].promote_jobs += 1
             self._tiers[index].submit_load(job)
@@ -288,7 +304,7 @@ class TierStackManager(SingleTierManager):
     def reset_cache(self) -> None:
         """Wait for in-flight I/O, then forget the CPU tier; what the tiers below hold stays."""
         self._drain()
-        rows = list(self._promoting.values())
+        rows = [row for row in self._promoting.values() if row is not _UNRESERVED]
         self._promoting.clear()
         for queue in self._promote_queue:
             queue.clear()
@@ -326,7 +342,8 @@ class TierStackManager(SingleTierManager):
             cpu_hits=self.cpu_hits,
             misses=self.misses,
             dirty_blocks=len(self._dirty),
-            promoting_blocks=len(self._promoting),
+            # rows held by reads from below (queued reads hold none yet)
+            promoting_blocks=sum(1 for row in self._promoting.values() if row != _UNRESERVED),
             demoting_blocks=len(self._demoting),
         )
         for tier, counters, queue in zip(self._tiers, self._counters, self._promote_queue):

@@ -45,6 +45,8 @@ class MemoryStore(SecondaryTier):
         #: while True, queued jobs stay queued (in flight)
         self.paused = False
         self.counters = {"stored": 0, "loaded": 0, "evicted": 0, "failed_keys": 0, "corrupt": 0}
+        #: every key a store job failed (refused, injected failure), for tests to reason with
+        self.refused_keys: set[OffloadKey] = set()
 
     # -- failure injection (tests) --------------------------------------------------------------
 
@@ -173,6 +175,8 @@ class MemoryStore(SecondaryTier):
                 self.counters["stored"] += len(stored)
                 self._events.append(OffloadingEvent(stored, self.block_bytes, self.medium, False))
         self.counters["failed_keys"] += len(result.failed)
+        if not is_load:
+            self.refused_keys.update(result.failed)
         if is_load:
             self.counters["loaded"] += len(result.ok)
         result.nbytes = len(result.ok) * self.block_bytes
