@@ -1,0 +1,1 @@
+"""``kvtier replay``: a request trace through a simulated engine over the real tier stack."""

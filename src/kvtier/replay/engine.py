@@ -1,0 +1,310 @@
+"""A small engine that drives the real offloading stack the way vLLM's connector does.
+
+It owns a "GPU" KV cache (a CUDA tensor, or a CPU tensor standing in without CUDA) of
+``gpu_blocks`` blocks with its own LRU prefix cache, and per request:
+
+1. takes the longest prefix already in its GPU cache (and touches those keys below);
+2. looks the next keys up in the offloading manager, in prefix order, until the first miss; a
+   ``None`` (being promoted from a lower tier) counts as a pending hit, and the engine runs
+   scheduler steps until every pending answer is ``True`` or ``False`` — the prefix ends at
+   the first ``False``;
+3. loads the hits into free GPU blocks through the real CPU->GPU handler, and compares every
+   loaded block byte for byte with what was stored;
+4. "computes" the rest: writes each block's deterministic bytes (derived from its key);
+5. offers the computed blocks for storing, copies them GPU->CPU through the real handler and
+   completes the store; then finishes the request and ends the step.
+
+It never looks at the trace's timestamps: requests run back to back, one at a time, so the
+figures are about what the tiers hold and move, not about queueing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier.base import OffloadKey, ReqContext, make_offload_key
+from kvtier.errors import KvtierError
+from kvtier.mediums import GPULoadStoreSpec
+from kvtier.replay.trace import Request
+
+__all__ = ["ReplayEngine", "ReplayCounts", "block_key", "block_bytes_of"]
+
+#: how long the engine waits for pending lookups or busy tiers before giving up on them
+MAX_WAIT_S = 30.0
+#: pause between idle steps while waiting on the tiers' threads
+IDLE_STEP_S = 0.0002
+
+
+def block_key(hash_id: int) -> OffloadKey:
+    """The offload key of trace block ``hash_id`` (a 32-byte hash, KV group 0, like vLLM's)."""
+    return make_offload_key(hashlib.sha256(hash_id.to_bytes(8, "little")).digest(), 0)
+
+
+def block_bytes_of(key: OffloadKey, nbytes: int) -> np.ndarray:
+    """The bytes block ``key`` "computes" to: its SHA-512 repeated, so no other key's match."""
+    pattern = np.frombuffer(hashlib.sha512(key).digest(), dtype=np.int8)
+    return np.resize(pattern, nbytes)
+
+
+@dataclass
+class ReplayCounts:
+    """What the replay saw, block by block (the tiers' own counters come from the manager)."""
+
+    requests: int = 0
+    block_refs: int = 0
+    #: hits by tier name: "gpu", the CPU tier's name, then each lower tier's
+    hits: dict[str, int] = field(default_factory=dict)
+    verified_blocks: int = 0
+    mismatched_blocks: int = 0
+    computed_blocks: int = 0
+    stored_blocks: int = 0
+    refused_stores: int = 0
+    #: stores that found the CPU tier full of unsaved blocks and waited for the tiers
+    store_waits: int = 0
+    failed_transfers: int = 0
+    #: blocks dropped from the CPU tier that no lower tier held at that moment
+    dropped_blocks: int = 0
+    steps: int = 0
+    #: (requests done, cumulative hits by tier, cumulative block refs), one per sample
+    timeline: list[tuple[int, dict[str, int], int]] = field(default_factory=list)
+
+
+class ReplayEngine:
+    """The simulated engine over a :class:`~kvtier.spec.TieredOffloadingSpec`'s two sides.
+
+    ``spec`` builds the manager (scheduler side) and, from the engine's KV cache, the
+    handlers (worker side); the engine calls both from its one thread.
+    """
+
+    def __init__(self, spec, gpu_blocks: int, device: str = "cpu"):
+        import torch
+
+        from kvtier.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+        from kvtier.handlers.worker import OffloadingWorker
+
+        self.block_bytes = spec.block_bytes
+        self.gpu_blocks = gpu_blocks
+        self.manager = spec.get_manager()
+        self._gpu = torch.zeros((gpu_blocks, self.block_bytes), dtype=torch.int8, device=device)
+        caches = CanonicalKVCaches(
+            [CanonicalKVCacheTensor(self._gpu, self.block_bytes)],
+            [[CanonicalKVCacheRef(0, self.block_bytes)]],
+        )
+        self.worker = OffloadingWorker.from_spec(spec, caches)
+        self._host_view = self._gpu.numpy() if device == "cpu" else None
+        self._gpu_cache: OrderedDict[OffloadKey, int] = OrderedDict()  # key -> GPU block, LRU
+        self._free_gpu = list(range(gpu_blocks - 1, -1, -1))
+        self._job_ids = itertools.count(1)
+        self._cpu_name = spec.config.tiers[0].name
+        self._lower = getattr(self.manager, "tiers", [])  # a single-tier manager has none
+        self._lower_names = [tier.name for tier in self._lower]
+        self.counts = ReplayCounts(hits={"gpu": 0, self._cpu_name: 0, **dict.fromkeys(self._lower_names, 0)})
+
+    # -- the GPU side ----------------------------------------------------------------------
+
+    def _allocate_gpu(self, count: int, keep: set[OffloadKey]) -> list[int]:
+        while len(self._free_gpu) < count:
+            for victim in self._gpu_cache:  # least recently used first
+                if victim not in keep:
+                    self._free_gpu.append(self._gpu_cache.pop(victim))
+                    break
+            else:
+                raise KvtierError(
+                    f"a request needs {count} GPU blocks but only {len(self._free_gpu)} are free "
+                    f"of {self.gpu_blocks}: raise --gpu-blocks"
+                )
+        taken = self._free_gpu[-count:] if count else []
+        del self._free_gpu[len(self._free_gpu) - count :]
+        return taken
+
+    def _write_gpu(self, block: int, values: np.ndarray) -> None:
+        if self._host_view is not None:
+            self._host_view[block] = values
+        else:
+            import torch
+
+            self._gpu[block].copy_(torch.from_numpy(values))
+
+    def _read_gpu(self, block: int) -> np.ndarray:
+        if self._host_view is not None:
+            return self._host_view[block]
+        return self._gpu[block].cpu().numpy()
+
+    def _transfer(self, spec) -> bool:
+        job_id = next(self._job_ids)
+        if not self.worker.transfer_async(job_id, spec):
+            return False
+        self.worker.wait({job_id})
+        results = {r.job_id: r for r in self.worker.get_finished()}
+        return results[job_id].success
+
+    # -- the scheduler side --------------------------------------------------------------------
+
+    def step(self) -> None:
+        """End one scheduler step; count CPU-tier drops that no lower tier could have served."""
+        self.manager.on_schedule_end()
+        self.counts.steps += 1
+        for event in self.manager.take_events():
+            if event.removed and event.medium == "CPU" and self._lower:
+                self.counts.dropped_blocks += sum(
+                    1 for key in event.keys if not any(tier.lookup(key) for tier in self._lower)
+                )
+
+    def _served_by(self, key: OffloadKey) -> str:
+        """The lower tier a promoted key came from: the first that holds it (the manager
+        promotes from the first tier, in stack order, that has the key)."""
+        for tier in self._lower:
+            if tier.lookup(key):
+                return tier.name
+        return self._lower_names[0]
+
+    def _lookup_prefix(self, keys: list[OffloadKey], ctx: ReqContext) -> tuple[int, set[OffloadKey]]:
+        """How many of ``keys`` (in order) the offloading tiers can load now, and which keys
+        were pending (being promoted from a lower tier) at some point.
+
+        Like vLLM's connector, an answer holds only for the step it was given in: while any
+        key is pending (``None``), the engine runs a step and asks about the whole prefix
+        again. Keys already found are touched first, so the step's promotions make room by
+        evicting other blocks rather than them.
+        """
+        manager = self.manager
+        deadline = time.monotonic() + MAX_WAIT_S
+        promoted: set[OffloadKey] = set()
+        while True:
+            found = pending = 0
+            for key in keys:
+                answer = manager.lookup(key, ctx)
+                if answer is False:
+                    break
+                if answer is None:
+                    pending += 1
+                    promoted.add(key)
+                elif not pending:
+                    found += 1
+            if not pending or time.monotonic() >= deadline:
+                return found, promoted
+            if found:
+                manager.touch(keys[:found], ctx)
+            self.step()
+            time.sleep(IDLE_STEP_S)  # the reads run on the tiers' threads
+
+    def run_request(self, index: int, request: Request) -> None:
+        """Serve one request end to end (see the module docstring)."""
+        counts = self.counts
+        keys = [block_key(h) for h in request.hash_ids]
+        counts.requests += 1
+        counts.block_refs += len(keys)
+        ctx = ReqContext(f"req-{index}")
+        manager = self.manager
+        manager.on_new_request(ctx)
+
+        gpu_hits = 0
+        while gpu_hits < len(keys) and keys[gpu_hits] in self._gpu_cache:
+            self._gpu_cache.move_to_end(keys[gpu_hits])
+            gpu_hits += 1
+        counts.hits["gpu"] += gpu_hits
+        if gpu_hits:
+            manager.touch(keys[:gpu_hits], ctx)
+        keep = set(keys)
+
+        loaded, promoted = self._lookup_prefix(keys[gpu_hits:], ctx)
+        hits = keys[gpu_hits : gpu_hits + loaded]
+        if hits:
+            if self._load(hits, gpu_hits, ctx, keep):
+                for key in hits:
+                    counts.hits[self._served_by(key) if key in promoted else self._cpu_name] += 1
+            else:
+                loaded = 0  # nothing arrived: the engine computes those blocks instead
+
+        computed = keys[gpu_hits + loaded :]
+        if computed:
+            blocks = self._allocate_gpu(len(computed), keep)
+            for key, block in zip(computed, blocks):
+                self._write_gpu(block, block_bytes_of(key, self.block_bytes))
+                self._gpu_cache[key] = block
+            counts.computed_blocks += len(computed)
+            self._store(computed, ctx)
+        manager.on_request_finished(ctx)
+        self.step()
+
+    def _load(self, hits: list[OffloadKey], first_index: int, ctx: ReqContext, keep: set) -> bool:
+        """Load ``hits`` into GPU blocks and verify them; whether the transfer succeeded."""
+        counts = self.counts
+        manager = self.manager
+        blocks = self._allocate_gpu(len(hits), keep)
+        cpu_spec = manager.prepare_load(hits, ctx)
+        gpu_spec = GPULoadStoreSpec(blocks, [len(blocks)], [first_index])
+        ok = self._transfer((cpu_spec, gpu_spec))
+        manager.complete_load(hits, ctx)
+        if not ok:
+            counts.failed_transfers += 1
+            self._free_gpu.extend(blocks)
+            return False
+        manager.touch(hits, ctx)
+        for key, block in zip(hits, blocks):
+            if np.array_equal(self._read_gpu(block), block_bytes_of(key, self.block_bytes)):
+                counts.verified_blocks += 1
+            else:
+                counts.mismatched_blocks += 1
+            self._gpu_cache[key] = block
+        return True
+
+    def _store(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
+        manager = self.manager
+        out = manager.prepare_store(keys, ctx)
+        if out is None and getattr(manager, "has_pending_work", lambda: False)():
+            # The CPU tier is full of blocks still being saved below. The trace's requests
+            # arrive minutes apart in reality and back to back here, so give the tiers' threads
+            # the time a real arrival gap would have, then offer once more.
+            self.counts.store_waits += 1
+            deadline = time.monotonic() + MAX_WAIT_S
+            while manager.has_pending_work() and time.monotonic() < deadline:
+                self.step()
+                time.sleep(IDLE_STEP_S)
+            out = manager.prepare_store(keys, ctx)
+        if out is None:
+            self.counts.refused_stores += len(keys)
+            return
+        if not out.keys_to_store:
+            return
+        blocks = [self._gpu_cache[key] for key in out.keys_to_store]
+        gpu_spec = GPULoadStoreSpec(blocks, [len(blocks)])
+        ok = self._transfer((gpu_spec, out.store_spec))
+        manager.complete_store(out.keys_to_store, ctx, success=ok)
+        if ok:
+            self.counts.stored_blocks += len(out.keys_to_store)
+        else:
+            self.counts.failed_transfers += 1
+
+    def run(
+        self,
+        requests: Iterable[Request],
+        progress: Callable[[int], None] | None = None,
+        samples: int = 200,
+        total: int | None = None,
+    ) -> float:
+        """Serve every request; the elapsed seconds. ``progress(n)`` after each request."""
+        total = total or 0
+        every = max(1, total // samples) if total else 50
+        start = time.perf_counter()
+        for index, request in enumerate(requests):
+            self.run_request(index, request)
+            if progress is not None:
+                progress(1)
+            if (index + 1) % every == 0:
+                self.counts.timeline.append((index + 1, dict(self.counts.hits), self.counts.block_refs))
+        self.counts.timeline.append((self.counts.requests, dict(self.counts.hits), self.counts.block_refs))
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Stop the handlers and the manager (the manager saves dirty CPU blocks below)."""
+        self.worker.shutdown()
+        self.manager.shutdown()
+

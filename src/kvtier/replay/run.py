@@ -1,0 +1,188 @@
+"""``kvtier replay``: set up the stack, replay the trace, report (table, JSON line, plot)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvtier.bench.report import print_json, print_table
+from kvtier.config import KvtierConfig, load_config
+from kvtier.replay.engine import ReplayEngine
+from kvtier.replay.trace import TRACE_BLOCK_TOKENS, bundled_trace_path, ceiling_hit_ratio, load_trace
+from kvtier.tiers.shm import row_stride_for
+
+__all__ = ["replay", "default_config"]
+
+DEFAULT_GPU_BLOCKS = 2000
+DEFAULT_CPU_BLOCKS = 8000
+DEFAULT_DISK_BLOCKS = 60000
+#: payload of one replayed block: small, so the bundled trace replays in about a minute here
+DEFAULT_BLOCK_BYTES = 16 * 1024
+#: what a disk tier spends per block beyond the payload row (its header page)
+DISK_HEADER_BYTES = 4096
+
+
+def default_config(directory: str, block_bytes: int, disk_kind: str = "lmdb") -> dict[str, Any]:
+    """The stack ``kvtier replay`` uses without ``--config``: a CPU tier of 8,000 blocks above
+    a ``disk_kind`` tier of 60,000 blocks in ``directory`` (the trace has 43,924 distinct)."""
+    stride = row_stride_for(block_bytes)
+    return {
+        "block_size_tokens": TRACE_BLOCK_TOKENS,
+        "tiers": [
+            {"name": "cpu", "kind": "cpu", "capacity": DEFAULT_CPU_BLOCKS * stride, "eviction": "lru"},
+            {
+                "name": "disk",
+                "kind": disk_kind,
+                "path": str(Path(directory) / f"kvtier-{disk_kind}"),
+                "capacity": DEFAULT_DISK_BLOCKS * (stride + DISK_HEADER_BYTES),
+                "eviction": "lru",
+                "fsync": "none",
+            },
+        ],
+    }
+
+
+def _cpu_only(config: KvtierConfig) -> KvtierConfig:
+    return dataclasses.replace(config, tiers=config.tiers[:1])
+
+
+def _run_one(config: KvtierConfig, requests, gpu_blocks: int, block_bytes: int, progress: bool, label: str):
+    from tqdm import tqdm
+
+    from kvtier.spec import TieredOffloadingSpec
+
+    spec = TieredOffloadingSpec(config, gpu_block_size_tokens=TRACE_BLOCK_TOKENS, page_bytes=[block_bytes])
+    engine = ReplayEngine(spec, gpu_blocks)
+    try:
+        with tqdm(total=len(requests), desc=label, unit="req", disable=not progress, file=sys.stderr) as bar:
+            elapsed = engine.run(requests, progress=bar.update, total=len(requests))
+        stats = engine.manager.stats() if hasattr(engine.manager, "stats") else {}
+    finally:
+        engine.close()
+    return engine.counts, stats, elapsed
+
+
+def _tier_bytes(config: KvtierConfig, counts, stats: dict[str, int], block_bytes: int) -> tuple[dict, dict]:
+    cpu = config.tiers[0].name
+    lower = [tier.name for tier in config.tiers[1:]]
+    promoted = sum(stats.get(f"{name}.promoted_bytes", 0) for name in lower)
+    demoted = sum(stats.get(f"{name}.demoted_bytes", 0) for name in lower)
+    loaded_from_cpu = (counts.verified_blocks + counts.mismatched_blocks) * block_bytes
+    read = {cpu: loaded_from_cpu + demoted}
+    written = {cpu: counts.stored_blocks * block_bytes + promoted}
+    for name in lower:
+        read[name] = stats.get(f"{name}.promoted_bytes", 0)
+        written[name] = stats.get(f"{name}.demoted_bytes", 0)
+    return read, written
+
+
+def replay(
+    trace: str | None = None,
+    config: str | None = None,
+    *,
+    gpu_blocks: int = DEFAULT_GPU_BLOCKS,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    limit: int | None = None,
+    baseline: bool = True,
+    progress: bool = True,
+    plot: str | None = None,
+    disk_kind: str = "lmdb",
+    out: TextIO | None = None,
+) -> dict[str, Any]:
+    """Replay ``trace`` (default: the bundled one) through ``config`` (default: CPU + disk in a
+    temporary folder); print a table and one JSON line; return the JSON record.
+
+    With ``baseline``, the same trace also runs through the CPU tier alone, in the same run,
+    so the JSON shows what the lower tiers add (``cpu_only_hit_ratio``).
+    """
+    out = out or sys.stdout
+    requests = load_trace(trace or bundled_trace_path(), limit)
+    ceiling, refs = ceiling_hit_ratio(requests)
+    with contextlib.ExitStack() as stack:
+        if config is None:
+            directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=Path.cwd()))
+            parsed = load_config(default_config(directory, block_bytes, disk_kind))
+        else:
+            parsed = load_config(config)
+        counts, stats, elapsed = _run_one(parsed, requests, gpu_blocks, block_bytes, progress, "replay")
+        cpu_only = None
+        if baseline and len(parsed.tiers) > 1:
+            cpu_only, _, _ = _run_one(_cpu_only(parsed), requests, gpu_blocks, block_bytes, progress, "cpu only")
+
+    lower = [tier.name for tier in parsed.tiers[1:]]
+    read, written = _tier_bytes(parsed, counts, stats, block_bytes)
+    hit_blocks = sum(counts.hits.values())
+    record: dict[str, Any] = {
+        "requests": counts.requests,
+        "block_refs": counts.block_refs,
+        "ceiling_hit_ratio": ceiling,
+        "hit_ratio": hit_blocks / counts.block_refs if counts.block_refs else 0.0,
+        "hits": counts.hits,
+        "bytes_read": read,
+        "bytes_written": written,
+        "promotions": sum(stats.get(f"{name}.promotions", 0) for name in lower),
+        "demotions": sum(stats.get(f"{name}.demotions", 0) for name in lower),
+        "dropped_blocks": counts.dropped_blocks,
+        "verified_blocks": counts.verified_blocks,
+        "mismatched_blocks": counts.mismatched_blocks,
+        "corrupt_blocks": counts.mismatched_blocks + sum(stats.get(f"{name}.corrupt_blocks", 0) for name in lower),
+        "refused_stores": counts.refused_stores,
+        "store_waits": counts.store_waits,
+        "failed_transfers": counts.failed_transfers,
+        "elapsed_s": elapsed,
+        "blocks_per_s": counts.block_refs / elapsed if elapsed else 0.0,
+        "gpu_blocks": gpu_blocks,
+        "block_bytes": block_bytes,
+        "tiers": [f"{tier.name}:{tier.kind}" for tier in parsed.tiers],
+    }
+    if cpu_only is not None:
+        record["cpu_only_hit_ratio"] = sum(cpu_only.hits.values()) / cpu_only.block_refs
+    assert refs == counts.block_refs  # the engine saw every reference of the trace
+
+    rows = [
+        {"tier": name, "hits": hits, "hit_ratio": hits / counts.block_refs if counts.block_refs else 0.0,
+         "bytes_read": read.get(name), "bytes_written": written.get(name)}
+        for name, hits in counts.hits.items()
+    ]
+    print(
+        f"kvtier replay: {counts.requests} requests, {counts.block_refs} block refs, "
+        f"{elapsed:.1f} s ({record['blocks_per_s']:.0f} blocks/s); hit ratio {record['hit_ratio']:.4f} "
+        f"of a {ceiling:.4f} ceiling"
+        + (f"; CPU tier alone {record['cpu_only_hit_ratio']:.4f}" if cpu_only is not None else ""),
+        file=out,
+    )
+    print_table(rows, ["tier", "hits", "hit_ratio", "bytes_read", "bytes_written"], out)
+    if plot:
+        _plot(counts, plot)
+    print_json(record, out)
+    return record
+
+
+def _plot(counts, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit(f"--plot needs matplotlib: pip install 'kvtier[plot]' ({exc})") from exc
+    xs = [requests for requests, _, _ in counts.timeline]
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for name in counts.hits:
+        ys = [hits[name] / refs if refs else 0.0 for _, hits, refs in counts.timeline]
+        axes.plot(xs, ys, label=name)
+    total = [sum(hits.values()) / refs if refs else 0.0 for _, hits, refs in counts.timeline]
+    axes.plot(xs, total, label="all tiers", color="black", linewidth=2)
+    axes.set_xlabel("requests replayed")
+    axes.set_ylabel("cumulative hit ratio (of block refs)")
+    axes.set_ylim(0, 1)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    axes.set_title("kvtier replay: hits per tier")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
