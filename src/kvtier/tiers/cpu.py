@@ -10,16 +10,14 @@ which workers attach to and pin for DMA, and which the disk mover reads and writ
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 
 import numpy as np
 
-from kvtier.base import Backend, BlockStatus, OffloadKey
 from kvtier.config import PIN_MEMORY_CHOICES, CPUTierConfig, format_size
 from kvtier.errors import ConfigError
 from kvtier.mediums import CPULoadStoreSpec
 from kvtier.tiers.shm import HEADER_BYTES, SharedRegion, default_directory, row_stride_for
-from kvtier.tiers.slots import SlotAllocator
+from kvtier.tiers.slots import SlotBackend
 
 __all__ = ["CPUBackend"]
 
@@ -52,7 +50,7 @@ def _free_space_bytes(directory: str) -> int | None:
     return stats.f_bavail * stats.f_frsize
 
 
-class CPUBackend(Backend):
+class CPUBackend(SlotBackend):
     """Slots of the CPU tier, medium ``"CPU"``: one row of a shared region per block.
 
     Who calls it: the manager owning the CPU tier, on the scheduler thread, under the
@@ -63,6 +61,9 @@ class CPUBackend(Backend):
     as the same objects, so a manager that keeps them in its index stores a reference, not
     a new int per block.
     """
+
+    spec_type = CPULoadStoreSpec
+
 
     def __init__(
         self,
@@ -79,7 +80,6 @@ class CPUBackend(Backend):
         """
         if pin_memory not in PIN_MEMORY_CHOICES:
             raise ConfigError("pin_memory", pin_memory, "one of " + ", ".join(PIN_MEMORY_CHOICES))
-        super().__init__(block_bytes, "CPU")
         self.region = SharedRegion.create(num_blocks, block_bytes, path=path)
         try:
             self.region.pin(pin_memory)
@@ -88,7 +88,7 @@ class CPUBackend(Backend):
             raise
         #: number of slots (rows)
         self.num_blocks = self.region.num_rows
-        self._slots = SlotAllocator(self.num_blocks, what="CPU block")
+        super().__init__(block_bytes, self.num_blocks, what="CPU block")
 
     @classmethod
     def from_config(
@@ -148,33 +148,6 @@ class CPUBackend(Backend):
                 "remove the stale file or choose another path",
             )
         return cls(num_blocks, block_bytes, path=config.path, pin_memory=config.pin_memory)
-
-    # -----------------------------------------------------------------------------------------
-    # the allocator (scheduler thread; never blocks)
-
-    def get_num_free_blocks(self) -> int:
-        return self._slots.num_free()
-
-    def allocate_block_ids(self, count: int) -> list[int]:
-        return self._slots.allocate(count)
-
-    def free_block_ids(self, block_ids: Iterable[int]) -> None:
-        self._slots.free(block_ids)
-
-    def get_load_store_spec(
-        self, keys: Iterable[OffloadKey], blocks: Iterable[int] | Iterable[BlockStatus]
-    ) -> CPULoadStoreSpec:
-        """Where ``keys`` live: their slot ids, as ints or as contract ``BlockStatus`` objects.
-
-        ``keys`` are not needed: a CPU spec names rows, and the caller keeps the order of
-        ``keys`` and ``blocks`` the same.
-        """
-        if isinstance(blocks, np.ndarray):
-            return CPULoadStoreSpec(blocks)
-        block_list = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
-        if block_list and isinstance(block_list[0], BlockStatus):
-            block_list = [block.block_id for block in block_list]
-        return CPULoadStoreSpec(block_list)
 
     # -----------------------------------------------------------------------------------------
     # bytes and lifecycle

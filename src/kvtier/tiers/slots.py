@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvtier.errors import BlockStateError
+import numpy as np
 
-__all__ = ["SlotAllocator"]
+from kvtier.base import Backend, BlockStatus, OffloadKey
+from kvtier.errors import BlockStateError
+from kvtier.mediums import BlockIDsLoadStoreSpec
+
+__all__ = ["SlotAllocator", "SlotBackend"]
 
 
 class SlotAllocator:
@@ -91,3 +95,41 @@ class SlotAllocator:
     def _undo_free(self, ids: list[int], failed_at: int) -> None:
         for slot_id in ids[:failed_at]:
             self._in_use[slot_id] = 1
+
+
+class SlotBackend(Backend):
+    """A Backend whose blocks are numbered rows: the slots come from a :class:`SlotAllocator`.
+
+    A subclass names its spec type (``spec_type``, whose ``medium()`` is the backend's medium)
+    and creates ``self._slots``; allocation, release and specs are shared.
+    """
+
+    spec_type: type[BlockIDsLoadStoreSpec]
+
+    def __init__(self, block_bytes: int, num_blocks: int, *, what: str = "block"):
+        super().__init__(block_bytes, self.spec_type.medium())
+        self._slots = SlotAllocator(num_blocks, what=what)
+
+    def get_num_free_blocks(self) -> int:
+        return self._slots.num_free()
+
+    def allocate_block_ids(self, count: int) -> list[int]:
+        return self._slots.allocate(count)
+
+    def free_block_ids(self, block_ids: Iterable[int]) -> None:
+        self._slots.free(block_ids)
+
+    def get_load_store_spec(
+        self, keys: Iterable[OffloadKey], blocks: Iterable[int] | Iterable[BlockStatus]
+    ) -> BlockIDsLoadStoreSpec:
+        """Where ``keys`` live: their slot ids, as ints or as contract ``BlockStatus`` objects.
+
+        ``keys`` are not needed: a spec names rows, and the caller keeps the order of ``keys``
+        and ``blocks`` the same.
+        """
+        if isinstance(blocks, np.ndarray):
+            return self.spec_type(blocks)
+        block_list = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
+        if block_list and isinstance(block_list[0], BlockStatus):
+            block_list = [block.block_id for block in block_list]
+        return self.spec_type(block_list)
