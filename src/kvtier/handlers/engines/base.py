@@ -13,6 +13,7 @@ path runs, byte for byte, the copies the CUDA path hands to the driver.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 
@@ -22,6 +23,8 @@ import torch
 from kvtier.base import TransferResult
 from kvtier.handlers.blocks import Segments
 from kvtier.tiers.shm import SharedRegion
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CopyBuffers", "CopyEngine", "copy_segments_torch"]
 
@@ -139,6 +142,18 @@ class CopyEngine(ABC):
     @property
     def direction(self) -> str:
         return "GPU->CPU" if self.gpu_to_cpu else "CPU->GPU"
+
+    def _failed(self, job_id: int, error: BaseException) -> TransferResult:
+        """Count and log a failed job once; its result (``success=False``, no bytes)."""
+        self.failed_jobs += 1
+        logger.warning(
+            "%s transfer job %d failed, reported as unsuccessful: %s: %s",
+            self.direction,
+            job_id,
+            type(error).__name__,
+            error,
+        )
+        return TransferResult(job_id, False, 0, None)
 
     @abstractmethod
     def submit(self, job_id: int, segments: Segments) -> None:

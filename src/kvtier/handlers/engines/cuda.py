@@ -151,15 +151,7 @@ class CudaCopyEngine(CopyEngine):
             elapsed_s = job.start.elapsed_time(job.end) / 1000.0
             self._events += (job.start, job.end)
             return TransferResult(job.job_id, True, job.nbytes, elapsed_s)
-        self.failed_jobs += 1
-        logger.warning(
-            "%s transfer job %d failed, reported as unsuccessful: %s: %s",
-            self.direction,
-            job.job_id,
-            type(error).__name__,
-            error,
-        )
-        return TransferResult(job.job_id, False, 0, None)
+        return self._failed(job.job_id, error)
 
     def get_finished(self) -> list[TransferResult]:
         """Finished jobs, oldest first, by ``Event.query()``; never waits."""

@@ -97,15 +97,7 @@ class ThreadCopyEngine(CopyEngine):
         error = job.future.exception()
         if error is None:
             return TransferResult(job.job_id, True, job.nbytes, job.future.result())
-        self.failed_jobs += 1
-        logger.warning(
-            "%s transfer job %d failed, reported as unsuccessful: %s: %s",
-            self.direction,
-            job.job_id,
-            type(error).__name__,
-            error,
-        )
-        return TransferResult(job.job_id, False, 0, None)
+        return self._failed(job.job_id, error)
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until the named jobs (and all older ones) have run."""
