@@ -10,7 +10,6 @@ engine's caller keeps running during large copies.
 from __future__ import annotations
 
 import ctypes
-import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -25,8 +24,6 @@ from kvtier.handlers.blocks import Segments
 from kvtier.handlers.engines.base import CopyBuffers, CopyEngine
 
 __all__ = ["ThreadCopyEngine", "memmove_descriptors"]
-
-logger = logging.getLogger(__name__)
 
 
 def memmove_descriptors(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
