@@ -230,3 +230,22 @@ def test_arc_policy_in_the_stack():
     manager.on_schedule_end()
     assert resolve(manager, key(0)) is True
     np.testing.assert_array_equal(load_bytes(manager, [key(0)])[0], payload(key(0), BLOCK))
+
+
+def test_a_read_with_no_cpu_row_is_a_miss_for_a_step_not_a_livelock():
+    manager, disk = make(cpu_blocks=2)
+    store(manager, [key(0), key(1)])
+    manager.on_schedule_end()
+    manager.on_schedule_end()
+    store(manager, [key(2), key(3)])
+    manager.on_schedule_end()
+    manager.on_schedule_end()  # 0 and 1 only on disk now; 2 and 3 clean in the CPU tier
+    manager.prepare_load([key(2), key(3)], CTX)  # both CPU rows pinned by a long load
+    assert manager.lookup(key(0), CTX) is None
+    manager.on_schedule_end()  # no row, nothing being saved: the read is dropped
+    assert manager.lookup(key(0), CTX) is False  # a miss for this step, not None again
+    assert manager.stats()["promoting_blocks"] == 0
+    manager.complete_load([key(2), key(3)], CTX)
+    manager.on_schedule_end()
+    assert resolve(manager, key(0)) is True  # rows are free again: the read goes through
+    np.testing.assert_array_equal(load_bytes(manager, [key(0)])[0], payload(key(0), BLOCK))

@@ -97,6 +97,8 @@ class TierStackManager(SingleTierManager):
         capacity = backend.get_num_free_blocks()
         self._clean_target = max(1, int(capacity * CLEAN_HEADROOM_FRACTION))
         self._promoting: dict[OffloadKey, int] = {}
+        #: keys whose read found no CPU row at the end of the last step: misses until the next
+        self._no_room: set[OffloadKey] = set()
         self._promote_queue: list[deque[OffloadKey]] = [deque() for _ in self._tiers]
         self._dirty: dict[OffloadKey, None] = {}
         self._demoting: dict[OffloadKey, int] = {}
@@ -126,8 +128,8 @@ class TierStackManager(SingleTierManager):
             if self._contains(key):
                 return True
             return None if key in self._promoting else False
-        if key in self._pending:
-            return False  # being written into the CPU tier: not loadable yet
+        if key in self._pending or key in self._no_room:
+            return False  # being written into the CPU tier, or no CPU row to read it into
         for index, tier in enumerate(self._tiers):
             if tier.lookup(key):
                 # The CPU row is reserved when the read is submitted, at the end of the step,
@@ -174,6 +176,7 @@ class TierStackManager(SingleTierManager):
     def on_schedule_end(self) -> None:
         if not self._tiers:
             return
+        self._no_room.clear()
         self._poll()
         self._submit_promotions()
         self._submit_demotions()
@@ -196,9 +199,11 @@ class TierStackManager(SingleTierManager):
             if not rows:
                 if not self._demoting:
                     # Every CPU row is held and nothing being saved will free one: waiting
-                    # would never end, so these reads become misses.
+                    # would never end, so these reads become misses — for the whole next
+                    # step, or the engine's next lookup would only queue them again.
                     for key in queue:
                         del self._promoting[key]
+                    self._no_room.update(queue)
                     queue.clear()
                 continue  # else blocks being saved below free rows soon: try next step
             keys = tuple(queue.popleft() for _ in range(len(rows)))
