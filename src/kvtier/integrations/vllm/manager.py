@@ -1,0 +1,339 @@
+"""kvtier's manager seen through vLLM 0.33's ``OffloadingManager`` API.
+
+vLLM's offloading connector (``OffloadingConnectorScheduler``) calls the manager from the
+engine's scheduler thread, holding ``manager.lock`` across each step. kvtier's managers keep
+the contract revision before 0.33 (``lookup -> True / False / None``, kvtier's own spec and
+event types); :class:`KvtierOffloadingManager` translates each call, and adds what 0.33 asks
+beyond it (load sources, cache-reset fencing, statistics, config info).
+
+The answer to a lookup whose promotion from disk is in flight — kvtier's ``None`` — is
+``HIT_PENDING``, never ``RETRY``. The facts behind it, in vLLM 0.33's
+``kv_connector/v1/offloading/scheduler.py`` and ``kv_offload/tiering/manager.py``:
+
+* both make the connector defer the request (``get_num_new_matched_tokens`` answers ``None``
+  and the scheduler asks again next step), so no unready block is ever loaded either way;
+* the sliding-window lookup counts ``HIT_PENDING`` toward the window it needs and stops once
+  it has one, while ``RETRY`` resets the streak and keeps scanning further back — which, here,
+  would start disk reads of chunks the request will never load;
+* vLLM's own tiering manager answers ``HIT_PENDING`` once it has started a promotion, and keeps
+  ``RETRY`` for "a tier cannot tell yet" (an asynchronous existence check), which kvtier
+  never has: its disk tiers index every block in memory.
+
+A promotion that fails verification (a corrupt block) turns into ``MISS`` at the next lookup,
+which the deferred request makes.
+
+While a request waits for promotions, the blocks it already found in the CPU tier are pinned
+on its behalf (a hold, as ``prepare_load`` takes), until its lookups resolve or it finishes.
+Without that, a request whose hit is larger than the CPU tier's clean room never resolves:
+each step's promotions evict the blocks promoted for it a step before, which then need
+promoting again (seen with vLLM's connector driving a small CPU tier). With the pins, the
+found prefix only grows. When a step ends with no disk read in flight or queued (kvtier found
+no CPU row to read into and dropped the reads), the request's keys still pending have no read
+coming: they answer MISS from then on (unless they reach the CPU tier otherwise), and the
+request goes ahead with the prefix it has. (Asking kvtier again would queue the same reads
+again, step after step.)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    OffloadPolicy,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier import base as kvtier_base
+from kvtier.managers.single import SingleTierManager
+
+__all__ = ["STATS_METRIC", "KvtierOffloadingManager", "stats_to_vllm", "to_vllm_event"]
+
+# Under vLLM's logger tree, so the lines show in `vllm serve`'s log at its configured level.
+logger = logging.getLogger("vllm.kvtier")
+
+#: the Prometheus gauge mirroring kvtier's statistics, one series per figure (label ``stat``)
+STATS_METRIC = "vllm:kv_offload_kvtier_stat"
+#: kvtier's CPU tier medium; every other kvtier medium is a disk (vLLM's STORAGE)
+_CPU_MEDIUM = "CPU"
+
+
+def to_vllm_event(event: kvtier_base.OffloadingEvent, locality: Any = None) -> OffloadingEvent:
+    """One kvtier event as vLLM's: kvtier's CPU tier is ``Medium.CPU``, its disks ``STORAGE``."""
+    medium = Medium.CPU if event.medium == _CPU_MEDIUM else Medium.STORAGE
+    return OffloadingEvent(
+        keys=list(event.keys), medium=medium, removed=event.removed, locality=locality
+    )
+
+
+def stats_to_vllm(
+    figures: Mapping[str, int | float], metric: str = STATS_METRIC, prefix: tuple[str, ...] = ()
+) -> OffloadingConnectorStats:
+    """kvtier's statistics as gauges of ``metric``, label values ``prefix + (name,)``.
+
+    Gauges rather than counters: kvtier's figures are totals since start, and a gauge set to a
+    total stays right whatever the gaps between two reports (``rate()`` works on it as well).
+    """
+    stats = OffloadingConnectorStats()
+    for name, value in figures.items():
+        stats.set_gauge(metric, value, (*prefix, name))
+    return stats
+
+
+class _RequestWait:
+    """Per request, in its ReqContext: what its lookups saw while it waits for promotions.
+
+    ``step``: the step of the lookups below; ``hits``: keys found ready in that step before any
+    pending answer (pinned as soon as one comes); ``pending``: keys answered HIT_PENDING in that
+    step (so ``deferred`` is ``bool(pending)``); ``pinned``: keys this manager holds for the
+    request; ``promoted``: keys whose lookup started a read from disk (for get_load_source);
+    ``dropped``: keys whose read kvtier dropped for want of a CPU row.
+    """
+
+    __slots__ = ("dropped", "hits", "pending", "pinned", "promoted", "step")
+
+    def __init__(self) -> None:
+        self.step = -1
+        self.hits: list[OffloadKey] = []
+        self.pending: set[OffloadKey] = set()
+        self.pinned: set[OffloadKey] = set()
+        self.promoted: set[OffloadKey] = set()
+        self.dropped: set[OffloadKey] = set()
+
+    @property
+    def deferred(self) -> bool:
+        return bool(self.pending)
+
+
+class KvtierOffloadingManager(OffloadingManager):
+    """vLLM's OffloadingManager over a kvtier manager (one CPU tier, maybe disk tiers below).
+
+    Who calls it: vLLM's connector scheduler, on the engine's scheduler thread, holding
+    :attr:`lock` (a no-op here: nothing else enters this manager, and kvtier's disk threads
+    only hand results over when polled from this thread). No method blocks on I/O except
+    :meth:`reset_cache` (waits for disk jobs in flight) and :meth:`shutdown` (saves what only
+    the CPU tier holds, then closes the disk tiers).
+
+    ``inner`` is what :func:`kvtier.build_manager` made; ``events`` says whether vLLM
+    publishes KV events (kvtier's events are drained either way, so none pile up);
+    ``config_info`` is the label mapping for ``vllm:kv_offload_config_info``.
+    """
+
+    def __init__(
+        self,
+        inner: SingleTierManager,
+        *,
+        events: bool,
+        config_info: Mapping[str, str | int | float | bool],
+        stats_log_interval_s: float,
+    ):
+        self._inner = inner
+        self._events = events
+        self._config_info = dict(config_info)
+        self._has_lower_tiers = bool(getattr(inner, "tiers", ()))
+        # Set by reset_cache until on_reset_flushed: a worker may still write CPU rows freed by
+        # the reset (a late DMA of a job in flight at the reset), so no disk read may fill one
+        # meanwhile. Held lookups answer from the CPU tier alone and start nothing.
+        self._promotions_held = False
+        self._contains_cpu = inner.policy.contains
+        self._stats_log_interval_s = stats_log_interval_s
+        self._next_stats_log = time.monotonic() + stats_log_interval_s
+        #: scheduler steps ended so far (on_schedule_end calls)
+        self._step = 0
+        #: requests holding pins while they wait for promotions, by request id
+        self._waiting: dict[str, ReqContext] = {}
+        self._closed = False
+
+    @property
+    def inner(self) -> SingleTierManager:
+        """The kvtier manager (for its ``stats()``, ``tiers`` and tests)."""
+        return self._inner
+
+    # -- lookups and loads -------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self._promotions_held:
+            return LookupResult.HIT if self._contains_cpu(key) else LookupResult.MISS
+        wait = req_context.get_state(_RequestWait)
+        if wait is not None and key in wait.dropped:
+            found: bool | None = self._contains_cpu(key)  # no read is coming: never re-queue it
+        else:
+            found = self._inner.lookup(key, req_context)
+        if found is False:
+            return LookupResult.MISS
+        if wait is None:
+            if found is True:
+                return LookupResult.HIT  # the common case: no state for requests never waiting
+            wait = _RequestWait()
+            req_context.set_state(wait)
+        if wait.step != self._step:
+            wait.step, wait.hits, wait.pending = self._step, [], set()
+        if found is True:
+            if wait.deferred:
+                self._pin([key], wait, req_context)
+            else:
+                wait.hits.append(key)
+            return LookupResult.HIT
+        wait.promoted.add(key)
+        if not wait.deferred:
+            self._pin(wait.hits, wait, req_context)
+            self._waiting[req_context.req_id] = req_context
+        wait.pending.add(key)
+        return LookupResult.HIT_PENDING  # why not RETRY: see the module docstring
+
+    def _pin(self, keys: list[OffloadKey], wait: _RequestWait, req_context: ReqContext) -> None:
+        """Hold ``keys`` (ready now) for a waiting request, so promotions cannot evict them."""
+        new = [key for key in keys if key not in wait.pinned]
+        if new:
+            self._inner.prepare_load(new, req_context)
+            wait.pinned.update(new)
+
+    def _unpin(self, req_context: ReqContext) -> None:
+        wait = req_context.get_state(_RequestWait)
+        self._waiting.pop(req_context.req_id, None)
+        if wait is not None and wait.pinned:
+            self._inner.complete_load(list(wait.pinned), req_context)
+            wait.pinned.clear()
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        """DISK for a key this request's lookups brought up from disk, else HOST (CPU tier)."""
+        wait = req_context.get_state(_RequestWait)
+        if wait is not None and key in wait.promoted:
+            return CacheHitSource.DISK
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        spec = self._inner.prepare_load(keys, req_context)
+        return CPULoadStoreSpec(spec.block_ids)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._inner.touch(keys, req_context)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._inner.complete_load(keys, req_context)
+
+    # -- stores ------------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        out = self._inner.prepare_store(keys, req_context)
+        if out is None:
+            return None
+        return PrepareStoreOutput(
+            keys_to_store=out.keys_to_store,
+            store_spec=CPULoadStoreSpec(out.store_spec.block_ids),
+            evicted_keys=out.evicted_keys,
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self._inner.complete_store(keys, req_context, success)
+
+    # -- requests and steps --------------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        answer = self._inner.on_new_request(req_context)
+        # vLLM compares the policy with its own enum; kvtier's has the same values.
+        return RequestOffloadingContext(policy=OffloadPolicy(answer.policy.value))
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._unpin(req_context)
+        self._inner.on_request_finished(req_context)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Release the pins of requests whose lookups resolved in this step (vLLM pinned what
+        it loads with prepare_load already), then submit the step's disk reads and writes."""
+        for req_context in list(self._waiting.values()):
+            wait = req_context.get_state(_RequestWait)
+            # looked up this step without waiting: resolved. Not looked up: still waiting.
+            if wait.step == self._step and not wait.deferred:
+                self._unpin(req_context)
+        self._inner.on_schedule_end()
+        if self._waiting and not self._promotions_in_flight():
+            # kvtier submitted this step's reads just now, so none in flight or queued means
+            # it dropped them (no CPU row free, nothing being saved that would free one)
+            for req_context in self._waiting.values():
+                wait = req_context.get_state(_RequestWait)
+                if wait.step == self._step:
+                    wait.dropped |= wait.pending
+        self._step += 1
+        if self._stats_log_interval_s > 0:
+            now = time.monotonic()
+            if now >= self._next_stats_log:
+                self._next_stats_log = now + self._stats_log_interval_s
+                self._log_stats("kvtier")
+
+    def _promotions_in_flight(self) -> bool:
+        """Whether kvtier has a disk read submitted (not yet polled) or queued."""
+        figures = self._inner.stats()
+        if figures.get("promoting_blocks", 0):
+            return True
+        return any(v for k, v in figures.items() if k.endswith(".queued_promotions"))
+
+    def has_pending_work(self) -> bool:
+        pending = getattr(self._inner, "has_pending_work", None)
+        return bool(pending()) if pending is not None else False
+
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        # Drained even when vLLM publishes no events: kvtier's disk tiers record theirs
+        # regardless, and an undrained list would grow for the life of the engine.
+        events = list(self._inner.take_events())
+        if not self._events:
+            return iter(())
+        return iter([to_vllm_event(event) for event in events])
+
+    # -- reset, stats, lifecycle ---------------------------------------------------------------
+
+    def reset_cache(self) -> None:
+        """Forget the CPU tier (waiting for disk jobs in flight); disk tiers keep their blocks."""
+        self._inner.reset_cache()  # drops every hold, the pins of waiting requests included
+        for req_context in self._waiting.values():
+            req_context.get_state(_RequestWait).pinned.clear()
+        self._waiting.clear()
+        self._promotions_held = self._has_lower_tiers
+
+    def on_reset_flushed(self) -> None:
+        self._promotions_held = False
+
+    def stats(self) -> dict[str, int]:
+        """kvtier's statistics: CPU tier block counts, then ``<tier>.<figure>`` per disk tier."""
+        return self._inner.stats()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        return stats_to_vllm(self._inner.stats())
+
+    def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
+        return [self._config_info]
+
+    def _log_stats(self, when: str) -> None:
+        figures = self._inner.stats()
+        logger.info("%s: %s", when, " ".join(f"{k}={v}" for k, v in figures.items()))
+
+    def shutdown(self) -> None:
+        """Save what only the CPU tier holds to the disk tiers, close them, remove the region.
+
+        Blocks for those writes. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._log_stats("kvtier at shutdown")
+        self._inner.shutdown()

@@ -1,0 +1,289 @@
+"""From vLLM's ``OffloadingConfig`` to kvtier's configuration, layout and fingerprint.
+
+vLLM hands an offloading spec one :class:`vllm.v1.kv_offload.config.OffloadingConfig` per
+process (the scheduler's and each worker's differ only in ``parallel.rank``). Everything
+kvtier needs is derived from it here, once, by pure functions, so that the scheduler process
+and every worker process reach the same answers without talking to each other:
+
+* which keys of ``kv_connector_extra_config`` are kvtier's (the rest belong to vLLM's
+  connector, or are settings of vLLM's own CPU spec that would be silently ignored here);
+* the tokens and bytes of one offloaded block (vLLM calls it a chunk: ``blocks_per_chunk``
+  GPU blocks), which fix the CPU tier's row size;
+* the path of the CPU tier's shared region, which workers attach to by name;
+* the :class:`~kvtier.stores.format.LayoutFingerprint` stamped on every block written to disk,
+  so that a changed model, dtype or layout never reads old blocks.
+
+Everything here is bookkeeping on small values: any process, any thread, never blocks.
+Mistakes raise :class:`~kvtier.errors.ConfigError` naming the setting and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.config import CPUTierConfig, KvtierConfig, load_config
+from kvtier.errors import ConfigError
+from kvtier.stores.format import LayoutFingerprint
+from kvtier.tiers.shm import default_directory
+
+__all__ = [
+    "CONNECTOR_KEYS",
+    "CPU_SPEC_KEYS",
+    "INTEGRATION_KEYS",
+    "FullStackLayout",
+    "kvtier_settings",
+    "layout_fingerprint",
+    "resolve_full_stack",
+]
+
+#: keys of kv_connector_extra_config that vLLM's offloading connector reads for any spec; they
+#: configure the connector, not kvtier, so kvtier's parser never sees them
+CONNECTOR_KEYS = (
+    "self_describing_kv_events",
+    "blocks_per_chunk",
+    "sync_load_budget_bytes",
+    "canonical_layout",
+    "enable_telemetry",
+)
+#: settings of vLLM's own CPUOffloadingSpec / TieringOffloadingSpec, with what replaces each in
+#: kvtier: accepting them would let a setting look effective while nothing reads it
+CPU_SPEC_KEYS = {
+    "cpu_bytes_to_use": "give the CPU tier's size as tiers[0].capacity, e.g. "
+    "tiers: [{kind: cpu, capacity: 64GiB}]",
+    "eviction_policy": "give the CPU tier's policy as tiers[0].eviction (lru or arc)",
+    "cache_policy_module_path": "give an out-of-tree policy as tiers[0].eviction_module_path",
+    "store_threshold": "kvtier stores every offered block; remove the key",
+    "max_tracker_size": "kvtier stores every offered block; remove the key",
+    "secondary_tiers": "list kvtier's disk tiers under tiers: after the cpu tier, or select "
+    "spec_name TieringOffloadingSpec to use vLLM's tiering with KvtierDiskTier",
+    "tier_poll_interval_s": "kvtier polls its tiers at every lookup and step end; remove the key",
+    "backpressure": "kvtier bounds disk I/O per step with cascade.max_demote_bytes_per_step; "
+    "remove the key",
+}
+#: keys the integration itself reads (not kvtier's stack configuration)
+STATS_LOG_INTERVAL_KEY = "kvtier_stats_log_interval_s"
+INTEGRATION_KEYS = (STATS_LOG_INTERVAL_KEY,)
+#: seconds between two INFO lines of tier statistics in vLLM's log (0: never)
+DEFAULT_STATS_LOG_INTERVAL_S = 60.0
+
+# Characters allowed in the CPU region's file name; anything else in an engine id becomes '_'.
+_UNSAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+_MAX_NAME_CHARS = 120
+
+
+def kvtier_settings(extra_config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split ``kv_connector_extra_config`` into (kvtier's keys, the integration's keys).
+
+    Connector keys are dropped (vLLM reads them itself); a key of vLLM's own CPU spec, or
+    ``canonical_layout: true`` (a host layout kvtier's rows do not implement), raises
+    :class:`ConfigError`. What remains goes to :func:`kvtier.load_config`, whose own checks
+    catch misspelt keys.
+    """
+    if not isinstance(extra_config, Mapping):
+        raise ConfigError(
+            "kv_connector_extra_config",
+            extra_config,
+            "a mapping of settings",
+            'write it as a JSON object, e.g. {"spec_name": "TieredOffloadingSpec", ...}',
+        )
+    kvtier: dict[str, Any] = {}
+    integration: dict[str, Any] = {}
+    for key, value in extra_config.items():
+        if key in CPU_SPEC_KEYS:
+            raise ConfigError(
+                f"kv_connector_extra_config.{key}",
+                value,
+                "kvtier's settings (a setting of vLLM's CPUOffloadingSpec does nothing here)",
+                CPU_SPEC_KEYS[key],
+            )
+        if key == "canonical_layout" and value:
+            raise ConfigError(
+                "kv_connector_extra_config.canonical_layout",
+                value,
+                "false or absent: kvtier's CPU rows hold the worker's pages as they are",
+                "remove canonical_layout, or use vLLM's TieringOffloadingSpec with "
+                "KvtierDiskTier, which stores whatever rows vLLM's CPU tier holds",
+            )
+        if key in CONNECTOR_KEYS:
+            continue
+        if key in INTEGRATION_KEYS:
+            integration[key] = value
+        else:
+            kvtier[key] = value
+    return kvtier, integration
+
+
+def _layout_facts(config: Any) -> str:
+    """What, beyond the fields of LayoutFingerprint, decides the meaning of a row's bytes.
+
+    The byte order inside a page (vLLM's kv_cache_layout, NHD or HND), which layers each group
+    holds, the parallel layout that splits heads and layers across workers, and vLLM's host
+    layouts (replicated or canonical rows). LayoutFingerprint has no fields for them, so they
+    ride in its ``model`` string, whose digest every block header carries.
+    """
+    parallel = config.parallel
+    groups = ",".join(
+        f"{group.group_id}:{len(group.layer_names)}x{group.tokens_per_block}"
+        for group in config.groups
+    )
+    return (
+        f"kv_cache_layout={config.kv_cache_layout};groups={groups};"
+        f"tp={parallel.tp_size};pp={parallel.pp_size};pcp={parallel.pcp_size};"
+        f"dcp={parallel.dcp_size};replicated={int(bool(config.replicated_layout))};"
+        f"canonical={int(bool(config.canonical_layout))}"
+    )
+
+
+def layout_fingerprint(config: Any, block_bytes: int) -> LayoutFingerprint:
+    """The fingerprint of rows of ``block_bytes`` laid out as ``config`` (an OffloadingConfig) says.
+
+    ``rank`` is 0 and ``world_size`` vLLM's: a row holds every worker's shard of the block.
+    ``page_bytes`` is the one per-block size vLLM's config states (a worker's bytes per GPU
+    block, all groups together), since the scheduler process never sees the per-group pages.
+    """
+    chunk = config.cache.blocks_per_chunk
+    return LayoutFingerprint(
+        model=f"{config.model.name}|{_layout_facts(config)}",
+        dtype=str(config.model.dtype),
+        tokens_per_block=config.groups[0].tokens_per_block * chunk if config.groups else 0,
+        page_bytes=(int(config.worker_kv_bytes_per_block),),
+        rank=0,
+        world_size=int(config.parallel.world_size),
+        block_bytes=int(block_bytes),
+    )
+
+
+@dataclass(frozen=True)
+class FullStackLayout:
+    """What both sides of :class:`~kvtier.integrations.vllm.TieredOffloadingSpec` agree on."""
+
+    #: the kvtier stack, with block_size_tokens set to vLLM's chunk and the CPU region's path
+    config: KvtierConfig
+    #: tokens per GPU block (every offloaded group has the same)
+    gpu_block_size_tokens: int
+    #: GPU blocks per offloaded block (vLLM's blocks_per_chunk)
+    block_size_factor: int
+    #: bytes of one CPU row: block_size_factor x the worker's bytes per GPU block
+    block_bytes: int
+    #: what the disk tiers stamp on every block
+    fingerprint: LayoutFingerprint
+    #: where the CPU tier's shared region lives (workers attach to it by this path)
+    region_path: str
+    #: seconds between two INFO lines of statistics (0: never)
+    stats_log_interval_s: float
+
+
+def _region_path(cpu: CPUTierConfig, config: Any) -> str:
+    """The CPU region's path, the same in the scheduler and in every worker of one engine.
+
+    Derived from vLLM's ``engine_id`` (unique per engine, and per data-parallel replica), not
+    drawn at random as the standalone spec does: each process builds its own spec object, so
+    a random name would differ between the process that creates the region and those that
+    attach to it. An explicit ``tiers[0].path`` is taken as given, suffixed with the replica
+    index when there are several data-parallel replicas (each has its own region).
+    """
+    parallel = config.parallel
+    if cpu.path is not None:
+        if parallel.data_parallel_size > 1:
+            return f"{cpu.path}-dp{parallel.data_parallel_index}"
+        return cpu.path
+    name = _UNSAFE_NAME_CHARS.sub("_", str(config.engine_id))[:_MAX_NAME_CHARS]
+    return os.path.join(default_directory(), f"kvtier-{name}")
+
+
+def _stats_interval(integration: Mapping[str, Any]) -> float:
+    value = integration.get(STATS_LOG_INTERVAL_KEY, DEFAULT_STATS_LOG_INTERVAL_S)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(
+            f"kv_connector_extra_config.{STATS_LOG_INTERVAL_KEY}",
+            value,
+            "a number of seconds >= 0 (0: never log statistics)",
+            f"write e.g. {DEFAULT_STATS_LOG_INTERVAL_S:g}",
+        )
+    return float(value)
+
+
+def resolve_full_stack(config: Any) -> FullStackLayout:
+    """Parse the kvtier settings in ``config.extra_config`` against vLLM's layout.
+
+    Raises :class:`ConfigError` for anything kvtier cannot serve as configured: a bad kvtier
+    setting, a ``block_size_tokens`` that disagrees with the chunk vLLM offloads, more than
+    one worker (not supported yet), or no KV bytes to offload.
+    """
+    kvtier_keys, integration_keys = kvtier_settings(config.extra_config)
+    parsed = load_config(kvtier_keys)
+
+    parallel = config.parallel
+    if parallel.world_size != 1:
+        raise ConfigError(
+            "parallel.world_size",
+            parallel.world_size,
+            "1: kvtier's TieredOffloadingSpec serves one worker per engine for now (tensor, "
+            "pipeline and context parallel size 1)",
+            "run with --tensor-parallel-size 1 (data parallel replicas are fine), or keep "
+            "vLLM's TieringOffloadingSpec and add kvtier's disk tier to it as "
+            '{"type": "KvtierDiskTier", "module_path": "kvtier.integrations.vllm", ...} in '
+            "secondary_tiers, which works with any parallel layout",
+        )
+    if not config.groups:
+        raise ConfigError("groups", (), "at least one KV cache group to offload")
+    tokens = {group.tokens_per_block for group in config.groups}
+    chunk = int(config.cache.blocks_per_chunk)
+    gpu_block = min(tokens)
+    if len(tokens) > 1:
+        # Rows are cut in block_size_factor GPU blocks whatever the group, which vLLM's
+        # blocks_per_chunk also is; kvtier's block_size_tokens cannot say it for mixed sizes.
+        if parsed.block_size_tokens is not None:
+            raise ConfigError(
+                "block_size_tokens",
+                parsed.block_size_tokens,
+                f"absent: the KV groups have different block sizes ({sorted(tokens)} tokens)",
+                'give "blocks_per_chunk" in kv_connector_extra_config instead',
+            )
+        chunk_tokens = None
+    else:
+        chunk_tokens = gpu_block * chunk
+        if parsed.block_size_tokens is not None and parsed.block_size_tokens != chunk_tokens:
+            raise ConfigError(
+                "block_size_tokens",
+                parsed.block_size_tokens,
+                f"{chunk_tokens}: the tokens vLLM offloads per block (GPU block of {gpu_block} "
+                f"tokens x blocks_per_chunk {chunk}); vLLM reads the chunk size only from "
+                "kv_connector_extra_config",
+                f'put "block_size": {parsed.block_size_tokens} in kv_connector_extra_config '
+                "(and drop block_size_tokens from the kvtier YAML)",
+            )
+    bytes_per_gpu_block = int(config.worker_kv_bytes_per_block)
+    if bytes_per_gpu_block <= 0:
+        raise ConfigError(
+            "worker_kv_bytes_per_block",
+            bytes_per_gpu_block,
+            "the bytes of one GPU block (> 0) as vLLM sized the KV cache",
+            "this KV cache layout has no per-block bytes to offload; kvtier cannot serve it",
+        )
+
+    cpu = parsed.tiers[0]
+    assert isinstance(cpu, CPUTierConfig)  # load_config guarantees tiers[0] is the cpu tier
+    cpu = dataclasses.replace(cpu, path=_region_path(cpu, config))
+    # With mixed group sizes the factor is vLLM's blocks_per_chunk directly: express it as
+    # block_size_tokens over the smallest block, which the standalone spec divides back.
+    resolved = dataclasses.replace(
+        parsed,
+        tiers=(cpu, *parsed.tiers[1:]),
+        block_size_tokens=chunk_tokens if chunk_tokens is not None else gpu_block * chunk,
+    )
+    block_bytes = chunk * bytes_per_gpu_block
+    return FullStackLayout(
+        config=resolved,
+        gpu_block_size_tokens=gpu_block,
+        block_size_factor=chunk,
+        block_bytes=block_bytes,
+        fingerprint=layout_fingerprint(config, block_bytes),
+        region_path=cpu.path,
+        stats_log_interval_s=_stats_interval(integration_keys),
+    )

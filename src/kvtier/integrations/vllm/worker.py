@@ -1,0 +1,195 @@
+"""kvtier's GPU<->CPU handlers seen through vLLM 0.33's ``OffloadingWorker`` API.
+
+vLLM's connector worker (``OffloadingConnectorWorker``) builds one worker per worker process
+with ``spec.get_worker(kv_caches)`` and then calls ``submit_store`` / ``submit_load`` /
+``get_finished`` / ``wait`` from the model runner's thread. :class:`KvtierOffloadingWorker`
+converts vLLM's specs and canonical caches to kvtier's and hands the jobs to
+:class:`kvtier.handlers.CpuGpuOffloadingHandlers` (CUDA streams and batched DMA on a GPU, a
+copy thread with CPU tensors).
+
+The CPU region is attached lazily. vLLM initialises the workers' KV caches — and so calls
+``get_worker`` — *before* it builds the scheduler whose ``get_manager`` creates the region, so
+the worker cannot wait for the region at ``get_worker`` (in a single-process engine it would
+wait for itself). It attaches at once if the region already exists, and otherwise at its
+first job: jobs only come from the scheduler's manager, so by then the region exists. The
+first transfer then also pays for pinning the region (``cudaHostRegister``), once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec as VllmBlockIDsSpec,
+)
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches as VllmCanonicalKVCaches,
+)
+from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec as VllmGPUSpec,
+)
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec as VllmLoadStoreSpec,
+)
+from vllm.v1.kv_offload.base import (
+    OffloadingWorker,
+    TransferResult,
+)
+
+from kvtier.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    OffloadingHandler,
+)
+from kvtier.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtier.spec import TieredOffloadingSpec as StandaloneSpec
+
+__all__ = ["KvtierOffloadingWorker", "to_kvtier_caches"]
+
+logger = logging.getLogger("vllm.kvtier")
+
+
+def to_kvtier_caches(kv_caches: VllmCanonicalKVCaches) -> CanonicalKVCaches:
+    """vLLM's canonical caches as kvtier's (same tensors, no copy; vLLM's per-ref canonical
+    mappings are dropped: kvtier's rows hold a worker's pages as they are)."""
+    return CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t.tensor, t.page_size_bytes) for t in kv_caches.tensors],
+        group_data_refs=[
+            [CanonicalKVCacheRef(ref.tensor_idx, ref.page_size_bytes) for ref in refs]
+            for refs in kv_caches.group_data_refs
+        ],
+    )
+
+
+def _gpu_spec(spec: VllmLoadStoreSpec) -> GPULoadStoreSpec:
+    if isinstance(spec, GPULoadStoreSpec):
+        return spec
+    if not isinstance(spec, VllmGPUSpec):
+        # ValueError, as kvtier's handlers raise for every malformed spec: one kind of caller bug
+        raise ValueError(  # noqa: TRY004
+            f"expected vLLM's GPULoadStoreSpec for the GPU side, got {type(spec).__name__}"
+        )
+    return GPULoadStoreSpec(spec.block_ids, spec.group_sizes, spec.block_indices)
+
+
+def _cpu_spec(spec: VllmLoadStoreSpec) -> CPULoadStoreSpec:
+    if isinstance(spec, CPULoadStoreSpec):
+        return spec
+    # vLLM's CPULoadStoreSpec, as KvtierOffloadingManager hands them out: rows of the region
+    if not isinstance(spec, VllmBlockIDsSpec) or isinstance(spec, VllmGPUSpec):
+        raise ValueError(  # noqa: TRY004
+            f"expected the CPU rows the kvtier manager handed out, got {type(spec).__name__}"
+        )
+    return CPULoadStoreSpec(spec.block_ids)
+
+
+class KvtierOffloadingWorker(OffloadingWorker):
+    """The store (GPU->CPU) and load (CPU->GPU) handlers of one worker process.
+
+    Who calls it: vLLM's connector worker, from the model runner's thread. ``submit_*`` and
+    :meth:`get_finished` never wait, except that the first ``submit_*`` may attach and pin
+    the CPU region (see the module docstring); :meth:`wait` and :meth:`shutdown` block.
+
+    ``standalone`` is kvtier's own spec for this worker (configuration with the region's
+    path, the worker's page sizes); ``kv_caches`` are kvtier's canonical caches.
+    """
+
+    def __init__(self, standalone: StandaloneSpec, kv_caches: CanonicalKVCaches):
+        self._standalone = standalone
+        self._kv_caches = kv_caches
+        self._store: OffloadingHandler | None = None
+        self._load: OffloadingHandler | None = None
+        self._closed = False
+        self._start(only_if_present=True)
+
+    def _start(self, *, only_if_present: bool) -> None:
+        """Attach to the region and build the handlers, once.
+
+        ``only_if_present``: try only if the region's file exists (the eager attempt at
+        construction). Otherwise wait for it up to the spec's attach timeout, then raise
+        :class:`~kvtier.errors.KvtierError` naming the path.
+        """
+        if self._store is not None:
+            return
+        if only_if_present and not os.path.exists(self._standalone.region_path):
+            return
+        handlers = {
+            (src.medium(), dst.medium()): handler
+            for src, dst, handler in self._standalone.get_handlers(self._kv_caches)
+        }
+        self._store = handlers[("GPU", "CPU")]
+        self._load = handlers[("CPU", "GPU")]
+        logger.info("kvtier worker attached to the CPU tier at %s", self._standalone.region_path)
+
+    @property
+    def started(self) -> bool:
+        """Whether the region is attached and the handlers built."""
+        return self._store is not None
+
+    def submit_store(self, job_id: int, src_spec: VllmGPUSpec, dst_spec: VllmLoadStoreSpec) -> bool:
+        """Queue the copy of GPU blocks ``src_spec`` into CPU rows ``dst_spec``; True if queued."""
+        if self._closed:
+            return False
+        self._start(only_if_present=False)
+        assert self._store is not None
+        return self._store.transfer_async(job_id, (_gpu_spec(src_spec), _cpu_spec(dst_spec)))
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: VllmLoadStoreSpec,
+        dst_spec: VllmGPUSpec,
+        expedited: bool = False,
+    ) -> bool:
+        """Queue the copy of CPU rows ``src_spec`` into GPU blocks ``dst_spec``.
+
+        ``expedited`` (a load vLLM waits for within the step) is queued like any load: loads
+        already run ahead of stores, on a higher-priority stream, but in submission order
+        among themselves.
+        """
+        if self._closed:
+            return False
+        self._start(only_if_present=False)
+        assert self._load is not None
+        return self._load.transfer_async(job_id, (_cpu_spec(src_spec), _gpu_spec(dst_spec)))
+
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs finished since the last call (stores, then loads); never waits."""
+        if self._store is None or self._load is None:
+            return []
+        results = []
+        for handler in (self._store, self._load):
+            for result in handler.get_finished():
+                if not result.success:
+                    # vLLM 0.33's connector does not handle failed transfers (it asserts);
+                    # say which job and why before it does.
+                    logger.error(
+                        "kvtier transfer job %d failed (see the kvtier error logged above); "
+                        "vLLM's offloading connector cannot recover from a failed transfer",
+                        result.job_id,
+                    )
+                results.append(
+                    TransferResult(
+                        job_id=result.job_id,
+                        success=result.success,
+                        transfer_size=result.transfer_size,
+                        transfer_time=result.transfer_time,
+                    )
+                )
+        return results
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until the named jobs have finished (their results still come from get_finished)."""
+        if self._store is None or self._load is None:
+            return
+        ids = set(job_ids)
+        self._store.wait(ids)
+        self._load.wait(ids)
+
+    def shutdown(self) -> None:
+        """Wait for queued jobs, stop the handlers, release the region. Idempotent."""
+        self._closed = True
+        self._standalone.shutdown()

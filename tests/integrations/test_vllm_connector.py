@@ -1,0 +1,348 @@
+"""kvtier under vLLM 0.33's own offloading connector: its config translation, scheduler side and
+worker side are vLLM's code, unchanged; only the engine loop around them is this test's.
+
+``build_offloading_config`` turns a (minimal) vLLM config and a real ``KVCacheConfig`` into the
+``OffloadingConfig``; ``OffloadingConnectorScheduler`` makes every manager call (lookups per
+chunk, deferrals, prepare_load/prepare_store, complete_*, on_request_finished,
+on_schedule_end); ``OffloadingConnectorWorker`` registers the KV caches and submits the jobs
+to kvtier's worker. The loop stands in for vLLM's scheduler and model: it admits requests,
+allocates GPU blocks, "computes" a chunk by writing bytes derived from the chunk's key, and
+hands worker results back. A loaded chunk must hold its key's bytes, byte for byte.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.base")
+pytestmark = pytest.mark.vllm
+
+from types import SimpleNamespace as Namespace
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+    build_offloading_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    OffloadingConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+    OffloadingConnectorWorker,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import (
+    KVCacheBlock,
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.kv_offload.base import make_offload_key
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm_support import SPEC_MODULE, drain_disk, payload, prometheus
+
+from kvtier.integrations.vllm import KvtierOffloadingManager, TieredOffloadingSpec
+
+BLOCK_TOKENS = 16
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+NUM_GPU_BLOCKS = 96
+ATTENTION = FullAttentionSpec(
+    block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
+)
+PAGE = ATTENTION.page_size_bytes  # K and V of one block of one layer: 4096 bytes
+
+
+def vllm_config(extra_config: dict, engine_id: str) -> Namespace:
+    """The parts of a VllmConfig that vLLM's offloading code reads, for a 2-layer model."""
+    return Namespace(
+        kv_transfer_config=Namespace(kv_connector_extra_config=extra_config, engine_id=engine_id),
+        parallel_config=Namespace(
+            world_size=1,
+            rank=0,
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            prefill_context_parallel_size=1,
+            decode_context_parallel_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            distributed_executor_backend="mp",
+            nnodes_within_dp=1,
+            cp_kv_cache_interleave_size=1,
+        ),
+        cache_config=Namespace(
+            block_size=BLOCK_TOKENS,
+            prefix_match_unit=None,
+            cache_dtype="auto",
+            kv_cache_layout="NHD",
+            enable_prefix_caching=True,
+            prefix_cache_retention_interval=None,
+        ),
+        model_config=Namespace(
+            model="test-org/tiny-model",
+            dtype=torch.bfloat16,
+            max_model_len=4096,
+            use_mla=False,
+            get_total_num_kv_heads=lambda: 1,
+        ),
+        use_v2_model_runner=False,
+        kv_events_config=None,
+        speculative_config=None,
+    )
+
+
+def kv_cache_config() -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks=NUM_GPU_BLOCKS,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=NUM_GPU_BLOCKS * len(LAYERS) * PAGE,
+                layers=list(LAYERS),
+                layer_stride=NUM_GPU_BLOCKS * PAGE,
+                block_stride=PAGE,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), ATTENTION)],
+    )
+
+
+class EngineLoop:
+    """vLLM's connector halves around a stand-in scheduler and model (one request at a time)."""
+
+    def __init__(self, extra_config: dict, engine_id: str):
+        init_none_hash(sha256)
+        self.vllm_config = vllm_config(extra_config, engine_id)
+        self.kv_config = kv_cache_config()
+        config = build_offloading_config(self.vllm_config, self.kv_config)
+        # Worker first, as vLLM does: KV caches are registered before the scheduler exists.
+        self.caches = {
+            name: torch.zeros((NUM_GPU_BLOCKS, 2, BLOCK_TOKENS, 1, 64), dtype=torch.bfloat16)
+            for name in LAYERS
+        }
+        worker_spec = OffloadingSpecFactory.create_spec(config)
+        self.worker = OffloadingConnectorWorker(worker_spec, self.vllm_config, self.kv_config)
+        self.worker.register_kv_caches(self.caches)
+        scheduler_spec = OffloadingSpecFactory.create_spec(config)
+        assert isinstance(scheduler_spec, TieredOffloadingSpec)
+        self.scheduler = OffloadingConnectorScheduler(
+            scheduler_spec, self.vllm_config, self.kv_config
+        )
+        self.manager = self.scheduler.manager
+        assert isinstance(self.manager, KvtierOffloadingManager)
+        self.hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
+        self.next_free = 1  # GPU block 0 is vLLM's null block
+        self.deferred_steps = 0
+        self.loaded_chunks = 0
+        self.sources: dict[CacheHitSource, int] = {}
+
+    # -- the stand-in model ------------------------------------------------------------------
+
+    def page_bytes(self, block: int) -> np.ndarray:
+        parts = [self.caches[name][block].view(torch.uint8).reshape(-1).numpy() for name in LAYERS]
+        return np.concatenate(parts)
+
+    def compute(self, block: int, key: bytes) -> None:
+        """The model writes the KV of one chunk: bytes determined by the chunk's key."""
+        data = torch.from_numpy(payload(key, len(LAYERS) * PAGE).copy())
+        for i, name in enumerate(LAYERS):
+            self.caches[name][block].view(torch.uint8).reshape(-1)[:] = data[
+                i * PAGE : (i + 1) * PAGE
+            ]
+
+    # -- one engine step -----------------------------------------------------------------------
+
+    def step(self, new=(), scheduled=None, finished=()) -> None:
+        """build_connector_meta for the step, the worker's transfers, their results back."""
+        output = Namespace(
+            scheduled_new_reqs=list(new),
+            scheduled_cached_reqs=Namespace(req_ids=[], new_block_ids=[], resumed_req_ids=set()),
+            num_scheduled_tokens=dict(scheduled or {}),
+            finished_req_ids=set(finished),
+            preempted_req_ids=None,
+            kv_cache_block_copies=None,
+            kv_connector_block_state=None,
+        )
+        meta = self.scheduler.build_connector_meta(output)
+        worker = self.worker
+        worker.handle_preemptions(meta)
+        worker.start_kv_transfers(meta)
+        worker.prepare_store_kv(meta)
+        # vLLM submits a step's stores at the start of the next step; flush them now so the
+        # step's results are complete (a test has no next forward pass to overlap with).
+        worker.handle_preemptions(Namespace(jobs_to_flush=None, store_jobs={}))
+        jobs = set(meta.load_jobs) | set(meta.store_jobs)
+        worker.worker.wait(jobs)
+        worker.get_finished(set())
+        worker_meta = worker.build_connector_worker_meta() or OffloadingWorkerMetadata()
+        assert set(worker_meta.completed_jobs) >= jobs
+        self.scheduler.update_connector_output(
+            KVConnectorOutput(kv_connector_worker_meta=worker_meta)
+        )
+        drain_disk(self.manager)  # the forward pass: time for the disk I/O of the step
+
+    def serve(self, req_id: str, prompt: list[int]) -> int:
+        """Admit, load what the offload tiers hold, compute the rest, finish. Returns the
+        number of tokens loaded from kvtier."""
+        request = Request(
+            req_id, prompt, SamplingParams(max_tokens=1), None, block_hasher=self.hasher
+        )
+        self.scheduler.on_new_request(request)
+        while True:
+            hit, is_async = self.scheduler.get_num_new_matched_tokens(request, 0)
+            if hit is not None:
+                break
+            self.deferred_steps += 1
+            assert self.deferred_steps < 500, "lookups never resolved"
+            self.step()  # the request waits; the step ends (on_schedule_end)
+        num_blocks = -(-len(prompt) // BLOCK_TOKENS)
+        blocks = list(range(self.next_free, self.next_free + num_blocks))
+        self.next_free += num_blocks
+        assert self.next_free < NUM_GPU_BLOCKS
+        for block in blocks:
+            for name in LAYERS:
+                self.caches[name][block] = -1.0  # stale bytes: a load must overwrite them
+        keys = [make_offload_key(h, 0) for h in request.block_hashes]
+        vllm_blocks = KVCacheBlocks(([KVCacheBlock(block_id=b) for b in blocks],))
+        self.scheduler.update_state_after_alloc(request, vllm_blocks, hit)
+        if hit:
+            assert is_async
+            for source, tokens in self.scheduler.get_external_cache_hit_sources(
+                request, hit
+            ).items():
+                self.sources[source] = self.sources.get(source, 0) + tokens
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.step()  # the load runs
+            for chunk in range(hit // BLOCK_TOKENS):
+                np.testing.assert_array_equal(
+                    self.page_bytes(blocks[chunk]),
+                    payload(keys[chunk], len(LAYERS) * PAGE),
+                    err_msg=f"{req_id}: chunk {chunk} loaded other bytes than its key's",
+                )
+            self.loaded_chunks += hit // BLOCK_TOKENS
+        request.num_computed_tokens = hit
+        request.status = RequestStatus.RUNNING
+        for chunk in range(hit // BLOCK_TOKENS, num_blocks):
+            if chunk < len(keys):
+                self.compute(blocks[chunk], keys[chunk])
+        new = Namespace(req_id=req_id, block_ids=(blocks,))
+        self.step(new=[new], scheduled={req_id: len(prompt) - hit})  # stores run
+        request.num_computed_tokens = len(prompt)
+        request.status = RequestStatus.FINISHED_STOPPED
+        self.scheduler.request_finished(request)
+        self.step(finished=[req_id])  # on_request_finished
+        self.next_free = 1  # the request's GPU blocks are free again (no GPU prefix cache)
+        return hit
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+
+def prompt(prefix: int, chunks: int) -> list[int]:
+    """A prompt of ``chunks`` full chunks plus a few tokens, sharing its start with every
+    prompt of the same ``prefix``."""
+    return [prefix * 1000 + i for i in range(chunks * BLOCK_TOKENS + 3)]
+
+
+def test_vllms_connector_drives_the_whole_stack_through_cpu_and_disk(tmp_path):
+    extra = {
+        "spec_name": "TieredOffloadingSpec",
+        "spec_module_path": SPEC_MODULE,
+        "tiers": [
+            # 10 CPU rows of 8 KiB for 6 prefixes of up to 8 chunks: most hits come from disk
+            {"kind": "cpu", "capacity": 10 * 8192, "pin_memory": "off"},
+            {"name": "nvme", "kind": "lmdb", "path": str(tmp_path / "store"), "capacity": "8MiB"},
+        ],
+    }
+    engine = EngineLoop(extra, "kvtier-connector-test")
+    try:
+        rng = np.random.default_rng(3)
+        hits = 0
+        for r in range(30):
+            tokens = engine.serve(
+                f"req-{r}", prompt(int(rng.integers(0, 6)), int(rng.integers(2, 9)))
+            )
+            hits += tokens > 0
+        figures = engine.manager.stats()
+        assert hits > 10 and engine.loaded_chunks > 20
+        assert engine.deferred_steps > 0  # some hits waited for a promotion
+        assert figures["nvme.promotions"] > 0 and figures["nvme.corrupt_blocks"] == 0
+        assert engine.sources.get(CacheHitSource.DISK, 0) > 0
+        assert engine.sources.get(CacheHitSource.HOST, 0) > 0
+    finally:
+        engine.shutdown()
+
+
+def test_vllms_connector_is_served_from_disk_after_a_restart(tmp_path):
+    extra = {
+        "spec_name": "TieredOffloadingSpec",
+        "spec_module_path": SPEC_MODULE,
+        "tiers": [
+            {"kind": "cpu", "capacity": "1MiB", "pin_memory": "off"},
+            {"name": "nvme", "kind": "files", "path": str(tmp_path / "store"), "capacity": "8MiB"},
+        ],
+    }
+    first = EngineLoop(extra, "kvtier-restart-a")
+    try:
+        assert first.serve("before", prompt(1, 6)) == 0
+    finally:
+        first.shutdown()  # writes the CPU tier's blocks down
+    second = EngineLoop(extra, "kvtier-restart-b")
+    try:
+        assert second.serve("after", prompt(1, 6)) == 6 * BLOCK_TOKENS
+        assert second.loaded_chunks == 6 and second.deferred_steps > 0
+        assert second.sources == {CacheHitSource.DISK: 6 * BLOCK_TOKENS}
+    finally:
+        second.shutdown()
+
+
+def test_kvtiers_statistics_reach_vllms_prometheus_metrics(tmp_path):
+    extra = {
+        "spec_name": "TieredOffloadingSpec",
+        "spec_module_path": SPEC_MODULE,
+        "tiers": [
+            {"kind": "cpu", "capacity": "1MiB", "pin_memory": "off"},
+            {"name": "nvme", "kind": "lmdb", "path": str(tmp_path / "store"), "capacity": "8MiB"},
+        ],
+        "cascade": {"write_policy": "write_through"},
+    }
+    sink, registry = prometheus(extra)  # built from the spec's declared metrics, as vLLM does
+    engine = EngineLoop(extra, "kvtier-prometheus-test")
+    try:
+        engine.serve("r", prompt(2, 4))
+        engine.step()
+        stats = engine.scheduler.get_stats()  # what the engine core ships to the frontend
+        sink.observe(stats.data)
+        figures = engine.manager.stats()
+        assert figures["nvme.demotions"] == 4
+        for name in ("nvme.demotions", "nvme.blocks", "ready_blocks", "lookups"):
+            sample = registry.get_sample_value(
+                "vllm:kv_offload_kvtier_stat", {"engine": "0", "stat": name}
+            )
+            assert sample == figures[name], name
+        info = registry.get_sample_value(
+            "vllm:kv_offload_config_info",
+            {
+                "engine": "0",
+                "kvtier_tiers": "cpu:cpu:1MiB,nvme:lmdb:8MiB",
+                "kvtier_block_bytes": str(len(LAYERS) * PAGE),
+                "kvtier_block_size_tokens": "16",
+                "kvtier_write_policy": "write_through",
+            },
+        )
+        assert info == 1.0
+    finally:
+        engine.shutdown()
