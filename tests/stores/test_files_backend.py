@@ -1,0 +1,119 @@
+"""What only the files tier has: names, temp files, the shared count, the recency log."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import key
+from store_helpers import load, open_tier, region, store
+
+
+@pytest.fixture
+def shm():
+    r = region(64)
+    yield r
+    r.close()
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def usage(path) -> int:
+    return int.from_bytes((path / "usage").read_bytes()[:8], "little")
+
+
+def test_layout_one_file_per_block(tmp_path, shm):
+    tier = open_tier("files", tmp_path / "s", shm.rows, 8)
+    keys = [key(i) for i in range(3)]
+    store(tier, shm.rows, keys)
+    names = sorted(p.name for p in (tmp_path / "s" / "blocks").rglob("*.kvb"))
+    assert names == sorted(k.hex() + ".kvb" for k in keys)
+    sizes = {p.stat().st_size for p in (tmp_path / "s" / "blocks").rglob("*.kvb")}
+    assert sizes <= {tier.slot_bytes, 4096 + tier.block_bytes}
+    assert usage(tmp_path / "s") == 3
+    tier.close()
+
+
+def test_temp_files_of_dead_writers_are_removed(tmp_path, shm):
+    tier = open_tier("files", tmp_path / "s", shm.rows, 8)
+    store(tier, shm.rows, [key(1)])
+    subdir = os.path.dirname(tier._path_of(key(2)))
+    temp = os.path.join(subdir, f".{key(2).hex()}.{dead_pid()}.1.tmp")
+    with open(temp, "wb") as f:
+        f.write(b"half a block")
+    report = tier.check()
+    assert report.problems == [f"{temp}: temp file of a writer that is gone"]
+    tier.close()
+    tier = open_tier("files", tmp_path / "s", shm.rows, 8)  # alone: cleans at open
+    assert not os.path.exists(temp) and tier.check().healthy
+    assert tier.lookup(key(2)) is False and tier.num_blocks() == 1
+    tier.close()
+
+
+def test_check_finds_strays_misplaced_blocks_and_a_low_count(tmp_path, shm):
+    tier = open_tier("files", tmp_path / "s", shm.rows, 8)
+    keys = [key(i) for i in range(3)]
+    store(tier, shm.rows, keys)
+    blocks = tmp_path / "s" / "blocks"
+    (blocks / "00" / "README").write_text("not a block")
+    right = tier._path_of(keys[0])
+    wrong_dir = next(d for d in tier._subdirs if d != os.path.dirname(right))
+    os.rename(right, os.path.join(wrong_dir, os.path.basename(right)))
+    (tmp_path / "s" / "usage").write_bytes((1).to_bytes(8, "little"))
+    report = tier.check(fix=True)
+    text = "\n".join(report.problems)
+    assert "README: not a block file" in text and "wrong fan-out directory" in text
+    assert "usage count says 1 blocks, but 3 are on disk" in text
+    assert tier.check().healthy
+    assert usage(tmp_path / "s") == 2 and tier.lookup(keys[0]) is False
+    assert load(tier, shm.rows, keys[1:], first_row=20).success
+    tier.close()
+
+
+def test_the_count_is_recounted_when_alone_and_bounds_capacity(tmp_path, shm):
+    tier = open_tier("files", tmp_path / "s", shm.rows, 4)
+    store(tier, shm.rows, [key(i) for i in range(4)])
+    tier.close()
+    (tmp_path / "s" / "usage").write_bytes((99).to_bytes(8, "little"))  # drifted high by crashes
+    tier = open_tier("files", tmp_path / "s", shm.rows, 4)
+    assert usage(tmp_path / "s") == 4
+    assert store(tier, shm.rows, [key(9)], first_row=9).success  # evicts one
+    assert usage(tmp_path / "s") == 4
+    assert len(list((tmp_path / "s" / "blocks").rglob("*.kvb"))) == 4
+    tier.close()
+
+
+def test_a_torn_recency_log_is_only_a_hint(tmp_path, shm):
+    tier = open_tier("files", tmp_path / "s", shm.rows, 3)
+    keys = [key(i) for i in range(4)]
+    for i in range(3):
+        store(tier, shm.rows, [keys[i]], first_row=i)
+    tier.close()
+    with open(tmp_path / "s" / "recency.log", "ab") as log:
+        log.write(b"\x01\x02\x03 torn")
+    tier = open_tier("files", tmp_path / "s", shm.rows, 3)
+    assert tier.num_blocks() == 3
+    tier.take_events()
+    store(tier, shm.rows, [keys[3]], first_row=3)
+    assert [k for e in tier.take_events() if e.removed for k in e.keys] == [keys[0]]
+    tier.close()
+
+
+def test_publish_never_replaces_a_published_block(tmp_path, shm):
+    tier = open_tier("files", tmp_path / "s", shm.rows, 4)
+    store(tier, shm.rows, [key(1)])
+    final = tier._path_of(key(1))
+    with open(final, "rb") as f:
+        before = f.read()
+    temp = final + ".other.tmp"
+    with open(temp, "wb") as f:
+        f.write(b"a copy another process wrote")
+    assert tier._publish(temp, final) is False
+    assert not os.path.exists(temp)
+    with open(final, "rb") as f:
+        assert f.read() == before
+    tier.close()
