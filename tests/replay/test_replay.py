@@ -1,6 +1,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from kvtier.config import CascadeConfig
 from kvtier.managers.stack import TierStackManager
@@ -85,3 +86,24 @@ def test_stack_replay_with_rotting_store_is_a_miss_not_wrong_bytes(tmp_path):
     assert engine.counts.mismatched_blocks == 0
     assert engine.manager.stats()["mem.corrupt_blocks"] >= 1
     assert engine.counts.hits["mem"] == 0  # every rotten block was a miss, then recomputed
+
+
+def test_replay_plot_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "hits.png"
+    replay(
+        str(bundled_trace_path()), json.dumps(cpu_config(1000)), gpu_blocks=400, block_bytes=BLOCK,
+        limit=100, progress=False, plot=str(target),
+    )
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_replay_default_stack_on_a_slice(capsys):
+    from kvtier.cli.main import main
+
+    assert main(["replay", "--limit", "150", "--no-progress", "--json", "--block-bytes", "4096"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["tiers"] == ["cpu:cpu", "disk:lmdb"]
+    assert record["mismatched_blocks"] == 0 and record["dropped_blocks"] == 0
+    assert 0 < record["hit_ratio"] <= record["ceiling_hit_ratio"] + 1e-9
+    assert "cpu_only_hit_ratio" in record

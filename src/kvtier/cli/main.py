@@ -23,6 +23,81 @@ def _config_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from kvtier.replay.run import replay
+
+    out = io.StringIO() if args.json else sys.stdout
+    try:
+        record = replay(
+            args.trace,
+            args.config,
+            gpu_blocks=args.gpu_blocks,
+            block_bytes=args.block_bytes,
+            limit=args.limit,
+            baseline=not args.no_baseline,
+            progress=not args.no_progress,
+            plot=args.plot,
+            disk_kind=args.disk,
+            out=out,
+        )
+    except KvtierError as exc:
+        print(f"kvtier replay: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(out.getvalue().rstrip("\n").splitlines()[-1])
+    # Wrong bytes served is the one outcome a replay must never show; corrupt blocks found
+    # (and dropped) by a tier are a counted miss, not a failure.
+    return 1 if record["mismatched_blocks"] else 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    import json
+
+    from kvtier.stores import check_store
+
+    try:
+        report = check_store(args.path, fix=args.fix)
+    except KvtierError as exc:
+        if args.json:
+            print(json.dumps({"path": args.path, "healthy": False, "error": str(exc)}, sort_keys=True))
+        else:
+            print(f"{args.path}: cannot check: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(
+            {"path": report.tier, "healthy": report.healthy, "blocks_checked": report.blocks_checked,
+             "problems": report.problems, "fixed": report.fixed},
+            sort_keys=True,
+        ))
+    else:
+        state = "healthy" if report.healthy else f"{len(report.problems)} problems"
+        print(f"{report.tier}: {report.blocks_checked} blocks checked, {state}")
+        for problem in report.problems:
+            print(f"  problem: {problem}")
+        for fixed in report.fixed:
+            print(f"  fixed: {fixed}")
+    return 0 if report.healthy else 1
+
+
+def _bench_disk(args: argparse.Namespace) -> int:
+    from kvtier.bench import disk
+
+    out = io.StringIO() if args.json else sys.stdout
+    try:
+        disk.run(
+            backend=args.backend, gib=args.gib, threads=args.threads, directory=args.dir,
+            rounds=args.rounds, open_blocks=args.open_blocks, drop_caches=not args.no_drop_caches,
+            fsync=args.fsync, out=out,
+        )
+    except (KvtierError, RuntimeError, OSError) as exc:
+        # a block that failed to store or load, or came back different, ends the run
+        print(f"kvtier bench disk: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(out.getvalue().rstrip("\n").splitlines()[-1])
+    return 0
+
+
 def _bench_manager(args: argparse.Namespace) -> int:
     from kvtier.bench import manager
 
@@ -34,6 +109,19 @@ def _bench_manager(args: argparse.Namespace) -> int:
     return 0 if record["rows"] else 1
 
 
+def _bench_transfer(args: argparse.Namespace) -> int:
+    from kvtier.bench import transfer
+
+    out = io.StringIO() if args.json else sys.stdout
+    record = transfer.run(
+        device=args.device, max_batch=args.max_batch, runs=args.runs, layers=args.layers, out=out
+    )
+    if args.json:
+        lines = out.getvalue().rstrip("\n").splitlines()
+        print(lines[-1])
+    return 0 if record["rows"] and record["verified"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtier",
@@ -41,11 +129,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    replay = commands.add_parser(
+        "replay",
+        help="replay a request trace through the real tier stack, verifying every loaded block",
+        description="Replay a Mooncake-format trace (default: the bundled one) through a simulated "
+        "engine over the real manager, tiers and bytes; print hits per tier and one JSON line.",
+    )
+    replay.add_argument("trace", nargs="?", metavar="TRACE", help="JSONL trace (default: bundled Mooncake trace)")
+    replay.add_argument("--config", metavar="CFG", help="kvtier YAML (default: CPU + disk tier in a temp folder)")
+    replay.add_argument("--gpu-blocks", type=int, default=2000, help="blocks in the simulated GPU cache (default 2000)")
+    replay.add_argument(
+        "--block-bytes", type=int, default=16 * 1024, help="payload bytes per block (default 16384)"
+    )
+    replay.add_argument("--limit", type=int, help="replay only the first N requests")
+    replay.add_argument("--disk", choices=("lmdb", "files"), default="lmdb", help="disk tier kind of the default stack")
+    replay.add_argument("--no-baseline", action="store_true", help="skip the CPU-tier-only comparison run")
+    replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay.add_argument("--plot", metavar="FILE.png", help="draw the hit ratio per tier over time")
+    replay.add_argument("--json", action="store_true", help="print only the JSON line")
+    replay.set_defaults(func=_replay)
+
     config = commands.add_parser("config", help="work with configuration files")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     check = config_commands.add_parser("check", help="parse FILE and print the tier stack, or the error")
     check.add_argument("file", metavar="FILE", help="a kvtier YAML configuration")
     check.set_defaults(func=_config_check)
+
+    check_path = commands.add_parser(
+        "check",
+        help="verify a disk tier: every block against the index (exit 0 healthy, 1 problems found)",
+        description="Read and verify every block of the disk-tier store at PATH (its manifest says "
+        "which kind and layout); report what is wrong. Safe while an engine uses the store.",
+    )
+    check_path.add_argument("path", metavar="PATH", help="the store directory (a disk tier's path:)")
+    check_path.add_argument("--fix", action="store_true", help="drop bad blocks and repair the index")
+    check_path.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    check_path.set_defaults(func=_check)
 
     bench = commands.add_parser("bench", help="benchmarks, each against a baseline measured in the same run")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="TARGET")
@@ -57,6 +176,40 @@ def build_parser() -> argparse.ArgumentParser:
     bench_manager.add_argument("--capacity", type=int, default=50_000, help="tier size in blocks (default 50000)")
     bench_manager.add_argument("--runs", type=int, default=5, help="runs per figure; the median is kept (default 5)")
     bench_manager.set_defaults(func=_bench_manager)
+    bench_transfer = bench_commands.add_parser(
+        "transfer", help="GPU<->CPU handler throughput against one contiguous copy of the same bytes"
+    )
+    bench_transfer.add_argument("--json", action="store_true", help="print only the JSON line")
+    bench_transfer.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto",
+        help="where the KV cache lives: cuda if available (auto), or CPU tensors standing in for it",
+    )
+    bench_transfer.add_argument("--max-batch", type=int, default=512, help="largest batch in blocks (default 512)")
+    bench_transfer.add_argument("--runs", type=int, default=5, help="runs per figure; the median is kept (default 5)")
+    bench_transfer.add_argument("--layers", type=int, default=32, help="layers (canonical tensors) (default 32)")
+    bench_transfer.set_defaults(func=_bench_transfer)
+    bench_disk = bench_commands.add_parser(
+        "disk", help="a disk tier's write and cold-read GB/s against raw O_DIRECT I/O of the same bytes"
+    )
+    bench_disk.add_argument("--backend", choices=("lmdb", "files"), required=True, help="disk tier kind")
+    bench_disk.add_argument("--json", action="store_true", help="print only the JSON line")
+    bench_disk.add_argument("--gib", type=float, default=2.0, help="GiB written and read, as 2 MiB blocks (default 2)")
+    bench_disk.add_argument("--threads", type=int, default=None, help="I/O threads, tier and baseline alike (default 16)")
+    bench_disk.add_argument("--dir", default=None, help="where the stores go (default /var/tmp); not a tmpfs")
+    bench_disk.add_argument("--rounds", type=int, default=5, help="rounds; the median is kept (default 5)")
+    bench_disk.add_argument(
+        "--open-blocks", type=int, default=100_000,
+        help="blocks in the store whose open is timed (open_s; default 100000, 0 skips it)",
+    )
+    bench_disk.add_argument(
+        "--fsync", choices=("none", "batch", "always"), default="batch",
+        help="the tier's fsync policy while writing (default batch; vLLM's fs tier never flushes)",
+    )
+    bench_disk.add_argument(
+        "--no-drop-caches", action="store_true",
+        help="never empty the machine's page cache (as root it does, for cold reads and opens)",
+    )
+    bench_disk.set_defaults(func=_bench_disk)
     return parser
 
 
