@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import numpy as np
 from helpers import payload
@@ -85,3 +87,10 @@ def load(tier, rows: np.ndarray, keys, first_row: int = 0, others: list | None =
     for row in indexes:
         rows[row] = 0
     return run(tier, keys, indexes, load=True, others=others)
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (for stale-lock and crashed-writer cases)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid

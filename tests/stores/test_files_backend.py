@@ -1,25 +1,9 @@
 """What only the files tier has: names, temp files, the shared count, the recency log."""
 
 import os
-import subprocess
-import sys
 
-import pytest
 from helpers import key
-from store_helpers import load, open_tier, region, store
-
-
-@pytest.fixture
-def shm():
-    r = region(64)
-    yield r
-    r.close()
-
-
-def dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
+from store_helpers import dead_pid, load, open_tier, store
 
 
 def usage(path) -> int:

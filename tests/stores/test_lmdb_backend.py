@@ -1,27 +1,12 @@
 """What only the lmdb tier has: the slab, slot bookkeeping and its recovery."""
 
-import subprocess
-import sys
 
 import pytest
 from helpers import key
-from store_helpers import holds, load, open_tier, region, store
+from store_helpers import dead_pid, holds, load, open_tier, store
 
 from kvtier.errors import ConfigError
 from kvtier.stores.lmdb import _ENTRY, _NEXT_SLOT, _OWNER, _slot_key
-
-
-@pytest.fixture
-def shm():
-    r = region(64)
-    yield r
-    r.close()
-
-
-def dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
 
 
 def test_slab_is_preallocated_and_slots_are_reused(tmp_path, shm):

@@ -30,18 +30,6 @@ from kvtier.stores.memory import MemoryStore
 from kvtier.stores.mover import ODirectProbe, probe_o_direct
 
 
-@pytest.fixture
-def shm():
-    r = region(64)
-    yield r
-    r.close()
-
-
-@pytest.fixture(params=KINDS)
-def kind(request):
-    return request.param
-
-
 def make(kind, path, rows, blocks, **options):
     if kind == "memory":
         return MemoryStore("disk", rows, blocks)

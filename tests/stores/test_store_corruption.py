@@ -13,20 +13,12 @@ from store_helpers import (
     holds,
     load,
     open_tier,
-    region,
     store,
 )
 
 from kvtier.stores.format import HEADER_BYTES, encode_header_into
 from kvtier.stores.lmdb import _ENTRY
 from kvtier.stores.mover import aligned_buffer
-
-
-@pytest.fixture
-def shm():
-    r = region(64)
-    yield r
-    r.close()
 
 
 def locate(tier, k):

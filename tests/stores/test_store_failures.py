@@ -8,21 +8,9 @@ import subprocess
 
 import pytest
 from helpers import key
-from store_helpers import KINDS, holds, load, open_tier, region, store
+from store_helpers import holds, load, open_tier, store
 
 from kvtier.errors import ConfigError
-
-
-@pytest.fixture
-def shm():
-    r = region(64)
-    yield r
-    r.close()
-
-
-@pytest.fixture(params=KINDS)
-def kind(request):
-    return request.param
 
 
 def failing(real, code, when=lambda *args: True):
