@@ -39,6 +39,12 @@ def load_bytes(manager, keys):
     return got
 
 
+def settle(manager):
+    """Two steps: the first submits the step's jobs, the second polls their results."""
+    manager.on_schedule_end()
+    manager.on_schedule_end()
+
+
 def resolve(manager, k, steps=5):
     """Look ``k`` up the way an engine does: step while the answer is None."""
     for _ in range(steps):
@@ -68,13 +74,11 @@ def test_write_through_saves_every_block_below():
 def test_write_back_waits_for_pressure_then_saves_the_coldest():
     manager, disk = make(cpu_blocks=8, write_policy="write_back")
     store(manager, [key(i) for i in range(5)])  # 3 free + 0 clean < 25% of 8? no: 3 >= 2
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     assert disk.num_blocks() == 0
     manager.touch([key(0)], CTX)  # key 0 is now the warmest
     store(manager, [key(5), key(6), key(7)])  # no free rows, nothing clean: under pressure
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     saved = {k for k in map(key, range(8)) if disk.lookup(k)}
     assert saved and key(0) not in saved and key(1) in saved
 
@@ -83,8 +87,7 @@ def test_dirty_blocks_are_never_dropped_and_stores_wait_for_clean_room():
     manager, disk = make(cpu_blocks=2)
     store(manager, [key(0), key(1)])
     assert manager.prepare_store([key(2)], CTX) is None  # both dirty: nothing evictable
-    manager.on_schedule_end()
-    manager.on_schedule_end()  # saved below: now clean
+    settle(manager)  # saved below: now clean
     out = store(manager, [key(2)])
     assert out.evicted_keys and all(disk.lookup(k) for k in out.evicted_keys)
     assert manager.stats()["evictions"] == 1
@@ -93,11 +96,9 @@ def test_dirty_blocks_are_never_dropped_and_stores_wait_for_clean_room():
 def test_promotion_brings_a_block_up_and_serves_its_bytes():
     manager, disk = make(cpu_blocks=2)
     store(manager, [key(0), key(1)])
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     store(manager, [key(2), key(3)])  # evicts keys 0 and 1 from the CPU tier
-    manager.on_schedule_end()
-    manager.on_schedule_end()  # 2 and 3 saved: clean, so a promotion can take a row
+    settle(manager)  # 2 and 3 saved: clean, so a promotion can take a row
     assert manager.lookup(key(0), CTX) is None  # on disk only: read queued
     manager.on_schedule_end()  # submitted
     assert manager.lookup(key(0), CTX) is True  # polled during lookup
@@ -108,15 +109,12 @@ def test_promotion_brings_a_block_up_and_serves_its_bytes():
 def test_a_key_wanted_twice_is_read_once():
     manager, disk = make(cpu_blocks=2)
     store(manager, [key(0), key(1)])
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     store(manager, [key(2), key(3)])
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     assert manager.lookup(key(0), ReqContext("a")) is None
     assert manager.lookup(key(0), ReqContext("b")) is None
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     assert manager.lookup(key(0), CTX) is True
     stats = manager.stats()
     assert stats["disk.promote_jobs"] == 1 and stats["disk.promotions"] == 1
@@ -126,11 +124,9 @@ def test_a_key_wanted_twice_is_read_once():
 def test_a_failed_or_corrupt_read_is_a_miss_and_frees_the_row(fault):
     manager, disk = make(cpu_blocks=2)
     store(manager, [key(0), key(1)])
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     store(manager, [key(2), key(3)])
-    manager.on_schedule_end()
-    manager.on_schedule_end()  # 2 and 3 saved too: clean, so a promotion can evict one
+    settle(manager)  # 2 and 3 saved too: clean, so a promotion can evict one
     if fault == "fail":
         disk.fail_next(1, "EIO")
     else:
@@ -149,8 +145,7 @@ def test_a_refused_demotion_makes_the_block_evictable():
     manager, disk = make(cpu_blocks=2)
     store(manager, [key(0), key(1)])
     disk.fail_next(1, "ENOSPC")
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     stats = manager.stats()
     assert stats["disk.demote_failures"] == 2 and stats["dirty_blocks"] == 0
     out = store(manager, [key(2)])
@@ -160,17 +155,14 @@ def test_a_refused_demotion_makes_the_block_evictable():
 def test_promotion_budget_spreads_reads_over_steps():
     manager, disk = make(cpu_blocks=4, disk_blocks=8, max_promote_bytes_per_step=2 * BLOCK)
     store(manager, [key(i) for i in range(4)])
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     store(manager, [key(i) for i in range(4, 8)])  # keys 0-3 only below now
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     for i in range(3):
         assert manager.lookup(key(i), CTX) is None
     manager.on_schedule_end()
     assert manager.stats()["disk.queued_promotions"] == 1
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     assert all(manager.lookup(key(i), CTX) for i in range(3))
     assert manager.stats()["disk.promote_jobs"] == 2
 
@@ -199,11 +191,9 @@ def test_shutdown_saves_what_only_the_cpu_tier_holds():
 def test_a_block_already_below_is_stored_clean():
     manager, disk = make(cpu_blocks=2)
     store(manager, [key(0), key(1)])
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     store(manager, [key(2), key(3)])  # 0 and 1 leave the CPU tier
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     out = store(manager, [key(0)])  # recomputed by the engine, but the disk has it
     assert key(0) in out.keys_to_store
     assert key(0) not in manager._dirty
@@ -212,8 +202,7 @@ def test_a_block_already_below_is_stored_clean():
 def test_events_name_their_medium():
     manager, disk = make(cpu_blocks=2)
     store(manager, [key(0), key(1)])
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     store(manager, [key(2)])
     media = {(event.medium, event.removed) for event in manager.take_events()}
     assert ("MEMORY", False) in media and ("MEMORY", True) in media
@@ -223,11 +212,9 @@ def test_events_name_their_medium():
 def test_arc_policy_in_the_stack():
     manager, disk = make(cpu_blocks=2, policy=ARCPolicy)
     store(manager, [key(0), key(1)])
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     store(manager, [key(2), key(3)])
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     assert resolve(manager, key(0)) is True
     np.testing.assert_array_equal(load_bytes(manager, [key(0)])[0], payload(key(0), BLOCK))
 
@@ -235,8 +222,7 @@ def test_arc_policy_in_the_stack():
 def test_a_read_with_no_cpu_row_is_a_miss_for_a_step_not_a_livelock():
     manager, disk = make(cpu_blocks=2)
     store(manager, [key(0), key(1)])
-    manager.on_schedule_end()
-    manager.on_schedule_end()
+    settle(manager)
     store(manager, [key(2), key(3)])
     manager.on_schedule_end()
     manager.on_schedule_end()  # 0 and 1 only on disk now; 2 and 3 clean in the CPU tier
