@@ -38,6 +38,7 @@ from kvtier.config import (
 from kvtier.errors import BlockStateError, ConfigError, KvtierError, TierFullError
 from kvtier.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.policies import EvictionPolicy
+from kvtier.stores.format import LayoutFingerprint
 from kvtier.spec import TieredOffloadingSpec
 
 __version__ = "0.1.0"
@@ -59,6 +60,7 @@ __all__ = [
     "GPULoadStoreSpec",
     "KvtierConfig",
     "KvtierError",
+    "LayoutFingerprint",
     "LoadStoreSpec",
     "OffloadKey",
     "OffloadPolicy",

@@ -1,0 +1,37 @@
+import socket
+import urllib.request
+
+import pytest
+
+from kvtier.config import CascadeConfig
+from kvtier.managers.stack import TierStackManager
+from kvtier.metrics import StatsCollector, serve_metrics
+from kvtier.policies.lru import LRUPolicy
+from kvtier.stores.memory import MemoryStore
+from kvtier.tiers.memory import MemoryBackend
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+
+def stack():
+    backend = MemoryBackend(4, 64)
+    return TierStackManager(backend, LRUPolicy(4), [MemoryStore("nvme", backend.rows, 8)], CascadeConfig())
+
+
+def test_collector_labels_per_tier_counters():
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(StatsCollector(lambda: {"free_blocks": 3, "nvme.promotions": 7, "nvme.blocks": 2}))
+    assert registry.get_sample_value("kvtier_free_blocks", {"tier": "cpu"}) == 3
+    assert registry.get_sample_value("kvtier_promotions", {"tier": "nvme"}) == 7
+    assert registry.get_sample_value("kvtier_blocks", {"tier": "nvme"}) == 2
+
+
+def test_serve_metrics_on_loopback_reads_live_stats():
+    manager = stack()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    serve_metrics(manager, port)
+    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'kvtier_free_blocks{tier="cpu"} 4.0' in page
+    assert 'kvtier_blocks{tier="nvme"} 0.0' in page
