@@ -758,12 +758,14 @@ def test_only_config_errors_escape_on_wrong_types_everywhere() -> None:
                 paths.append((key, index))
                 paths += [(key, index, k) for k in tier]
     for path in paths:
+        rejected = 0
         for value in wrong:
             source = value if not path else changed(path, value)
             try:
                 load_config(copy.deepcopy(source))
-            except ConfigError:
-                pass
+            except ConfigError:  # anything else escaping fails the test
+                rejected += 1
+        assert rejected, f"no wrong value was rejected at {path}"
 
 
 # Values drawn near the schema, so that the fuzzing reaches the deep branches.

