@@ -5,9 +5,24 @@ from __future__ import annotations
 import argparse
 import io
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
+from kvtier.bench.report import print_json
 from kvtier.errors import KvtierError
+
+
+def _report(args: argparse.Namespace, run: Callable[[TextIO], dict[str, Any]]) -> dict[str, Any]:
+    """Run a reporter (table, then JSON line, on the stream it is given); its JSON record.
+
+    With ``--json`` only the JSON line reaches stdout: every reporter's last line is
+    ``print_json(record)``, so printing the returned record gives the same line.
+    """
+    if not args.json:
+        return run(sys.stdout)
+    record = run(io.StringIO())
+    print_json(record, sys.stdout)
+    return record
 
 
 def _config_check(args: argparse.Namespace) -> int:
@@ -26,9 +41,8 @@ def _config_check(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from kvtier.replay.run import replay
 
-    out = io.StringIO() if args.json else sys.stdout
     try:
-        record = replay(
+        record = _report(args, lambda out: replay(
             args.trace,
             args.config,
             gpu_blocks=args.gpu_blocks,
@@ -39,12 +53,10 @@ def _replay(args: argparse.Namespace) -> int:
             plot=args.plot,
             disk_kind=args.disk,
             out=out,
-        )
+        ))
     except KvtierError as exc:
         print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(out.getvalue().rstrip("\n").splitlines()[-1])
     # Wrong bytes served is the one outcome a replay must never show; corrupt blocks found
     # (and dropped) by a tier are a counted miss, not a failure.
     return 1 if record["mismatched_blocks"] else 0
@@ -82,43 +94,34 @@ def _check(args: argparse.Namespace) -> int:
 def _bench_disk(args: argparse.Namespace) -> int:
     from kvtier.bench import disk
 
-    out = io.StringIO() if args.json else sys.stdout
     try:
-        disk.run(
+        _report(args, lambda out: disk.run(
             backend=args.backend, gib=args.gib, threads=args.threads, directory=args.dir,
             rounds=args.rounds, open_blocks=args.open_blocks, drop_caches=not args.no_drop_caches,
             fsync=args.fsync, out=out,
-        )
+        ))
     except (KvtierError, RuntimeError, OSError) as exc:
         # a block that failed to store or load, or came back different, ends the run
         print(f"kvtier bench disk: {exc}", file=sys.stderr)
         return 1
-    if args.json:
-        print(out.getvalue().rstrip("\n").splitlines()[-1])
     return 0
 
 
 def _bench_manager(args: argparse.Namespace) -> int:
     from kvtier.bench import manager
 
-    out = io.StringIO() if args.json else sys.stdout
-    record = manager.run(num_keys=args.keys, capacity=args.capacity, runs=args.runs, out=out)
-    if args.json:
-        lines = out.getvalue().rstrip("\n").splitlines()
-        print(lines[-1])
+    record = _report(
+        args, lambda out: manager.run(num_keys=args.keys, capacity=args.capacity, runs=args.runs, out=out)
+    )
     return 0 if record["rows"] else 1
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
     from kvtier.bench import transfer
 
-    out = io.StringIO() if args.json else sys.stdout
-    record = transfer.run(
+    record = _report(args, lambda out: transfer.run(
         device=args.device, max_batch=args.max_batch, runs=args.runs, layers=args.layers, out=out
-    )
-    if args.json:
-        lines = out.getvalue().rstrip("\n").splitlines()
-        print(lines[-1])
+    ))
     return 0 if record["rows"] and record["verified"] else 1
 
 
