@@ -27,11 +27,9 @@ on its behalf (a hold, as ``prepare_load`` takes), until its lookups resolve or 
 Without that, a request whose hit is larger than the CPU tier's clean room never resolves:
 each step's promotions evict the blocks promoted for it a step before, which then need
 promoting again (seen with vLLM's connector driving a small CPU tier). With the pins, the
-found prefix only grows. When a step ends with no disk read in flight or queued (kvtier found
-no CPU row to read into and dropped the reads), the request's keys still pending have no read
-coming: they answer MISS from then on (unless they reach the CPU tier otherwise), and the
-request goes ahead with the prefix it has. (Asking kvtier again would queue the same reads
-again, step after step.)
+found prefix only grows. A read kvtier drops for want of a CPU row answers ``False`` (MISS)
+for the next step (``TierStackManager`` keeps it from being queued again), so the request
+goes ahead with the prefix it has.
 """
 
 from __future__ import annotations
@@ -102,11 +100,10 @@ class _RequestWait:
     ``step``: the step of the lookups below; ``hits``: keys found ready in that step before any
     pending answer (pinned as soon as one comes); ``pending``: keys answered HIT_PENDING in that
     step (so ``deferred`` is ``bool(pending)``); ``pinned``: keys this manager holds for the
-    request; ``promoted``: keys whose lookup started a read from disk (for get_load_source);
-    ``dropped``: keys whose read kvtier dropped for want of a CPU row.
+    request; ``promoted``: keys whose lookup started a read from disk (for get_load_source).
     """
 
-    __slots__ = ("dropped", "hits", "pending", "pinned", "promoted", "step")
+    __slots__ = ("hits", "pending", "pinned", "promoted", "step")
 
     def __init__(self) -> None:
         self.step = -1
@@ -114,7 +111,6 @@ class _RequestWait:
         self.pending: set[OffloadKey] = set()
         self.pinned: set[OffloadKey] = set()
         self.promoted: set[OffloadKey] = set()
-        self.dropped: set[OffloadKey] = set()
 
     @property
     def deferred(self) -> bool:
@@ -170,13 +166,10 @@ class KvtierOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if self._promotions_held:
             return LookupResult.HIT if self._contains_cpu(key) else LookupResult.MISS
-        wait = req_context.get_state(_RequestWait)
-        if wait is not None and key in wait.dropped:
-            found: bool | None = self._contains_cpu(key)  # no read is coming: never re-queue it
-        else:
-            found = self._inner.lookup(key, req_context)
+        found = self._inner.lookup(key, req_context)
         if found is False:
             return LookupResult.MISS
+        wait = req_context.get_state(_RequestWait)
         if wait is None:
             if found is True:
                 return LookupResult.HIT  # the common case: no state for requests never waiting
@@ -267,26 +260,12 @@ class KvtierOffloadingManager(OffloadingManager):
             if wait.step == self._step and not wait.deferred:
                 self._unpin(req_context)
         self._inner.on_schedule_end()
-        if self._waiting and not self._promotions_in_flight():
-            # kvtier submitted this step's reads just now, so none in flight or queued means
-            # it dropped them (no CPU row free, nothing being saved that would free one)
-            for req_context in self._waiting.values():
-                wait = req_context.get_state(_RequestWait)
-                if wait.step == self._step:
-                    wait.dropped |= wait.pending
         self._step += 1
         if self._stats_log_interval_s > 0:
             now = time.monotonic()
             if now >= self._next_stats_log:
                 self._next_stats_log = now + self._stats_log_interval_s
                 self._log_stats("kvtier")
-
-    def _promotions_in_flight(self) -> bool:
-        """Whether kvtier has a disk read submitted (not yet polled) or queued."""
-        figures = self._inner.stats()
-        if figures.get("promoting_blocks", 0):
-            return True
-        return any(v for k, v in figures.items() if k.endswith(".queued_promotions"))
 
     def has_pending_work(self) -> bool:
         pending = getattr(self._inner, "has_pending_work", None)
