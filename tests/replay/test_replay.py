@@ -38,6 +38,8 @@ def test_cpu_only_replay_of_a_trace_slice_verifies_every_load(tmp_path, capsys):
     assert record["requests"] == 300 and record["mismatched_blocks"] == 0
     assert record["hits"]["cpu"] > 0 and record["verified_blocks"] == record["hits"]["cpu"]
     assert record["hit_ratio"] <= record["ceiling_hit_ratio"] + 1e-9
+    # every reference is a hit of some tier or computed again
+    assert sum(record["hits"].values()) + record["computed_blocks"] == record["block_refs"]
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(record))
 
 
