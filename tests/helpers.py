@@ -18,3 +18,24 @@ def payload(k: bytes, nbytes: int) -> np.ndarray:
     """Bytes that only ``k`` produces: a wrong block can never pass for the right one."""
     seed = int.from_bytes(hashlib.blake2b(k, digest_size=8).digest(), "little")
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def store_blocks(manager, keys, ctx, success: bool = True):
+    """Offer ``keys``, write each new block's own bytes into its row (the worker's copy),
+    complete the store; the PrepareStoreOutput (asserted not None)."""
+    out = manager.prepare_store(keys, ctx)
+    assert out is not None
+    rows = manager.backend.rows
+    nbytes = rows.shape[1]
+    for k, row in zip(out.keys_to_store, out.store_spec.block_ids):
+        rows[row] = payload(k, nbytes)
+    manager.complete_store(keys, ctx, success)
+    return out
+
+
+def read_blocks(manager, keys, ctx) -> list[np.ndarray]:
+    """Load ``keys`` (prepare, copy each row out, complete); the copies, in key order."""
+    spec = manager.prepare_load(keys, ctx)
+    got = [manager.backend.rows[row].copy() for row in spec.block_ids]
+    manager.complete_load(keys, ctx)
+    return got

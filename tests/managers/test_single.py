@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from helpers import key, payload
+from helpers import key, payload, read_blocks, store_blocks
 from kvtier.base import OffloadingEvent, ReqContext, RequestOffloadingContext
 from kvtier.errors import BlockStateError
 from kvtier.managers.single import SingleTierManager
@@ -19,20 +19,11 @@ def manager(request):
 
 
 def store(manager, keys, success=True):
-    out = manager.prepare_store(keys, CTX)
-    assert out is not None
-    rows = manager.backend.rows
-    for k, block_id in zip(out.keys_to_store, out.store_spec.block_ids):
-        rows[block_id] = payload(k, BLOCK)
-    manager.complete_store(keys, CTX, success)
-    return out
+    return store_blocks(manager, keys, CTX, success)
 
 
 def read(manager, keys):
-    spec = manager.prepare_load(keys, CTX)
-    got = [manager.backend.rows[b].copy() for b in spec.block_ids]
-    manager.complete_load(keys, CTX)
-    return got
+    return read_blocks(manager, keys, CTX)
 
 
 def test_store_then_load_round_trips_bytes(manager):

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from helpers import key, payload
+from helpers import key, payload, read_blocks, store_blocks
 from kvtier.base import ReqContext
 from kvtier.config import CascadeConfig
 from kvtier.managers.stack import TierStackManager
@@ -24,19 +24,11 @@ def make(cpu_blocks=4, disk_blocks=8, write_policy="write_through", policy=LRUPo
 
 
 def store(manager, keys):
-    out = manager.prepare_store(keys, CTX)
-    assert out is not None
-    for k, row in zip(out.keys_to_store, out.store_spec.block_ids):
-        manager.backend.rows[row] = payload(k, BLOCK)
-    manager.complete_store(keys, CTX)
-    return out
+    return store_blocks(manager, keys, CTX)
 
 
 def load_bytes(manager, keys):
-    spec = manager.prepare_load(keys, CTX)
-    got = [manager.backend.rows[row].copy() for row in spec.block_ids]
-    manager.complete_load(keys, CTX)
-    return got
+    return read_blocks(manager, keys, CTX)
 
 
 def settle(manager):
