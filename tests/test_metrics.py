@@ -4,10 +4,10 @@ import urllib.request
 import pytest
 
 from kvtier.config import CascadeConfig
-from kvtier.managers.stack import TierStackManager
+from kvtier.manager.stack import TierStackManager
 from kvtier.metrics import StatsCollector, serve_metrics
 from kvtier.policies.lru import LRUPolicy
-from kvtier.stores.memory import MemoryStore
+from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.memory import MemoryBackend
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -15,7 +15,7 @@ prometheus_client = pytest.importorskip("prometheus_client")
 
 def stack():
     backend = MemoryBackend(4, 64)
-    return TierStackManager(backend, LRUPolicy(4), [MemoryStore("nvme", backend.rows, 8)], CascadeConfig())
+    return TierStackManager(backend, LRUPolicy(4), [MemoryTier("nvme", backend.rows, 8)], CascadeConfig())
 
 
 def test_collector_labels_per_tier_counters():

@@ -45,7 +45,7 @@ def specs():
 
 def kv_caches(pages, num_blocks=8, seed=0):
     torch = pytest.importorskip("torch")
-    from kvtier.handlers.canonical import canonicalize
+    from kvtier.worker.canonical import canonicalize
 
     generator = torch.Generator().manual_seed(seed)
     layers = [
@@ -187,7 +187,7 @@ def test_get_handlers_waits_for_the_scheduler_side(specs):
 
 @pytest.mark.parametrize("tokens", [None, 32])
 def test_bytes_go_through_manager_and_handlers_and_come_back(specs, tokens):
-    from kvtier.handlers.worker import OffloadingWorker
+    from kvtier.worker.worker import OffloadingWorker
 
     pages = [256, 512, 256]
     config = {**cpu_config(), **({"block_size_tokens": tokens} if tokens else {})}

@@ -38,7 +38,7 @@ from kvtier.config import (
 from kvtier.errors import BlockStateError, ConfigError, KvtierError, TierFullError
 from kvtier.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.policies import EvictionPolicy
-from kvtier.stores.format import LayoutFingerprint
+from kvtier.tiers.disk.format import LayoutFingerprint
 from kvtier.spec import TieredOffloadingSpec
 
 __version__ = "0.1.0"

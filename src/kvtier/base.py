@@ -11,7 +11,7 @@ Two sides use these names:
 
 A block is named by an :data:`OffloadKey`; where it lives is described by a :class:`LoadStoreSpec`
 that the manager hands to the worker through the engine. The worked example of the whole flow
-is ``kvtier.managers.single.SingleTierManager`` with ``kvtier.tiers.cpu.CPUBackend``.
+is ``kvtier.manager.single.SingleTierManager`` with ``kvtier.tiers.cpu.backend.CPUBackend``.
 """
 
 from __future__ import annotations

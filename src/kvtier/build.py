@@ -10,7 +10,7 @@ from kvtier.errors import ConfigError
 from kvtier.policies import get_policy_class
 
 if TYPE_CHECKING:
-    from kvtier.stores.format import LayoutFingerprint
+    from kvtier.tiers.disk.format import LayoutFingerprint
 
 __all__ = ["build_manager"]
 
@@ -30,13 +30,13 @@ def build_manager(
     ``fingerprint`` names the engine's KV layout; disk tiers serve only blocks written under
     the same one (default: a standalone layout keyed by ``block_bytes`` alone).
 
-    A single ``cpu`` tier gives a :class:`~kvtier.managers.single.SingleTierManager`; more
-    tiers a :class:`~kvtier.managers.stack.TierStackManager` over them, in config order.
+    A single ``cpu`` tier gives a :class:`~kvtier.manager.single.SingleTierManager`; more
+    tiers a :class:`~kvtier.manager.stack.TierStackManager` over them, in config order.
     """
     config = load_config(config)
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
         raise ConfigError("block_bytes", block_bytes, "a positive number of bytes")
-    from kvtier.tiers.cpu import CPUBackend
+    from kvtier.tiers.cpu.backend import CPUBackend
 
     cpu = config.tiers[0]
     assert isinstance(cpu, CPUTierConfig)  # load_config guarantees tiers[0] is the cpu tier
@@ -44,13 +44,13 @@ def build_manager(
     backend = CPUBackend.from_config(cpu, block_bytes, field="tiers[0]")
     policy = policy_cls(backend.get_num_free_blocks())
     if len(config.tiers) == 1:
-        from kvtier.managers.single import SingleTierManager
+        from kvtier.manager.single import SingleTierManager
 
         return SingleTierManager(backend, policy, enable_events=enable_events)
 
-    from kvtier.managers.stack import TierStackManager
-    from kvtier.stores import open_store
-    from kvtier.stores.format import LayoutFingerprint
+    from kvtier.manager.stack import TierStackManager
+    from kvtier.tiers.disk import open_store
+    from kvtier.tiers.disk.format import LayoutFingerprint
 
     fingerprint = fingerprint or LayoutFingerprint.standalone(block_bytes)
     lower = []

@@ -3,7 +3,7 @@
 Off by default: nothing here runs unless :func:`serve_metrics` is called. Every scrape reads
 ``manager.stats()`` afresh, so the exporter keeps no state of its own. Names follow
 Prometheus habits: ``kvtier_<counter>`` with a ``tier`` label for the per-tier counters that
-:class:`~kvtier.managers.stack.TierStackManager` reports as ``<tier>.<counter>``.
+:class:`~kvtier.manager.stack.TierStackManager` reports as ``<tier>.<counter>``.
 
 The scrape runs on prometheus_client's HTTP thread while the engine's scheduler thread may be
 inside the manager; ``stats()`` only reads counters and container sizes, which is safe to do

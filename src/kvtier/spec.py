@@ -5,7 +5,7 @@ manager, whose CPU tier creates a shared-memory region; every worker process cal
 :meth:`TieredOffloadingSpec.get_handlers` with the engine's KV cache, attaches to that region
 by path, pins it for DMA and gets the two CPU<->GPU handlers. Both sides derive the same
 geometry from the same configuration and page sizes, so they agree on the row layout
-(:mod:`kvtier.handlers.blocks`).
+(:mod:`kvtier.worker.blocks`).
 
 This is the standalone form: the engine's layout is given as arguments. The vLLM subclass
 (``kvtier.integrations.vllm``) reads the same facts from vLLM's configuration.
@@ -32,7 +32,7 @@ from kvtier.build import build_manager
 from kvtier.config import CPUTierConfig, KvtierConfig, load_config
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.mediums import CPULoadStoreSpec, GPULoadStoreSpec
-from kvtier.tiers.shm import SharedRegion, default_directory
+from kvtier.tiers.cpu.region import SharedRegion, default_directory
 
 __all__ = ["TieredOffloadingSpec"]
 
@@ -162,7 +162,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                 f"the page sizes of the engine's KV tensors, {actual}",
                 "pass page_bytes=[t.page_size_bytes for t in kv_caches.tensors] in every process",
             )
-        from kvtier.handlers.cpu_gpu import CpuGpuOffloadingHandlers
+        from kvtier.worker.cpu_gpu import CpuGpuOffloadingHandlers
 
         region = self._attach_region()
         try:

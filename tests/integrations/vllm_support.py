@@ -30,7 +30,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingParallelConfig,
 )
 
-from kvtier.stores.format import HEADER_BYTES, decode_header
+from kvtier.tiers.disk.format import HEADER_BYTES, decode_header
 
 SPEC_MODULE = "kvtier.integrations.vllm"
 TOKENS_PER_BLOCK = 16
@@ -179,7 +179,7 @@ def blocks_on_disk(path: str, block_bytes: int) -> Iterator[tuple[str, int, byte
     Reads the files the way the format defines them (a header page every on-disk block), so
     it finds blocks of both kinds (the lmdb slab, the files tree) without their indexes.
     """
-    from kvtier.stores.format import on_disk_block_bytes
+    from kvtier.tiers.disk.format import on_disk_block_bytes
 
     slot = on_disk_block_bytes(block_bytes)
     for root, _dirs, files in os.walk(path):

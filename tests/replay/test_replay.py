@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 
 from kvtier.config import CascadeConfig
-from kvtier.managers.stack import TierStackManager
+from kvtier.manager.stack import TierStackManager
 from kvtier.policies.lru import LRUPolicy
 from kvtier.replay.engine import ReplayEngine, block_bytes_of, block_key
 from kvtier.replay.run import replay
 from kvtier.replay.trace import Request, bundled_trace_path, load_trace
 from kvtier.spec import TieredOffloadingSpec
-from kvtier.stores.memory import MemoryStore
-from kvtier.tiers.cpu import CPUBackend
+from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.cpu.backend import CPUBackend
 
 BLOCK = 4096
 
@@ -51,7 +51,7 @@ def stack_engine(tmp_path, cpu_blocks: int, store_blocks: int, gpu_blocks: int):
         page_bytes=[BLOCK],
     )
     backend = CPUBackend(cpu_blocks, BLOCK, path=spec.region_path, pin_memory="off")
-    store = MemoryStore("mem", backend.rows, store_blocks)
+    store = MemoryTier("mem", backend.rows, store_blocks)
     spec._manager = TierStackManager(
         backend, LRUPolicy(cpu_blocks), [store], CascadeConfig(write_policy="write_through")
     )

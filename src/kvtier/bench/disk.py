@@ -3,7 +3,7 @@
 Protocol (each round; ``--rounds`` rounds, the median of each figure is reported, and each
 ratio is the median of the rounds' own kvtier/baseline ratios):
 
-1. CPU rows: a real CPU-tier region (:class:`~kvtier.tiers.shm.SharedRegion`, in /dev/shm)
+1. CPU rows: a real CPU-tier region (:class:`~kvtier.tiers.cpu.region.SharedRegion`, in /dev/shm)
    of ``--gib`` GiB as 2 MiB rows, each row distinct bytes; their xxh3-64 are kept.
 2. kvtier write: a fresh store of the backend (capacity = exactly those blocks, ``fsync:
    batch`` unless ``--fsync`` says, ``o_direct: auto``) in a fresh directory under ``--dir``; every
@@ -52,11 +52,11 @@ import xxhash
 
 from kvtier.bench.report import print_json, print_table
 from kvtier.config import DiskTierConfig
-from kvtier.stores import open_store
-from kvtier.stores.base import TierJob
-from kvtier.stores.format import LayoutFingerprint, on_disk_block_bytes
-from kvtier.stores.mover import DEFAULT_THREADS, O_DIRECT, probe_o_direct
-from kvtier.tiers.shm import SharedRegion
+from kvtier.tiers.disk import open_store
+from kvtier.tiers.base import TierJob
+from kvtier.tiers.disk.format import LayoutFingerprint, on_disk_block_bytes
+from kvtier.tiers.disk.mover import DEFAULT_THREADS, O_DIRECT, probe_o_direct
+from kvtier.tiers.cpu.region import SharedRegion
 
 __all__ = ["VLLM_FS_REFERENCE", "default_directory", "run"]
 

@@ -90,10 +90,10 @@ def _run_job(handler: Any, job_id: int, spec: tuple) -> None:
 def _bench_layout(
     name: str, page_bytes: int, *, device: str, max_batch: int, runs: int, layers: int, torch: Any
 ) -> tuple[list[dict[str, Any]], bool]:
-    from kvtier.handlers.canonical import canonicalize
-    from kvtier.handlers.cpu_gpu import CpuGpuOffloadingHandlers
+    from kvtier.worker.canonical import canonicalize
+    from kvtier.worker.cpu_gpu import CpuGpuOffloadingHandlers
     from kvtier.mediums import CPULoadStoreSpec, GPULoadStoreSpec
-    from kvtier.tiers.shm import SharedRegion
+    from kvtier.tiers.cpu.region import SharedRegion
 
     cuda = device == "cuda"
     clock = _Clock(torch, cuda)

@@ -65,7 +65,7 @@ def _replay(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     import json
 
-    from kvtier.stores import check_store
+    from kvtier.tiers.disk import check_store
 
     try:
         report = check_store(args.path, fix=args.fix)

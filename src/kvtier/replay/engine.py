@@ -87,7 +87,7 @@ class ReplayEngine:
         import torch
 
         from kvtier.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
-        from kvtier.handlers.worker import OffloadingWorker
+        from kvtier.worker.worker import OffloadingWorker
 
         self.block_bytes = spec.block_bytes
         self.gpu_blocks = gpu_blocks

@@ -13,7 +13,7 @@ from kvtier.bench.report import print_json, print_table
 from kvtier.config import KvtierConfig, load_config
 from kvtier.replay.engine import ReplayEngine
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, bundled_trace_path, ceiling_hit_ratio, load_trace
-from kvtier.tiers.shm import row_stride_for
+from kvtier.tiers.cpu.region import row_stride_for
 
 __all__ = ["replay", "default_config"]
 

@@ -48,8 +48,8 @@ from kvtier.config import DiskTierConfig, load_config
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.integrations.vllm.manager import stats_to_vllm, to_vllm_event
 from kvtier.integrations.vllm.settings import layout_fingerprint
-from kvtier.stores import open_store
-from kvtier.stores.base import SecondaryTier, TierJob, TierJobResult
+from kvtier.tiers.disk import open_store
+from kvtier.tiers.base import SecondaryTier, TierJob, TierJobResult
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec

@@ -59,7 +59,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier import base as kvtier_base
-from kvtier.managers.single import SingleTierManager
+from kvtier.manager.single import SingleTierManager
 
 __all__ = ["STATS_METRIC", "KvtierOffloadingManager", "stats_to_vllm", "to_vllm_event"]
 

@@ -10,7 +10,7 @@ and every worker process reach the same answers without talking to each other:
 * the tokens and bytes of one offloaded block (vLLM calls it a chunk: ``blocks_per_chunk``
   GPU blocks), which fix the CPU tier's row size;
 * the path of the CPU tier's shared region, which workers attach to by name;
-* the :class:`~kvtier.stores.format.LayoutFingerprint` stamped on every block written to disk,
+* the :class:`~kvtier.tiers.disk.format.LayoutFingerprint` stamped on every block written to disk,
   so that a changed model, dtype or layout never reads old blocks.
 
 Everything here is bookkeeping on small values: any process, any thread, never blocks.
@@ -28,8 +28,8 @@ from typing import Any
 
 from kvtier.config import CPUTierConfig, KvtierConfig, load_config
 from kvtier.errors import ConfigError
-from kvtier.stores.format import LayoutFingerprint
-from kvtier.tiers.shm import default_directory
+from kvtier.tiers.disk.format import LayoutFingerprint
+from kvtier.tiers.cpu.region import default_directory
 
 __all__ = [
     "CONNECTOR_KEYS",

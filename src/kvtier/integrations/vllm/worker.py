@@ -4,7 +4,7 @@ vLLM's connector worker (``OffloadingConnectorWorker``) builds one worker per wo
 with ``spec.get_worker(kv_caches)`` and then calls ``submit_store`` / ``submit_load`` /
 ``get_finished`` / ``wait`` from the model runner's thread. :class:`KvtierOffloadingWorker`
 converts vLLM's specs and canonical caches to kvtier's and hands the jobs to
-:class:`kvtier.handlers.CpuGpuOffloadingHandlers` (CUDA streams and batched DMA on a GPU, a
+:class:`kvtier.worker.CpuGpuOffloadingHandlers` (CUDA streams and batched DMA on a GPU, a
 copy thread with CPU tensors).
 
 The CPU region is attached lazily. vLLM initialises the workers' KV caches — and so calls

@@ -1,0 +1,362 @@
+"""An OffloadingManager over an ordered stack: the CPU tier, then secondary tiers (disk ...).
+
+The CPU tier is the gateway (DESIGN.md section 2): every load into the GPU comes from it and
+every store from the GPU lands in it first. Secondary tiers only exchange blocks with it:
+
+* **promotion** — a key found only below makes :meth:`TierStackManager.lookup` queue the read
+  and answer ``None``; :meth:`~TierStackManager.on_schedule_end` reserves CPU rows for the
+  step's queued reads and submits them as one job per tier; once the read is verified the key
+  looks up ``True``. A key wanted by two requests is read once. A failed or corrupt read frees the row
+  and the key looks up ``False``.
+* **demotion** — a CPU block not yet saved below is *dirty* and held: CPU eviction never drops
+  it. ``write_back`` saves the coldest dirty blocks at ``on_schedule_end`` whenever the clean
+  headroom of the CPU tier runs low, so eviction finds clean victims ahead of need;
+  ``write_through`` saves every block soon after it is stored. A block a tier refuses (a failed
+  job: full, ENOSPC, EIO ...) stops being dirty — the tier would not take it — and becomes
+  evictable.
+
+Both directions are bounded per step (``max_promote_bytes_per_step``,
+``max_demote_bytes_per_step``) so I/O never piles up behind the scheduler. Every call is
+bookkeeping; the tiers' own threads move the bytes, and their completions are polled here.
+
+Nothing in this module names a concrete tier: the stack is whatever list it is given.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
+
+from kvtier.base import (
+    Backend,
+    OffloadingEvent,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+)
+from kvtier.config import CascadeConfig
+from kvtier.manager.single import SingleTierManager
+from kvtier.policies.base import EvictionPolicy
+from kvtier.tiers.base import SecondaryTier, TierJob, TierJobResult
+
+__all__ = ["TierStackManager"]
+
+#: the share of CPU blocks write_back keeps clean or free, so stores find room without waiting
+CLEAN_HEADROOM_FRACTION = 0.25
+#: ``_promoting`` value of a key whose read is queued but has no CPU row yet
+_UNRESERVED = -1
+
+
+@dataclass
+class _TierCounters:
+    """What the manager saw of one secondary tier (the tier keeps its own I/O counters)."""
+
+    promotions: int = 0
+    promoted_bytes: int = 0
+    promote_failures: int = 0
+    corrupt_blocks: int = 0
+    demotions: int = 0
+    demoted_bytes: int = 0
+    demote_failures: int = 0
+    demote_jobs: int = 0
+    promote_jobs: int = 0
+
+
+class TierStackManager(SingleTierManager):
+    """The CPU tier (a Backend and its policy) above an ordered list of secondary tiers.
+
+    State beyond :class:`SingleTierManager`'s, all keyed by OffloadKey:
+
+    * ``_promoting``: key -> CPU row of its read from below (``_UNRESERVED`` until the read
+      is submitted at the end of the step); looks up ``None``;
+    * ``_promote_queue``: per tier, keys whose read is not submitted yet;
+    * ``_dirty``: ready CPU blocks not saved below yet, in store order; each holds one hold;
+    * ``_demoting``: key -> tier jobs still reading its CPU row; each job holds one hold.
+
+    Threading: the engine's scheduler thread only, like every manager.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        policy: EvictionPolicy,
+        tiers: Sequence[SecondaryTier],
+        cascade: CascadeConfig | None = None,
+        *,
+        enable_events: bool = True,
+    ):
+        super().__init__(backend, policy, enable_events=enable_events)
+        self._tiers = list(tiers)
+        cascade = cascade or CascadeConfig()
+        self._write_through = cascade.write_policy == "write_through"
+        block_bytes = max(1, backend.block_size)
+        self._demote_budget = max(1, cascade.max_demote_bytes_per_step // block_bytes)
+        self._promote_budget = max(1, cascade.max_promote_bytes_per_step // block_bytes)
+        capacity = backend.get_num_free_blocks()
+        self._clean_target = max(1, int(capacity * CLEAN_HEADROOM_FRACTION))
+        self._promoting: dict[OffloadKey, int] = {}
+        #: keys whose read found no CPU row at the end of the last step: misses until the next
+        self._no_room: set[OffloadKey] = set()
+        self._promote_queue: list[deque[OffloadKey]] = [deque() for _ in self._tiers]
+        self._dirty: dict[OffloadKey, None] = {}
+        self._demoting: dict[OffloadKey, int] = {}
+        #: job id -> (tier index, job, is_load)
+        self._jobs: dict[int, tuple[int, TierJob, bool]] = {}
+        self._job_ids = itertools.count(1)
+        self._counters = [_TierCounters() for _ in self._tiers]
+        self.lookups = 0
+        self.cpu_hits = 0
+        self.misses = 0
+        self._closed = False
+
+    @property
+    def tiers(self) -> list[SecondaryTier]:
+        """The secondary tiers, in stack order."""
+        return list(self._tiers)
+
+    # -- lookup and promotion ------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        self.lookups += 1
+        if self._contains(key):
+            self.cpu_hits += 1
+            return True
+        if key in self._promoting:
+            self._poll()  # the read may have finished since the last step
+            if self._contains(key):
+                return True
+            return None if key in self._promoting else False
+        if key in self._pending or key in self._no_room:
+            return False  # being written into the CPU tier, or no CPU row to read it into
+        for index, tier in enumerate(self._tiers):
+            if tier.lookup(key):
+                # The CPU row is reserved when the read is submitted, at the end of the step,
+                # not here: making room here could evict a block that looked up True a moment
+                # ago for a request whose prepare_load has not come yet.
+                self._promoting[key] = _UNRESERVED
+                self._promote_queue[index].append(key)
+                return None
+        self.misses += 1
+        return False
+
+    def _reserve_rows(self, count: int) -> list[int]:
+        """Up to ``count`` CPU rows, evicting clean blocks if need be (end of step only)."""
+        backend = self._backend
+        shortfall = count - backend.get_num_free_blocks()
+        while shortfall > 0 and self._evict(shortfall, []) is None:
+            shortfall -= 1  # not that many evictable: take what there is
+        return backend.allocate_block_ids(min(count, backend.get_num_free_blocks()))
+
+    # -- stores ------------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        promoting = self._promoting
+        if promoting:  # coming up from below already: present, like a block being written
+            keys = [key for key in keys if key not in promoting]
+        return super().prepare_store(keys, req_context)
+
+    def _on_ready(self, keys: list[OffloadKey]) -> None:
+        # A stored block is dirty unless every tier below already has it (say, it was
+        # evicted from the CPU tier earlier and recomputed by the engine since).
+        if not self._tiers:
+            return
+        holds, dirty, tiers = self._holds, self._dirty, self._tiers
+        for key in keys:
+            if all(tier.lookup(key) for tier in tiers):
+                continue
+            dirty[key] = None
+            holds[key] = holds.get(key, 0) + 1
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def on_schedule_end(self) -> None:
+        if not self._tiers:
+            return
+        self._no_room.clear()
+        self._poll()
+        self._submit_promotions()
+        self._submit_demotions()
+
+    def _poll(self) -> None:
+        for tier in self._tiers:
+            for result in tier.get_finished_jobs():
+                index, job, is_load = self._jobs.pop(result.job_id)
+                if is_load:
+                    self._finish_promotion(index, job, result)
+                else:
+                    self._finish_demotion(index, job, result)
+
+    def _submit_promotions(self) -> None:
+        budget = self._promote_budget
+        for index, queue in enumerate(self._promote_queue):
+            if not queue or budget <= 0:
+                continue
+            rows = self._reserve_rows(min(budget, len(queue)))
+            if not rows:
+                if not self._demoting:
+                    # Every CPU row is held and nothing being saved will free one: waiting
+                    # would never end, so these reads become misses — for the whole next
+                    # step, or the engine's next lookup would only queue them again.
+                    for key in queue:
+                        del self._promoting[key]
+                    self._no_room.update(queue)
+                    queue.clear()
+                continue  # else blocks being saved below free rows soon: try next step
+            keys = tuple(queue.popleft() for _ in range(len(rows)))
+            budget -= len(keys)
+            for key, row in zip(keys, rows):
+                self._promoting[key] = row
+            job = TierJob(next(self._job_ids), keys, tuple(rows))
+            self._jobs[job.job_id] = (index, job, True)
+            self._counters[index].promote_jobs += 1
+            self._tiers[index].submit_load(job)
+
+    def _finish_promotion(self, index: int, job: TierJob, result: TierJobResult) -> None:
+        counters = self._counters[index]
+        ok = list(result.ok)
+        rows = [self._promoting.pop(key) for key in ok]
+        if ok:
+            self._policy.insert(ok, rows)  # clean: a tier below holds it
+            counters.promotions += len(ok)
+            counters.promoted_bytes += result.nbytes
+            if self._events is not None:
+                backend = self._backend
+                self._events.append(OffloadingEvent(ok, backend.block_size, backend.medium, False))
+        failed = list(result.failed)
+        if failed:
+            # The row may hold partial or unverified bytes: never serve it, free it.
+            self._backend.free_block_ids([self._promoting.pop(key) for key in failed])
+            counters.promote_failures += len(failed)
+            counters.corrupt_blocks += sum(
+                1 for reason in result.failed.values() if reason.startswith("corrupt")
+            )
+
+    def _submit_demotions(self) -> None:
+        if not self._dirty:
+            return
+        budget = self._demote_budget - len(self._demoting)
+        if budget <= 0:
+            return  # the tiers are still busy with earlier steps' writes
+        if self._write_through:
+            candidates: Iterator[OffloadKey] = iter(self._dirty)
+        else:
+            headroom = (
+                self._backend.get_num_free_blocks() + len(self._policy) - len(self._holds)
+            )
+            if headroom >= self._clean_target:
+                return
+            budget = min(budget, self._clean_target - headroom)
+            candidates = (key for key in self._policy if key in self._dirty)  # coldest first
+        demoting = self._demoting
+        keys = []
+        for key in candidates:
+            if key not in demoting:
+                keys.append(key)
+                if len(keys) == budget:
+                    break
+        self._demote(keys)
+
+    def _demote(self, keys: list[OffloadKey]) -> None:
+        if not keys:
+            return
+        get, holds, demoting = self._get, self._holds, self._demoting
+        rows = tuple(get(key) for key in keys)
+        for index, tier in enumerate(self._tiers):
+            job = TierJob(next(self._job_ids), tuple(keys), rows)
+            for key in keys:
+                demoting[key] = demoting.get(key, 0) + 1
+                holds[key] += 1  # the job reads the row: it must stay put
+            self._jobs[job.job_id] = (index, job, False)
+            self._counters[index].demote_jobs += 1
+            tier.submit_store(job)
+
+    def _finish_demotion(self, index: int, job: TierJob, result: TierJobResult) -> None:
+        counters = self._counters[index]
+        counters.demotions += len(result.ok)
+        counters.demoted_bytes += result.nbytes
+        counters.demote_failures += len(result.failed)
+        demoting, dirty, release = self._demoting, self._dirty, self._release
+        for key in job.keys:
+            release(key)  # the job's read of the row
+            left = demoting[key] - 1
+            if left:
+                demoting[key] = left
+                continue
+            del demoting[key]
+            # Saved by every tier, or refused by some (a tier that failed the job would not
+            # take it now): either way the CPU tier may drop it.
+            if key in dirty:
+                del dirty[key]
+                release(key)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        own = list(super().take_events())
+        for tier in self._tiers:
+            own.extend(tier.take_events())
+        return iter(own)
+
+    def _drain(self) -> None:
+        for tier in self._tiers:
+            tier.drain_jobs()
+        self._poll()
+
+    def reset_cache(self) -> None:
+        """Wait for in-flight I/O, then forget the CPU tier; what the tiers below hold stays."""
+        self._drain()
+        rows = [row for row in self._promoting.values() if row is not _UNRESERVED]
+        self._promoting.clear()
+        for queue in self._promote_queue:
+            queue.clear()
+        self._dirty.clear()
+        self._demoting.clear()
+        super().reset_cache()  # clears holds, pending and ready blocks
+        self._backend.free_block_ids(rows)
+
+    def flush(self) -> None:
+        """Save every dirty CPU block below and wait for it (blocks; for shutdown)."""
+        while self._dirty:
+            self._demote([key for key in self._dirty if key not in self._demoting])
+            self._drain()
+
+    def shutdown(self) -> None:
+        """Save what only the CPU tier holds, then close every tier (blocks)."""
+        if not self._closed:
+            self.flush()
+            for tier in self._tiers:
+                tier.close()
+        self._closed = True
+        super().shutdown()
+
+    # -- introspection -------------------------------------------------------------------------
+
+    def has_pending_work(self) -> bool:
+        """Whether reads or writes are queued or in flight (keep stepping to finish them)."""
+        return bool(self._jobs) or any(self._promote_queue)
+
+    def stats(self) -> dict[str, int]:
+        """The CPU tier's block counts, then per secondary tier ``<name>.<counter>``."""
+        figures = super().stats()
+        figures.update(
+            lookups=self.lookups,
+            cpu_hits=self.cpu_hits,
+            misses=self.misses,
+            dirty_blocks=len(self._dirty),
+            # rows held by reads from below (queued reads hold none yet)
+            promoting_blocks=sum(1 for row in self._promoting.values() if row != _UNRESERVED),
+            demoting_blocks=len(self._demoting),
+        )
+        for tier, counters, queue in zip(self._tiers, self._counters, self._promote_queue):
+            prefix = tier.name + "."
+            for name, value in vars(counters).items():
+                figures[prefix + name] = value
+            figures[prefix + "queued_promotions"] = len(queue)
+            figures[prefix + "blocks"] = tier.num_blocks()
+            for name, value in tier.stats().items():
+                figures.setdefault(prefix + name, value)
+        return figures

@@ -1,0 +1,431 @@
+"""One shared-memory region of fixed-size rows: the bytes of the CPU tier.
+
+The region is a file (by default under ``/dev/shm``, so it lives in RAM) mapped with
+``MAP_SHARED``. One process creates it; others (GPU workers, a disk mover) attach to it by
+name and see the same bytes with no copy between processes. Layout of the file::
+
+    offset 0      one 4096-byte header page: magic, format version, geometry, creator pid
+    offset 4096   row 0, row 1, ... each ``row_stride`` bytes apart (row_bytes rounded up
+                  to 4096), the first ``row_bytes`` of each row used
+
+Who calls what: the scheduler-side tier (:class:`kvtier.tiers.cpu.backend.CPUBackend`) creates the
+region; workers and movers :meth:`SharedRegion.attach` to it. None of the methods take locks:
+which process writes which row when is decided by the manager's slot bookkeeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import mmap
+import operator
+import os
+import secrets
+import struct
+import tempfile
+import weakref
+
+import numpy as np
+
+from kvtier import cuda as _cuda
+from kvtier.config import PIN_MEMORY_CHOICES
+from kvtier.errors import ConfigError, KvtierError
+
+__all__ = ["SharedRegion", "ROW_ALIGNMENT", "HEADER_BYTES", "row_stride_for", "default_directory"]
+
+logger = logging.getLogger(__name__)
+
+#: rows start on, and are a multiple of, this many bytes
+ROW_ALIGNMENT = 4096
+#: bytes of the header page in front of the rows
+HEADER_BYTES = 4096
+
+_MAGIC = b"KVTIERSH"
+_FORMAT_VERSION = 1
+# magic, format version, header bytes, num_rows, row_bytes, row_stride, creator pid
+_HEADER = struct.Struct("<8sIIQQQQ")
+
+
+def row_stride_for(row_bytes: int) -> int:
+    """Bytes between the starts of two rows holding ``row_bytes`` each.
+
+    Rounded up to 4096 so that every row starts on a page boundary: a row can then be the
+    buffer of an ``O_DIRECT`` read or write (which needs block-aligned addresses and lengths),
+    and a DMA engine copying a row never straddles a partial page shared with its neighbour.
+    The cost is at most one page of padding per row, small against KV blocks of hundreds of KiB.
+    """
+    return -(-row_bytes // ROW_ALIGNMENT) * ROW_ALIGNMENT
+
+
+def default_directory() -> str:
+    """Where regions are created when no path is given: ``/dev/shm``, else the temp directory.
+
+    ``/dev/shm`` is a RAM-backed tmpfs on Linux; elsewhere (macOS) the temp directory is the
+    closest thing, and the page cache keeps the file's pages in memory while it is mapped.
+    """
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _positive_int(field: str, value: object) -> int:
+    try:
+        number = operator.index(value)  # accepts numpy integers, refuses floats and strings
+    except TypeError:
+        number = 0
+    if isinstance(value, bool) or number < 1:
+        raise ConfigError(field, value, "an integer >= 1")
+    return number
+
+
+class _Mapping:
+    """What must be released for one region; held by the finalizer, so never by ``self``."""
+
+    __slots__ = ("mm", "rows", "path", "owner_pid", "pinned_ptr", "pinned_pid")
+
+    def __init__(self, mm: mmap.mmap, rows: np.ndarray, path: str, owner_pid: int | None):
+        self.mm: mmap.mmap | None = mm
+        self.rows: np.ndarray | None = rows
+        self.path = path
+        # pid of the process that must unlink the file (the creator), None for an attacher
+        self.owner_pid = owner_pid
+        # address registered with cudaHostRegister (0 when not pinned), and by which process:
+        # a registration belongs to one process's CUDA context and is not inherited by fork
+        self.pinned_ptr = 0
+        self.pinned_pid = 0
+
+    def pinned_here(self) -> bool:
+        return bool(self.pinned_ptr) and self.pinned_pid == os.getpid()
+
+
+def _release(state: _Mapping) -> None:
+    # Runs from close(), from garbage collection or at interpreter exit: it must never raise.
+    if state.pinned_ptr:
+        pinned_here = state.pinned_here()
+        ptr, state.pinned_ptr = state.pinned_ptr, 0
+        # A forked child inherits the mapping but not the registration (nor a usable CUDA
+        # context): only the process that pinned may unpin.
+        if pinned_here:
+            try:
+                _cuda.host_unregister(ptr)
+            except Exception:
+                logger.warning("unpinning %s failed", state.path, exc_info=True)
+    state.rows = None
+    mm, state.mm = state.mm, None
+    if mm is not None:
+        try:
+            mm.close()
+        except BufferError:
+            # numpy views of the rows are still alive. Dropping our reference is enough: the
+            # views keep the mmap object alive and it unmaps itself when the last one dies.
+            # Forcing an unmap instead would turn every such view into a segfault.
+            logger.debug("views of %s are alive; it is unmapped when they die", state.path)
+        except Exception:
+            logger.warning("unmapping %s failed", state.path, exc_info=True)
+    # Only the creator unlinks, and only in its own process: a forked child that exits (say a
+    # multiprocessing worker) must not pull the file from under its parent.
+    if state.owner_pid is not None and state.owner_pid == os.getpid():
+        try:
+            os.unlink(state.path)
+        except FileNotFoundError:
+            pass
+        except Exception:
+            logger.warning("removing %s failed", state.path, exc_info=True)
+
+
+class SharedRegion:
+    """``num_rows`` rows of ``row_bytes`` each in one shared, mapped file.
+
+    Build it with :meth:`create` (the owner, which removes the file on :meth:`close`) or
+    :meth:`attach` (another process, which never removes it). Release is deterministic with
+    :meth:`close`, and also happens when the object is garbage-collected or the interpreter
+    exits. Once every process has closed or exited and the creator has unlinked the file,
+    the memory goes back to the system.
+    """
+
+    def __init__(
+        self,
+        mm: mmap.mmap,
+        path: str,
+        num_rows: int,
+        row_bytes: int,
+        row_stride: int,
+        creator: bool,
+    ):
+        """Use :meth:`create` or :meth:`attach`; this wraps a mapping they have validated."""
+        self._path = path
+        self._num_rows = num_rows
+        self._row_bytes = row_bytes
+        self._row_stride = row_stride
+        self._creator = creator
+        # One view made once: every later view (row(i), slices) derives from it, so there is
+        # no per-call array construction. frombuffer, not ndarray(buffer=mm): only frombuffer
+        # keeps a buffer export on the mmap, which is what makes mm.close() refuse (rather
+        # than unmap under a live view and turn the next access into a segfault).
+        flat = np.frombuffer(mm, dtype=np.uint8, count=num_rows * row_stride, offset=HEADER_BYTES)
+        rows = flat.reshape(num_rows, row_stride)[:, :row_bytes]
+        # ctypes gives the mapping's address without numpy's help; the temporary export it
+        # takes is dropped at once so it cannot block a later mm.close().
+        anchor = ctypes.c_char.from_buffer(mm)
+        self._address = ctypes.addressof(anchor) + HEADER_BYTES
+        del anchor
+        self._state = _Mapping(mm, rows, path, os.getpid() if creator else None)
+        self._finalizer = weakref.finalize(self, _release, self._state)
+
+    # -----------------------------------------------------------------------------------------
+    # construction
+
+    @classmethod
+    def create(cls, num_rows: int, row_bytes: int, *, path: str | None = None) -> SharedRegion:
+        """Create a fresh region, zero-filled, and map it.
+
+        Called once, by the tier's owner (the scheduler side), at start-up. Blocks only for the
+        file creation and mapping (memory is not touched: tmpfs pages are allocated on first
+        write). ``path`` defaults to ``/dev/shm/kvtier-<pid>-<random hex>``; an explicit path
+        must not exist yet (a stale file of a crashed run is never reused silently).
+        """
+        num_rows = _positive_int("num_rows", num_rows)
+        row_bytes = _positive_int("row_bytes", row_bytes)
+        row_stride = row_stride_for(row_bytes)
+        file_bytes = HEADER_BYTES + num_rows * row_stride
+        if path is None:
+            path = os.path.join(
+                default_directory(), f"kvtier-{os.getpid()}-{secrets.token_hex(6)}"
+            )
+        try:
+            # O_EXCL: never adopt (and later unlink) a file somebody else owns; 0o600 because
+            # the region holds users' KV data.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise KvtierError(
+                f"cannot create shared region {path}: the file already exists (left by a "
+                f"crashed run, or used by another process); remove it or choose another path"
+            ) from None
+        except OSError as exc:
+            raise KvtierError(f"cannot create shared region {path}: {exc.strerror}") from exc
+        mm = None
+        try:
+            # Size first, header last: the file reads as all zeros (bad magic) until the
+            # header is complete, so an attacher racing the creator fails cleanly instead of
+            # reading a half-written geometry.
+            os.ftruncate(fd, file_bytes)
+            mm = mmap.mmap(
+                fd, file_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+            header = _HEADER.pack(
+                _MAGIC, _FORMAT_VERSION, HEADER_BYTES, num_rows, row_bytes, row_stride,
+                os.getpid(),
+            )
+            mm[len(_MAGIC) : _HEADER.size] = header[len(_MAGIC) :]
+            mm[: len(_MAGIC)] = _MAGIC
+            return cls(mm, path, num_rows, row_bytes, row_stride, creator=True)
+        except BaseException as exc:
+            if mm is not None:
+                with contextlib.suppress(BufferError):
+                    mm.close()
+            os.unlink(path)
+            if isinstance(exc, OSError):
+                raise KvtierError(
+                    f"cannot size or map shared region {path} ({file_bytes} bytes): "
+                    f"{exc.strerror}"
+                ) from exc
+            raise
+        finally:
+            # mmap keeps its own duplicate of the descriptor; ours is never needed after.
+            os.close(fd)
+
+    @classmethod
+    def attach(cls, path_or_name: str) -> SharedRegion:
+        """Map a region another process created, by path or by bare name (in ``/dev/shm``).
+
+        Called by workers and movers at start-up, after the creator returned from
+        :meth:`create` (the name travels to them through configuration or IPC). Blocks only
+        to open and map the file. Raises :class:`KvtierError`, naming the path, if the file is
+        missing or is not a complete kvtier region. The attacher never removes the file.
+        """
+        path = path_or_name
+        if os.sep not in path_or_name:
+            path = os.path.join(default_directory(), path_or_name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise KvtierError(f"cannot attach shared region {path}: {exc.strerror}") from exc
+        try:
+            file_bytes = os.fstat(fd).st_size
+            if file_bytes < HEADER_BYTES:
+                raise KvtierError(
+                    f"{path} is not a kvtier shared region: {file_bytes} bytes is too small "
+                    f"for its {HEADER_BYTES}-byte header (truncated, or still being created)"
+                )
+            raw = os.pread(fd, _HEADER.size, 0)
+            magic, version, header_bytes, num_rows, row_bytes, row_stride, creator_pid = (
+                _HEADER.unpack(raw)
+            )
+            if magic != _MAGIC:
+                raise KvtierError(
+                    f"{path} is not a kvtier shared region: bad magic {magic!r} "
+                    f"(expected {_MAGIC!r}; or its creator has not finished writing it)"
+                )
+            if version != _FORMAT_VERSION:
+                raise KvtierError(
+                    f"{path} has shared-region format version {version}; this kvtier reads "
+                    f"version {_FORMAT_VERSION}: run the same kvtier version in every process"
+                )
+            if (
+                header_bytes != HEADER_BYTES
+                or num_rows < 1
+                or row_bytes < 1
+                or row_stride != row_stride_for(row_bytes)
+            ):
+                raise KvtierError(
+                    f"{path} has a corrupt shared-region header: header_bytes={header_bytes}, "
+                    f"num_rows={num_rows}, row_bytes={row_bytes}, row_stride={row_stride}"
+                )
+            expected = HEADER_BYTES + num_rows * row_stride
+            if file_bytes < expected:
+                raise KvtierError(
+                    f"{path} is truncated: {file_bytes} bytes, but its header "
+                    f"({num_rows} rows of stride {row_stride}) needs {expected}"
+                )
+            mm = mmap.mmap(fd, expected, flags=mmap.MAP_SHARED,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        logger.debug("attached %s (created by pid %d)", path, creator_pid)
+        return cls(mm, path, num_rows, row_bytes, row_stride, creator=False)
+
+    # -----------------------------------------------------------------------------------------
+    # geometry
+
+    @property
+    def path(self) -> str:
+        """The file's path."""
+        return self._path
+
+    @property
+    def name(self) -> str:
+        """The file's base name: what :meth:`attach` takes for a region in ``/dev/shm``."""
+        return os.path.basename(self._path)
+
+    @property
+    def num_rows(self) -> int:
+        """How many rows the region has."""
+        return self._num_rows
+
+    @property
+    def row_bytes(self) -> int:
+        """Usable bytes per row."""
+        return self._row_bytes
+
+    @property
+    def row_stride(self) -> int:
+        """Bytes from one row's start to the next (``row_bytes`` rounded up to 4096)."""
+        return self._row_stride
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes spanned by the rows, padding included (the range :meth:`pin` registers)."""
+        return self._num_rows * self._row_stride
+
+    @property
+    def is_creator(self) -> bool:
+        """Whether this object created the file (and so removes it on :meth:`close`)."""
+        return self._creator
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (explicitly or by finalisation)."""
+        return not self._finalizer.alive
+
+    # -----------------------------------------------------------------------------------------
+    # access
+
+    def _live_rows(self) -> np.ndarray:
+        rows = self._state.rows
+        if rows is None:
+            raise KvtierError(f"shared region {self._path} is closed")
+        return rows
+
+    @property
+    def rows(self) -> np.ndarray:
+        """All rows as a zero-copy ``uint8`` view of shape ``(num_rows, row_bytes)``.
+
+        Strided over ``row_stride``; contiguous when ``row_bytes`` is a multiple of 4096.
+        Any thread or process holding the region may use it; it never blocks.
+        """
+        return self._live_rows()
+
+    def row(self, index: int) -> np.ndarray:
+        """Row ``index`` as a zero-copy ``uint8`` view of ``row_bytes`` bytes."""
+        if not 0 <= index < self._num_rows:
+            raise IndexError(f"row {index} out of range for {self._num_rows} rows")
+        return self._live_rows()[index]
+
+    @property
+    def address(self) -> int:
+        """Virtual address of row 0 in this process (page-aligned), for ``cudaHostRegister``."""
+        self._live_rows()
+        return self._address
+
+    # -----------------------------------------------------------------------------------------
+    # pinning and release
+
+    @property
+    def pinned(self) -> bool:
+        """Whether this process registered the rows with CUDA (see :meth:`pin`)."""
+        return self._state.pinned_here()
+
+    def pin(self, mode: str) -> bool:
+        """Page-lock the rows for DMA in this process, per ``mode``; ``True`` if now pinned.
+
+        ``off``: do nothing. ``auto``: pin when CUDA is usable (torch is not imported on a
+        machine without an NVIDIA driver), else stay pageable. ``on``: pin or raise
+        :class:`KvtierError`. Called by the process that copies to or from a GPU (the worker;
+        pinning is per process); it blocks while the driver locks every page. Pinning twice
+        is a no-op.
+        """
+        if mode not in PIN_MEMORY_CHOICES:
+            raise ConfigError("pin_memory", mode, "one of " + ", ".join(PIN_MEMORY_CHOICES))
+        self._live_rows()
+        if self._state.pinned_here():
+            return True
+        if mode == "off":
+            return False
+        if not _cuda.cuda_available():
+            if mode == "on":
+                raise KvtierError(
+                    f"pin_memory is 'on' but CUDA is not available, so {self._path} cannot "
+                    f"be pinned; use pin_memory 'auto' or 'off' on a machine without a GPU"
+                )
+            return False
+        if _cuda.host_register(self._address, self.nbytes):
+            self._state.pinned_ptr = self._address
+            self._state.pinned_pid = os.getpid()
+            return True
+        if mode == "on":
+            raise KvtierError(
+                f"pin_memory is 'on' but cudaHostRegister of {self._path} ({self.nbytes} "
+                f"bytes) failed (see the warning above); use pin_memory 'auto' to run unpinned"
+            )
+        return False
+
+    def close(self) -> None:
+        """Unpin, unmap and, for the creator, remove the file. Idempotent; never raises.
+
+        Called by the owner at shutdown, on any thread, once no transfer uses the rows. If
+        numpy views of the rows are still alive the mapping stays until they die, but the
+        file is removed regardless.
+        """
+        self._finalizer()
+
+    def __enter__(self) -> SharedRegion:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("pinned" if self.pinned else "open")
+        return (
+            f"SharedRegion({self._path!r}, num_rows={self._num_rows}, "
+            f"row_bytes={self._row_bytes}, {state})"
+        )

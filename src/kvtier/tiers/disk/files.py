@@ -1,0 +1,666 @@
+"""The ``files`` disk tier: one file per block, the directory tree being the index.
+
+Layout of a store directory::
+
+    kvtier-store.json         manifest (kind, layout fingerprint, capacity)
+    blocks/00 .. blocks/ff/   256 fan-out directories (low byte of the key's xxh3-64)
+        <key hex>.kvb         one block: 4096-byte header page + payload
+        .<key hex>.<pid>.<thread>.tmp   a block being written
+    usage                     blocks on disk, all processes: a u64 changed under flock
+    recency.log               appended (stamp, key) records: the eviction order across restarts
+
+Why one file per block (the ``lmdb`` tier uses a slab): each block is an independent file any
+tool can list, copy or delete, the index needs no database, and opening scans 256 directories
+(100,000 blocks: ~0.3 s warm, ~0.5 s cold on the reference machine). The price is a file
+creation per block, which the mover's threads hide: measured there (2 MiB blocks, O_DIRECT,
+``fsync: batch``, against O_DIRECT writes into one preallocated file in the same run) the
+tier writes at 0.82 of the raw rate with 4 threads, 0.90 with 8 and 0.90-0.97 with 16 (the
+default; medians of 4-5 paired rounds, single rounds 0.81-0.96), and reads at 0.95-1.0. (Rejected: a slab with a flat index file — that would be
+the lmdb tier again with a hand-made index, and lose what ``files`` is for.) Fan-out keeps
+directories at a few thousand entries, where ext4's hashed directories stay fast; names are
+hex (safe on case-insensitive filesystems).
+
+Publishing: a block is written under a temp name unique per process and thread, then renamed
+to its final name with renameat2(RENAME_NOREPLACE) (Linux; else link + unlink): atomic, and it
+fails if another process published the key first, which keeps the shared count exact. A crash
+leaves temp files, never a torn ``.kvb``; the next process to open the store alone removes
+them. A file that vanishes under a reader (another process evicted it) is a miss.
+
+Capacity across processes: ``usage`` counts the blocks on disk. Room is reserved (count
+raised) before a block is written and given back if it is not published; a file is unlinked
+before the count is lowered. Every step a crash can interrupt therefore leaves the count too
+high, never too low, so the directory never holds more than its capacity; the next process to
+open the store alone recounts.
+
+``fsync`` (what survives an OS crash; a ``kill -9`` loses nothing published under any
+policy — a block is fully written before its name appears):
+
+* ``none``: no flushes; after an OS crash recent blocks may be gone, or fail verification (a
+  miss), never served wrong;
+* ``batch``: blocks are published as written, and the job reports them stored only after one
+  ``syncfs`` of the store's filesystem made their data and names durable together. Until then
+  an OS crash may leave a just-published block that fails verification — a miss, never
+  served. syncfs flushes other writers' dirty data on that filesystem too: give the store its
+  own disk if it shares one with heavy buffered writers. Where there is no syncfs: each file
+  is fdatasync-ed, then published, then each directory fsync-ed once, at the end of the job;
+* ``always``: per block: fdatasync, publish, fsync of its directory.
+
+Recency: ``recency.log`` gets one record per block stored and per touched block (in batches);
+at open the last stamp of each key orders the policy (blocks without one count as oldest).
+The log is a hint: a damaged tail is ignored, and a process alone at open rewrites it once it
+holds more than twice the live records. (Rejected: file mtimes via ``utime`` — a ``stat`` of
+every file at open doubles the cold open time, ~1 s for 100,000 blocks.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import struct
+import threading
+import time
+
+import xxhash
+
+from kvtier.base import OffloadKey
+from kvtier.config import format_size
+from kvtier.errors import ConfigError
+from kvtier.tiers.base import CheckReport
+from kvtier.tiers.disk.base import DiskLoadStoreSpec, DiskTier, pid_alive
+from kvtier.tiers.disk.manifest import fsync_directory
+from kvtier.tiers.disk.mover import O_DIRECT, MoverJob, errno_reason
+
+__all__ = ["FilesTier", "FileLoadStoreSpec"]
+
+logger = logging.getLogger(__name__)
+
+_BLOCKS_DIR = "blocks"
+_USAGE = "usage"
+_RECENCY = "recency.log"
+_SUFFIX = ".kvb"
+_TEMP_SUFFIX = ".tmp"
+_FANOUT = 256
+_COUNT = struct.Struct("<Q")
+# a recency record: stamp (ns), key length, key, then xxh32 of those bytes
+_RECORD = struct.Struct("<QB")
+_RECORD_SUM = struct.Struct("<I")
+
+
+def _libc_function(name: str, argtypes: list):
+    """A libc function by name (Linux-only ones: syncfs, renameat2), or None where there is none."""
+    try:
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function
+
+
+_syncfs = _libc_function("syncfs", [ctypes.c_int])
+_renameat2 = _libc_function(
+    "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+)
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+
+
+class FileLoadStoreSpec(DiskLoadStoreSpec):
+    """Blocks of a ``files`` tier, by key."""
+
+    @staticmethod
+    def medium() -> str:
+        return FilesTier.medium
+
+
+class _SharedCount:
+    """The store's block count shared by every process: a u64 in a file.
+
+    Changed under ``flock`` (other processes) and a thread lock (``flock`` is per open file,
+    so it does not exclude this process's own threads). Any thread; blocks for a few syscalls.
+    """
+
+    def __init__(self, path: str):
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock = threading.Lock()
+
+    def _update(self, change) -> tuple[int, int]:
+        with self._lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                raw = os.pread(self._fd, _COUNT.size, 0)
+                value = _COUNT.unpack(raw)[0] if len(raw) == _COUNT.size else 0
+                result, new = change(value)
+                if new != value:
+                    os.pwrite(self._fd, _COUNT.pack(new), 0)
+                return result, new
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def get(self) -> int:
+        return self._update(lambda value: (value, value))[1]
+
+    def set(self, value: int) -> None:
+        self._update(lambda _: (None, value))
+
+    def add(self, delta: int) -> int:
+        return self._update(lambda value: (None, max(0, value + delta)))[1]
+
+    def reserve(self, wanted: int, capacity: int) -> tuple[int, int]:
+        """Raise the count by up to ``wanted`` within ``capacity``; ``(granted, count after)``."""
+
+        def change(value: int) -> tuple[int, int]:
+            granted = max(0, min(wanted, capacity - value))
+            return granted, value + granted
+
+        return self._update(change)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+def _read_recency(path: str) -> tuple[dict[bytes, int], int]:
+    """The last stamp of each key in the log, and how many records it holds."""
+    try:
+        with open(path, "rb") as stream:
+            data = stream.read()
+    except FileNotFoundError:
+        return {}, 0
+    stamps: dict[bytes, int] = {}
+    offset = records = 0
+    end = len(data)
+    while offset + _RECORD.size <= end:
+        stamp, key_len = _RECORD.unpack_from(data, offset)
+        stop = offset + _RECORD.size + key_len
+        if stop + _RECORD_SUM.size > end:
+            break
+        if xxhash.xxh32_intdigest(data[offset:stop]) != _RECORD_SUM.unpack_from(data, stop)[0]:
+            break  # a torn or damaged tail: what follows cannot be framed
+        stamps[data[offset + _RECORD.size : stop]] = stamp
+        records += 1
+        offset = stop + _RECORD_SUM.size
+    return stamps, records
+
+
+def _records(keys, stamp: int) -> bytes:
+    parts = []
+    for key in keys:
+        record = _RECORD.pack(stamp, len(key)) + key
+        parts.append(record + _RECORD_SUM.pack(xxhash.xxh32_intdigest(record)))
+    return b"".join(parts)
+
+
+class FilesTier(DiskTier):
+    """A disk tier storing each block as its own file (see the module docstring).
+
+    Open with :meth:`FilesTier.open` (see :class:`~kvtier.tiers.disk.base.DiskTier`). The
+    scheduler-side methods never wait for I/O; file operations run on the mover's threads.
+    """
+
+    kind = "files"
+    medium = "FILES"
+    # the file name is the key in hex: 2 x 100 + suffix stays under NAME_MAX (255)
+    max_key_bytes = 100
+    medium_names = (_BLOCKS_DIR, _USAGE, _RECENCY)
+    spec_class = FileLoadStoreSpec
+
+    # -- open / close (caller's thread) ---------------------------------------------------------
+
+    def _open_medium(self, alone: bool, created: bool) -> list[tuple[OffloadKey, int, int]]:
+        self._count = None
+        self._log_fd = self._dir_fd = -1
+        self._publish_mode = "renameat2" if _renameat2 is not None else "link"
+        self._blocks_dir = os.path.join(self.path, _BLOCKS_DIR)
+        os.makedirs(self._blocks_dir, exist_ok=True)
+        self._subdirs = [os.path.join(self._blocks_dir, f"{i:02x}") for i in range(_FANOUT)]
+        for subdir in self._subdirs:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(subdir)
+        self._count = _SharedCount(os.path.join(self.path, _USAGE))
+        self._dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        keys = self._scan(alone)
+        recency_path = os.path.join(self.path, _RECENCY)
+        stamps, records = _read_recency(recency_path)
+        entries = [(key, stamps.get(key, 0), 0) for key in keys]
+        if alone:
+            if len(entries) > self.capacity_blocks:  # the capacity was lowered
+                entries.sort(key=lambda entry: entry[1])
+                extra = entries[: len(entries) - self.capacity_blocks]
+                for key, _, _ in extra:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._path_of(key))
+                del entries[: len(extra)]
+                logger.warning(
+                    "kvtier tier %s: capacity lowered to %d blocks: removed the %d least recently used",
+                    self.name, self.capacity_blocks, len(extra),
+                )
+            self._count.set(len(entries))
+            if records > 2 * len(entries) + 4096:
+                self._compact_recency(recency_path, entries)
+        self._check_space(len(entries))
+        self._log_fd = os.open(recency_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        return entries
+
+    def _scan(self, alone: bool) -> list[OffloadKey]:
+        """Every published block's key; temp files of dead writers (all, when alone) removed."""
+        keys: list[OffloadKey] = []
+        for subdir in self._subdirs:
+            with os.scandir(subdir) as listing:
+                for entry in listing:
+                    name = entry.name
+                    if name.endswith(_SUFFIX):
+                        try:
+                            keys.append(OffloadKey(bytes.fromhex(name[: -len(_SUFFIX)])))
+                        except ValueError:
+                            logger.warning("kvtier tier %s: ignoring stray file %s", self.name, entry.path)
+                    elif name.endswith(_TEMP_SUFFIX) and (alone or not pid_alive(self._temp_owner(name))):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(entry.path)
+        return keys
+
+    def _check_space(self, present: int) -> None:
+        stats = os.statvfs(self.path)
+        free = stats.f_bavail * stats.f_frsize
+        missing = (self.capacity_blocks - present) * self.slot_bytes
+        if missing > free:
+            raise ConfigError(
+                f"{self._field}.capacity", format_size(self.config.capacity_bytes),
+                f"at most what fits in {self.path}: {format_size(present * self.slot_bytes + free)} "
+                f"({format_size(free)} free there)",
+                "lower the capacity, free space there, or choose another disk",
+            )
+
+    def _compact_recency(self, path: str, entries: list[tuple[OffloadKey, int, int]]) -> None:
+        temp = f"{path}.{os.getpid()}.tmp"
+        data = b"".join(_records([key], stamp) for key, stamp, _ in sorted(entries, key=lambda e: e[1]))
+        with open(temp, "wb") as stream:
+            stream.write(data)
+        os.replace(temp, path)
+
+    def _close_medium(self) -> None:
+        fd = getattr(self, "_dir_fd", -1)
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            self._dir_fd = -1
+        count = getattr(self, "_count", None)
+        if count is not None:
+            count.close()
+            self._count = None
+        fd = getattr(self, "_log_fd", -1)
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            self._log_fd = -1
+
+    # -- names ----------------------------------------------------------------------------------
+
+    def _subdir_of(self, key: OffloadKey) -> str:
+        return self._subdirs[xxhash.xxh3_64_intdigest(key) & (_FANOUT - 1)]
+
+    def _path_of(self, key: OffloadKey) -> str:
+        return os.path.join(self._subdir_of(key), key.hex() + _SUFFIX)
+
+    def _temp_path_of(self, key: OffloadKey) -> str:
+        name = f".{key.hex()}.{os.getpid()}.{threading.get_ident()}{_TEMP_SUFFIX}"
+        return os.path.join(self._subdir_of(key), name)
+
+    @staticmethod
+    def _temp_owner(name: str) -> int:
+        parts = name.split(".")
+        try:
+            return int(parts[-3])
+        except (IndexError, ValueError):
+            return -1
+
+    def _append_recency(self, keys: list[OffloadKey], stamp: int) -> None:
+        if not keys or self._log_fd < 0:
+            return
+        try:
+            os.write(self._log_fd, _records(keys, stamp))
+        except OSError as exc:
+            # recency is a hint: losing a batch of it costs eviction quality, not data
+            logger.warning("kvtier tier %s: could not record recency of %d blocks: %s", self.name, len(keys), exc)
+
+    def _unlink_counted(self, path: str) -> bool:
+        """Remove a published block file and lower the shared count (file first: see the docstring)."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False  # another process removed it, and counted that
+        self._count.add(-1)
+        return True
+
+    # -- store (mover threads) ------------------------------------------------------------------
+
+    def _store_before(self, job: MoverJob, *, victims: list[OffloadKey], touched: list[OffloadKey]) -> None:
+        for key in victims:
+            try:
+                self._unlink_counted(self._path_of(key))
+            except OSError as exc:
+                # the block stays on disk (and counted); nothing is served wrong
+                logger.warning("kvtier tier %s: could not evict %s: %s", self.name, key.hex(), exc)
+        self._append_recency(touched, time.time_ns())
+        todo = []
+        for i, key in enumerate(job.keys):
+            if os.path.exists(self._path_of(key)):  # published by another process since we looked
+                job.skip[i] = True
+            else:
+                todo.append(i)
+        granted, count = self._count.reserve(len(todo), self.capacity_blocks)
+        for i in todo[granted:]:
+            job.reasons[i] = "full"
+        job.state = {"reserved": todo[:granted], "present": set(), "temps": {}}
+        job.extra["shared_blocks"] = count
+        job.extra["refused"] = len(todo) - granted
+
+    def _store_block(self, job: MoverJob, index: int) -> str | None:
+        key = job.keys[index]
+        temp = self._temp_path_of(key)
+        direct = self._direct
+        try:
+            try:
+                self._write_file(temp, key, job.rows[index], direct)
+            except OSError as exc:
+                if not (direct and exc.errno == errno.EINVAL):
+                    raise
+                self._direct_fallback(f"an O_DIRECT write failed: {exc.strerror}")
+                os.unlink(temp)
+                self._write_file(temp, key, job.rows[index], False)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            return errno_reason(exc)
+        if self._fsync == "batch" and _syncfs is None:
+            job.state["temps"][index] = temp  # flushed, then published, by the epilogue
+            return None
+        return self._publish_one(job, index, temp)
+
+    def _write_file(self, temp: str, key: OffloadKey, row: int, direct: bool) -> None:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0), 0o644)
+        try:
+            self._write_block(fd, 0, key, row, direct)
+            if self._fsync == "always":
+                os.fdatasync(fd)  # before publishing: a published name never points at unflushed data
+        finally:
+            os.close(fd)
+
+    def _publish_one(self, job: MoverJob, index: int, temp: str) -> str | None:
+        """Publish one written temp file from its I/O thread (``always``: durably)."""
+        final = self._path_of(job.keys[index])
+        state = job.state
+        try:
+            if not self._publish(temp, final):
+                state["present"].add(index)
+                return None
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            return errno_reason(exc)
+        if self._fsync == "always":
+            try:
+                fsync_directory(os.path.dirname(final))
+            except OSError as exc:
+                self._unlink_published(final)
+                return errno_reason(exc)
+        return None
+
+    def _publish(self, temp: str, final: str) -> bool:
+        """Make ``temp`` visible as ``final``; ``False`` if ``final`` existed (temp removed).
+
+        Preferred: renameat2(RENAME_NOREPLACE) — one atomic step that fails if another process
+        published the key first. Else link + unlink (two steps, same guarantee). Else, where
+        the filesystem has neither (some FUSE and network filesystems), a plain rename, which
+        may replace a copy of the same key another process just published: the shared count
+        is then one too high until the next alone open recounts (never too low).
+        """
+        mode = self._publish_mode
+        if mode == "renameat2":
+            if _renameat2(_AT_FDCWD, temp.encode(), _AT_FDCWD, final.encode(), _RENAME_NOREPLACE) == 0:
+                return True
+            code = ctypes.get_errno()
+            if code == errno.EEXIST:
+                os.unlink(temp)
+                return False
+            if code not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise OSError(code, os.strerror(code), final)
+            mode = self._publish_mode = "link"
+        if mode == "link":
+            try:
+                os.link(temp, final)
+            except FileExistsError:
+                os.unlink(temp)
+                return False
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
+                    raise
+                self._publish_mode = "rename"
+            else:
+                os.unlink(temp)
+                return True
+        os.rename(temp, final)
+        return True
+
+    @staticmethod
+    def _unlink_published(final: str) -> None:
+        """Withdraw a block just published (its reservation goes back with its failure)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(final)
+
+    def _store_after(self, job: MoverJob) -> None:
+        state = job.state
+        if state is None:
+            return
+        reserved = state["reserved"]
+        present = state["present"]
+        temps: dict[int, str] = state["temps"]
+        if temps:
+            self._publish_batch(job, temps)
+        elif self._fsync == "batch":
+            # One syncfs makes the job's data, inodes and new names durable together: an
+            # fdatasync costs ~0.2 ms here even with nothing to commit (it flushes the device
+            # cache), so one per file plus one per directory cost ~6 ms per 16-block job
+            # (measured with 4 threads: 0.64-0.75 of the raw write rate, ~0.85 with one
+            # syncfs). (Also tried: sharing flushes between jobs finishing together — none
+            # did, jobs finish one after another, so it was removed.)
+            published = [i for i in reserved if job.reasons[i] is None and i not in present]
+            if published:
+                try:
+                    self._flush_filesystem()
+                except OSError as exc:
+                    self._withdraw(job, published, errno_reason(exc))
+        # reservations of blocks that were not published by us go back
+        unused = sum(1 for i in reserved if job.reasons[i] is not None or i in present)
+        if unused:
+            self._count.add(-unused)
+        stored = [job.keys[i] for i in reserved if job.reasons[i] is None and i not in present]
+        self._append_recency(stored, time.time_ns())
+
+    def _flush_filesystem(self) -> None:
+        """syncfs(2) of the store's filesystem; raises OSError."""
+        if _syncfs(self._dir_fd) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+
+    def _publish_batch(self, job: MoverJob, temps: dict[int, str]) -> None:
+        """``batch`` without syncfs: flush each file, publish them all, flush each directory once."""
+        state = job.state
+        for index, temp in temps.items():
+            try:
+                fd = os.open(temp, os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                job.reasons[index] = errno_reason(exc)
+        directories: dict[str, list[int]] = {}
+        for index, temp in temps.items():
+            if job.reasons[index] is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+                continue
+            final = self._path_of(job.keys[index])
+            try:
+                if not self._publish(temp, final):
+                    state["present"].add(index)
+                    continue
+            except OSError as exc:
+                job.reasons[index] = errno_reason(exc)
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+                continue
+            directories.setdefault(os.path.dirname(final), []).append(index)
+        for directory, indexes in directories.items():
+            try:
+                fsync_directory(directory)
+            except OSError as exc:
+                self._withdraw(job, indexes, errno_reason(exc))
+
+    def _withdraw(self, job: MoverJob, indexes: list[int], reason: str) -> None:
+        """Blocks published but not made durable: unpublish and fail them rather than report
+        blocks that might not survive an OS crash."""
+        for index in indexes:
+            self._unlink_published(self._path_of(job.keys[index]))
+            job.reasons[index] = reason
+
+    # -- load (mover threads) -------------------------------------------------------------------
+
+    def _load_block(self, job: MoverJob, index: int) -> str | None:
+        key = job.keys[index]
+        path = self._path_of(key)
+        direct = self._direct
+        try:
+            try:
+                reason, identity = self._read_file(path, key, job.rows[index], direct)
+            except OSError as exc:
+                if not (direct and exc.errno == errno.EINVAL):
+                    raise
+                self._direct_fallback(f"an O_DIRECT read failed: {exc.strerror}")
+                reason, identity = self._read_file(path, key, job.rows[index], False)
+        except FileNotFoundError:
+            return "missing"  # evicted by another process, or never there
+        except OSError as exc:
+            return errno_reason(exc)
+        if reason is None:
+            return None
+        return self._drop(key, path, identity, reason)
+
+    def _read_file(
+        self, path: str, key: OffloadKey, row: int, direct: bool
+    ) -> tuple[str | None, os.stat_result | None]:
+        fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+        try:
+            reason = self._read_block(fd, 0, key, row, direct)
+            return reason, (os.fstat(fd) if reason is not None else None)
+        finally:
+            os.close(fd)
+
+    def _drop(self, key: OffloadKey, path: str, identity: os.stat_result, reason: str) -> str:
+        """A block failed verification: remove its file, unless another replaced it meanwhile."""
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            return "missing"
+        if (now.st_dev, now.st_ino) != (identity.st_dev, identity.st_ino):
+            return "missing"  # replaced under us; the new file is another process's, unread
+        try:
+            self._unlink_counted(path)
+        except OSError as exc:
+            logger.warning("kvtier tier %s: could not remove damaged %s: %s", self.name, path, exc)
+        self._log_corrupt(key, reason, path)
+        return f"corrupt: {reason}"
+
+    def _persist_stamps(self, keys: list[OffloadKey], stamp: int) -> None:
+        self._append_recency(keys, stamp)
+
+    # -- check (caller's thread) ----------------------------------------------------------------
+
+    def _check_medium(self, fix: bool) -> tuple[CheckReport, list[OffloadKey]]:
+        report = CheckReport(self.name)
+        page, payload = self._check_buffer()
+        direct = self._direct
+        if not direct:
+            payload = payload[: self.block_bytes]
+        bad_files: list[str] = []
+        bad_keys: list[OffloadKey] = []
+        stray: list[str] = []
+        found: set[OffloadKey] = set()
+        me = os.getpid()
+        for subdir in self._subdirs:
+            with os.scandir(subdir) as listing:
+                names = [(entry.name, entry.path) for entry in listing]
+            for name, path in names:
+                if name.endswith(_TEMP_SUFFIX):
+                    owner = self._temp_owner(name)
+                    if owner == me or not pid_alive(owner):  # jobs are drained: ours are stale too
+                        report.problems.append(f"{path}: temp file of a writer that is gone")
+                        stray.append(path)
+                    continue
+                try:
+                    if not name.endswith(_SUFFIX):
+                        raise ValueError(name)
+                    key = OffloadKey(bytes.fromhex(name[: -len(_SUFFIX)]))
+                except ValueError:
+                    report.problems.append(f"{path}: not a block file")
+                    stray.append(path)
+                    continue
+                report.blocks_checked += 1
+                if self._subdir_of(key) != subdir:
+                    problem = "in the wrong fan-out directory"
+                else:
+                    try:
+                        fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+                    except FileNotFoundError:
+                        continue  # removed by another process meanwhile
+                    except OSError as exc:
+                        problem = errno_reason(exc)
+                    else:
+                        try:
+                            problem = self._read_for_check(fd, 0, key, page, payload)
+                        finally:
+                            os.close(fd)
+                if problem is None:
+                    found.add(key)
+                else:
+                    report.problems.append(f"{path}: {problem}")
+                    bad_files.append(path)
+                    bad_keys.append(key)
+        if len(found) + len(bad_keys) > self.capacity_blocks:
+            report.problems.append(
+                f"{len(found) + len(bad_keys)} blocks on disk, more than the capacity of {self.capacity_blocks}"
+            )
+        counted = self._count.get()
+        on_disk = len(found) + len(bad_keys)
+        if counted < on_disk:
+            report.problems.append(f"the usage count says {counted} blocks, but {on_disk} are on disk")
+        unknown = [key for key in self._policy if key not in found and key not in bad_keys]
+        if unknown:
+            report.problems.append(
+                f"{len(unknown)} blocks known to this process are not on disk (removed by another process)"
+            )
+        if fix:
+            removed = 0
+            for path in bad_files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    removed += 1
+            for path in stray:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            if removed:
+                self._count.add(-removed)
+                report.fixed.append(f"removed {removed} bad block files")
+            if stray:
+                report.fixed.append(f"removed {len(stray)} stray or stale temp files")
+            if counted < on_disk:
+                self._count.set(len(found))
+                report.fixed.append(f"set the usage count to {len(found)}")
+            if unknown:
+                report.fixed.append(f"forgot {len(unknown)} blocks no longer on disk")
+        return report, (bad_keys + unknown) if fix else []

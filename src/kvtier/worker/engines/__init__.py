@@ -1,0 +1,37 @@
+"""Copy engines: the part of a handler that moves bytes, one implementation per kind of device.
+
+``make_engine(kind, ...)`` builds one by name; ``auto`` picks ``cuda`` for CUDA tensors and
+``thread`` for CPU tensors. Classes are imported on first use, so naming the registry costs
+nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from kvtier.worker.engines.base import CopyBuffers, CopyEngine
+
+__all__ = ["ENGINES", "CopyBuffers", "CopyEngine", "make_engine", "resolve_engine_kind"]
+
+#: engine name -> "module:Class", imported lazily
+ENGINES = {
+    "thread": "kvtier.worker.engines.thread:ThreadCopyEngine",
+    "cuda": "kvtier.worker.engines.cuda:CudaCopyEngine",
+}
+
+
+def resolve_engine_kind(kind: str, device_type: str) -> str:
+    """The engine name for ``kind`` (a name or ``auto``) and tensors on ``device_type``."""
+    if kind == "auto":
+        return "cuda" if device_type == "cuda" else "thread"
+    if kind not in ENGINES:
+        raise ValueError(f"unknown copy engine {kind!r}; choose auto, " + ", ".join(ENGINES))
+    return kind
+
+
+def make_engine(kind: str, buffers: CopyBuffers, gpu_to_cpu: bool, *, priority: int) -> CopyEngine:
+    """A new engine of ``kind`` (``auto``, ``thread`` or ``cuda``) for one direction."""
+    name = resolve_engine_kind(kind, buffers.device.type)
+    module_name, class_name = ENGINES[name].split(":")
+    engine_class = getattr(importlib.import_module(module_name), class_name)
+    return engine_class(buffers, gpu_to_cpu, priority=priority)

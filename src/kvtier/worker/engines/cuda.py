@@ -1,0 +1,189 @@
+"""The CUDA path: each job on its own stream, chained behind the previous job of its direction.
+
+Per job (:meth:`CudaCopyEngine.submit`, on the worker's thread):
+
+1. take a stream from the engine's pool (created with the engine's priority: loads run at a
+   higher priority than stores, so a request waiting for its prefix is not stuck behind
+   offloading traffic);
+2. make it wait for the engine's compute stream (the current stream at submit: a store must
+   read finished KV, a load must not overwrite blocks the compute stream still uses) and for
+   the previous job's end event (jobs of one direction finish in submission order);
+3. issue every coalesced segment of the job with **one** ``cuMemcpyBatchAsync`` call, so the
+   copy engines (DMA), not the SMs, move the bytes and the cost per job is one driver call
+   whatever the number of pages; where the driver lacks it (before CUDA 12.8), one
+   ``cudaMemcpyAsync`` per segment through ``Tensor.copy_``;
+4. record an end event. :meth:`get_finished` polls events with ``query()``; :meth:`wait`
+   synchronizes on events only. Nothing here synchronizes the device.
+
+Why DMA descriptors and not a gather kernel into a staging buffer: descriptors need no GPU
+memory beyond the engine's own (a staging buffer would take hundreds of MiB from the KV
+cache), copy exactly the bytes named (the row layout has gaps a contiguous copy would
+overwrite), and leave the SMs to the model. vLLM 0.33 measured the same call as its fastest
+GPU->CPU path on an H100 and for pages over 28 KiB in both directions; for smaller pages it
+loads through an SM kernel reading pinned host memory. The choice here is made without a GPU:
+``kvtier bench transfer --device cuda`` exists to re-measure it, and a kernel path for small
+loads would sit behind the same :class:`~kvtier.worker.engines.base.CopyEngine` interface.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.base import TransferResult
+from kvtier.worker.blocks import Segments
+from kvtier.worker.engines.base import CopyBuffers, CopyEngine, copy_segments_torch
+from kvtier.worker.engines.memcpy_batch import MemcpyBatch, MemcpyBatchError
+
+__all__ = ["CudaCopyEngine"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    job_id: int
+    nbytes: int
+    stream: torch.cuda.Stream
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    # the descriptor arrays, referenced until the job is done: cheap, and nothing then
+    # depends on when the driver stops reading them
+    keepalive: Any
+    error: BaseException | None
+
+
+class CudaCopyEngine(CopyEngine):
+    """One direction's copies on CUDA streams; the GPU tensors must be on one CUDA device.
+
+    Who calls it: the handler, from the worker thread that runs the model (its current
+    stream is taken as the compute stream). Not thread-safe.
+    """
+
+    def __init__(self, buffers: CopyBuffers, gpu_to_cpu: bool, *, priority: int = 0):
+        """``priority``: CUDA stream priority, lower is more urgent (torch: 0 or negative)."""
+        super().__init__(buffers, gpu_to_cpu)
+        if buffers.device.type != "cuda":
+            raise ValueError(
+                f"the cuda engine needs CUDA tensors; the KV tensors are on {buffers.device}"
+            )
+        self._device = buffers.device
+        self._priority = priority
+        self._streams: list[torch.cuda.Stream] = []
+        self._events: list[torch.cuda.Event] = []
+        self._jobs: deque[_Job] = deque()
+        self._last_end: torch.cuda.Event | None = None
+        self._batch = MemcpyBatch.load()
+        if self._batch is None:
+            logger.info(
+                "%s copies use one cudaMemcpyAsync per segment: the CUDA driver has no "
+                "cuMemcpyBatchAsync (needs 12.8+)",
+                self.direction,
+            )
+        #: the function that issues one job's copies on the current stream (replaceable)
+        self.issue = self._issue
+
+    def _event(self) -> torch.cuda.Event:
+        return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
+
+    def submit(self, job_id: int, segments: Segments) -> None:
+        """Enqueue the job on a fresh stream behind the compute stream and the previous job.
+
+        Never waits for a copy. A failure to enqueue is not raised: the job is reported
+        with ``success=False`` in its turn.
+        """
+        with torch.cuda.device(self._device):
+            stream = (
+                self._streams.pop()
+                if self._streams
+                else torch.cuda.Stream(device=self._device, priority=self._priority)
+            )
+            start, end = self._event(), self._event()
+            stream.wait_stream(torch.cuda.current_stream(self._device))
+            if self._last_end is not None:
+                stream.wait_event(self._last_end)
+            start.record(stream)
+            error: BaseException | None = None
+            keepalive = None
+            try:
+                keepalive = self.buffers.descriptors(segments, self.gpu_to_cpu)
+                with torch.cuda.stream(stream):
+                    self.issue(keepalive, segments, stream)
+            except Exception as exc:  # noqa: BLE001 - any failure fails this job only; the chain goes on
+                error = exc
+            # Recorded even after a failure, so the next job still waits for whatever of
+            # this one was enqueued before the error.
+            end.record(stream)
+        self._last_end = end
+        self._jobs.append(_Job(job_id, segments.nbytes, stream, start, end, keepalive, error))
+
+    def _issue(
+        self,
+        descriptors: tuple[np.ndarray, np.ndarray, np.ndarray],
+        segments: Segments,
+        stream: torch.cuda.Stream,
+    ) -> None:
+        if self._batch is not None:
+            try:
+                self._batch(*descriptors, stream.cuda_stream, src_access_any=not self.gpu_to_cpu)
+                return
+            except MemcpyBatchError as exc:
+                # Copies before the failing one may be enqueued; the fallback re-issues all
+                # of them behind those on the same stream, so the bytes end up the same.
+                logger.warning(
+                    "%s: %s; using one cudaMemcpyAsync per segment from now on", self.direction, exc
+                )
+                self._batch = None
+        copy_segments_torch(self.buffers, segments, self.gpu_to_cpu, non_blocking=True)
+
+    def _finish(self, job: _Job, error: BaseException | None) -> TransferResult:
+        self._streams.append(job.stream)
+        if job.end is self._last_end:
+            # nothing left to wait for; and the event may now be re-recorded by a later job
+            self._last_end = None
+        if error is None:
+            elapsed_s = job.start.elapsed_time(job.end) / 1000.0
+            self._events += (job.start, job.end)
+            return TransferResult(job.job_id, True, job.nbytes, elapsed_s)
+        return self._failed(job.job_id, error)
+
+    def get_finished(self) -> list[TransferResult]:
+        """Finished jobs, oldest first, by ``Event.query()``; never waits."""
+        results = []
+        while self._jobs:
+            job = self._jobs[0]
+            try:
+                if not job.end.query():
+                    break
+                error = job.error
+            except RuntimeError as exc:  # an asynchronous CUDA error surfaced here
+                error = exc
+            self._jobs.popleft()
+            results.append(self._finish(job, error))
+        return results
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block on the end events of the named jobs (never on the whole device)."""
+        wanted = set(job_ids)
+        for job in list(self._jobs):
+            if job.job_id in wanted:
+                try:
+                    job.end.synchronize()
+                except RuntimeError as exc:
+                    job.error = job.error or exc
+
+    def shutdown(self) -> None:
+        """Wait for every queued job's end event; drop the pools. Idempotent."""
+        for job in self._jobs:
+            try:
+                job.end.synchronize()
+            except RuntimeError as exc:
+                job.error = job.error or exc
+        self._streams.clear()
+        self._events.clear()

@@ -1,0 +1,229 @@
+import numpy as np
+import pytest
+
+from helpers import key, payload, read_blocks, store_blocks
+from kvtier.base import ReqContext
+from kvtier.config import CascadeConfig
+from kvtier.manager.stack import TierStackManager
+from kvtier.policies.arc import ARCPolicy
+from kvtier.policies.lru import LRUPolicy
+from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.memory import MemoryBackend
+
+CTX = ReqContext("r")
+BLOCK = 64
+
+
+def make(cpu_blocks=4, disk_blocks=8, write_policy="write_through", policy=LRUPolicy, **cascade):
+    backend = MemoryBackend(cpu_blocks, BLOCK)
+    disk = MemoryTier("disk", backend.rows, disk_blocks)
+    manager = TierStackManager(
+        backend, policy(cpu_blocks), [disk], CascadeConfig(write_policy=write_policy, **cascade)
+    )
+    return manager, disk
+
+
+def store(manager, keys):
+    return store_blocks(manager, keys, CTX)
+
+
+def load_bytes(manager, keys):
+    return read_blocks(manager, keys, CTX)
+
+
+def settle(manager):
+    """Two steps: the first submits the step's jobs, the second polls their results."""
+    manager.on_schedule_end()
+    manager.on_schedule_end()
+
+
+def resolve(manager, k, steps=5):
+    """Look ``k`` up the way an engine does: step while the answer is None."""
+    for _ in range(steps):
+        answer = manager.lookup(k, CTX)
+        if answer is not None:
+            return answer
+        manager.on_schedule_end()
+    raise AssertionError("lookup never resolved")
+
+
+def disk_bytes(disk, k):
+    return np.frombuffer(disk._blocks[k][0], dtype=np.uint8)
+
+
+def test_write_through_saves_every_block_below():
+    manager, disk = make()
+    store(manager, [key(0), key(1)])
+    assert manager.stats()["dirty_blocks"] == 2
+    manager.on_schedule_end()  # submits the demotion
+    manager.on_schedule_end()  # polls it
+    assert manager.stats()["dirty_blocks"] == 0
+    for k in (key(0), key(1)):
+        np.testing.assert_array_equal(disk_bytes(disk, k), payload(k, BLOCK))
+    assert manager.stats()["disk.demotions"] == 2
+
+
+def test_write_back_waits_for_pressure_then_saves_the_coldest():
+    manager, disk = make(cpu_blocks=8, write_policy="write_back")
+    store(manager, [key(i) for i in range(5)])  # 3 free + 0 clean < 25% of 8? no: 3 >= 2
+    settle(manager)
+    assert disk.num_blocks() == 0
+    manager.touch([key(0)], CTX)  # key 0 is now the warmest
+    store(manager, [key(5), key(6), key(7)])  # no free rows, nothing clean: under pressure
+    settle(manager)
+    saved = {k for k in map(key, range(8)) if disk.lookup(k)}
+    assert saved and key(0) not in saved and key(1) in saved
+
+
+def test_dirty_blocks_are_never_dropped_and_stores_wait_for_clean_room():
+    manager, disk = make(cpu_blocks=2)
+    store(manager, [key(0), key(1)])
+    assert manager.prepare_store([key(2)], CTX) is None  # both dirty: nothing evictable
+    settle(manager)  # saved below: now clean
+    out = store(manager, [key(2)])
+    assert out.evicted_keys and all(disk.lookup(k) for k in out.evicted_keys)
+    assert manager.stats()["evictions"] == 1
+
+
+def test_promotion_brings_a_block_up_and_serves_its_bytes():
+    manager, disk = make(cpu_blocks=2)
+    store(manager, [key(0), key(1)])
+    settle(manager)
+    store(manager, [key(2), key(3)])  # evicts keys 0 and 1 from the CPU tier
+    settle(manager)  # 2 and 3 saved: clean, so a promotion can take a row
+    assert manager.lookup(key(0), CTX) is None  # on disk only: read queued
+    manager.on_schedule_end()  # submitted
+    assert manager.lookup(key(0), CTX) is True  # polled during lookup
+    np.testing.assert_array_equal(load_bytes(manager, [key(0)])[0], payload(key(0), BLOCK))
+    assert manager.stats()["disk.promotions"] == 1
+
+
+def test_a_key_wanted_twice_is_read_once():
+    manager, disk = make(cpu_blocks=2)
+    store(manager, [key(0), key(1)])
+    settle(manager)
+    store(manager, [key(2), key(3)])
+    settle(manager)
+    assert manager.lookup(key(0), ReqContext("a")) is None
+    assert manager.lookup(key(0), ReqContext("b")) is None
+    settle(manager)
+    assert manager.lookup(key(0), CTX) is True
+    stats = manager.stats()
+    assert stats["disk.promote_jobs"] == 1 and stats["disk.promotions"] == 1
+
+
+@pytest.mark.parametrize("fault", ["fail", "corrupt"])
+def test_a_failed_or_corrupt_read_is_a_miss_and_frees_the_row(fault):
+    manager, disk = make(cpu_blocks=2)
+    store(manager, [key(0), key(1)])
+    settle(manager)
+    store(manager, [key(2), key(3)])
+    settle(manager)  # 2 and 3 saved too: clean, so a promotion can evict one
+    if fault == "fail":
+        disk.fail_next(1, "EIO")
+    else:
+        disk.corrupt(key(0))
+    assert resolve(manager, key(0)) is False
+    stats = manager.stats()
+    assert stats["promoting_blocks"] == 0 and stats["disk.promote_failures"] == 1
+    assert stats["ready_blocks"] + stats["free_blocks"] == 2  # the reserved row came back
+    if fault == "corrupt":
+        assert stats["disk.corrupt_blocks"] == 1 and not disk.lookup(key(0))
+    assert resolve(manager, key(1)) is True
+    np.testing.assert_array_equal(load_bytes(manager, [key(1)])[0], payload(key(1), BLOCK))
+
+
+def test_a_refused_demotion_makes_the_block_evictable():
+    manager, disk = make(cpu_blocks=2)
+    store(manager, [key(0), key(1)])
+    disk.fail_next(1, "ENOSPC")
+    settle(manager)
+    stats = manager.stats()
+    assert stats["disk.demote_failures"] == 2 and stats["dirty_blocks"] == 0
+    out = store(manager, [key(2)])
+    assert len(out.evicted_keys) == 1 and not disk.lookup(out.evicted_keys[0])
+
+
+def test_promotion_budget_spreads_reads_over_steps():
+    manager, disk = make(cpu_blocks=4, disk_blocks=8, max_promote_bytes_per_step=2 * BLOCK)
+    store(manager, [key(i) for i in range(4)])
+    settle(manager)
+    store(manager, [key(i) for i in range(4, 8)])  # keys 0-3 only below now
+    settle(manager)
+    for i in range(3):
+        assert manager.lookup(key(i), CTX) is None
+    manager.on_schedule_end()
+    assert manager.stats()["disk.queued_promotions"] == 1
+    settle(manager)
+    assert all(manager.lookup(key(i), CTX) for i in range(3))
+    assert manager.stats()["disk.promote_jobs"] == 2
+
+
+def test_reset_cache_forgets_the_cpu_tier_only():
+    manager, disk = make()
+    store(manager, [key(0)])
+    manager.on_schedule_end()
+    manager.reset_cache()  # the demotion in flight is waited for first
+    assert manager.stats()["ready_blocks"] == 0 and disk.lookup(key(0))
+    assert resolve(manager, key(0)) is True
+    np.testing.assert_array_equal(load_bytes(manager, [key(0)])[0], payload(key(0), BLOCK))
+
+
+def test_shutdown_saves_what_only_the_cpu_tier_holds():
+    manager, disk = make(cpu_blocks=8, write_policy="write_back")
+    store(manager, [key(0), key(1)])
+    manager.on_schedule_end()
+    assert disk.num_blocks() == 0  # no pressure: write_back has not written yet
+    manager.shutdown()
+    for k in (key(0), key(1)):
+        np.testing.assert_array_equal(disk_bytes(disk, k), payload(k, BLOCK))
+    manager.shutdown()  # idempotent
+
+
+def test_a_block_already_below_is_stored_clean():
+    manager, disk = make(cpu_blocks=2)
+    store(manager, [key(0), key(1)])
+    settle(manager)
+    store(manager, [key(2), key(3)])  # 0 and 1 leave the CPU tier
+    settle(manager)
+    out = store(manager, [key(0)])  # recomputed by the engine, but the disk has it
+    assert key(0) in out.keys_to_store
+    assert key(0) not in manager._dirty
+
+
+def test_events_name_their_medium():
+    manager, disk = make(cpu_blocks=2)
+    store(manager, [key(0), key(1)])
+    settle(manager)
+    store(manager, [key(2)])
+    media = {(event.medium, event.removed) for event in manager.take_events()}
+    assert ("MEMORY", False) in media and ("MEMORY", True) in media
+    assert ("MEMORY_STORE", False) in media
+
+
+def test_arc_policy_in_the_stack():
+    manager, disk = make(cpu_blocks=2, policy=ARCPolicy)
+    store(manager, [key(0), key(1)])
+    settle(manager)
+    store(manager, [key(2), key(3)])
+    settle(manager)
+    assert resolve(manager, key(0)) is True
+    np.testing.assert_array_equal(load_bytes(manager, [key(0)])[0], payload(key(0), BLOCK))
+
+
+def test_a_read_with_no_cpu_row_is_a_miss_for_a_step_not_a_livelock():
+    manager, disk = make(cpu_blocks=2)
+    store(manager, [key(0), key(1)])
+    settle(manager)
+    store(manager, [key(2), key(3)])
+    manager.on_schedule_end()
+    manager.on_schedule_end()  # 0 and 1 only on disk now; 2 and 3 clean in the CPU tier
+    manager.prepare_load([key(2), key(3)], CTX)  # both CPU rows pinned by a long load
+    assert manager.lookup(key(0), CTX) is None
+    manager.on_schedule_end()  # no row, nothing being saved: the read is dropped
+    assert manager.lookup(key(0), CTX) is False  # a miss for this step, not None again
+    assert manager.stats()["promoting_blocks"] == 0
+    manager.complete_load([key(2), key(3)], CTX)
+    manager.on_schedule_end()
+    assert resolve(manager, key(0)) is True  # rows are free again: the read goes through
+    np.testing.assert_array_equal(load_bytes(manager, [key(0)])[0], payload(key(0), BLOCK))

@@ -1,0 +1,145 @@
+"""The tier-stack manager under random call sequences, with a disk tier that fails and rots.
+
+What is checked, whatever the sequence: every byte served from the CPU tier is the key's own
+(read when the load starts and again when it completes); a block the disk tier has not saved
+(and did not refuse) is never dropped from the CPU tier; the CPU tier's rows are all accounted
+for; the disk tier never holds more than its capacity.
+"""
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from helpers import key, payload
+from kvtier.base import ReqContext
+from kvtier.config import CascadeConfig
+from kvtier.manager.stack import TierStackManager
+from kvtier.policies.arc import ARCPolicy
+from kvtier.policies.lru import LRUPolicy
+from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.memory import MemoryBackend
+
+CPU_BLOCKS = 4
+DISK_BLOCKS = 6
+BLOCK = 32
+KEYS = [key(i) for i in range(10)]
+CTX = ReqContext("r")
+key_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=3)
+
+
+class StackMachine(RuleBasedStateMachine):
+    policy_cls: type = LRUPolicy
+    write_policy = "write_back"
+
+    def __init__(self):
+        super().__init__()
+        backend = MemoryBackend(CPU_BLOCKS, BLOCK)
+        self.disk = MemoryTier("disk", backend.rows, DISK_BLOCKS)
+        self.manager = TierStackManager(
+            backend,
+            self.policy_cls(CPU_BLOCKS),
+            [self.disk],
+            CascadeConfig(write_policy=self.write_policy, max_demote_bytes_per_step=2 * BLOCK),
+        )
+        self.rows = backend.rows
+        self.store_jobs: list = []
+        self.load_jobs: list = []
+        self.evicted_below: set = set()  # keys the disk tier dropped by its own policy
+
+    def check_rows(self, keys, rows):
+        for k, row in zip(keys, rows):
+            np.testing.assert_array_equal(self.rows[row], payload(k, BLOCK))
+
+    @rule(keys=key_lists)
+    def store(self, keys):
+        out = self.manager.prepare_store(keys, CTX)
+        if out is None:
+            return
+        for k, row in zip(out.keys_to_store, out.store_spec.block_ids):
+            self.rows[row] = payload(k, BLOCK)  # the worker copies the GPU block in
+        self.store_jobs.append(list(keys))
+
+    @precondition(lambda self: self.store_jobs)
+    @rule(data=st.data(), success=st.booleans())
+    def complete_store(self, data, success):
+        keys = self.store_jobs.pop(data.draw(st.integers(0, len(self.store_jobs) - 1)))
+        self.manager.complete_store(keys, CTX, success)
+
+    @rule(keys=key_lists)
+    def load(self, keys):
+        ready = [k for k in dict.fromkeys(keys) if self.manager.lookup(k, CTX) is True]
+        if not ready:
+            return
+        spec = self.manager.prepare_load(ready, CTX)
+        rows = spec.block_ids.tolist()
+        self.check_rows(ready, rows)
+        self.load_jobs.append((ready, rows))
+
+    @precondition(lambda self: self.load_jobs)
+    @rule(data=st.data())
+    def complete_load(self, data):
+        keys, rows = self.load_jobs.pop(data.draw(st.integers(0, len(self.load_jobs) - 1)))
+        self.check_rows(keys, rows)  # nothing overwrote the rows while they were read
+        self.manager.complete_load(keys, CTX)
+
+    @rule(keys=key_lists)
+    def touch(self, keys):
+        self.manager.touch(keys, CTX)
+
+    @rule()
+    def step(self):
+        self.manager.on_schedule_end()
+
+    @rule(reason=st.sampled_from(["EIO", "ENOSPC"]))
+    def disk_fails_next_job(self, reason):
+        self.disk.fail_next(1, reason)
+
+    @rule(k=st.sampled_from(KEYS))
+    def disk_rots(self, k):
+        if self.disk.lookup(k) is True:
+            self.disk.corrupt(k)
+
+    @precondition(lambda self: not self.store_jobs and not self.load_jobs)
+    @rule()
+    def reset_cache(self):
+        self.dirty_never_dropped()  # reset may drop anything; check what came before
+        self.manager.reset_cache()
+        list(self.manager.take_events())
+
+    @invariant()
+    def dirty_never_dropped(self):
+        events = list(self.manager.take_events())
+        for event in events:  # the disk may have made room by dropping its own oldest
+            if event.medium == self.disk.medium and event.removed:
+                self.evicted_below.update(event.keys)
+        for event in events:
+            if event.medium == "MEMORY" and event.removed:
+                for k in event.keys:
+                    assert (
+                        self.disk.lookup(k) is True
+                        or k in self.disk.refused_keys
+                        or k in self.evicted_below
+                    ), "a block the disk could take was dropped from the CPU tier"
+
+    @invariant()
+    def cpu_rows_accounted_for(self):
+        stats = self.manager.stats()
+        used = stats["ready_blocks"] + stats["pending_blocks"] + stats["promoting_blocks"]
+        assert used + stats["free_blocks"] == CPU_BLOCKS
+
+    @invariant()
+    def disk_within_capacity(self):
+        assert self.disk.num_blocks() <= DISK_BLOCKS
+
+
+class ARCWriteThroughMachine(StackMachine):
+    policy_cls = ARCPolicy
+    write_policy = "write_through"
+
+
+SETTINGS = settings(max_examples=150, stateful_step_count=50, deadline=None)
+TestStackLRUWriteBack = StackMachine.TestCase
+TestStackLRUWriteBack.settings = SETTINGS
+TestStackARCWriteThrough = ARCWriteThroughMachine.TestCase
+TestStackARCWriteThrough.settings = SETTINGS

@@ -1,0 +1,142 @@
+"""The on-disk block format: fingerprint, header, and every way verification says no."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvtier.tiers.disk.format import (
+    HEADER_BYTES,
+    MAX_KEY_BYTES,
+    LayoutFingerprint,
+    decode_header,
+    encode_header_into,
+    on_disk_block_bytes,
+    padded_payload_bytes,
+    verify,
+)
+from kvtier.tiers.disk.manifest import (
+    ManifestError,
+    StoreManifest,
+    read_manifest,
+    write_manifest,
+)
+from kvtier.tiers.disk.mover import aligned_buffer
+
+FP = LayoutFingerprint("m", "bfloat16", 16, (4096, 8192), 0, 2, 12288)
+KEY = b"k" * 32 + b"\0\0\0\1"
+
+
+def block(key=KEY, fp=FP, nbytes=5000, seed=1):
+    page = aligned_buffer(HEADER_BYTES)
+    body = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    encode_header_into(page, layout_digest=fp.digest(), key=key, payload_bytes=nbytes,
+                       checksum=xxhash.xxh3_64_intdigest(body))
+    return page, body
+
+
+def check(page, body, nread=None, key=KEY, fp=FP):
+    nread = HEADER_BYTES + len(body) if nread is None else nread
+    return verify(page, body, nread, key=key, layout_digest=fp.digest(), payload_bytes=len(body))
+
+
+def test_sizes_round_to_pages():
+    assert padded_payload_bytes(1) == 4096 and padded_payload_bytes(4096) == 4096
+    assert padded_payload_bytes(4097) == 8192
+    assert on_disk_block_bytes(2 << 20) == (2 << 20) + 4096
+
+
+def test_every_fingerprint_field_changes_the_digest():
+    seen = {FP.digest()}
+    for name, value in [("model", "other"), ("dtype", "fp8"), ("tokens_per_block", 32),
+                        ("page_bytes", (4096, 4096)), ("rank", 1), ("world_size", 4),
+                        ("block_bytes", 8192)]:
+        seen.add(dataclasses.replace(FP, **{name: value}).digest())
+    assert len(seen) == 8
+    assert len(FP.digest()) == 16
+    assert FP.digest() == LayoutFingerprint.from_dict(json.loads(json.dumps(FP.to_dict()))).digest()
+
+
+def test_standalone_fingerprint_and_validation():
+    fp = LayoutFingerprint.standalone(4096)
+    assert fp.model == "standalone" and fp.block_bytes == 4096 and fp.world_size == 1
+    assert fp.page_bytes == (4096,)
+    with pytest.raises(ValueError):
+        LayoutFingerprint("m", "d", 1, (1,), rank=2, world_size=2, block_bytes=1)
+    with pytest.raises(ValueError):
+        LayoutFingerprint("m", "d", -1, (1,), 0, 1, 1)
+
+
+def test_header_round_trip():
+    page, body = block()
+    header = decode_header(page)
+    assert header.key == KEY and header.payload_bytes == 5000
+    assert header.layout_digest == FP.digest()
+    assert header.checksum == xxhash.xxh3_64_intdigest(body)
+    assert check(page, body) is None
+
+
+def test_header_page_is_deterministic():
+    first, _ = block()
+    page = aligned_buffer(HEADER_BYTES)
+    page[:] = b"\xff" * HEADER_BYTES  # stale bytes of an earlier, longer header
+    _, body = block()
+    encode_header_into(page, layout_digest=FP.digest(), key=KEY, payload_bytes=5000,
+                       checksum=xxhash.xxh3_64_intdigest(body))
+    assert page[:] == first[:]
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda p, b: p.__setitem__(slice(0, 1), b"X"), "bad magic"),
+        (lambda p, b: p.__setitem__(slice(8, 9), b"\x07"), "format version 7"),
+        (lambda p, b: p.__setitem__(slice(60, 61), bytes([p[60] ^ 1])), "header checksum"),
+        (lambda p, b: b.__setitem__(100, b[100] ^ 0x01), "checksum"),
+        (lambda p, b: b.__setitem__(4999, b[4999] ^ 0x80), "checksum"),
+    ],
+)
+def test_damage_is_named(damage, reason):
+    page, body = block()
+    damage(page, body)
+    assert check(page, body) == reason
+
+
+def test_truncation_other_layout_other_key_and_length():
+    page, body = block()
+    assert check(page, body, nread=HEADER_BYTES - 1) == "truncated"
+    assert check(page, body, nread=HEADER_BYTES + 4999) == "truncated"
+    other_fp = dataclasses.replace(FP, model="other")
+    assert check(page, body, fp=other_fp) == "other layout"
+    assert check(page, body, key=b"another key") == "other key"
+    assert verify(page, body[:4000], HEADER_BYTES + 5000, key=KEY, layout_digest=FP.digest(),
+                  payload_bytes=4000) == "payload length"
+    assert decode_header(b"\0" * 100) == "truncated"
+
+
+def test_key_limits():
+    page = aligned_buffer(HEADER_BYTES)
+    long_key = b"x" * MAX_KEY_BYTES
+    encode_header_into(page, layout_digest=FP.digest(), key=long_key, payload_bytes=1, checksum=0)
+    assert decode_header(page).key == long_key
+    with pytest.raises(ValueError):
+        encode_header_into(page, layout_digest=FP.digest(), key=long_key + b"x", payload_bytes=1, checksum=0)
+
+
+def test_manifest_round_trip_and_damage(tmp_path):
+    manifest = StoreManifest.new("lmdb", FP, 1 << 30)
+    write_manifest(str(tmp_path), manifest)
+    back = read_manifest(str(tmp_path))
+    assert back.kind == "lmdb" and back.fingerprint == FP and back.capacity_bytes == 1 << 30
+    record = json.loads((tmp_path / "kvtier-store.json").read_text())
+    assert record["fingerprint"]["digest"] == FP.digest().hex()
+    assert read_manifest(str(tmp_path / "nothing")) is None
+    record["fingerprint"]["model"] = "edited by hand"
+    (tmp_path / "kvtier-store.json").write_text(json.dumps(record))
+    with pytest.raises(ManifestError, match="digest"):
+        read_manifest(str(tmp_path))
+    (tmp_path / "kvtier-store.json").write_text("{not json")
+    with pytest.raises(ManifestError, match="kvtier-store.json"):
+        read_manifest(str(tmp_path))
