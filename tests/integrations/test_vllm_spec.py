@@ -194,7 +194,6 @@ def test_the_worker_attaches_lazily_because_vllm_builds_workers_first():
         ),
         ({"canonical_layout": True}, {}, "kv_connector_extra_config.canonical_layout", "remove"),
         ({"block_size_tokens": 64}, {}, "block_size_tokens", '"block_size": 64'),
-        ({}, {"world_size": 2}, "parallel.world_size", "--tensor-parallel-size 1"),
         (
             {"kvtier_stats_log_interval_s": -1},
             {},
