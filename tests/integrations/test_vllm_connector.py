@@ -421,3 +421,33 @@ def test_vllms_connector_drives_two_tensor_parallel_workers_through_cpu_and_disk
         assert second.sources == {CacheHitSource.DISK: 5 * BLOCK_TOKENS}
     finally:
         second.shutdown()
+
+
+def test_a_store_that_fails_on_one_rank_drops_the_block_on_every_rank(tmp_path):
+    """vLLM 0.33 cannot carry a failed transfer (its worker asserts success, its scheduler
+    completes a job once every rank acknowledged it): the failing rank marks the rows, the
+    manager drops those blocks, and the engine goes on and recomputes them."""
+    extra = {
+        "spec_name": "TieredOffloadingSpec",
+        "spec_module_path": SPEC_MODULE,
+        "tiers": [{"kind": "cpu", "capacity": "1MiB", "pin_memory": "off"}],
+    }
+    engine = EngineLoop(extra, "kvtier-tp2-failure", tp_size=2)
+    try:
+        broken = engine.workers[1].worker
+        broken._start(only_if_present=False)  # the scheduler exists: attach now
+        copy_engine = broken._store.engine
+        original = copy_engine.copy
+
+        def fail_once(*descriptors):
+            copy_engine.copy = original
+            raise OSError("injected DMA failure")
+
+        copy_engine.copy = fail_once
+        assert engine.serve("first", prompt(5, 3)) == 0  # its one store job fails on rank 1
+        figures = engine.manager.stats()
+        assert figures["ready_blocks"] == 0 and figures["pending_blocks"] == 0
+        assert engine.serve("second", prompt(5, 3)) == 0  # dropped: a miss, stored again
+        assert engine.serve("third", prompt(5, 3)) == 3 * BLOCK_TOKENS  # both shards exact
+    finally:
+        engine.shutdown()

@@ -37,6 +37,7 @@ from kvtier.integrations.vllm.manager import STATS_METRIC, KvtierOffloadingManag
 from kvtier.integrations.vllm.settings import FullStackLayout, resolve_full_stack
 from kvtier.integrations.vllm.worker import KvtierOffloadingWorker, to_kvtier_caches
 from kvtier.spec import TieredOffloadingSpec as StandaloneSpec
+from kvtier.worker.failures import FailedRowMarks
 
 __all__ = ["KvtierStackInfo", "TieredOffloadingSpec"]
 
@@ -121,11 +122,19 @@ class TieredOffloadingSpec(OffloadingSpec):
                 kvtier_block_size_tokens=layout.config.block_size_tokens or 0,
                 kvtier_write_policy=layout.config.cascade.write_policy,
             )
+            try:
+                failed_rows = FailedRowMarks.create(
+                    layout.region_path, inner.backend.num_blocks
+                )
+            except BaseException:
+                inner.shutdown()
+                raise
             self._manager = KvtierOffloadingManager(
                 inner,
                 events=events,
                 config_info=info.as_config_info(),
                 stats_log_interval_s=layout.stats_log_interval_s,
+                failed_rows=failed_rows,
             )
         return self._manager
 
