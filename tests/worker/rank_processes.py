@@ -53,10 +53,14 @@ class _Rank:
         self.worker = None
         self.kwargs: dict = {}
 
-    def configure(self, config, world_size: int, rank: int, kv_replicas: int) -> dict:
+    def configure(
+        self, config, world_size: int, rank: int, kv_replicas: int, device: str = "cpu"
+    ) -> dict:
         import torch
 
-        self.layers = [torch.zeros((NUM_GPU_BLOCKS, page), dtype=torch.int8) for page in PAGES]
+        self.layers = [
+            torch.zeros((NUM_GPU_BLOCKS, page), dtype=torch.int8, device=device) for page in PAGES
+        ]
         self.kwargs = dict(
             config=config,
             gpu_block_size_tokens=GPU_BLOCK_TOKENS,
@@ -64,7 +68,7 @@ class _Rank:
             world_size=world_size,
             rank=rank,
             kv_replicas=kv_replicas,
-            engine="thread",
+            engine="auto",  # CPU tensors: the copy thread; CUDA tensors: CUDA streams
         )
         self._attach()
         return {"shard": self.spec.shard.shard, "writes": self.spec.shard.writes}
@@ -94,7 +98,7 @@ class _Rank:
             ids = list(gpu_ids[FACTOR * i : FACTOR * (i + 1)])
             for layer, (tensor, page) in enumerate(zip(self.layers, PAGES)):
                 data = chunk_bytes(tag, shard, layer).view(np.int8).reshape(FACTOR, page)
-                tensor[ids] = torch.from_numpy(data.copy())
+                tensor[ids] = torch.from_numpy(data.copy()).to(tensor.device)
 
     def scribble(self, gpu_ids: Sequence[int], value: int) -> None:
         for tensor in self.layers:
@@ -105,7 +109,7 @@ class _Rank:
         out = []
         for i in range(len(gpu_ids) // FACTOR):
             ids = list(gpu_ids[FACTOR * i : FACTOR * (i + 1)])
-            out.append(b"".join(tensor[ids].numpy().tobytes() for tensor in self.layers))
+            out.append(b"".join(tensor[ids].cpu().numpy().tobytes() for tensor in self.layers))
         return out
 
     def transfer(self, job_id: int, store: bool, gpu_ids, cpu_ids, fail: bool) -> list[tuple]:

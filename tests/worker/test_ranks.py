@@ -43,14 +43,14 @@ def pool():
     ranks.close()
 
 
-def stack_config(tmp_path, num_shards: int, cpu_rows: int = CPU_ROWS) -> dict:
+def stack_config(tmp_path, num_shards: int, cpu_rows: int = CPU_ROWS, pin: str = "off") -> dict:
     return {
         "block_size_tokens": FACTOR * GPU_BLOCK_TOKENS,
         "tiers": [
             {
                 "kind": "cpu",
                 "capacity": cpu_rows * num_shards * SHARD_BYTES,
-                "pin_memory": "off",
+                "pin_memory": pin,
                 "path": os.path.join(default_directory(), f"kvtier-test-{uuid.uuid4().hex}"),
             },
             {"name": "disk", "kind": "lmdb", "path": str(tmp_path / "store"), "capacity": "8MiB"},
@@ -67,7 +67,7 @@ def gpu_blocks(tags, first: int = 0) -> list[int]:
 class Engine:
     """The scheduler side of one engine, driving ``world_size`` ranks of the pool."""
 
-    def __init__(self, pool, config, world_size, kv_replicas=1):
+    def __init__(self, pool, config, world_size, kv_replicas=1, device="cpu"):
         self.pool, self.config = pool, config
         self.ranks = list(range(world_size))
         self.world_size, self.kv_replicas = world_size, kv_replicas
@@ -79,6 +79,7 @@ class Engine:
             config=config,
             world_size=world_size,
             kv_replicas=kv_replicas,
+            device=device,
             per_rank=lambda r: {"rank": r},
         )
         self.aggregator = RankResultAggregator(world_size)
@@ -194,7 +195,27 @@ def _result(job_id, success, size):
 def test_store_evict_to_disk_restart_and_load_every_rank_exactly(
     pool, tmp_path, world_size, kv_replicas, what
 ):
-    engine = Engine(pool, stack_config(tmp_path, world_size // kv_replicas), world_size, kv_replicas)
+    round_trip(pool, tmp_path, world_size, kv_replicas, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("world_size", "kv_replicas"), [(2, 1), (4, 2)])
+def test_ranks_on_cuda_share_one_pinned_region(pool, tmp_path, world_size, kv_replicas):
+    """The same round trip with each rank's cache on the GPU: every rank process pins the one
+    shared region and copies its shard with the CUDA engine."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    round_trip(pool, tmp_path, world_size, kv_replicas, "cuda")
+
+
+def round_trip(pool, tmp_path, world_size, kv_replicas, device):
+    """Store 8 blocks through a CPU tier of 4 rows (evicting to disk), restart the whole stack,
+    bring every block up from disk and load it into every rank, checking bytes throughout."""
+    config = stack_config(
+        tmp_path, world_size // kv_replicas, pin="auto" if device == "cuda" else "off"
+    )
+    engine = Engine(pool, config, world_size, kv_replicas, device)
     try:
         writers = [s["writes"] for s in engine.shards]
         assert writers == [r % kv_replicas == 0 for r in range(world_size)]
