@@ -222,9 +222,8 @@ def round_trip(pool, tmp_path, world_size, kv_replicas, device):
         pool.call(engine.ranks, "fill", gpu_ids=gpu_blocks(TAGS), tags=list(TAGS))
         if kv_replicas > 1:
             # a replica that wrote would put these bytes in the row; the row check catches it
-            pool.call(
-                [r for r in engine.ranks if not writers[r]], "scribble", gpu_ids=gpu_blocks(TAGS), value=0x55
-            )
+            replicas = [r for r in engine.ranks if not writers[r]]
+            pool.call(replicas, "scribble", gpu_ids=gpu_blocks(TAGS), value=0x55)
         evicted = []
         for first in range(0, len(TAGS), 2):
             tags = list(TAGS[first : first + 2])
