@@ -188,6 +188,26 @@ run_step replay replay.json \
     echo "$name: ${STATUS[$name]}"
   done
   if [ "$DRY_RUN" = 0 ]; then
+    # Issue 13's goals for jobs of 32 blocks and more, both directions, as ratios to one
+    # contiguous pinned copy of the same bytes measured in the same run (reported, not enforced)
+    "$PY" - "$LOGS/bench-transfer.json" <<'PY'
+import json, sys
+try:
+    with open(sys.argv[1]) as stream:
+        record = json.loads(stream.read().strip().splitlines()[-1])
+except (OSError, ValueError, IndexError) as exc:
+    print(f"transfer goals: no benchmark record ({exc})")
+    sys.exit(0)
+goals = {65536: 0.9, 16384: 0.7}
+for page, goal in goals.items():
+    rows = [r for r in record["rows"] if r["page_bytes"] == page and r["batch_blocks"] >= 32]
+    if not rows:
+        continue
+    worst = min(min(r["d2h_ratio"], r["h2d_ratio"]) for r in rows)
+    verdict = "met" if worst >= goal else "MISSED"
+    print(f"transfer goal {goal} at {page // 1024} KiB pages, >= 32 blocks, on "
+          f"{record['device']}: worst ratio {worst:.2f}, {verdict}")
+PY
     for file in bench-transfer.json replay.json; do
       echo "--- $file"
       tail -n 1 "$LOGS/$file"
