@@ -240,3 +240,22 @@ def test_shutdown_releases_both_sides(specs):
         handlers[0].transfer_async(1, (GPULoadStoreSpec([0], [1]), CPULoadStoreSpec([0]))) is False
     )
     spec.shutdown()  # idempotent
+
+
+def test_parallel_ranks_share_one_row_of_every_shard(specs, tmp_path):
+    path = str(tmp_path / "region")
+    config = {"tiers": [{"kind": "cpu", "capacity": "1MiB", "path": path, "pin_memory": "off"}]}
+    spec = specs(config, gpu_block_size_tokens=16, page_bytes=[4096, 8192], world_size=4, rank=3)
+    assert spec.shard.offset == 3 * 12288 and spec.block_bytes == 4 * 12288
+    mla = specs(config, gpu_block_size_tokens=16, page_bytes=[4096], world_size=4, kv_replicas=4)
+    assert mla.block_bytes == 4096 and mla.shard.writes
+    # the fingerprint names the world size and shard layout, so TP=2 and TP=4 rows never mix
+    tp2 = specs(config, gpu_block_size_tokens=16, page_bytes=[8192], world_size=2)
+    tp4 = specs(config, gpu_block_size_tokens=16, page_bytes=[4096], world_size=4)
+    assert tp2.block_bytes == tp4.block_bytes and tp2.fingerprint() != tp4.fingerprint()
+    assert tp2.fingerprint().world_size == 2
+
+
+def test_parallel_ranks_need_a_region_path_they_all_know(specs):
+    with pytest.raises(ConfigError, match=r"tiers\[0\].path"):
+        specs(cpu_config(), gpu_block_size_tokens=16, page_bytes=[4096], world_size=2, rank=1)

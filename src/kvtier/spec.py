@@ -7,6 +7,14 @@ by path, pins it for DMA and gets the two CPU<->GPU handlers. Both sides derive 
 geometry from the same configuration and page sizes, so they agree on the row layout
 (:mod:`kvtier.worker.blocks`).
 
+Tensor and pipeline parallelism: one worker process per rank, each constructing the spec with
+the same arguments and its own ``rank``. A CPU row holds every rank's shard of its block
+(:mod:`kvtier.worker.shards`), so the manager stays rank-agnostic (one key, one row) and a
+disk tier writes the whole row as one block, under a layout fingerprint that names the world
+size and shard layout. Every rank answers every job; the job is done when all have, and
+failed if any failed: :class:`kvtier.worker.RankResultAggregator` combines the per-rank
+results before the driver calls ``complete_store`` / ``complete_load``.
+
 This is the standalone form: the engine's layout is given as arguments. The vLLM subclass
 (``kvtier.integrations.vllm``) reads the same facts from vLLM's configuration.
 Importing this module does not import torch; :meth:`get_handlers` does.
@@ -33,6 +41,8 @@ from kvtier.config import CPUTierConfig, KvtierConfig, load_config
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.tiers.cpu.region import SharedRegion, default_directory
+from kvtier.tiers.disk.format import LayoutFingerprint
+from kvtier.worker.shards import ShardPlacement
 
 __all__ = ["TieredOffloadingSpec"]
 
@@ -58,10 +68,16 @@ class TieredOffloadingSpec(OffloadingSpec):
     per GPU block of the engine. ``page_bytes[t]``: bytes per block of the engine's canonical
     KV tensor ``t`` (the order of ``CanonicalKVCaches.tensors``), for this worker.
 
+    ``world_size`` / ``rank``: the engine's workers and this one (every worker has the same
+    ``page_bytes``); ``kv_replicas``: how many consecutive ranks hold identical KV (an MLA
+    cache under tensor parallelism: the TP size), stored once and read by each of them.
+
     Derived: ``block_size_factor`` (GPU blocks per offloaded block: ``block_size_tokens //
-    gpu_block_size_tokens``, 1 when ``block_size_tokens`` is not set) and ``block_bytes``
-    (``factor * sum(page_bytes)``, one CPU row). If the CPU tier has no ``path``, the spec
-    picks ``<shm dir>/kvtier-<uuid>`` so that workers can find the region.
+    gpu_block_size_tokens``, 1 when ``block_size_tokens`` is not set), ``shard`` (this
+    worker's :class:`~kvtier.worker.shards.ShardPlacement`) and ``block_bytes`` (one CPU row:
+    ``world_size / kv_replicas`` shards of ``factor * sum(page_bytes)``). If the CPU tier has
+    no ``path``, the spec picks ``<shm dir>/kvtier-<uuid>``; with several workers, give the
+    path (each process builds its own spec, and a random name would differ between them).
 
     Who calls it: constructed in each process from the same arguments; :meth:`get_manager`
     in the scheduler process, :meth:`get_handlers` in each worker process. Neither blocks
@@ -78,6 +94,9 @@ class TieredOffloadingSpec(OffloadingSpec):
         enable_events: bool = True,
         attach_timeout_s: float = DEFAULT_ATTACH_TIMEOUT_S,
         engine: str = "auto",
+        world_size: int = 1,
+        rank: int = 0,
+        kv_replicas: int = 1,
     ):
         """``engine``: the handlers' copy engine, ``auto`` (CUDA tensors: ``cuda``, CPU
         tensors: ``thread``), ``cuda`` or ``thread``. Raises :class:`ConfigError` for
@@ -105,8 +124,21 @@ class TieredOffloadingSpec(OffloadingSpec):
             )
         else:
             factor = tokens // gpu_block
+        shard = ShardPlacement(
+            world_size=world_size,
+            rank=rank,
+            shard_bytes=factor * sum(pages),
+            kv_replicas=kv_replicas,
+        )
         cpu = config.tiers[0]
         assert isinstance(cpu, CPUTierConfig)  # load_config guarantees tiers[0] is the cpu tier
+        if cpu.path is None and shard.world_size > 1:
+            raise ConfigError(
+                "tiers[0].path",
+                None,
+                f"the CPU region's path, the same in all {shard.world_size} worker processes",
+                "give the cpu tier a path, e.g. /dev/shm/kvtier-<engine id>",
+            )
         if cpu.path is None:
             # Workers attach by path, so the path must be known before the region exists; a
             # random name keeps two engines on one host apart.
@@ -119,7 +151,9 @@ class TieredOffloadingSpec(OffloadingSpec):
         self.gpu_block_size_tokens = gpu_block
         self.page_bytes = pages
         self.block_size_factor = factor
-        self.block_bytes = factor * sum(pages)
+        #: this worker's shard of every row
+        self.shard = shard
+        self.block_bytes = shard.row_bytes
         #: where the CPU tier's shared region lives
         self.region_path: str = cpu.path
         self.enable_events = enable_events
@@ -139,9 +173,32 @@ class TieredOffloadingSpec(OffloadingSpec):
             cpu = dataclasses.replace(self.config.tiers[0], pin_memory="off")
             config = dataclasses.replace(self.config, tiers=(cpu, *self.config.tiers[1:]))
             self._manager = build_manager(
-                config, self.block_bytes, enable_events=self.enable_events
+                config,
+                self.block_bytes,
+                enable_events=self.enable_events,
+                fingerprint=self.fingerprint(),
             )
         return self._manager
+
+    def fingerprint(self) -> LayoutFingerprint:
+        """What the disk tiers stamp on every block: the row size, and under parallelism the
+        world size and shard layout, so that a store written at TP=2 is never read at TP=4.
+
+        A single worker keeps :meth:`LayoutFingerprint.standalone`, which stores written by
+        :func:`kvtier.build_manager` directly also carry.
+        """
+        shard = self.shard
+        if shard.world_size == 1:
+            return LayoutFingerprint.standalone(self.block_bytes)
+        return LayoutFingerprint(
+            model=f"standalone|{shard.describe()}",
+            dtype="uint8",
+            tokens_per_block=self.gpu_block_size_tokens * self.block_size_factor,
+            page_bytes=self.page_bytes,
+            rank=0,  # a row holds every rank's shard
+            world_size=shard.world_size,
+            block_bytes=self.block_bytes,
+        )
 
     def get_handlers(
         self, kv_caches: CanonicalKVCaches
@@ -168,7 +225,12 @@ class TieredOffloadingSpec(OffloadingSpec):
         try:
             region.pin(self.config.tiers[0].pin_memory)
             handlers = CpuGpuOffloadingHandlers(
-                kv_caches, region, self.block_size_factor, engine=self.engine, owns_region=True
+                kv_caches,
+                region,
+                self.block_size_factor,
+                engine=self.engine,
+                owns_region=True,
+                shard=self.shard,
             )
         except BaseException:
             region.close()

@@ -17,10 +17,13 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.base")
 pytestmark = pytest.mark.vllm
 
+import copy
+import itertools
 from types import SimpleNamespace as Namespace
 
 import numpy as np
 import torch
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
@@ -65,14 +68,17 @@ ATTENTION = FullAttentionSpec(
 PAGE = ATTENTION.page_size_bytes  # K and V of one block of one layer: 4096 bytes
 
 
-def vllm_config(extra_config: dict, engine_id: str) -> Namespace:
-    """The parts of a VllmConfig that vLLM's offloading code reads, for a 2-layer model."""
+def vllm_config(
+    extra_config: dict, engine_id: str, tp_size: int = 1, rank: int = 0, mla: bool = False
+) -> Namespace:
+    """The parts of a VllmConfig that vLLM's offloading code reads, for a 2-layer model with
+    one KV head per rank (``mla``: the model says it uses MLA, whose KV every rank holds)."""
     return Namespace(
         kv_transfer_config=Namespace(kv_connector_extra_config=extra_config, engine_id=engine_id),
         parallel_config=Namespace(
-            world_size=1,
-            rank=0,
-            tensor_parallel_size=1,
+            world_size=tp_size,
+            rank=rank,
+            tensor_parallel_size=tp_size,
             pipeline_parallel_size=1,
             prefill_context_parallel_size=1,
             decode_context_parallel_size=1,
@@ -95,8 +101,8 @@ def vllm_config(extra_config: dict, engine_id: str) -> Namespace:
             model="test-org/tiny-model",
             dtype=torch.bfloat16,
             max_model_len=4096,
-            use_mla=False,
-            get_total_num_kv_heads=lambda: 1,
+            use_mla=mla,
+            get_total_num_kv_heads=lambda: 1 if mla else tp_size,
         ),
         use_v2_model_runner=False,
         kv_events_config=None,
@@ -104,7 +110,7 @@ def vllm_config(extra_config: dict, engine_id: str) -> Namespace:
     )
 
 
-def kv_cache_config() -> KVCacheConfig:
+def kv_cache_config(kv_tp_replicas: int = 1) -> KVCacheConfig:
     return KVCacheConfig(
         num_blocks=NUM_GPU_BLOCKS,
         kv_cache_tensors=[
@@ -116,25 +122,43 @@ def kv_cache_config() -> KVCacheConfig:
             )
         ],
         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), ATTENTION)],
+        kv_tp_replicas=kv_tp_replicas,
     )
 
 
 class EngineLoop:
-    """vLLM's connector halves around a stand-in scheduler and model (one request at a time)."""
+    """vLLM's connector halves around a stand-in scheduler and model (one request at a time).
 
-    def __init__(self, extra_config: dict, engine_id: str):
+    ``tp_size`` workers, each with its own cache, spec and ``OffloadingConnectorWorker`` built
+    from its own rank's config, as vLLM's worker processes build them; their outputs are
+    combined by vLLM's ``KVOutputAggregator`` before the scheduler sees them. ``mla``: every
+    rank holds the same KV, and vLLM's replicated layout has one rank write it.
+    """
+
+    def __init__(self, extra_config: dict, engine_id: str, tp_size: int = 1, mla: bool = False):
         init_none_hash(sha256)
-        self.vllm_config = vllm_config(extra_config, engine_id)
-        self.kv_config = kv_cache_config()
+        self.tp_size, self.mla = tp_size, mla
+        self.vllm_config = vllm_config(extra_config, engine_id, tp_size, 0, mla)
+        self.kv_config = kv_cache_config(tp_size if mla else 1)
         config = build_offloading_config(self.vllm_config, self.kv_config)
-        # Worker first, as vLLM does: KV caches are registered before the scheduler exists.
-        self.caches = {
-            name: torch.zeros((NUM_GPU_BLOCKS, 2, BLOCK_TOKENS, 1, 64), dtype=torch.bfloat16)
-            for name in LAYERS
-        }
-        worker_spec = OffloadingSpecFactory.create_spec(config)
-        self.worker = OffloadingConnectorWorker(worker_spec, self.vllm_config, self.kv_config)
-        self.worker.register_kv_caches(self.caches)
+        # Workers first, as vLLM does: KV caches are registered before the scheduler exists.
+        self.rank_caches = []
+        self.workers = []
+        for rank in range(tp_size):
+            rank_config = vllm_config(extra_config, engine_id, tp_size, rank, mla)
+            caches = {
+                name: torch.zeros((NUM_GPU_BLOCKS, 2, BLOCK_TOKENS, 1, 64), dtype=torch.bfloat16)
+                for name in LAYERS
+            }
+            worker_spec = OffloadingSpecFactory.create_spec(
+                build_offloading_config(rank_config, self.kv_config)
+            )
+            worker = OffloadingConnectorWorker(worker_spec, rank_config, self.kv_config)
+            worker.register_kv_caches(caches)
+            self.rank_caches.append(caches)
+            self.workers.append(worker)
+        self.caches = self.rank_caches[0]
+        self.aggregator = KVOutputAggregator(tp_size)
         scheduler_spec = OffloadingSpecFactory.create_spec(config)
         assert isinstance(scheduler_spec, TieredOffloadingSpec)
         self.scheduler = OffloadingConnectorScheduler(
@@ -150,17 +174,24 @@ class EngineLoop:
 
     # -- the stand-in model ------------------------------------------------------------------
 
-    def page_bytes(self, block: int) -> np.ndarray:
-        parts = [self.caches[name][block].view(torch.uint8).reshape(-1).numpy() for name in LAYERS]
+    def page_bytes(self, block: int, rank: int = 0) -> np.ndarray:
+        caches = self.rank_caches[rank]
+        parts = [caches[name][block].view(torch.uint8).reshape(-1).numpy() for name in LAYERS]
         return np.concatenate(parts)
 
+    def shard_key(self, key: bytes, rank: int) -> bytes:
+        """What decides a rank's bytes of a chunk: the key, and the rank unless KV is replicated."""
+        return key if self.mla else key + bytes([rank])
+
     def compute(self, block: int, key: bytes) -> None:
-        """The model writes the KV of one chunk: bytes determined by the chunk's key."""
-        data = torch.from_numpy(payload(key, len(LAYERS) * PAGE).copy())
-        for i, name in enumerate(LAYERS):
-            self.caches[name][block].view(torch.uint8).reshape(-1)[:] = data[
-                i * PAGE : (i + 1) * PAGE
-            ]
+        """The model writes the KV of one chunk on every rank: bytes determined by the chunk's
+        key and the rank's heads."""
+        for rank, caches in enumerate(self.rank_caches):
+            data = torch.from_numpy(payload(self.shard_key(key, rank), len(LAYERS) * PAGE).copy())
+            for i, name in enumerate(LAYERS):
+                caches[name][block].view(torch.uint8).reshape(-1)[:] = data[
+                    i * PAGE : (i + 1) * PAGE
+                ]
 
     # -- one engine step -----------------------------------------------------------------------
 
@@ -176,21 +207,34 @@ class EngineLoop:
             kv_connector_block_state=None,
         )
         meta = self.scheduler.build_connector_meta(output)
-        worker = self.worker
-        worker.handle_preemptions(meta)
-        worker.start_kv_transfers(meta)
-        worker.prepare_store_kv(meta)
-        # vLLM submits a step's stores at the start of the next step; flush them now so the
-        # step's results are complete (a test has no next forward pass to overlap with).
-        worker.handle_preemptions(Namespace(jobs_to_flush=None, store_jobs={}))
         jobs = set(meta.load_jobs) | set(meta.store_jobs)
-        worker.worker.wait(jobs)
-        worker.get_finished(set())
-        worker_meta = worker.build_connector_worker_meta() or OffloadingWorkerMetadata()
-        assert set(worker_meta.completed_jobs) >= jobs
-        self.scheduler.update_connector_output(
-            KVConnectorOutput(kv_connector_worker_meta=worker_meta)
-        )
+        outputs = []
+        for worker in self.workers:
+            # each worker process receives its own copy of the metadata (and pops from it)
+            rank_meta = copy.deepcopy(meta)
+            worker.handle_preemptions(rank_meta)
+            worker.start_kv_transfers(rank_meta)
+            worker.prepare_store_kv(rank_meta)
+            # vLLM submits a step's stores at the start of the next step; flush them now so
+            # the step's results are complete (a test has no next forward pass to overlap with).
+            worker.handle_preemptions(Namespace(jobs_to_flush=None, store_jobs={}))
+            worker.worker.wait(jobs)
+            _, recving = worker.get_finished(set())
+            outputs.append(
+                Namespace(
+                    kv_connector_output=KVConnectorOutput(
+                        finished_recving=recving or None,
+                        kv_connector_worker_meta=worker.build_connector_worker_meta(),
+                    )
+                )
+            )
+        combined = self.aggregator.aggregate(outputs).kv_connector_output
+        worker_meta = combined.kv_connector_worker_meta or OffloadingWorkerMetadata()
+        # every rank finished every job of the step: the scheduler completes each once
+        assert {job: worker_meta.completed_jobs.get(job) for job in jobs} == {
+            job: self.tp_size for job in jobs
+        }
+        self.scheduler.update_connector_output(combined)
         drain_disk(self.manager)  # the forward pass: time for the disk I/O of the step
 
     def serve(self, req_id: str, prompt: list[int]) -> int:
@@ -211,9 +255,9 @@ class EngineLoop:
         blocks = list(range(self.next_free, self.next_free + num_blocks))
         self.next_free += num_blocks
         assert self.next_free < NUM_GPU_BLOCKS
-        for block in blocks:
+        for block, caches in itertools.product(blocks, self.rank_caches):
             for name in LAYERS:
-                self.caches[name][block] = -1.0  # stale bytes: a load must overwrite them
+                caches[name][block] = -1.0  # stale bytes: a load must overwrite them
         keys = [make_offload_key(h, 0) for h in request.block_hashes]
         vllm_blocks = KVCacheBlocks(([KVCacheBlock(block_id=b) for b in blocks],))
         self.scheduler.update_state_after_alloc(request, vllm_blocks, hit)
@@ -225,11 +269,11 @@ class EngineLoop:
                 self.sources[source] = self.sources.get(source, 0) + tokens
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             self.step()  # the load runs
-            for chunk in range(hit // BLOCK_TOKENS):
+            for chunk, rank in itertools.product(range(hit // BLOCK_TOKENS), range(self.tp_size)):
                 np.testing.assert_array_equal(
-                    self.page_bytes(blocks[chunk]),
-                    payload(keys[chunk], len(LAYERS) * PAGE),
-                    err_msg=f"{req_id}: chunk {chunk} loaded other bytes than its key's",
+                    self.page_bytes(blocks[chunk], rank),
+                    payload(self.shard_key(keys[chunk], rank), len(LAYERS) * PAGE),
+                    err_msg=f"{req_id}: rank {rank}'s chunk {chunk} is not its key's bytes",
                 )
             self.loaded_chunks += hit // BLOCK_TOKENS
         request.num_computed_tokens = hit
@@ -247,7 +291,8 @@ class EngineLoop:
         return hit
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
         self.scheduler.shutdown()
 
 
@@ -344,5 +389,65 @@ def test_kvtiers_statistics_reach_vllms_prometheus_metrics(tmp_path):
             },
         )
         assert info == 1.0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["tp2", "tp2-mla-replicated"])
+def test_vllms_connector_drives_two_tensor_parallel_workers_through_cpu_and_disk(tmp_path, mla):
+    extra = {
+        "spec_name": "TieredOffloadingSpec",
+        "spec_module_path": SPEC_MODULE,
+        "tiers": [
+            {"kind": "cpu", "capacity": "1MiB", "pin_memory": "off"},
+            {"name": "nvme", "kind": "files", "path": str(tmp_path / "store"), "capacity": "8MiB"},
+        ],
+    }
+    engine_id = f"kvtier-tp2-{int(mla)}"
+    first = EngineLoop(extra, engine_id + "-a", tp_size=2, mla=mla)
+    try:
+        layout = first.workers[1].spec.layout
+        assert layout.shard.rank == 1 and layout.shard.writes is not mla
+        shards = 1 if mla else 2
+        assert first.manager.inner.backend.block_size == shards * len(LAYERS) * PAGE
+        assert first.workers[1].spec.replicated_layout is mla
+        assert first.serve("before", prompt(4, 5)) == 0  # stores on both ranks
+        assert first.serve("again", prompt(4, 5)) == 5 * BLOCK_TOKENS  # from the CPU tier
+    finally:
+        first.shutdown()  # writes the CPU tier's rows (both shards) down
+    second = EngineLoop(extra, engine_id + "-b", tp_size=2, mla=mla)
+    try:
+        assert second.serve("after", prompt(4, 5)) == 5 * BLOCK_TOKENS
+        assert second.sources == {CacheHitSource.DISK: 5 * BLOCK_TOKENS}
+    finally:
+        second.shutdown()
+
+
+def test_a_store_that_fails_on_one_rank_drops_the_block_on_every_rank(tmp_path):
+    """vLLM 0.33 cannot carry a failed transfer (its worker asserts success, its scheduler
+    completes a job once every rank acknowledged it): the failing rank marks the rows, the
+    manager drops those blocks, and the engine goes on and recomputes them."""
+    extra = {
+        "spec_name": "TieredOffloadingSpec",
+        "spec_module_path": SPEC_MODULE,
+        "tiers": [{"kind": "cpu", "capacity": "1MiB", "pin_memory": "off"}],
+    }
+    engine = EngineLoop(extra, "kvtier-tp2-failure", tp_size=2)
+    try:
+        broken = engine.workers[1].worker
+        broken._start(only_if_present=False)  # the scheduler exists: attach now
+        copy_engine = broken._store.engine
+        original = copy_engine.copy
+
+        def fail_once(*descriptors):
+            copy_engine.copy = original
+            raise OSError("injected DMA failure")
+
+        copy_engine.copy = fail_once
+        assert engine.serve("first", prompt(5, 3)) == 0  # its one store job fails on rank 1
+        figures = engine.manager.stats()
+        assert figures["ready_blocks"] == 0 and figures["pending_blocks"] == 0
+        assert engine.serve("second", prompt(5, 3)) == 0  # dropped: a miss, stored again
+        assert engine.serve("third", prompt(5, 3)) == 3 * BLOCK_TOKENS  # both shards exact
     finally:
         engine.shutdown()

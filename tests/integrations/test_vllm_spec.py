@@ -194,7 +194,6 @@ def test_the_worker_attaches_lazily_because_vllm_builds_workers_first():
         ),
         ({"canonical_layout": True}, {}, "kv_connector_extra_config.canonical_layout", "remove"),
         ({"block_size_tokens": 64}, {}, "block_size_tokens", '"block_size": 64'),
-        ({}, {"world_size": 2}, "parallel.world_size", "--tensor-parallel-size 1"),
         (
             {"kvtier_stats_log_interval_s": -1},
             {},
@@ -554,3 +553,28 @@ def test_load_spec_is_vllms_cpu_spec():
         engine.manager.complete_load([key(1)], ctx)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("world_size", "rank", "replicated", "shards", "offset"),
+    [(4, 2, False, 4, 2 * BLOCK_BYTES), (2, 1, True, 1, 0), (1, 0, False, 1, 0)],
+)
+def test_each_worker_has_its_shard_of_one_row_per_block(world_size, rank, replicated, shards, offset):
+    import dataclasses
+
+    config = offloading_config(kvtier_extra([cpu_tier()]), world_size=world_size, rank=rank)
+    config = dataclasses.replace(config, replicated_layout=replicated)
+    spec = OffloadingSpecFactory.create_spec(config)
+    assert spec.layout.block_bytes == shards * BLOCK_BYTES  # the scheduler's row: every shard
+    assert spec.layout.shard.offset == offset
+    assert spec.layout.shard.writes is (rank == 0 or not replicated)
+    assert spec.replicated_layout is replicated  # vLLM's connector then has rank 0 write alone
+    assert spec.layout.fingerprint.world_size == world_size
+    assert f"shards={shards}" in spec.layout.fingerprint.model
+
+
+def test_a_tp2_and_a_tp4_layout_of_equal_rows_have_different_fingerprints():
+    tp2 = offloading_config(kvtier_extra([cpu_tier()]), world_size=2, bytes_per_block=2 * BLOCK_BYTES)
+    tp4 = offloading_config(kvtier_extra([cpu_tier()]), world_size=4, bytes_per_block=BLOCK_BYTES)
+    a, b = (OffloadingSpecFactory.create_spec(c).layout for c in (tp2, tp4))
+    assert a.block_bytes == b.block_bytes and a.fingerprint.digest() != b.fingerprint.digest()

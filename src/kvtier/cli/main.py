@@ -53,6 +53,7 @@ def _replay(args: argparse.Namespace) -> int:
             plot=args.plot,
             disk_kind=args.disk,
             out=out,
+            device=args.device,
         ))
     except KvtierError as exc:
         print(f"kvtier replay: {exc}", file=sys.stderr)
@@ -150,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
     replay.add_argument("--plot", metavar="FILE.png", help="draw the hit ratio per tier over time")
     replay.add_argument("--json", action="store_true", help="print only the JSON line")
+    replay.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="cpu",
+        help="where the simulated GPU cache lives: CPU tensors (default), cuda, or cuda if available (auto)",
+    )
     replay.set_defaults(func=_replay)
 
     config = commands.add_parser("config", help="work with configuration files")

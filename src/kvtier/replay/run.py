@@ -11,6 +11,7 @@ from typing import Any, TextIO
 
 from kvtier.bench.report import print_json, print_table
 from kvtier.config import KvtierConfig, load_config
+from kvtier.errors import KvtierError
 from kvtier.replay.engine import ReplayEngine
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, bundled_trace_path, ceiling_hit_ratio, load_trace
 from kvtier.tiers.cpu.region import row_stride_for
@@ -50,13 +51,28 @@ def _cpu_only(config: KvtierConfig) -> KvtierConfig:
     return dataclasses.replace(config, tiers=config.tiers[:1])
 
 
-def _run_one(config: KvtierConfig, requests, gpu_blocks: int, block_bytes: int, progress: bool, label: str):
+def _resolve_device(device: str) -> str:
+    from kvtier.cuda import cuda_available
+
+    if device not in ("auto", "cpu", "cuda"):
+        raise KvtierError(f"device {device!r} is not one of auto, cpu, cuda")
+    if device == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    if device == "cuda" and not cuda_available():
+        raise KvtierError("--device cuda, but CUDA is not available here (use cpu or auto)")
+    return device
+
+
+def _run_one(
+    config: KvtierConfig, requests, gpu_blocks: int, block_bytes: int, progress: bool, label: str,
+    device: str = "cpu",
+):
     from tqdm import tqdm
 
     from kvtier.spec import TieredOffloadingSpec
 
     spec = TieredOffloadingSpec(config, gpu_block_size_tokens=TRACE_BLOCK_TOKENS, page_bytes=[block_bytes])
-    engine = ReplayEngine(spec, gpu_blocks)
+    engine = ReplayEngine(spec, gpu_blocks, device)
     try:
         with tqdm(total=len(requests), desc=label, unit="req", disable=not progress, file=sys.stderr) as bar:
             elapsed = engine.run(requests, progress=bar.update, total=len(requests))
@@ -92,14 +108,18 @@ def replay(
     plot: str | None = None,
     disk_kind: str = "lmdb",
     out: TextIO | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Replay ``trace`` (default: the bundled one) through ``config`` (default: CPU + disk in a
     temporary folder); print a table and one JSON line; return the JSON record.
 
     With ``baseline``, the same trace also runs through the CPU tier alone, in the same run,
-    so the JSON shows what the lower tiers add (``cpu_only_hit_ratio``).
+    so the JSON shows what the lower tiers add (``cpu_only_hit_ratio``). ``device``: where
+    the simulated GPU cache lives, ``cpu`` (CPU tensors stand in), ``cuda`` (the real CUDA
+    copy path) or ``auto`` (cuda if available); ``KvtierError`` if cuda is asked for and absent.
     """
     out = out or sys.stdout
+    device = _resolve_device(device)
     requests = load_trace(trace or bundled_trace_path(), limit)
     ceiling, refs = ceiling_hit_ratio(requests)
     with contextlib.ExitStack() as stack:
@@ -108,10 +128,10 @@ def replay(
             parsed = load_config(default_config(directory, block_bytes, disk_kind))
         else:
             parsed = load_config(config)
-        counts, stats, elapsed = _run_one(parsed, requests, gpu_blocks, block_bytes, progress, "replay")
+        counts, stats, elapsed = _run_one(parsed, requests, gpu_blocks, block_bytes, progress, "replay", device)
         cpu_only = None
         if baseline and len(parsed.tiers) > 1:
-            cpu_only, _, _ = _run_one(_cpu_only(parsed), requests, gpu_blocks, block_bytes, progress, "cpu only")
+            cpu_only, _, _ = _run_one(_cpu_only(parsed), requests, gpu_blocks, block_bytes, progress, "cpu only", device)
 
     lower = [tier.name for tier in parsed.tiers[1:]]
     read, written = _tier_bytes(parsed, counts, stats, block_bytes)
@@ -140,6 +160,7 @@ def replay(
         "blocks_per_s": counts.block_refs / elapsed if elapsed else 0.0,
         "gpu_blocks": gpu_blocks,
         "block_bytes": block_bytes,
+        "device": device,
         "tiers": [f"{tier.name}:{tier.kind}" for tier in parsed.tiers],
     }
     if cpu_only is not None:

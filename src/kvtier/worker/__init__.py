@@ -1,6 +1,8 @@
 """The worker side: handlers that move KV blocks between the engine's GPU cache and the CPU tier.
 
-``blocks`` (pure numpy: the row layout and the copy plan), ``engines`` (how bytes move: CUDA
+``blocks`` (pure numpy: the row layout and the copy plan), ``shards`` (each rank's place in
+a row under tensor/pipeline parallelism), ``aggregate`` (one result per job from every
+rank's), ``engines`` (how bytes move: CUDA
 streams or a background thread), ``cpu_gpu`` (the contract's handlers), ``worker`` (routing
 jobs to handlers by media), ``canonical`` (canonical tensors from raw caches).
 
@@ -16,6 +18,8 @@ from typing import Any
 __all__ = [
     "CpuGpuOffloadingHandlers",
     "OffloadingWorker",
+    "RankResultAggregator",
+    "ShardPlacement",
     "SingleDirectionOffloadingHandler",
     "TransferLayout",
     "canonicalize",
@@ -26,6 +30,8 @@ _HOMES = {
     "CpuGpuOffloadingHandlers": "kvtier.worker.cpu_gpu",
     "SingleDirectionOffloadingHandler": "kvtier.worker.cpu_gpu",
     "OffloadingWorker": "kvtier.worker.worker",
+    "RankResultAggregator": "kvtier.worker.aggregate",
+    "ShardPlacement": "kvtier.worker.shards",
     "TransferLayout": "kvtier.worker.blocks",
     "expand_block_ids": "kvtier.worker.blocks",
     "canonicalize": "kvtier.worker.canonical",

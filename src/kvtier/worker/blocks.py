@@ -15,7 +15,9 @@ come ``factor`` consecutive pages of ``page_bytes[t]`` bytes (the tensor's padde
     tensor_offsets[t] = factor * sum(page_bytes[:t]);  block_bytes = factor * sum(page_bytes)
 
 so a row is the same bytes whatever process or tier holds it, and moves to disk as one
-contiguous write. A key of KV group ``g`` only touches the segments of the tensors that
+contiguous write. Under tensor or pipeline parallelism this layout is one worker's *shard*,
+and a row holds every worker's shard side by side (:mod:`kvtier.worker.shards`): worker
+``r``'s offsets all start at its ``shard_offset``. A key of KV group ``g`` only touches the segments of the tensors that
 group ``g`` references (``kv_caches.group_data_refs[g]``), and within each page only the
 group's un-padded page size; every other byte of the row is never written nor read.
 
@@ -106,6 +108,11 @@ class Segments:
     def __len__(self) -> int:
         return len(self.sizes)
 
+    def nothing(self) -> Segments:
+        """No copies at all (a job checked against the layout whose bytes another rank moves)."""
+        empty = np.zeros(0, dtype=np.int64)
+        return Segments(empty, empty, empty, empty, 0)
+
 
 def coalesce(
     tensor_idx: np.ndarray, gpu_offsets: np.ndarray, cpu_offsets: np.ndarray, sizes: np.ndarray
@@ -179,6 +186,7 @@ class TransferLayout:
         gpu_block_strides: Sequence[int],
         cpu_num_rows: int,
         cpu_row_stride: int,
+        shard_offset: int = 0,
     ):
         """
         ``page_bytes[t]``: tensor ``t``'s (padded) page size; ``group_copy_bytes[g][t]``: how
@@ -216,14 +224,20 @@ class TransferLayout:
                 raise ValueError(
                     f"tensor {t}: block stride {stride} is smaller than its page {page}"
                 )
+        self.shard_offset = int(shard_offset)
+        if self.shard_offset < 0:
+            raise ValueError(f"shard_offset must be >= 0, got {shard_offset}")
+        # offsets from the start of the row: the worker's shard first, then its tensors
         offsets = np.concatenate(([0], np.cumsum(self.page_bytes)[:-1])) * self.factor
-        self.tensor_offsets = tuple(int(o) for o in offsets)
+        self.tensor_offsets = tuple(self.shard_offset + int(o) for o in offsets)
+        #: bytes of this worker's shard of a block
         self.block_bytes = self.factor * sum(self.page_bytes)
         self.cpu_num_rows = int(cpu_num_rows)
         self.cpu_row_stride = int(cpu_row_stride)
-        if self.cpu_row_stride < self.block_bytes:
+        if self.cpu_row_stride < self.shard_offset + self.block_bytes:
             raise ValueError(
-                f"CPU rows of stride {self.cpu_row_stride} cannot hold a block of {self.block_bytes} bytes"
+                f"CPU rows of stride {self.cpu_row_stride} cannot hold a shard of "
+                f"{self.block_bytes} bytes at offset {self.shard_offset}"
             )
         # Per group, as column vectors over the tensors it copies, so that a plan is a few
         # broadcast operations per group whatever the number of layers (one numpy call per

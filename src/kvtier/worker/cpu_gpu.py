@@ -30,6 +30,7 @@ from kvtier.base import (
 from kvtier.errors import ConfigError
 from kvtier.worker.blocks import TransferLayout
 from kvtier.worker.engines import CopyBuffers, CopyEngine, make_engine
+from kvtier.worker.shards import ShardPlacement
 from kvtier.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.tiers.cpu.region import SharedRegion
 
@@ -61,11 +62,15 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         engine: CopyEngine,
         *,
         on_shutdown: Callable[[], None] | None = None,
+        copies: bool = True,
     ):
         """``on_shutdown`` runs once, after the engine drained (the pair uses it to release
-        the region once both directions stopped)."""
+        the region once both directions stopped). ``copies=False``: jobs are checked and
+        reported (successful, 0 bytes) in their turn but move nothing; the store handler of
+        a worker whose replicated shard another rank writes."""
         self.layout = layout
         self.engine = engine
+        self.copies = copies
         #: True for stores (GPU to CPU)
         self.gpu_to_cpu = engine.gpu_to_cpu
         if self.gpu_to_cpu:
@@ -106,6 +111,9 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             cpu_spec.block_ids,
             gpu_to_cpu=self.gpu_to_cpu,
         )
+        if not self.copies:
+            # still through the engine, so the job is reported in submission order
+            segments = segments.nothing()
         self.engine.submit(job_id, segments)
         self._in_flight.add(job_id)
         return True
@@ -206,12 +214,17 @@ class CpuGpuOffloadingHandlers:
         *,
         engine: str = "auto",
         owns_region: bool = False,
+        shard: ShardPlacement | None = None,
     ):
         """``region``: the CPU tier's rows (attached and, on CUDA, pinned by the caller), one
         row per offloaded block of ``block_size_factor`` GPU blocks. ``engine``: ``auto``,
         ``cuda`` or ``thread``. ``owns_region``: close the region at :meth:`shutdown`.
+        ``shard``: this worker's place in the rows under tensor or pipeline parallelism
+        (default: a single worker, whose shard is the whole row); a worker that does not
+        write its replicated shard gets a store handler that copies nothing.
 
-        Raises :class:`~kvtier.errors.ConfigError` when the cache and the region disagree.
+        Raises :class:`~kvtier.errors.ConfigError` when the cache, the shard and the region
+        disagree.
         """
         if not kv_caches.tensors:
             raise ConfigError("kv_caches.tensors", [], "at least one KV cache tensor")
@@ -225,15 +238,27 @@ class CpuGpuOffloadingHandlers:
             raise ConfigError(
                 "kv_caches.tensors", sorted(map(str, devices)), "tensors on one device"
             )
-        expected_row = block_size_factor * sum(page_bytes)
-        if region.row_bytes != expected_row:
+        shard_bytes = block_size_factor * sum(page_bytes)
+        if shard is None:
+            shard = ShardPlacement.single(shard_bytes)
+        if shard.shard_bytes != shard_bytes:
+            raise ConfigError(
+                "shard.shard_bytes",
+                shard.shard_bytes,
+                f"{shard_bytes}: block_size_factor {block_size_factor} x the pages of every "
+                f"tensor of this worker ({sum(page_bytes)} bytes)",
+                "every worker must have the same bytes per block; build the placement from them",
+            )
+        if region.row_bytes != shard.row_bytes:
             raise ConfigError(
                 "region.row_bytes",
                 region.row_bytes,
-                f"{expected_row}: block_size_factor {block_size_factor} x the pages of every "
-                f"tensor ({sum(page_bytes)} bytes)",
-                "build the CPU tier with block_bytes = factor * sum(page_bytes)",
+                f"{shard.row_bytes}: {shard.num_shards} shard(s) of block_size_factor "
+                f"{block_size_factor} x the pages of every tensor ({sum(page_bytes)} bytes)",
+                "build the CPU tier with block_bytes = shards * factor * sum(page_bytes)",
             )
+        #: this worker's place in the rows
+        self.shard = shard
         self.region = region
         self.layout = TransferLayout(
             page_bytes=page_bytes,
@@ -243,6 +268,7 @@ class CpuGpuOffloadingHandlers:
             gpu_block_strides=[p.stride(0) for p in pages],
             cpu_num_rows=region.num_rows,
             cpu_row_stride=region.row_stride,
+            shard_offset=shard.offset,
         )
         self.buffers = CopyBuffers(pages, region)
         self._owns_region = owns_region
@@ -250,7 +276,7 @@ class CpuGpuOffloadingHandlers:
         load = make_engine(engine, self.buffers, False, priority=LOAD_PRIORITY)
         self._running = 2
         self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
-            self.layout, store, on_shutdown=self._handler_stopped
+            self.layout, store, on_shutdown=self._handler_stopped, copies=shard.writes
         )
         self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
             self.layout, load, on_shutdown=self._handler_stopped

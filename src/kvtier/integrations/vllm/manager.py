@@ -60,6 +60,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier import base as kvtier_base
 from kvtier.manager.single import SingleTierManager
+from kvtier.worker.failures import FailedRowMarks
 
 __all__ = ["STATS_METRIC", "KvtierOffloadingManager", "stats_to_vllm", "to_vllm_event"]
 
@@ -128,7 +129,9 @@ class KvtierOffloadingManager(OffloadingManager):
 
     ``inner`` is what :func:`kvtier.build_manager` made; ``events`` says whether vLLM
     publishes KV events (kvtier's events are drained either way, so none pile up);
-    ``config_info`` is the label mapping for ``vllm:kv_offload_config_info``.
+    ``config_info`` is the label mapping for ``vllm:kv_offload_config_info``;
+    ``failed_rows`` the marks through which workers fail a store (see
+    :mod:`kvtier.worker.failures`), owned (closed) by this manager.
     """
 
     def __init__(
@@ -138,8 +141,14 @@ class KvtierOffloadingManager(OffloadingManager):
         events: bool,
         config_info: Mapping[str, str | int | float | bool],
         stats_log_interval_s: float,
+        failed_rows: FailedRowMarks | None = None,
     ):
         self._inner = inner
+        # Workers mark the rows of stores that failed on their rank (vLLM acknowledges only
+        # successes); complete_store turns those blocks into failed stores. Rows by key of
+        # every store between prepare_store and complete_store.
+        self._failed_rows = failed_rows
+        self._storing: dict[OffloadKey, int] = {}
         self._events = events
         self._config_info = dict(config_info)
         self._has_lower_tiers = bool(getattr(inner, "tiers", ()))
@@ -229,6 +238,8 @@ class KvtierOffloadingManager(OffloadingManager):
         out = self._inner.prepare_store(keys, req_context)
         if out is None:
             return None
+        if self._failed_rows is not None:
+            self._storing.update(zip(out.keys_to_store, out.store_spec.block_ids.tolist()))
         return PrepareStoreOutput(
             keys_to_store=out.keys_to_store,
             store_spec=CPULoadStoreSpec(out.store_spec.block_ids),
@@ -238,7 +249,28 @@ class KvtierOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        self._inner.complete_store(keys, req_context, success)
+        """Publish the stored blocks, except those a worker marked failed: those are
+        completed as failed stores (dropped), so a row with one rank's stale shard is never
+        served."""
+        if self._failed_rows is None:
+            self._inner.complete_store(keys, req_context, success)
+            return
+        storing = self._storing
+        mine = [key for key in keys if key in storing]
+        marked = self._failed_rows.take([storing.pop(key) for key in mine])
+        failed = [key for key, bad in zip(mine, marked.tolist()) if bad]
+        if not failed or not success:
+            self._inner.complete_store(keys, req_context, success)
+            return
+        logger.warning(
+            "kvtier: %d of %d stored blocks failed on a worker (logged there); dropped, "
+            "they will be recomputed",
+            len(failed),
+            len(keys),
+        )
+        bad = set(failed)
+        self._inner.complete_store([key for key in keys if key not in bad], req_context, True)
+        self._inner.complete_store(failed, req_context, False)
 
     # -- requests and steps --------------------------------------------------------------------
 
@@ -288,9 +320,14 @@ class KvtierOffloadingManager(OffloadingManager):
             req_context.get_state(_RequestWait).pinned.clear()
         self._waiting.clear()
         self._promotions_held = self._has_lower_tiers
+        # vLLM skips the completion of jobs the reset fenced: their rows are free already
+        self._storing.clear()
 
     def on_reset_flushed(self) -> None:
         self._promotions_held = False
+        if self._failed_rows is not None:
+            # every fenced job has been reported: no mark of theirs can still be written
+            self._failed_rows.clear()
 
     def stats(self) -> dict[str, int]:
         """kvtier's statistics: CPU tier block counts, then ``<tier>.<figure>`` per disk tier."""
@@ -316,3 +353,5 @@ class KvtierOffloadingManager(OffloadingManager):
         self._closed = True
         self._log_stats("kvtier at shutdown")
         self._inner.shutdown()
+        if self._failed_rows is not None:
+            self._failed_rows.close()

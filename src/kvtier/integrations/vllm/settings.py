@@ -8,7 +8,10 @@ and every worker process reach the same answers without talking to each other:
 * which keys of ``kv_connector_extra_config`` are kvtier's (the rest belong to vLLM's
   connector, or are settings of vLLM's own CPU spec that would be silently ignored here);
 * the tokens and bytes of one offloaded block (vLLM calls it a chunk: ``blocks_per_chunk``
-  GPU blocks), which fix the CPU tier's row size;
+  GPU blocks), which fix the CPU tier's row size: one row holds every worker's shard of the
+  chunk, side by side in rank order, or a single copy when vLLM says the workers' KV is
+  identical (``replicated_layout``: MLA under tensor parallelism), as vLLM's own CPU tier
+  lays out its shared rows;
 * the path of the CPU tier's shared region, which workers attach to by name;
 * the :class:`~kvtier.tiers.disk.format.LayoutFingerprint` stamped on every block written to disk,
   so that a changed model, dtype or layout never reads old blocks.
@@ -30,14 +33,17 @@ from kvtier.config import CPUTierConfig, KvtierConfig, load_config
 from kvtier.errors import ConfigError
 from kvtier.tiers.disk.format import LayoutFingerprint
 from kvtier.tiers.cpu.region import default_directory
+from kvtier.worker.shards import ShardPlacement
 
 __all__ = [
     "CONNECTOR_KEYS",
     "CPU_SPEC_KEYS",
     "INTEGRATION_KEYS",
     "FullStackLayout",
+    "kv_replicas",
     "kvtier_settings",
     "layout_fingerprint",
+    "num_shards",
     "resolve_full_stack",
 ]
 
@@ -135,14 +141,26 @@ def _layout_facts(config: Any) -> str:
         f"kv_cache_layout={config.kv_cache_layout};groups={groups};"
         f"tp={parallel.tp_size};pp={parallel.pp_size};pcp={parallel.pcp_size};"
         f"dcp={parallel.dcp_size};replicated={int(bool(config.replicated_layout))};"
-        f"canonical={int(bool(config.canonical_layout))}"
+        f"canonical={int(bool(config.canonical_layout))};shards={num_shards(config)}"
     )
+
+
+def kv_replicas(config: Any) -> int:
+    """How many consecutive workers hold identical KV: all of them when vLLM says the layout
+    is replicated (it does so only for MLA with tensor parallelism alone), else 1."""
+    return int(config.parallel.world_size) if config.replicated_layout else 1
+
+
+def num_shards(config: Any) -> int:
+    """Distinct worker shards in one row of the CPU tier."""
+    return int(config.parallel.world_size) // kv_replicas(config)
 
 
 def layout_fingerprint(config: Any, block_bytes: int) -> LayoutFingerprint:
     """The fingerprint of rows of ``block_bytes`` laid out as ``config`` (an OffloadingConfig) says.
 
-    ``rank`` is 0 and ``world_size`` vLLM's: a row holds every worker's shard of the block.
+    ``rank`` is 0 and ``world_size`` vLLM's: a row holds every worker's shard of the block
+    (how many distinct shards is in the ``model`` string with the parallel layout).
     ``page_bytes`` is the one per-block size vLLM's config states (a worker's bytes per GPU
     block, all groups together), since the scheduler process never sees the per-group pages.
     """
@@ -168,8 +186,10 @@ class FullStackLayout:
     gpu_block_size_tokens: int
     #: GPU blocks per offloaded block (vLLM's blocks_per_chunk)
     block_size_factor: int
-    #: bytes of one CPU row: block_size_factor x the worker's bytes per GPU block
+    #: bytes of one CPU row: every distinct worker shard of a chunk
     block_bytes: int
+    #: this worker's shard: where in the row it copies, and whether its stores write
+    shard: ShardPlacement
     #: what the disk tiers stamp on every block
     fingerprint: LayoutFingerprint
     #: where the CPU tier's shared region lives (workers attach to it by this path)
@@ -212,24 +232,13 @@ def resolve_full_stack(config: Any) -> FullStackLayout:
     """Parse the kvtier settings in ``config.extra_config`` against vLLM's layout.
 
     Raises :class:`ConfigError` for anything kvtier cannot serve as configured: a bad kvtier
-    setting, a ``block_size_tokens`` that disagrees with the chunk vLLM offloads, more than
-    one worker (not supported yet), or no KV bytes to offload.
+    setting, a ``block_size_tokens`` that disagrees with the chunk vLLM offloads, or no KV
+    bytes to offload. Any tensor, pipeline and context parallel layout is served: each
+    worker (``config.parallel.rank``) copies its own shard of every row.
     """
     kvtier_keys, integration_keys = kvtier_settings(config.extra_config)
     parsed = load_config(kvtier_keys)
 
-    parallel = config.parallel
-    if parallel.world_size != 1:
-        raise ConfigError(
-            "parallel.world_size",
-            parallel.world_size,
-            "1: kvtier's TieredOffloadingSpec serves one worker per engine for now (tensor, "
-            "pipeline and context parallel size 1)",
-            "run with --tensor-parallel-size 1 (data parallel replicas are fine), or keep "
-            "vLLM's TieringOffloadingSpec and add kvtier's disk tier to it as "
-            '{"type": "KvtierDiskTier", "module_path": "kvtier.integrations.vllm", ...} in '
-            "secondary_tiers, which works with any parallel layout",
-        )
     if not config.groups:
         raise ConfigError("groups", (), "at least one KV cache group to offload")
     tokens = {group.tokens_per_block for group in config.groups}
@@ -277,12 +286,21 @@ def resolve_full_stack(config: Any) -> FullStackLayout:
         tiers=(cpu, *parsed.tiers[1:]),
         block_size_tokens=chunk_tokens if chunk_tokens is not None else gpu_block * chunk,
     )
-    block_bytes = chunk * bytes_per_gpu_block
+    # vLLM sizes every worker's KV cache alike (the scheduler knows only this one figure), so
+    # every shard has the same bytes; a worker whose pages differ is refused at get_worker.
+    shard = ShardPlacement(
+        world_size=int(config.parallel.world_size),
+        rank=int(config.parallel.rank),
+        shard_bytes=chunk * bytes_per_gpu_block,
+        kv_replicas=kv_replicas(config),
+    )
+    block_bytes = shard.row_bytes
     return FullStackLayout(
         config=resolved,
         gpu_block_size_tokens=gpu_block,
         block_size_factor=chunk,
         block_bytes=block_bytes,
+        shard=shard,
         fingerprint=layout_fingerprint(config, block_bytes),
         region_path=cpu.path,
         stats_log_interval_s=_stats_interval(integration_keys),

@@ -37,6 +37,7 @@ from kvtier.integrations.vllm.manager import STATS_METRIC, KvtierOffloadingManag
 from kvtier.integrations.vllm.settings import FullStackLayout, resolve_full_stack
 from kvtier.integrations.vllm.worker import KvtierOffloadingWorker, to_kvtier_caches
 from kvtier.spec import TieredOffloadingSpec as StandaloneSpec
+from kvtier.worker.failures import FailedRowMarks
 
 __all__ = ["KvtierStackInfo", "TieredOffloadingSpec"]
 
@@ -66,8 +67,8 @@ class TieredOffloadingSpec(OffloadingSpec):
     """vLLM's OffloadingSpec for kvtier's tier stack (a CPU tier, then optional disk tiers).
 
     Who calls it: vLLM, once per process: constructed from the engine's ``OffloadingConfig``
-    (raises :class:`~kvtier.errors.ConfigError` for bad kvtier settings or an unsupported
-    layout: more than one worker is not supported yet); :meth:`get_manager` in the scheduler
+    (raises :class:`~kvtier.errors.ConfigError` for bad kvtier settings or a layout kvtier
+    cannot serve); :meth:`get_manager` in the scheduler
     process (creates the CPU region, opens the disk tiers: blocks for their index scan);
     :meth:`get_worker` in each worker process (never waits for the region; see
     :mod:`kvtier.integrations.vllm.worker`).
@@ -96,6 +97,10 @@ class TieredOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         #: kvtier's configuration and layout, derived from ``config``
         self.layout = resolve_full_stack(config)
+        # vLLM's connector reads this: with it, only the writing rank submits a store of a
+        # replicated (MLA) cache and the others acknowledge the job at once, which is what
+        # kvtier's one-copy rows need (its non-writing handlers would copy nothing anyway).
+        self.replicated_layout = bool(config.replicated_layout)
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
 
@@ -117,32 +122,40 @@ class TieredOffloadingSpec(OffloadingSpec):
                 kvtier_block_size_tokens=layout.config.block_size_tokens or 0,
                 kvtier_write_policy=layout.config.cascade.write_policy,
             )
+            try:
+                failed_rows = FailedRowMarks.create(
+                    layout.region_path, inner.backend.num_blocks
+                )
+            except BaseException:
+                inner.shutdown()
+                raise
             self._manager = KvtierOffloadingManager(
                 inner,
                 events=events,
                 config_info=info.as_config_info(),
                 stats_log_interval_s=layout.stats_log_interval_s,
+                failed_rows=failed_rows,
             )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         """The worker's handlers (worker process; built on the first call).
 
-        Raises :class:`ConfigError` if the worker's KV pages do not add up to the block size
+        Raises :class:`ConfigError` if the worker's KV pages do not add up to the shard size
         the scheduler side derived from vLLM's configuration (the CPU rows would not fit).
         """
         if self._worker is None:
             layout = self.layout
             caches = to_kvtier_caches(kv_caches)
             pages = [entry.page_size_bytes for entry in caches.tensors]
-            row_bytes = layout.block_size_factor * sum(pages)
-            if row_bytes != layout.block_bytes:
+            shard_bytes = layout.block_size_factor * sum(pages)
+            if shard_bytes != layout.shard.shard_bytes:
                 raise ConfigError(
                     "kv_caches",
                     f"{len(pages)} tensors of {sum(pages)} bytes per GPU block",
                     f"pages adding up to vLLM's worker_kv_bytes_per_block "
-                    f"({layout.block_bytes // layout.block_size_factor} bytes), which sized "
-                    f"the CPU rows",
+                    f"({layout.shard.shard_bytes // layout.block_size_factor} bytes), which "
+                    f"sized this worker's shard of the CPU rows",
                     "this model's KV cache has bytes per block that the offloaded groups do "
                     "not cover (e.g. a group that is not offloaded); kvtier's spec does not "
                     "support it yet: use vLLM's TieringOffloadingSpec with KvtierDiskTier",
@@ -152,6 +165,9 @@ class TieredOffloadingSpec(OffloadingSpec):
                 gpu_block_size_tokens=layout.gpu_block_size_tokens,
                 page_bytes=pages,
                 enable_events=False,
+                world_size=layout.shard.world_size,
+                rank=layout.shard.rank,
+                kv_replicas=layout.shard.kv_replicas,
             )
             self._worker = KvtierOffloadingWorker(standalone, caches)
         return self._worker

@@ -13,6 +13,14 @@ the worker cannot wait for the region at ``get_worker`` (in a single-process eng
 wait for itself). It attaches at once if the region already exists, and otherwise at its
 first job: jobs only come from the scheduler's manager, so by then the region exists. The
 first transfer then also pays for pinning the region (``cudaHostRegister``), once.
+
+Failed jobs. vLLM 0.33's connector asserts that every transfer succeeded and completes a job
+once every worker acknowledged it. A failed *store* is therefore acknowledged as a success
+after its rows were marked failed (:mod:`kvtier.worker.failures`); the manager drops the
+marked blocks when vLLM completes the job, so under tensor or pipeline parallelism one
+rank's failure fails the block on every rank and no half-written row is ever served. A failed
+*load* is reported as failed: its GPU blocks hold wrong bytes, and vLLM stopping on its
+assertion is better than a model computing from them.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
+
+import numpy as np
 
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec as VllmBlockIDsSpec,
@@ -46,6 +56,7 @@ from kvtier.base import (
 )
 from kvtier.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.spec import TieredOffloadingSpec as StandaloneSpec
+from kvtier.worker.failures import FailedRowMarks
 
 __all__ = ["KvtierOffloadingWorker", "to_kvtier_caches"]
 
@@ -102,6 +113,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._kv_caches = kv_caches
         self._store: OffloadingHandler | None = None
         self._load: OffloadingHandler | None = None
+        self._failed_rows: FailedRowMarks | None = None
+        #: CPU rows of each store job in flight, to mark if the job fails
+        self._store_rows: dict[int, np.ndarray] = {}
         self._closed = False
         self._start(only_if_present=True)
 
@@ -116,6 +130,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
             return
         if only_if_present and not os.path.exists(self._standalone.region_path):
             return
+        if self._failed_rows is None:
+            # the marks first: the scheduler side creates them right after the region
+            self._failed_rows = FailedRowMarks.attach(
+                self._standalone.region_path, self._standalone.attach_timeout_s
+            )
         handlers = {
             (src.medium(), dst.medium()): handler
             for src, dst, handler in self._standalone.get_handlers(self._kv_caches)
@@ -135,7 +154,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
             return False
         self._start(only_if_present=False)
         assert self._store is not None
-        return self._store.transfer_async(job_id, (_gpu_spec(src_spec), _cpu_spec(dst_spec)))
+        cpu = _cpu_spec(dst_spec)
+        queued = self._store.transfer_async(job_id, (_gpu_spec(src_spec), cpu))
+        if queued:
+            self._store_rows[job_id] = cpu.block_ids
+        return queued
 
     def submit_load(
         self,
@@ -161,24 +184,44 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if self._store is None or self._load is None:
             return []
         results = []
-        for handler in (self._store, self._load):
-            for result in handler.get_finished():
-                if not result.success:
-                    # vLLM 0.33's connector does not handle failed transfers (it asserts);
-                    # say which job and why before it does.
-                    logger.error(
-                        "kvtier transfer job %d failed (see the kvtier error logged above); "
-                        "vLLM's offloading connector cannot recover from a failed transfer",
-                        result.job_id,
-                    )
-                results.append(
-                    TransferResult(
-                        job_id=result.job_id,
-                        success=result.success,
-                        transfer_size=result.transfer_size,
-                        transfer_time=result.transfer_time,
-                    )
+        for result in self._store.get_finished():
+            rows = self._store_rows.pop(result.job_id, None)
+            success = result.success
+            if not success and rows is not None and self._failed_rows is not None:
+                # before the acknowledgement leaves this process: see the module docstring
+                self._failed_rows.mark(rows)
+                logger.error(
+                    "kvtier store job %d failed (see the kvtier error logged above); its "
+                    "%d block(s) are dropped on every rank and will be recomputed",
+                    result.job_id,
+                    len(rows),
                 )
+                success = True
+            results.append(
+                TransferResult(
+                    job_id=result.job_id,
+                    success=success,
+                    transfer_size=result.transfer_size,
+                    transfer_time=result.transfer_time,
+                )
+            )
+        for result in self._load.get_finished():
+            if not result.success:
+                # vLLM 0.33's connector does not handle failed transfers (it asserts); say
+                # which job and why before it does.
+                logger.error(
+                    "kvtier load job %d failed (see the kvtier error logged above); vLLM's "
+                    "offloading connector cannot recover from a failed load",
+                    result.job_id,
+                )
+            results.append(
+                TransferResult(
+                    job_id=result.job_id,
+                    success=result.success,
+                    transfer_size=result.transfer_size,
+                    transfer_time=result.transfer_time,
+                )
+            )
         return results
 
     def wait(self, job_ids: Iterable[int]) -> None:
@@ -193,3 +236,5 @@ class KvtierOffloadingWorker(OffloadingWorker):
         """Wait for queued jobs, stop the handlers, release the region. Idempotent."""
         self._closed = True
         self._standalone.shutdown()
+        if self._failed_rows is not None:
+            self._failed_rows.close()

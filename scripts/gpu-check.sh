@@ -1,0 +1,217 @@
+#!/usr/bin/env bash
+# Prove kvtier's CUDA path on a GPU machine that has nothing but this checkout (and, carried
+# along, the wheels of packages it lacks): the GPU-marked tests, the transfer benchmark and the
+# trace replay, all on the real CUDA copy path.
+#
+#   scripts/gpu-check.sh [--device cuda|cpu] [--quick] [--dry-run]
+#
+# Steps, each run even when an earlier one failed (the exit status is 1 if any failed):
+#   1. python -m pytest -m gpu           (fails if every GPU test skipped: CUDA is not usable)
+#   2. kvtier bench transfer --device cuda --json
+#   3. kvtier replay --device cuda --json  on the bundled trace (every load verified)
+#
+# Output: one file per step (and env.txt, summary.txt) under $OUT when it is set, else under a
+# new temporary folder; the JSON lines are also printed at the end.
+#
+# Needs python3 (PYTHON=... overrides) with torch, numpy, xxhash, pyyaml, tqdm, aiofiles, pytest
+# and hypothesis. kvtier itself is not installed: it runs from src/ (PYTHONPATH). Missing
+# packages (lmdb, on the lent GPU machines) come as wheels in .whl/ (KVTIER_WHEELS=dir
+# overrides), installed into a private folder first; README.md ("Worker side") says how to
+# download them. Without lmdb the replay uses its `files` disk tier and test modules that
+# need lmdb are reported as collection errors but do not stop the run.
+#
+# --device cpu runs the same steps with CPU tensors standing in for the GPU (the GPU tests
+# then skip, which is not an error there): a check of this script on a machine without CUDA.
+# --quick: a shorter benchmark and the first 300 requests of the trace. --dry-run: check the
+# environment and print the commands without running them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+DEVICE=cuda
+QUICK=0
+DRY_RUN=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) DEVICE=${2:-}; shift 2 ;;
+    --device=*) DEVICE=${1#--device=}; shift ;;
+    --quick) QUICK=1; shift ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    *) echo "gpu-check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+case "$DEVICE" in
+  cuda|cpu) ;;
+  *) echo "gpu-check: --device must be cuda or cpu, got '$DEVICE'" >&2; exit 2 ;;
+esac
+
+PY=${PYTHON:-python3}
+if [ -n "${OUT:-}" ]; then
+  LOGS=$OUT
+else
+  LOGS=$(mktemp -d -t kvtier-gpu-check-XXXXXX)
+fi
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1
+
+# -- carried wheels -----------------------------------------------------------------------------
+WHEELS=${KVTIER_WHEELS:-.whl}
+SITE=${KVTIER_SITE:-/tmp/kvtier-site}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  echo "== installing carried wheels from $WHEELS into $SITE"
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "   (dry run) $PY -m pip install --no-index --no-deps --target $SITE $WHEELS/*.whl"
+  elif ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$SITE" "$WHEELS"/*.whl; then
+    echo "gpu-check: installing the wheels in $WHEELS failed (built for another Python or" \
+         "platform? see README, Worker side)" >&2
+    exit 2
+  fi
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+
+# -- the environment ----------------------------------------------------------------------------
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" - <<'PY'
+import sys
+from importlib import import_module, metadata
+
+print("python", sys.version.split()[0])
+for module, dist in (("torch", "torch"), ("numpy", "numpy"), ("xxhash", "xxhash"),
+                     ("yaml", "PyYAML"), ("tqdm", "tqdm"), ("aiofiles", "aiofiles"),
+                     ("pytest", "pytest"), ("hypothesis", "hypothesis"), ("lmdb", "lmdb")):
+    try:
+        import_module(module)
+    except Exception as exc:  # noqa: BLE001 - reported; the script decides what is required
+        print(f"{module} MISSING ({type(exc).__name__}: {exc})")
+        continue
+    try:
+        version = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        version = "(version unknown)"
+    print(module, version)
+try:
+    import torch
+    print("cuda available:", torch.cuda.is_available(),
+          torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+    print("torch cuda:", torch.version.cuda)
+except Exception as exc:  # noqa: BLE001
+    print("torch unusable:", exc)
+import kvtier
+print("kvtier from", kvtier.__file__)
+PY
+} 2>&1 | tee "$LOGS/env.txt"
+
+missing=$(grep -E "^(torch|numpy|xxhash|yaml|tqdm|aiofiles|pytest|hypothesis) MISSING" "$LOGS/env.txt" || true)
+if [ -n "$missing" ]; then
+  echo "gpu-check: required packages are missing:" >&2
+  echo "$missing" >&2
+  exit 2
+fi
+if ! grep -q "^kvtier from $PWD/src" "$LOGS/env.txt"; then
+  echo "gpu-check: kvtier does not import from $PWD/src (see $LOGS/env.txt)" >&2
+  exit 2
+fi
+if [ "$DEVICE" = cuda ] && ! grep -q "^cuda available: True" "$LOGS/env.txt"; then
+  echo "gpu-check: --device cuda, but torch sees no CUDA device here (see $LOGS/env.txt);" \
+       "use --device cpu to check the script itself" >&2
+  [ "$DRY_RUN" = 1 ] || exit 2
+fi
+
+PYTEST_EXTRA=()
+REPLAY_EXTRA=()
+NO_LMDB=0
+if grep -q "^lmdb MISSING" "$LOGS/env.txt"; then
+  NO_LMDB=1
+  echo "== lmdb is missing: the replay uses the files disk tier; carry lmdb's wheel to test both"
+  PYTEST_EXTRA+=(--continue-on-collection-errors)
+  REPLAY_EXTRA+=(--disk files)
+fi
+BENCH_EXTRA=()
+if [ "$QUICK" = 1 ]; then
+  BENCH_EXTRA+=(--max-batch 64 --runs 2)
+  REPLAY_EXTRA+=(--limit 300 --no-baseline)
+fi
+
+# -- the steps ----------------------------------------------------------------------------------
+declare -A STATUS
+run_step() {  # name, output file, command...
+  local name=$1 file=$2
+  shift 2
+  echo "== $name: $*"
+  if [ "$DRY_RUN" = 1 ]; then
+    STATUS[$name]="dry run"
+    return
+  fi
+  local started=$SECONDS
+  "$@" >"$LOGS/$file" 2>"$LOGS/$name.stderr"
+  RC=$?
+  STATUS[$name]="exit $RC, $((SECONDS - started)) s"
+  [ $RC -eq 0 ] || FAILED=1
+}
+FAILED=0
+
+run_step pytest-gpu pytest-gpu.log \
+  "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" tests
+# The GPU tests skip without CUDA; on a CUDA machine a run where none passed proves nothing.
+if [ "$DRY_RUN" = 0 ]; then
+  cat "$LOGS/pytest-gpu.stderr" >>"$LOGS/pytest-gpu.log" && rm -f "$LOGS/pytest-gpu.stderr"
+  tail -n 25 "$LOGS/pytest-gpu.log"
+  summary_line=$(tail -n 1 "$LOGS/pytest-gpu.log")
+  if [ "$NO_LMDB" = 1 ] && [ "$RC" = 1 ] && ! echo "$summary_line" | grep -q " failed" \
+      && ! grep -vE "^ImportError while importing test module|lmdb" "$LOGS/pytest-gpu.log" \
+         | grep -q "^E   "; then
+    # exit 1 only for the modules that cannot import without lmdb: not a GPU failure
+    STATUS[pytest-gpu]="${STATUS[pytest-gpu]} (collection errors: modules that need lmdb)"
+    FAILED=0  # the first step: nothing before it can have failed
+  fi
+  if [ "$DEVICE" = cuda ] && ! grep -qE "[0-9]+ passed" "$LOGS/pytest-gpu.log"; then
+    echo "gpu-check: no GPU test passed on a CUDA machine" >&2
+    STATUS[pytest-gpu]="${STATUS[pytest-gpu]}, none passed"
+    FAILED=1
+  fi
+fi
+
+run_step bench-transfer bench-transfer.json \
+  "$PY" -m kvtier.cli.main bench transfer --device "$DEVICE" --json "${BENCH_EXTRA[@]}"
+run_step replay replay.json \
+  "$PY" -m kvtier.cli.main replay --device "$DEVICE" --json --no-progress "${REPLAY_EXTRA[@]}"
+
+# -- summary ------------------------------------------------------------------------------------
+{
+  echo "gpu-check on device=$DEVICE quick=$QUICK (logs in $LOGS)"
+  for name in pytest-gpu bench-transfer replay; do
+    echo "$name: ${STATUS[$name]}"
+  done
+  if [ "$DRY_RUN" = 0 ]; then
+    # Issue 13's goals for jobs of 32 blocks and more, both directions, as ratios to one
+    # contiguous pinned copy of the same bytes measured in the same run (reported, not enforced)
+    "$PY" - "$LOGS/bench-transfer.json" <<'PY'
+import json, sys
+try:
+    with open(sys.argv[1]) as stream:
+        record = json.loads(stream.read().strip().splitlines()[-1])
+except (OSError, ValueError, IndexError) as exc:
+    print(f"transfer goals: no benchmark record ({exc})")
+    sys.exit(0)
+goals = {65536: 0.9, 16384: 0.7}
+for page, goal in goals.items():
+    rows = [r for r in record["rows"] if r["page_bytes"] == page and r["batch_blocks"] >= 32]
+    if not rows:
+        continue
+    worst = min(min(r["d2h_ratio"], r["h2d_ratio"]) for r in rows)
+    verdict = "met" if worst >= goal else "MISSED"
+    print(f"transfer goal {goal} at {page // 1024} KiB pages, >= 32 blocks, on "
+          f"{record['device']}: worst ratio {worst:.2f}, {verdict}")
+PY
+    for file in bench-transfer.json replay.json; do
+      echo "--- $file"
+      tail -n 1 "$LOGS/$file"
+    done
+  fi
+} | tee "$LOGS/summary.txt"
+exit $FAILED
