@@ -44,11 +44,10 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvtier.config import DiskTierConfig, load_config
+from kvtier.config import TierConfig, load_config
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.integrations.vllm.manager import stats_to_vllm, to_vllm_event
 from kvtier.integrations.vllm.settings import layout_fingerprint
-from kvtier.tiers.disk import open_store
 from kvtier.tiers.base import SecondaryTier, TierJob, TierJobResult
 
 if TYPE_CHECKING:
@@ -79,8 +78,12 @@ def _rows_of(primary_kv_view: memoryview) -> np.ndarray:
 VLLM_ENTRY_KEYS = ("type", "module_path", "locality", "backpressure")
 
 
-def parse_disk_tier_entry(entry: Mapping[str, Any], primary_bytes: int = 1 << 30) -> DiskTierConfig:
-    """The kvtier settings of one ``secondary_tiers`` entry, as a DiskTierConfig.
+def parse_disk_tier_entry(entry: Mapping[str, Any], primary_bytes: int = 1 << 30) -> TierConfig:
+    """The kvtier settings of one ``secondary_tiers`` entry, as its kind's section.
+
+    Any kind that can sit below the first tier is accepted: ``lmdb`` and ``files``, or a
+    kind of your own by class path (``"kind": "my_pkg.tiers:RemoteTierConfig"``; the
+    ``module_path`` key of an entry is vLLM's, so the class path goes in ``kind``).
 
     Parsed by kvtier's own parser as tiers[1] below a stand-in cpu tier, so one set of rules
     (kinds, sizes, choices, typo suggestions) holds for a disk tier whether it is written in a
@@ -97,9 +100,7 @@ def parse_disk_tier_entry(entry: Mapping[str, Any], primary_bytes: int = 1 << 30
     except ConfigError as error:
         field = error.field.replace("tiers[1]", _SECTION, 1)
         raise ConfigError(field, error.value, error.expected, error.fix) from None
-    tier = config.tiers[1]
-    assert isinstance(tier, DiskTierConfig)  # kinds other than cpu build DiskTierConfig
-    return tier
+    return config.tiers[1]
 
 
 class KvtierDiskTier(SecondaryTierManager):
@@ -148,12 +149,10 @@ class KvtierDiskTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
         rows = _rows_of(primary_kv_view)
-        #: the parsed section (kind, path, capacity, eviction, fsync, o_direct)
+        #: the parsed section (kind, capacity, eviction, and the kind's own: path, fsync ...)
         self.config = parse_disk_tier_entry(section, rows.nbytes)
         fingerprint = layout_fingerprint(offloading_spec.config, rows.shape[1])
-        self._tier: SecondaryTier | None = open_store(
-            self.config, rows, fingerprint, field=_SECTION
-        )
+        self._tier: SecondaryTier | None = self.config.open_lower(rows, fingerprint, field=_SECTION)
         self._final_stats: dict[str, int] = {}
         self._events = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
         #: vLLM job id -> whether it is a promotion (a load), until its result is handed over
@@ -162,7 +161,7 @@ class KvtierDiskTier(SecondaryTierManager):
             "kvtier disk tier %r (%s) at %s: %d blocks of %d bytes, layout %s",
             self.config.name,
             self.config.kind,
-            self.config.path,
+            self.config.location(),
             self._tier.capacity_blocks,
             self._tier.block_bytes,
             fingerprint.describe(),
@@ -261,7 +260,7 @@ class KvtierDiskTier(SecondaryTierManager):
     def config_info(self) -> dict[str, str | int]:
         return {
             "kvtier_kind": self.config.kind,
-            "kvtier_path": str(self.config.path),
+            "kvtier_path": str(self.config.location()),
             "kvtier_capacity_bytes": self.config.capacity_bytes,
         }
 
