@@ -222,7 +222,7 @@ class KvtierDiskTier(SecondaryTierManager):
                 "load" if is_load else "store",
                 result.job_id,
                 len(result.failed),
-                ", ".join(sorted(set(result.failed.values()))),
+                ", ".join(sorted({str(reason) for reason in result.failed.values()})),
             )
         return JobResult(
             job_id=result.job_id,
