@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import yaml
 
 from kvtier.errors import ConfigError
+from kvtier.policies import POLICIES
 from kvtier.registry import Registry
 
 __all__ = [
@@ -40,8 +41,6 @@ __all__ = [
 
 MiB = 1 << 20
 
-#: eviction policies shipped with kvtier; others load through ``eviction_module_path``
-BUILTIN_EVICTION_POLICIES = ("lru", "arc")
 WRITE_POLICIES = ("write_back", "write_through")
 
 
@@ -507,13 +506,14 @@ def _parse_tier(section: object, path: str) -> TierConfig:
         )
     eviction = section.get("eviction", "lru")
     if eviction_module_path is None:
-        if not isinstance(eviction, str) or eviction not in BUILTIN_EVICTION_POLICIES:
+        builtin = POLICIES.names()  # others load through eviction_module_path
+        if not isinstance(eviction, str) or eviction not in builtin:
             raise ConfigError(
                 _join(path, "eviction"),
                 eviction,
-                "one of " + ", ".join(BUILTIN_EVICTION_POLICIES)
+                "one of " + ", ".join(builtin)
                 + " (or any class name when eviction_module_path is set)",
-                _choice_fix(eviction, BUILTIN_EVICTION_POLICIES)
+                _choice_fix(eviction, builtin)
                 + "; set eviction_module_path to load an out-of-tree policy",
             )
     else:

@@ -156,3 +156,21 @@ def test_rowio_refuses_o_direct_on_unaligned_or_unpadded_rows():
     assert RowIO(unpadded).direct_problem is not None
     with pytest.raises(ValueError):
         RowIO(np.zeros((4, 4), dtype=np.int32))
+
+
+def test_a_slow_epilogue_does_not_hold_the_io_threads():
+    """A store job's flush runs on a finisher: with one I/O thread, a second job's blocks
+    still run while the first job's epilogue waits."""
+    release = threading.Event()
+    second_ran = threading.Event()
+    mover = Mover("t", threads=1)
+    try:
+        mover.submit(job(1, 2, lambda j, i: None, after=lambda j: release.wait(10)))
+        mover.submit(job(2, 2, lambda j, i: second_ran.set()))
+        assert second_ran.wait(10)  # the only I/O thread was free while job 1 flushed
+        assert [j.job_id for j in wait_for(mover, 1)] == [2]
+        release.set()
+        assert [j.job_id for j in wait_for(mover, 1)] == [1]
+    finally:
+        release.set()
+        mover.close()
