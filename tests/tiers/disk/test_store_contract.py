@@ -314,15 +314,13 @@ def test_unknown_keys_and_too_long_keys(kind, tmp_path, shm):
     tier.close()
 
 
-def test_registry_and_specs(kind, tmp_path, shm):
+def test_registry_and_medium(kind, tmp_path, shm):
     cls = get_store_class(kind)
     assert cls.kind == kind
     with pytest.raises(ConfigError, match="lmdb, files"):
         get_store_class("tape")
     tier = open_tier(kind, tmp_path / "s", shm.rows, 4)
-    spec = tier.load_store_spec([key(1), key(2)])
-    assert spec.medium() == tier.medium == {"lmdb": "LMDB", "files": "FILES"}[kind]
-    assert spec.keys == (key(1), key(2))
+    assert type(tier) is cls and tier.medium == {"lmdb": "LMDB", "files": "FILES"}[kind]
     tier.close()
     assert check_store(str(tmp_path / "s")).healthy
 

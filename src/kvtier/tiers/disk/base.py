@@ -36,7 +36,7 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from kvtier.base import LoadStoreSpec, OffloadKey
+from kvtier.base import OffloadKey
 from kvtier.config import format_size
 from kvtier.errors import ConfigError
 from kvtier.policies import EvictionPolicy, get_policy_class
@@ -54,7 +54,7 @@ from kvtier.tiers.disk.store import (
     settle_manifest,
 )
 
-__all__ = ["DiskLoadStoreSpec", "DiskTier"]
+__all__ = ["DiskTier"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +64,6 @@ _Tier = TypeVar("_Tier", bound="DiskTier")
 _TOUCH_BATCH = 4096
 # failures not worth a warning of their own: expected outcomes, or logged where they happen
 _QUIET = (FailureKind.MISSING, FailureKind.FULL, FailureKind.CORRUPT)
-
-
-class DiskLoadStoreSpec(LoadStoreSpec):
-    """Blocks of a disk tier, named by their keys (the tier resolves where they lie)."""
-
-    def __init__(self, keys: Iterable[OffloadKey]):
-        self.keys = tuple(keys)
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({len(self.keys)} keys)"
 
 
 class DiskTier(IndexedTier):
@@ -92,8 +79,6 @@ class DiskTier(IndexedTier):
     kind: ClassVar[str] = ""
     #: entries of the store directory that belong to the medium (removed when wiping)
     medium_names: ClassVar[tuple[str, ...]] = ()
-    #: the LoadStoreSpec class of the medium
-    spec_class: ClassVar[type[DiskLoadStoreSpec]] = DiskLoadStoreSpec
 
     # -- opening ------------------------------------------------------------------------------
 
@@ -290,10 +275,6 @@ class DiskTier(IndexedTier):
     def o_direct_fallback_reason(self) -> str:
         """Why O_DIRECT is not used (empty when it is, or when ``o_direct: off``)."""
         return self._io.fallback_reason
-
-    def load_store_spec(self, keys: Iterable[OffloadKey]) -> DiskLoadStoreSpec:
-        """A spec naming ``keys`` on this medium."""
-        return self.spec_class(keys)
 
     def check(self, fix: bool = False) -> CheckReport:
         """Read and verify every block against the index; with ``fix``, drop what is bad.

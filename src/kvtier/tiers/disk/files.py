@@ -37,8 +37,10 @@ policy — a block is fully written before its name appears):
 
 * ``none``: no flushes; after an OS crash recent blocks may be gone, or fail verification (a
   miss), never served wrong;
-* ``batch``: blocks are published as written, and the job reports them stored only after one
-  ``syncfs`` of the store's filesystem made their data and names durable together. Until then
+* ``batch``: blocks are published as written, and the job reports them stored only after a
+  ``syncfs`` of the store's filesystem, begun after they were published, made their data and
+  names durable together; jobs that finish while one runs share the next (see
+  ``_GroupFlush``), run by the mover's finisher threads. Until then
   an OS crash may leave a just-published block that fails verification — a miss, never
   served. syncfs flushes other writers' dirty data on that filesystem too: give the store its
   own disk if it shares one with heavy buffered writers. Where there is no syncfs: each file
@@ -71,13 +73,13 @@ from kvtier.base import OffloadKey
 from kvtier.config import format_size
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import CheckReport, Failure
-from kvtier.tiers.disk.base import DiskLoadStoreSpec, DiskTier
+from kvtier.tiers.disk.base import DiskTier
 from kvtier.tiers.disk.blockio import O_DIRECT
 from kvtier.tiers.disk.manifest import fsync_directory
 from kvtier.tiers.disk.mover import MoverJob
 from kvtier.tiers.disk.store import pid_alive
 
-__all__ = ["FilesTier", "FileLoadStoreSpec"]
+__all__ = ["FilesTier"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,14 +112,6 @@ _renameat2 = _libc_function(
 )
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
-
-
-class FileLoadStoreSpec(DiskLoadStoreSpec):
-    """Blocks of a ``files`` tier, by key."""
-
-    @staticmethod
-    def medium() -> str:
-        return FilesTier.medium
 
 
 @dataclass
@@ -278,7 +272,6 @@ class FilesTier(DiskTier):
     # the file name is the key in hex: 2 x 100 + suffix stays under NAME_MAX (255)
     max_key_bytes = 100
     medium_names = (_BLOCKS_DIR, _USAGE, _RECENCY)
-    spec_class = FileLoadStoreSpec
 
     # -- open / close (caller's thread) ---------------------------------------------------------
 
@@ -533,8 +526,9 @@ class FilesTier(DiskTier):
             # fdatasync costs ~0.2 ms here even with nothing to commit (it flushes the device
             # cache), so one per file plus one per directory cost ~6 ms per 16-block job
             # (measured with 4 threads: 0.64-0.75 of the raw write rate, ~0.85 with one
-            # syncfs). (Also tried: sharing flushes between jobs finishing together — none
-            # did, jobs finish one after another, so it was removed.)
+            # syncfs). The syncfs is shared by the jobs that finish while one runs: with the
+            # epilogues on the mover's finisher threads, several wait at once (a first try,
+            # run on the I/O threads, found jobs finishing one after another).
             published = [i for i in reserved if job.reasons[i] is None and i not in present]
             if published:
                 try:

@@ -65,12 +65,12 @@ from kvtier.base import OffloadKey
 from kvtier.config import format_size
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import CheckReport, Failure, FailureKind
-from kvtier.tiers.disk.base import DiskLoadStoreSpec, DiskTier
+from kvtier.tiers.disk.base import DiskTier
 from kvtier.tiers.disk.blockio import O_DIRECT
 from kvtier.tiers.disk.mover import MoverJob
 from kvtier.tiers.disk.store import pid_alive
 
-__all__ = ["LMDBTier", "LMDBLoadStoreSpec"]
+__all__ = ["LMDBTier"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +100,6 @@ def _slot_key(slot: int) -> bytes:
     return slot.to_bytes(8, "big")
 
 
-class LMDBLoadStoreSpec(DiskLoadStoreSpec):
-    """Blocks of an ``lmdb`` tier, by key."""
-
-    @staticmethod
-    def medium() -> str:
-        return LMDBTier.medium
-
-
 class LMDBTier(DiskTier):
     """A disk tier whose index is LMDB and whose blocks lie in one preallocated slab file.
 
@@ -120,7 +112,6 @@ class LMDBTier(DiskTier):
     medium = "LMDB"
     max_key_bytes = 511  # LMDB's default key size limit
     medium_names = (_INDEX_DIR, _SLAB)
-    spec_class = LMDBLoadStoreSpec
 
     # -- open / close (caller's thread) ---------------------------------------------------------
 
