@@ -584,9 +584,9 @@ def _parse_tiers(value: object) -> tuple[TierConfig, ...]:
         tiers.append(tier)
 
     # Checked after every tier parsed, so that a misplaced cpu tier gets the better message.
-    cpu_indexes = [i for i, tier in enumerate(tiers) if tier.role == "first"]
+    first_indexes = [i for i, tier in enumerate(tiers) if tier.role == "first"]
     if tiers[0].role != "first":
-        where = f"move tiers[{cpu_indexes[0]}] (kind {tiers[cpu_indexes[0]].kind}) first" if cpu_indexes else (
+        where = f"move tiers[{first_indexes[0]}] (kind {tiers[first_indexes[0]].kind}) first" if first_indexes else (
             "add a tier of kind cpu first"
         )
         raise ConfigError(
@@ -595,8 +595,8 @@ def _parse_tiers(value: object) -> tuple[TierConfig, ...]:
             "'cpu': every load into the GPU comes from the cpu tier, so it heads the stack",
             where,
         )
-    if len(cpu_indexes) > 1:
-        extra = cpu_indexes[1]
+    if len(first_indexes) > 1:
+        extra = first_indexes[1]
         raise ConfigError(
             f"tiers[{extra}].kind",
             tiers[extra].kind,

@@ -66,6 +66,11 @@ class Failure:
     #: what failed, in a word (the verification check of a ``CORRUPT`` block ...)
     detail: str = ""
 
+    #: the reasons without an errno or detail, made once (set below the class)
+    MISSING: ClassVar[Failure]
+    FULL: ClassVar[Failure]
+    KEY_TOO_LONG: ClassVar[Failure]
+
     @classmethod
     def os_error(cls, code: int) -> Failure:
         """A failed system call with errno ``code``."""
@@ -118,10 +123,9 @@ class Failure:
         return self.kind.value
 
 
-#: the reasons without a detail, made once
-Failure.MISSING = Failure(FailureKind.MISSING)  # type: ignore[attr-defined]
-Failure.FULL = Failure(FailureKind.FULL)  # type: ignore[attr-defined]
-Failure.KEY_TOO_LONG = Failure(FailureKind.KEY_TOO_LONG)  # type: ignore[attr-defined]
+Failure.MISSING = Failure(FailureKind.MISSING)
+Failure.FULL = Failure(FailureKind.FULL)
+Failure.KEY_TOO_LONG = Failure(FailureKind.KEY_TOO_LONG)
 
 
 @dataclass(frozen=True)
@@ -404,7 +408,8 @@ class IndexedTier(SecondaryTier):
         """Work finished since the last call, each once (scheduler thread; never waits)."""
 
     def _medium_stats(self) -> dict[str, int]:
-        """The medium's own figures for :meth:`stats`."""
+        """The medium's own figures for :meth:`stats` (and zeros for counters it adds to
+        ``_counters``, which override them once counted)."""
         return {}
 
     # -- the contract ---------------------------------------------------------------------------
@@ -428,7 +433,7 @@ class IndexedTier(SecondaryTier):
             if policy.contains(key) or key in self._writing:
                 ok.append(key)
             elif limit is not None and len(key) > limit:
-                failed[key] = Failure.KEY_TOO_LONG  # type: ignore[attr-defined]
+                failed[key] = Failure.KEY_TOO_LONG
             else:
                 new_keys.append(key)
                 new_rows.append(row)
@@ -440,7 +445,7 @@ class IndexedTier(SecondaryTier):
                 room += len(victims)
             room = max(room, 0)
             for key in new_keys[room:]:
-                failed[key] = Failure.FULL  # type: ignore[attr-defined]
+                failed[key] = Failure.FULL
             del new_keys[room:], new_rows[room:]
         if victims:
             self._counters.add("evicted", len(victims))
@@ -485,8 +490,8 @@ class IndexedTier(SecondaryTier):
 
     def stats(self) -> dict[str, int]:
         figures = {"stored": 0, "loaded": 0, "evicted": 0, "failed_keys": 0, "corrupt": 0, "missing": 0}
-        figures.update(self._counters.snapshot())
         figures.update(self._medium_stats())
+        figures.update(self._counters.snapshot())
         figures.update(
             blocks=len(self._policy),
             capacity_blocks=self.capacity_blocks,

@@ -155,7 +155,7 @@ class MemoryTier(IndexedTier):
     def _read_into(self, key: OffloadKey, row: int) -> Failure | None:
         entry = self._blocks.get(key)
         if entry is None:
-            return Failure.MISSING  # type: ignore[attr-defined]
+            return Failure.MISSING
         payload, checksum = entry
         self._rows[row] = np.frombuffer(payload, dtype=np.uint8)
         if xxhash.xxh3_64_intdigest(self._rows[row]) != checksum:

@@ -109,19 +109,6 @@ def test_wait_idle_and_close_are_idempotent():
         mover.submit(job(2, 1, lambda j, i: None))
 
 
-def test_failure_from_exception_carries_the_errno():
-    import errno
-
-    reason = Failure.from_exception(OSError(errno.ENOSPC, "full"))
-    assert reason.kind is FailureKind.OS_ERROR and reason.errno == errno.ENOSPC
-    assert str(reason) == "ENOSPC" and reason.counter == "ENOSPC"
-    other = Failure.from_exception(ValueError("x"))
-    assert other.kind is FailureKind.UNEXPECTED and other.errno is None and str(other) == "error: ValueError"
-    corrupt = Failure.corrupt("other key")
-    assert corrupt.block_gone and str(corrupt) == "corrupt: other key" and corrupt.counter == "other_key"
-    assert Failure.MISSING.block_gone and not Failure.FULL.block_gone
-
-
 def test_probe_is_cached_per_directory(tmp_path, monkeypatch):
     first = probe_o_direct(str(tmp_path))
     calls = []

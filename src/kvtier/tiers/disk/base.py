@@ -261,7 +261,6 @@ class DiskTier(IndexedTier):
     def _medium_stats(self) -> dict[str, Any]:
         return {
             "bytes_written": 0, "bytes_read": 0, "o_direct_fallbacks": 0,
-            **self._counters.snapshot(),
             "on_disk_block_bytes": self.slot_bytes,
             "o_direct": int(self._io.direct),
         }
