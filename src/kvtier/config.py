@@ -91,10 +91,14 @@ class TierConfig:
         return None
 
     def options_text(self) -> str:
-        """The kind's own settings as ``key=value`` pairs, for ``describe``."""
-        common = {f.name for f in fields(TierConfig)} | {"path"}
+        """The kind's own settings as ``key=value`` pairs, for ``describe`` (the field that
+        :meth:`location` shows is left out)."""
+        common = {f.name for f in fields(TierConfig)}
+        where = self.location()
         return "  ".join(
-            f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name not in common
+            f"{f.name}={getattr(self, f.name)}"
+            for f in fields(self)
+            if f.name not in common and not (where is not None and getattr(self, f.name) == where)
         )
 
     def open_first(self, block_bytes: int, *, field: str) -> Any:
@@ -889,7 +893,7 @@ def describe(config: KvtierConfig) -> str:
                 tier.kind,
                 _describe_size(tier.capacity_bytes),
                 f"eviction={eviction}",
-                f"path={where}",
+                f"at={where}",
                 options,
             )
         )

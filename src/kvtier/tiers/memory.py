@@ -91,7 +91,7 @@ class MemoryTier(IndexedTier):
 
     def _start_store(self, work: TierWork) -> None:
         for key in work.victims:
-            del self._blocks[key]
+            self._blocks.pop(key, None)
         self._queue.append(work)
 
     def _start_load(self, work: TierWork) -> None:

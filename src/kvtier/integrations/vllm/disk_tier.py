@@ -1,4 +1,4 @@
-"""``KvtierDiskTier``: kvtier's disk tier (lmdb or files) as a tier of vLLM 0.33's own tiering.
+"""``KvtierDiskTier``: a kvtier lower tier (lmdb, files, or a kind of your own) in vLLM 0.33's tiering.
 
 vLLM's ``TieringOffloadingSpec`` keeps its own CPU tier (the primary, which the GPU workers
 copy to and from) and cascades every stored chunk to a list of ``SecondaryTierManager``s,
@@ -10,8 +10,9 @@ promoting chunks back on a primary miss. This class is one of them, built by vLL
      "eviction": "lru", "fsync": "batch", "o_direct": "auto"}
 
 Everything but ``type``, ``module_path`` (the factory's), ``locality`` and ``backpressure``
-(vLLM's) is a kvtier disk-tier section, parsed by :func:`kvtier.load_config` exactly as in a
-kvtier YAML. The
+(vLLM's) is a kvtier tier section, parsed by :func:`kvtier.load_config` exactly as in a
+kvtier YAML, and built by its kind (``open_lower``): any kind that can sit below the first
+tier, a kind from outside kvtier included (by class path in ``kind``). The
 tier brings kvtier's capacity accounting and eviction, its index that survives restarts,
 its checksummed block format (a block that fails verification is a miss, never served), and
 its layout fingerprint (taken from vLLM's configuration).

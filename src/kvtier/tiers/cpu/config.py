@@ -50,6 +50,9 @@ class CPUTierConfig(TierConfig):
     def location(self) -> str:
         return self.path if self.path is not None else "(a fresh file under /dev/shm)"
 
+    def options_text(self) -> str:
+        return f"pin_memory={self.pin_memory}"  # the path is what location() shows
+
     def open_first(self, block_bytes: int, *, field: str) -> CPUBackend:
         """The tier: a :class:`~kvtier.tiers.cpu.backend.CPUBackend` sized by ``capacity``."""
         from kvtier.tiers.cpu.backend import CPUBackend
