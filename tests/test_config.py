@@ -870,3 +870,17 @@ def test_disk_examples_match_the_brief() -> None:
         assert disk.path.startswith("/var/tmp/kvtier-")
     only = load_config(EXAMPLES / "cpu-only.yaml")
     assert [(t.kind, t.capacity_bytes, t.eviction) for t in only.tiers] == [("cpu", 4 * GiB, "lru")]
+
+
+def test_kind_sections_live_beside_their_tiers_and_old_names_still_work() -> None:
+    import kvtier
+    import kvtier.config as config_module
+    from kvtier.tiers.cpu.config import CPUTierConfig as cpu_section
+    from kvtier.tiers.disk.config import DiskTierConfig as disk_section
+
+    assert config_module.CPUTierConfig is cpu_section is kvtier.CPUTierConfig
+    assert config_module.DiskTierConfig is disk_section is kvtier.DiskTierConfig
+    assert issubclass(disk_section, kvtier.TierConfig)
+    assert "path" not in {f.name for f in dataclasses.fields(kvtier.TierConfig)}  # kinds own it
+    with pytest.raises(AttributeError):
+        config_module.NoSuchTierConfig  # noqa: B018

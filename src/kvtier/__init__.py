@@ -27,17 +27,12 @@ from kvtier.base import (
     make_offload_key,
 )
 from kvtier.build import build_manager
-from kvtier.config import (
-    CascadeConfig,
-    CPUTierConfig,
-    DiskTierConfig,
-    KvtierConfig,
-    TierConfig,
-    load_config,
-)
-from kvtier.errors import BlockStateError, ConfigError, KvtierError, TierFullError
+from kvtier.config import CascadeConfig, KvtierConfig, TierConfig, load_config
+from kvtier.errors import BlockStateError, ConfigError, KvtierError
 from kvtier.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.policies import EvictionPolicy
+from kvtier.tiers.cpu.config import CPUTierConfig
+from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk.format import LayoutFingerprint
 from kvtier.spec import TieredOffloadingSpec
 
@@ -72,7 +67,6 @@ __all__ = [
     "ReqContext",
     "RequestOffloadingContext",
     "TierConfig",
-    "TierFullError",
     "TieredOffloadingSpec",
     "TransferResult",
     "TransferSpec",

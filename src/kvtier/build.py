@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvtier.base import OffloadingManager
-from kvtier.config import CPUTierConfig, DiskTierConfig, KvtierConfig, load_config
+from kvtier.config import KvtierConfig, load_config
 from kvtier.errors import ConfigError
 from kvtier.policies import get_policy_class
 
@@ -27,21 +27,21 @@ def build_manager(
     ``block_bytes`` is the size of one offloaded block's payload (every layer, K and V, every
     rank's shard): it sizes the tiers' rows, so a tier of ``capacity`` holds about
     ``capacity // block_bytes`` blocks (rows are padded to 4 KiB for DMA and O_DIRECT).
-    ``fingerprint`` names the engine's KV layout; disk tiers serve only blocks written under
-    the same one (default: a standalone layout keyed by ``block_bytes`` alone).
+    ``fingerprint`` names the engine's KV layout; tiers that keep blocks across restarts
+    serve only blocks written under the same one (default: a standalone layout keyed by
+    ``block_bytes`` alone).
 
-    A single ``cpu`` tier gives a :class:`~kvtier.manager.single.SingleTierManager`; more
-    tiers a :class:`~kvtier.manager.stack.TierStackManager` over them, in config order.
+    Each tier's section builds its own tier, in config order (``open_first`` for tiers[0],
+    ``open_lower`` for the rest): a single tier gives a
+    :class:`~kvtier.manager.single.SingleTierManager`, more a
+    :class:`~kvtier.manager.stack.TierStackManager` over them.
     """
     config = load_config(config)
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
         raise ConfigError("block_bytes", block_bytes, "a positive number of bytes")
-    from kvtier.tiers.cpu.backend import CPUBackend
-
-    cpu = config.tiers[0]
-    assert isinstance(cpu, CPUTierConfig)  # load_config guarantees tiers[0] is the cpu tier
-    policy_cls = get_policy_class(cpu.eviction, cpu.eviction_module_path, field="tiers[0].eviction")
-    backend = CPUBackend.from_config(cpu, block_bytes, field="tiers[0]")
+    first = config.tiers[0]
+    policy_cls = get_policy_class(first.eviction, first.eviction_module_path, field="tiers[0].eviction")
+    backend = first.open_first(block_bytes, field="tiers[0]")
     policy = policy_cls(backend.get_num_free_blocks())
     if len(config.tiers) == 1:
         from kvtier.manager.single import SingleTierManager
@@ -49,18 +49,16 @@ def build_manager(
         return SingleTierManager(backend, policy, enable_events=enable_events)
 
     from kvtier.manager.stack import TierStackManager
-    from kvtier.tiers.disk import open_store
     from kvtier.tiers.disk.format import LayoutFingerprint
 
     fingerprint = fingerprint or LayoutFingerprint.standalone(block_bytes)
     lower = []
     try:
         for index, tier in enumerate(config.tiers[1:], start=1):
-            assert isinstance(tier, DiskTierConfig)
-            lower.append(open_store(tier, backend.rows, fingerprint, field=f"tiers[{index}]"))
+            lower.append(tier.open_lower(backend.rows, fingerprint, field=f"tiers[{index}]"))
     except BaseException:
-        for store in lower:
-            store.close()
+        for opened in lower:
+            opened.close()
         backend.shutdown()
         raise
     return TierStackManager(backend, policy, lower, config.cascade, enable_events=enable_events)

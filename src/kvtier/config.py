@@ -7,17 +7,22 @@ objects below. Units are in the field names (``capacity_bytes``); defaults live 
 from __future__ import annotations
 
 import difflib
+import operator
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from decimal import Decimal, InvalidOperation, localcontext
+from typing import Any, ClassVar
 
 import yaml
 
 from kvtier.errors import ConfigError
+from kvtier.policies import POLICIES
+from kvtier.registry import Registry
 
 __all__ = [
+    "TIER_KINDS",
     "TierConfig",
     "CPUTierConfig",
     "DiskTierConfig",
@@ -27,27 +32,33 @@ __all__ = [
     "parse_size",
     "format_size",
     "describe",
+    "parse_choice",
+    "positive_int",
+    "positive_size",
+    "non_empty_str",
+    "MISSING",
 ]
 
 MiB = 1 << 20
 
-#: eviction policies shipped with kvtier; others load through ``eviction_module_path``
-BUILTIN_EVICTION_POLICIES = ("lru", "arc")
-#: tier kinds the configuration knows, with the class of their section
-TIER_KINDS = ("cpu", "lmdb", "files")
 WRITE_POLICIES = ("write_back", "write_through")
-PIN_MEMORY_CHOICES = ("auto", "on", "off")
-O_DIRECT_CHOICES = ("auto", "on", "off")
-FSYNC_CHOICES = ("none", "batch", "always")
 
 
 @dataclass(frozen=True)
 class TierConfig:
-    """What every tier has, whatever its kind."""
+    """What every tier has, whatever its kind; the base of every kind's own section.
+
+    A tier kind is a subclass (a frozen dataclass adding the kind's own fields, each with its
+    default) registered in :data:`TIER_KINDS`, or named by class path in ``kind``. The parser
+    handles the common keys below and hands the rest of the section to the kind's
+    :meth:`parse_options`; building the tier is the kind's :meth:`open_lower` (tiers below the
+    first) or its own hook for the first tier. Nothing outside the kind's module names its
+    fields, so a new kind is one new file.
+    """
 
     # unique name of the tier in the stack; shows in stats, events and errors
     name: str
-    # which implementation: one of TIER_KINDS
+    # which implementation: a name registered in TIER_KINDS, or a class path module:Class
     kind: str
     # the tier never holds more payload than this many bytes
     capacity_bytes: int
@@ -55,30 +66,64 @@ class TierConfig:
     eviction: str = "lru"
     # module to import an out-of-tree eviction policy class from (None: built-in names only)
     eviction_module_path: str | None = None
-    # where the tier keeps its bytes: a file for cpu (default: a fresh file under /dev/shm),
-    # a directory for disk tiers (required there)
-    path: str | None = None
+    # module to import the kind's section class from when ``kind`` is a bare class name
+    # (None: a registered kind, or a class path in ``kind``)
+    module_path: str | None = None
 
+    #: "first": the tier every GPU load comes from (exactly one, heading the stack);
+    #: "lower": a tier below it, built with :meth:`open_lower`
+    role: ClassVar[str] = "lower"
 
-@dataclass(frozen=True)
-class CPUTierConfig(TierConfig):
-    """The CPU tier: one shared-memory region of fixed-size rows."""
+    @classmethod
+    def parse_options(cls, section: Mapping[str, object], field: str, name: str) -> dict[str, object]:
+        """The kind's own fields from its YAML ``section`` (common keys already parsed).
 
-    # pin the region for DMA with cudaHostRegister: auto (when CUDA is present), on (fail
-    # if it cannot be pinned), off
-    pin_memory: str = "auto"
+        ``field`` is the section's path (``tiers[1]``) for error messages, ``name`` the tier's
+        name (for suggested values). Returns keyword arguments for the section class; a field
+        left out takes its dataclass default. Raise :class:`ConfigError` naming
+        ``<field>.<key>`` for a bad value, with what would be valid and the fix. Unknown keys
+        never reach here: the parser refuses keys that are not fields of the class.
+        """
+        return {}
 
+    def location(self) -> str | None:
+        """Where the tier keeps its bytes (a path, a URL), for ``describe`` and logs; None: nowhere named."""
+        return None
 
-@dataclass(frozen=True)
-class DiskTierConfig(TierConfig):
-    """A disk tier (lmdb or files) under ``path``."""
+    def options_text(self) -> str:
+        """The kind's own settings as ``key=value`` pairs, for ``describe`` (the field that
+        :meth:`location` shows is left out)."""
+        common = {f.name for f in fields(TierConfig)}
+        where = self.location()
+        return "  ".join(
+            f"{f.name}={getattr(self, f.name)}"
+            for f in fields(self)
+            if f.name not in common and not (where is not None and getattr(self, f.name) == where)
+        )
 
-    # O_DIRECT for block I/O: auto (probe once, fall back with a logged, counted warning),
-    # on (fail at open if unsupported), off
-    o_direct: str = "auto"
-    # when to fsync: none (leave it to the OS), batch (once per batch of blocks), always
-    # (each block)
-    fsync: str = "batch"
+    def open_first(self, block_bytes: int, *, field: str) -> Any:
+        """Build the first tier (a :class:`~kvtier.base.Backend` with ``rows``, the CPU rows
+        every lower tier copies from and into) holding blocks of ``block_bytes``; for kinds
+        whose :attr:`role` is ``"first"``. Called once, by whoever builds the stack."""
+        raise ConfigError(
+            f"{field}.kind", self.kind, "a kind that can head the stack (cpu)",
+            "put a cpu tier first",
+        )
+
+    def open_lower(self, rows: Any, fingerprint: Any, *, field: str, **options: Any) -> Any:
+        """Open the tier this section describes below the first tier: a
+        :class:`~kvtier.tiers.base.SecondaryTier` over the first tier's ``rows``.
+
+        ``rows`` is the CPU tier's ``(num_rows, block_bytes)`` uint8 view jobs copy from and
+        into; ``fingerprint`` (:class:`~kvtier.tiers.disk.format.LayoutFingerprint`) names the
+        engine's KV layout; ``field`` is the section's path for errors; ``options`` are
+        builder overrides a kind may accept (``threads`` for disk tiers). Called once, by
+        whoever builds the stack; may block (opening files, connecting).
+        """
+        raise ConfigError(
+            f"{field}.kind", self.kind, "a kind that can sit below the first tier",
+            "use this kind as tiers[0] only",
+        )
 
 
 @dataclass(frozen=True)
@@ -254,6 +299,9 @@ class _Missing:
 
 
 _MISSING = _Missing()
+#: what a kind's :meth:`TierConfig.parse_options` passes for a required key the section lacks,
+#: so that its error reads ``got <missing>`` (``section.get(key, MISSING)``)
+MISSING = _MISSING
 
 _TOP_KEYS = ("tiers", "block_size_tokens", "cascade")
 # Keys of vLLM's kv_connector_extra_config that belong to vLLM; kvtier accepts and skips them
@@ -265,26 +313,25 @@ _VLLM_BLOCK_SIZE_KEY = "block_size"
 _INCLUDE_KEY = "kvtier_config"
 _VLLM_KEYS = _VLLM_PASSTHROUGH_KEYS + (_VLLM_BLOCK_SIZE_KEY, _INCLUDE_KEY)
 
-# Which section class each kind builds: adding a kind is one entry here, never a new branch.
-_TIER_CLASSES: dict[str, type[TierConfig]] = {
-    "cpu": CPUTierConfig,
-    "lmdb": DiskTierConfig,
-    "files": DiskTierConfig,
-}
-assert set(_TIER_CLASSES) == set(TIER_KINDS), "every kind needs a section class"
+#: tier kind -> its section class ("module:Class", imported on first use). The one place a
+#: kind is registered: the parser, the stack builder, ``describe`` and the CLI read it. A kind
+#: from outside kvtier needs no entry: ``kind: my_pkg.tiers:RemoteTierConfig``, or ``kind:
+#: RemoteTierConfig`` with ``module_path: my_pkg.tiers``.
+TIER_KINDS: Registry[TierConfig] = Registry(
+    "tier kind",
+    TierConfig,
+    {
+        "cpu": "kvtier.tiers.cpu.config:CPUTierConfig",
+        "lmdb": "kvtier.tiers.disk.config:DiskTierConfig",
+        "files": "kvtier.tiers.disk.config:DiskTierConfig",
+    },
+    module_key="module_path",
+)
 
 # YAML keys that differ from their field names: people write `capacity: 64GiB`, while the
 # field keeps its unit in its name.
 _TIER_FIELD_BY_KEY = {"capacity": "capacity_bytes"}
 _TIER_KEY_BY_FIELD = {f: k for k, f in _TIER_FIELD_BY_KEY.items()}
-
-# Kind-specific options: their choices, and whether a YAML boolean stands for on/off. YAML 1.1
-# reads an unquoted `off` as false, so `pin_memory: off` arrives here as False.
-_TIER_OPTIONS: dict[str, tuple[tuple[str, ...], bool]] = {
-    "pin_memory": (PIN_MEMORY_CHOICES, True),
-    "o_direct": (O_DIRECT_CHOICES, True),
-    "fsync": (FSYNC_CHOICES, False),
-}
 _TIER_NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
 
 
@@ -293,15 +340,20 @@ def _tier_keys(cls: type[TierConfig]) -> tuple[str, ...]:
     return tuple(_TIER_KEY_BY_FIELD.get(f.name, f.name) for f in fields(cls))
 
 
-def _extra_fields(cls: type[TierConfig]) -> tuple[str, ...]:
-    """Fields a section class adds to TierConfig: its kind-specific options."""
-    common = {f.name for f in fields(TierConfig)}
-    return tuple(f.name for f in fields(cls) if f.name not in common)
+def __getattr__(name: str) -> object:
+    # The built-in kinds' sections live beside their tiers (kvtier.tiers.cpu.config,
+    # kvtier.tiers.disk.config) and import this module; reached lazily here so that the old
+    # import path keeps working without a cycle.
+    if name == "CPUTierConfig":
+        from kvtier.tiers.cpu.config import CPUTierConfig
 
+        return CPUTierConfig
+    if name == "DiskTierConfig":
+        from kvtier.tiers.disk.config import DiskTierConfig
 
-assert all(
-    name in _TIER_OPTIONS for cls in _TIER_CLASSES.values() for name in _extra_fields(cls)
-), "every kind-specific field needs an entry in _TIER_OPTIONS"
+        return DiskTierConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _CASCADE_KEYS = tuple(f.name for f in fields(CascadeConfig))
 
@@ -345,33 +397,66 @@ def _require_mapping(value: object, path: str, what: str, fix: str) -> Mapping:
     return value
 
 
-def _positive_int(value: object, path: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(path, value, "a positive int", "write a whole number such as 256")
-    return value
+def positive_int(value: object, field: str) -> int:
+    """``value`` as an int >= 1 (numpy integers too), or a ConfigError naming ``field``."""
+    try:
+        number = operator.index(value)  # refuses floats and strings
+    except TypeError:
+        number = 0
+    if isinstance(value, bool) or number < 1:
+        raise ConfigError(field, value, "an integer >= 1", "write a whole number such as 256")
+    return number
 
 
-def _positive_size(value: object, path: str) -> int:
-    size = parse_size(value, path)
+def positive_size(value: object, field: str) -> int:
+    """A size > 0 in bytes (see :func:`parse_size`), or a ConfigError naming ``field``."""
+    size = parse_size(value, field)
     if size == 0:
-        raise ConfigError(path, value, "a size > 0", "write a size such as 512MiB")
+        raise ConfigError(field, value, "a size > 0", "write a size such as 512MiB")
     return size
 
 
-def _non_empty_str(value: object, path: str, expected: str, fix: str) -> str:
+def non_empty_str(value: object, field: str, expected: str, fix: str) -> str:
+    """A non-blank string (an ``os.PathLike`` becomes one), or a ConfigError naming ``field``."""
     if isinstance(value, os.PathLike):
         value = os.fsdecode(value)
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(path, value, expected, fix)
+        raise ConfigError(field, value, expected, fix)
     return value
 
 
-def _parse_choice(value: object, path: str, choices: tuple[str, ...], bools: bool) -> str:
+def parse_choice(value: object, field: str, choices: tuple[str, ...], bools: bool = False) -> str:
+    """One of ``choices``, or a ConfigError naming ``field`` that suggests the nearest.
+
+    ``bools``: a YAML boolean stands for on/off (YAML 1.1 reads an unquoted ``off`` as false).
+    """
     if bools and isinstance(value, bool):
         return "on" if value else "off"
     if not isinstance(value, str) or value not in choices:
-        raise ConfigError(path, value, "one of " + ", ".join(choices), _choice_fix(value, choices))
+        raise ConfigError(field, value, "one of " + ", ".join(choices), _choice_fix(value, choices))
     return value
+
+
+def _section_class(section: Mapping, path: str) -> type[TierConfig]:
+    """The section class ``kind`` (and ``module_path``) name: registered or out-of-tree."""
+    kind = section.get("kind", _MISSING)
+    module_path = section.get("module_path")
+    if module_path is not None:
+        module_path = non_empty_str(
+            module_path, _join(path, "module_path"), "a dotted module path such as my_pkg.tiers",
+            "write the module that defines the kind's section class",
+        )
+    out_of_tree = module_path is not None or TIER_KINDS.is_class_path(kind)
+    if not isinstance(kind, str) or not (kind in TIER_KINDS or out_of_tree):
+        names = TIER_KINDS.names()
+        fix = _choice_fix(kind, names) if kind is not _MISSING else (
+            "add kind: " + ", kind: ".join(names)
+        )
+        raise ConfigError(
+            _join(path, "kind"), kind,
+            "one of " + ", ".join(names) + " (or a class path module:Class of your own kind)", fix,
+        )
+    return TIER_KINDS.resolve(kind, module_path, field=_join(path, "kind"))
 
 
 def _parse_tier(section: object, path: str) -> TierConfig:
@@ -382,18 +467,13 @@ def _parse_tier(section: object, path: str) -> TierConfig:
         "write the tier as a mapping such as {name: cpu, kind: cpu, capacity: 64GiB}",
     )
     # kind first: it decides which keys the rest of the section may hold
-    kind = section.get("kind", _MISSING)
-    if not isinstance(kind, str) or kind not in _TIER_CLASSES:
-        fix = _choice_fix(kind, TIER_KINDS) if kind is not _MISSING else (
-            "add kind: cpu, kind: lmdb or kind: files"
-        )
-        raise ConfigError(_join(path, "kind"), kind, "one of " + ", ".join(TIER_KINDS), fix)
-    cls = _TIER_CLASSES[kind]
+    cls = _section_class(section, path)
+    kind = section["kind"]
     valid = _tier_keys(cls)
     for key in section:
         if not isinstance(key, str) or key in valid:
             continue
-        owners = [k for k, c in _TIER_CLASSES.items() if key in _tier_keys(c)]
+        owners = _kinds_taking(key)
         if owners:
             raise ConfigError(
                 _join(path, key),
@@ -403,7 +483,8 @@ def _parse_tier(section: object, path: str) -> TierConfig:
             )
     _check_keys(section, valid, path, f"a {kind} tier")
 
-    name = section.get("name", kind)
+    default_name = kind if kind in TIER_KINDS else cls.__name__
+    name = section.get("name", default_name)
     if not isinstance(name, str) or not _TIER_NAME_RE.fullmatch(name):
         raise ConfigError(
             _join(path, "name"),
@@ -417,63 +498,54 @@ def _parse_tier(section: object, path: str) -> TierConfig:
         raise ConfigError(
             _join(path, "capacity"), capacity, _SIZE_FORMS, "add capacity: such as 64GiB"
         )
-    capacity_bytes = _positive_size(capacity, _join(path, "capacity"))
+    capacity_bytes = positive_size(capacity, _join(path, "capacity"))
 
-    module_path = section.get("eviction_module_path")
-    if module_path is not None:
-        module_path = _non_empty_str(
-            module_path,
+    eviction_module_path = section.get("eviction_module_path")
+    if eviction_module_path is not None:
+        eviction_module_path = non_empty_str(
+            eviction_module_path,
             _join(path, "eviction_module_path"),
             "a dotted module path such as my_pkg.policies",
             "write the module that defines the policy class",
         )
     eviction = section.get("eviction", "lru")
-    if module_path is None:
-        if not isinstance(eviction, str) or eviction not in BUILTIN_EVICTION_POLICIES:
+    if eviction_module_path is None:
+        builtin = POLICIES.names()  # others load through eviction_module_path
+        if not isinstance(eviction, str) or eviction not in builtin:
             raise ConfigError(
                 _join(path, "eviction"),
                 eviction,
-                "one of " + ", ".join(BUILTIN_EVICTION_POLICIES)
+                "one of " + ", ".join(builtin)
                 + " (or any class name when eviction_module_path is set)",
-                _choice_fix(eviction, BUILTIN_EVICTION_POLICIES)
+                _choice_fix(eviction, builtin)
                 + "; set eviction_module_path to load an out-of-tree policy",
             )
     else:
-        eviction = _non_empty_str(
+        eviction = non_empty_str(
             eviction,
             _join(path, "eviction"),
-            f"the name of a policy class in {module_path}",
+            f"the name of a policy class in {eviction_module_path}",
             "write the class name",
         )
-
-    # cpu may omit path (a fresh /dev/shm file); a disk tier has nowhere to go without one
-    path_optional = cls is CPUTierConfig
-    tier_path = section.get("path", None if path_optional else _MISSING)
-    if tier_path is not None or not path_optional:
-        tier_path = _non_empty_str(
-            tier_path,
-            _join(path, "path"),
-            "a non-empty path string" + ("" if path_optional else " (a directory)"),
-            f"add path: such as /var/tmp/kvtier-{name}"
-            if tier_path is _MISSING
-            else "write the path as a string",
-        )
-
-    options = {}
-    for option in _extra_fields(cls):
-        if option in section:
-            choices, bools = _TIER_OPTIONS[option]
-            options[option] = _parse_choice(section[option], _join(path, option), choices, bools)
 
     return cls(
         name=name,
         kind=kind,
         capacity_bytes=capacity_bytes,
         eviction=eviction,
-        eviction_module_path=module_path,
-        path=tier_path,
-        **options,
+        eviction_module_path=eviction_module_path,
+        module_path=section.get("module_path"),
+        **cls.parse_options(section, path, name),
     )
+
+
+def _kinds_taking(key: str) -> list[str]:
+    """The registered kinds whose section has ``key`` (for a key written under another kind)."""
+    owners = []
+    for kind in TIER_KINDS.names():
+        if key in _tier_keys(TIER_KINDS.resolve(kind, field="kind")):
+            owners.append(kind)
+    return owners
 
 
 def _parse_tiers(value: object) -> tuple[TierConfig, ...]:
@@ -516,9 +588,9 @@ def _parse_tiers(value: object) -> tuple[TierConfig, ...]:
         tiers.append(tier)
 
     # Checked after every tier parsed, so that a misplaced cpu tier gets the better message.
-    cpu_indexes = [i for i, tier in enumerate(tiers) if tier.kind == "cpu"]
-    if tiers[0].kind != "cpu":
-        where = f"move tiers[{cpu_indexes[0]}] (kind cpu) first" if cpu_indexes else (
+    first_indexes = [i for i, tier in enumerate(tiers) if tier.role == "first"]
+    if tiers[0].role != "first":
+        where = f"move tiers[{first_indexes[0]}] (kind {tiers[first_indexes[0]].kind}) first" if first_indexes else (
             "add a tier of kind cpu first"
         )
         raise ConfigError(
@@ -527,15 +599,20 @@ def _parse_tiers(value: object) -> tuple[TierConfig, ...]:
             "'cpu': every load into the GPU comes from the cpu tier, so it heads the stack",
             where,
         )
-    if len(cpu_indexes) > 1:
-        extra = cpu_indexes[1]
+    if len(first_indexes) > 1:
+        extra = first_indexes[1]
         raise ConfigError(
             f"tiers[{extra}].kind",
-            "cpu",
+            tiers[extra].kind,
             "exactly one cpu tier (tiers[0])",
-            "merge the cpu tiers into one, or make this one lmdb or files",
+            "merge the cpu tiers into one, or make this one a lower kind ("
+            + ", ".join(k for k in TIER_KINDS.names() if k not in _first_kinds()) + ")",
         )
     return tuple(tiers)
+
+
+def _first_kinds() -> list[str]:
+    return [k for k in TIER_KINDS.names() if TIER_KINDS.resolve(k, field="kind").role == "first"]
 
 
 def _parse_cascade(value: object) -> CascadeConfig:
@@ -548,12 +625,12 @@ def _parse_cascade(value: object) -> CascadeConfig:
     _check_keys(section, _CASCADE_KEYS, "cascade", "cascade")
     settings: dict[str, object] = {}
     if "write_policy" in section:
-        settings["write_policy"] = _parse_choice(
-            section["write_policy"], "cascade.write_policy", WRITE_POLICIES, bools=False
+        settings["write_policy"] = parse_choice(
+            section["write_policy"], "cascade.write_policy", WRITE_POLICIES
         )
     for key in ("max_demote_bytes_per_step", "max_promote_bytes_per_step"):
         if key in section:
-            settings[key] = _positive_size(section[key], f"cascade.{key}")
+            settings[key] = positive_size(section[key], f"cascade.{key}")
     return CascadeConfig(**settings)
 
 
@@ -589,7 +666,7 @@ def _parse_document(document: object, root: str, from_yaml: bool) -> KvtierConfi
     tiers = _parse_tiers(document.get("tiers", _MISSING))
     block_size_tokens = document.get("block_size_tokens")
     if block_size_tokens is not None:
-        block_size_tokens = _positive_int(block_size_tokens, "block_size_tokens")
+        block_size_tokens = positive_int(block_size_tokens, "block_size_tokens")
     block_size_tokens = _merge_block_size(document, block_size_tokens)
     cascade = (
         _parse_cascade(document["cascade"]) if "cascade" in document else CascadeConfig()
@@ -601,7 +678,7 @@ def _merge_block_size(document: Mapping, block_size_tokens: int | None) -> int |
     """Fold vLLM's ``block_size`` into ``block_size_tokens``; both must agree if both given."""
     if _VLLM_BLOCK_SIZE_KEY not in document:
         return block_size_tokens
-    block_size = _positive_int(document[_VLLM_BLOCK_SIZE_KEY], _VLLM_BLOCK_SIZE_KEY)
+    block_size = positive_int(document[_VLLM_BLOCK_SIZE_KEY], _VLLM_BLOCK_SIZE_KEY)
     if block_size_tokens is not None and block_size_tokens != block_size:
         raise ConfigError(
             _VLLM_BLOCK_SIZE_KEY,
@@ -624,7 +701,7 @@ def _parse_include(document: Mapping) -> KvtierConfig:
             "give either kvtier_config or inline keys (tiers, cascade, block_size_tokens), "
             "not both",
         )
-    include = _non_empty_str(
+    include = non_empty_str(
         document[_INCLUDE_KEY],
         _INCLUDE_KEY,
         "the path of a kvtier YAML file",
@@ -807,15 +884,8 @@ def describe(config: KvtierConfig) -> str:
         eviction = tier.eviction
         if tier.eviction_module_path is not None:
             eviction += f" (from {tier.eviction_module_path})"
-        if tier.path is not None:
-            where = tier.path
-        elif tier.kind == "cpu":
-            where = "(a fresh file under /dev/shm)"
-        else:
-            where = "(none)"
-        options = "  ".join(
-            f"{option}={getattr(tier, option)}" for option in _extra_fields(type(tier))
-        )
+        where = tier.location() or "(none)"
+        options = tier.options_text()
         rows.append(
             (
                 f"[{index}]",
@@ -823,7 +893,7 @@ def describe(config: KvtierConfig) -> str:
                 tier.kind,
                 _describe_size(tier.capacity_bytes),
                 f"eviction={eviction}",
-                f"path={where}",
+                f"at={where}",
                 options,
             )
         )

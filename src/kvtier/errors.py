@@ -1,13 +1,15 @@
 """The one exception tree of kvtier.
 
 Expected outcomes (a miss, a full tier, a retry) are return values, never exceptions: see
-``OffloadingManager.lookup`` and ``prepare_store``. What raises is a mistake — bad input or a
+``OffloadingManager.lookup`` and ``prepare_store``, and the per-key
+:class:`~kvtier.tiers.base.Failure` of a lower tier's job. (So there is no "tier full" error:
+nothing could raise it where a full tier is an outcome.) What raises is a mistake — bad input or a
 broken environment — and every error carries the context needed to fix it.
 """
 
 from __future__ import annotations
 
-__all__ = ["KvtierError", "ConfigError", "TierFullError", "BlockStateError"]
+__all__ = ["KvtierError", "ConfigError", "BlockStateError", "DiskTierError", "ManifestError"]
 
 
 class KvtierError(Exception):
@@ -32,20 +34,6 @@ class ConfigError(KvtierError, ValueError):
         super().__init__(message)
 
 
-class TierFullError(KvtierError):
-    """A tier cannot hold what was asked of it, even after evicting everything evictable."""
-
-    def __init__(self, tier: str, capacity_bytes: int, used_bytes: int, requested_bytes: int):
-        self.tier = tier
-        self.capacity_bytes = capacity_bytes
-        self.used_bytes = used_bytes
-        self.requested_bytes = requested_bytes
-        super().__init__(
-            f"tier {tier!r} is full: capacity {capacity_bytes} B, used {used_bytes} B, "
-            f"requested {requested_bytes} B"
-        )
-
-
 class BlockStateError(KvtierError):
     """A manager call named a block in a state the call does not allow.
 
@@ -53,3 +41,12 @@ class BlockStateError(KvtierError):
     that was never prepared: the caller broke the protocol, and going on would risk serving
     or overwriting the wrong bytes.
     """
+
+
+class DiskTierError(KvtierError):
+    """A disk tier cannot be used as asked for a reason that is not one configuration value
+    (for example its path is already open as a tier in this process)."""
+
+
+class ManifestError(KvtierError):
+    """A store manifest exists but cannot be read or understood (damaged, or from a newer kvtier)."""

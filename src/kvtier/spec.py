@@ -23,7 +23,6 @@ Importing this module does not import torch; :meth:`get_handlers` does.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import os
 import time
 import uuid
@@ -37,7 +36,8 @@ from kvtier.base import (
     OffloadingSpec,
 )
 from kvtier.build import build_manager
-from kvtier.config import CPUTierConfig, KvtierConfig, load_config
+from kvtier.config import KvtierConfig, load_config, positive_int
+from kvtier.tiers.cpu.config import CPUTierConfig
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.tiers.cpu.region import SharedRegion, default_directory
@@ -49,16 +49,6 @@ __all__ = ["TieredOffloadingSpec"]
 #: how long a worker waits for the scheduler side to create the CPU region
 DEFAULT_ATTACH_TIMEOUT_S = 10.0
 _ATTACH_POLL_S = 0.05
-
-
-def _positive_int(field: str, value: object) -> int:
-    try:
-        number = operator.index(value)
-    except TypeError:
-        number = 0
-    if isinstance(value, bool) or number < 1:
-        raise ConfigError(field, value, "an integer >= 1")
-    return number
 
 
 class TieredOffloadingSpec(OffloadingSpec):
@@ -102,7 +92,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         tensors: ``thread``), ``cuda`` or ``thread``. Raises :class:`ConfigError` for
         inconsistent arguments."""
         config = load_config(config)
-        gpu_block = _positive_int("gpu_block_size_tokens", gpu_block_size_tokens)
+        gpu_block = positive_int(gpu_block_size_tokens, "gpu_block_size_tokens")
         try:
             listed = None if isinstance(page_bytes, (str, bytes)) else list(page_bytes)
         except TypeError:
@@ -111,7 +101,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             raise ConfigError(
                 "page_bytes", page_bytes, "a non-empty list of bytes per block, one per KV tensor"
             )
-        pages = tuple(_positive_int(f"page_bytes[{i}]", p) for i, p in enumerate(listed))
+        pages = tuple(positive_int(p, f"page_bytes[{i}]") for i, p in enumerate(listed))
         tokens = config.block_size_tokens
         if tokens is None:
             factor = 1

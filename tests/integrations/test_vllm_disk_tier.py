@@ -7,6 +7,8 @@ byte for byte — after a cache reset, after a restart — or not at all (a corr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.base")
@@ -156,6 +158,32 @@ def test_bytes_round_trip_through_the_disk_tier_into_vllms_primary(tmp_path, kin
         tiering.manager.on_request_finished(reader)
     finally:
         tiering.shutdown()
+
+
+def test_an_out_of_tree_kind_serves_vllms_tiering_from_its_entry_alone(monkeypatch):
+    """A tier kind kvtier does not know (tests/outside/remote_tier.py), named by class path in
+    the secondary_tiers entry (its module_path key is vLLM's), built through vLLM's factory."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "outside"))
+    import remote_tier
+
+    remote_tier.BUCKETS.clear()
+    tiering = Tiering({"kind": "remote_tier:RemoteTierConfig", "url": "mem://vllm", "capacity": "16MiB"})
+    try:
+        assert type(tiering.tier.config) is remote_tier.RemoteTierConfig
+        assert tiering.tier.config_info()["kvtier_path"] == "mem://vllm"
+        keys = [key(i) for i in range(5)]
+        tiering.store(keys, ReqContext("writer"))
+        assert set(remote_tier.BUCKETS["mem://vllm"]) == set(keys)
+        tiering.forget_primary()
+        reader = ReqContext("reader")
+        tiering.manager.on_new_request(reader)
+        assert run_steps_until(tiering.manager, keys, reader) == [LookupResult.HIT] * 5
+        tiering.assert_loads(keys, reader)  # byte for byte, from the out-of-tree tier
+        assert tiering.tier.stats()["loaded"] == 5
+        tiering.manager.on_request_finished(reader)
+    finally:
+        tiering.shutdown()
+        remote_tier.BUCKETS.clear()
 
 
 @pytest.mark.parametrize("kind", ["lmdb", "files"])

@@ -51,11 +51,12 @@ import numpy as np
 import xxhash
 
 from kvtier.bench.report import print_json, print_table
-from kvtier.config import DiskTierConfig
+from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk import open_store
 from kvtier.tiers.base import TierJob
 from kvtier.tiers.disk.format import LayoutFingerprint, on_disk_block_bytes
-from kvtier.tiers.disk.mover import DEFAULT_THREADS, O_DIRECT, probe_o_direct
+from kvtier.tiers.disk.blockio import O_DIRECT, probe_o_direct
+from kvtier.tiers.disk.mover import DEFAULT_THREADS
 from kvtier.tiers.cpu.region import SharedRegion
 
 __all__ = ["VLLM_FS_REFERENCE", "default_directory", "run"]

@@ -126,12 +126,26 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     return 0 if record["rows"] and record["verified"] else 1
 
 
+def _disk_kinds() -> list[str]:
+    """The registered kinds whose section is the disk tiers' (what ``--disk``/``--backend`` take)."""
+    from kvtier.config import TIER_KINDS
+    from kvtier.tiers.disk.config import DiskTierConfig
+
+    return [
+        kind for kind in TIER_KINDS.names()
+        if issubclass(TIER_KINDS.resolve(kind, field="kind"), DiskTierConfig)
+    ]
+
+
 def build_parser() -> argparse.ArgumentParser:
+    disk_kinds = _disk_kinds()
     parser = argparse.ArgumentParser(
         prog="kvtier",
         description="Tiered KV-cache offloading for LLM engines: check configs, benchmark tiers.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from kvtier.tiers.disk.config import FSYNC_CHOICES
+
 
     replay = commands.add_parser(
         "replay",
@@ -146,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--block-bytes", type=int, default=16 * 1024, help="payload bytes per block (default 16384)"
     )
     replay.add_argument("--limit", type=int, help="replay only the first N requests")
-    replay.add_argument("--disk", choices=("lmdb", "files"), default="lmdb", help="disk tier kind of the default stack")
+    replay.add_argument("--disk", choices=disk_kinds, default="lmdb", help="disk tier kind of the default stack")
     replay.add_argument("--no-baseline", action="store_true", help="skip the CPU-tier-only comparison run")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
     replay.add_argument("--plot", metavar="FILE.png", help="draw the hit ratio per tier over time")
@@ -199,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_disk = bench_commands.add_parser(
         "disk", help="a disk tier's write and cold-read GB/s against raw O_DIRECT I/O of the same bytes"
     )
-    bench_disk.add_argument("--backend", choices=("lmdb", "files"), required=True, help="disk tier kind")
+    bench_disk.add_argument("--backend", choices=disk_kinds, required=True, help="disk tier kind")
     bench_disk.add_argument("--json", action="store_true", help="print only the JSON line")
     bench_disk.add_argument("--gib", type=float, default=2.0, help="GiB written and read, as 2 MiB blocks (default 2)")
     bench_disk.add_argument("--threads", type=int, default=None, help="I/O threads, tier and baseline alike (default 16)")
@@ -210,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="blocks in the store whose open is timed (open_s; default 100000, 0 skips it)",
     )
     bench_disk.add_argument(
-        "--fsync", choices=("none", "batch", "always"), default="batch",
+        "--fsync", choices=FSYNC_CHOICES, default="batch",
         help="the tier's fsync policy while writing (default batch; vLLM's fs tier never flushes)",
     )
     bench_disk.add_argument(

@@ -39,7 +39,7 @@ from kvtier.base import (
 from kvtier.config import CascadeConfig
 from kvtier.manager.single import SingleTierManager
 from kvtier.policies.base import EvictionPolicy
-from kvtier.tiers.base import SecondaryTier, TierJob, TierJobResult
+from kvtier.tiers.base import FailureKind, SecondaryTier, TierJob, TierJobResult
 
 __all__ = ["TierStackManager"]
 
@@ -232,7 +232,7 @@ class TierStackManager(SingleTierManager):
             self._backend.free_block_ids([self._promoting.pop(key) for key in failed])
             counters.promote_failures += len(failed)
             counters.corrupt_blocks += sum(
-                1 for reason in result.failed.values() if reason.startswith("corrupt")
+                1 for reason in result.failed.values() if reason.kind is FailureKind.CORRUPT
             )
 
     def _submit_demotions(self) -> None:

@@ -12,13 +12,120 @@ the same class can serve kvtier's own stack manager and, through a thin adapter,
 
 from __future__ import annotations
 
+import enum
+import errno as errno_codes
+import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Collection, Container, Iterable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvtier.base import OffloadingEvent, OffloadKey
+from kvtier.policies.base import EvictionPolicy
 
-__all__ = ["TierJob", "TierJobResult", "CheckReport", "SecondaryTier"]
+__all__ = [
+    "CheckReport",
+    "Failure",
+    "FailureKind",
+    "IndexedTier",
+    "SecondaryTier",
+    "TierCounters",
+    "TierJob",
+    "TierJobResult",
+    "TierWork",
+]
+
+
+class FailureKind(enum.Enum):
+    """Why a key of a lower tier's job did not make it."""
+
+    #: not on the tier (never stored, evicted, or removed by another process)
+    MISSING = "missing"
+    #: read back but failed verification (``detail`` says which check): dropped, never served
+    CORRUPT = "corrupt"
+    #: no room for it, even after evicting what could be evicted
+    FULL = "full"
+    #: longer than the medium can name
+    KEY_TOO_LONG = "key too long"
+    #: a system call failed (``errno`` says which: ENOSPC, EIO, EACCES ...)
+    OS_ERROR = "os error"
+    #: the tier's own index failed (``errno`` when the index reported one)
+    INDEX = "index"
+    #: a bug: an exception nobody expected (``detail`` is its type), logged with its traceback
+    UNEXPECTED = "error"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The reason one key of a job failed: a kind, the errno where there is one, a detail."""
+
+    kind: FailureKind
+    #: the errno of an ``OS_ERROR`` (and of an ``INDEX`` failure that had one), else None
+    errno: int | None = None
+    #: what failed, in a word (the verification check of a ``CORRUPT`` block ...)
+    detail: str = ""
+
+    #: the reasons without an errno or detail, made once (set below the class)
+    MISSING: ClassVar[Failure]
+    FULL: ClassVar[Failure]
+    KEY_TOO_LONG: ClassVar[Failure]
+
+    @classmethod
+    def os_error(cls, code: int) -> Failure:
+        """A failed system call with errno ``code``."""
+        return cls(FailureKind.OS_ERROR, code)
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> Failure:
+        """``OS_ERROR`` with the errno of an OSError that has one, else ``UNEXPECTED``."""
+        if isinstance(exc, OSError) and exc.errno:
+            return cls(FailureKind.OS_ERROR, exc.errno)
+        return cls(FailureKind.UNEXPECTED, detail=type(exc).__name__)
+
+    @classmethod
+    def corrupt(cls, check: str) -> Failure:
+        """A block that failed verification at ``check`` (``checksum``, ``other key`` ...)."""
+        return cls(FailureKind.CORRUPT, detail=check)
+
+    @property
+    def errno_name(self) -> str | None:
+        """``ENOSPC`` for errno 28, ... (None without an errno)."""
+        if self.errno is None:
+            return None
+        return errno_codes.errorcode.get(self.errno, f"errno {self.errno}")
+
+    @property
+    def block_gone(self) -> bool:
+        """Whether the failure proves the tier no longer holds the block (missing, corrupt)."""
+        return self.kind in (FailureKind.MISSING, FailureKind.CORRUPT)
+
+    @property
+    def counter(self) -> str:
+        """The stats suffix of this reason: ``ENOSPC``, ``full``, ``checksum``, ``key_too_long``."""
+        if self.kind is FailureKind.CORRUPT:
+            text = self.detail
+        elif self.kind is FailureKind.INDEX:
+            text = self.errno_name or f"index_{self.detail}"
+        else:
+            text = str(self)
+        return text.replace(": ", "_").replace(" ", "_")
+
+    def __str__(self) -> str:
+        if self.kind is FailureKind.OS_ERROR:
+            return self.errno_name or "os error"
+        if self.kind is FailureKind.CORRUPT:
+            return f"corrupt: {self.detail}"
+        if self.kind is FailureKind.INDEX:
+            return f"index: {self.errno_name or self.detail}"
+        if self.kind is FailureKind.UNEXPECTED:
+            return f"error: {self.detail}"
+        return self.kind.value
+
+
+Failure.MISSING = Failure(FailureKind.MISSING)
+Failure.FULL = Failure(FailureKind.FULL)
+Failure.KEY_TOO_LONG = Failure(FailureKind.KEY_TOO_LONG)
 
 
 @dataclass(frozen=True)
@@ -44,15 +151,15 @@ class TierJobResult:
     """A finished job: which keys made it, and why the others did not.
 
     Store: a key is ``ok`` once it is committed on the tier (or was there already); Load: once
-    its bytes are in the CPU row *and verified*. A key in ``failed`` maps to a short reason
-    (``"missing"``, ``"corrupt: checksum"``, ``"ENOSPC"``, ``"full"`` ...); its CPU row holds
-    nothing usable and must not be served.
+    its bytes are in the CPU row *and verified*. A key in ``failed`` maps to its
+    :class:`Failure` (missing, corrupt and which check, full, an OS error with its errno ...);
+    its CPU row holds nothing usable and must not be served.
     """
 
     job_id: int
     is_load: bool
     ok: list[OffloadKey] = field(default_factory=list)
-    failed: dict[OffloadKey, str] = field(default_factory=dict)
+    failed: dict[OffloadKey, Failure] = field(default_factory=dict)
     #: payload bytes moved for the ``ok`` keys
     nbytes: int = 0
     #: wall time from submission to completion
@@ -100,7 +207,7 @@ class SecondaryTier(ABC):
     * a key that looked up ``True`` keeps being readable until the manager polls the load of
       it, or the key is evicted by a store (which never evicts a key being read);
     * skipping keys already present in a store job (reported ``ok``), evicting (per its
-      configured policy) to make room, and failing keys it cannot place (``"full"``);
+      configured policy) to make room, and failing keys it cannot place (``Failure.FULL``);
     * never reporting a load ``ok`` unless the bytes written into the row were verified
       (checksum, key, layout) — anything else is a failed key and a counted miss;
     * never losing a committed block on a failed job (ENOSPC, EIO ...): failures affect only
@@ -167,3 +274,312 @@ class SecondaryTier(ABC):
 
     def close(self) -> None:
         """Drain jobs and release files, threads and handles. Idempotent; blocks."""
+
+
+class TierCounters:
+    """A tier's counters, added to by any thread (under a lock), read by ``stats()``."""
+
+    def __init__(self) -> None:
+        #: held for each change; a tier may also hold it briefly for its own one-off flags
+        self.lock = threading.Lock()
+        self._values: dict[str, int] = {}
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self.lock:
+            self._values[name] = self._values.get(name, 0) + amount
+
+    def snapshot(self) -> dict[str, int]:
+        with self.lock:
+            return dict(self._values)
+
+
+@dataclass(eq=False)
+class TierWork:
+    """What a medium must do for one job: its keys not settled by the bookkeeping.
+
+    Built by :class:`IndexedTier` on the scheduler thread and handed to the medium
+    (``_start_store`` / ``_start_load``); the medium fills ``reasons`` (and ``block_ids`` for
+    stores, ``shared_blocks``/``refused`` where the store is shared by processes) and hands it
+    back through ``_finished_work``. Between the two only the medium touches it.
+    """
+
+    job_id: int
+    is_load: bool
+    keys: list[OffloadKey]
+    #: ``rows[i]``: the CPU row of ``keys[i]`` (the source of a store, the target of a load)
+    rows: list[int]
+    #: store jobs: keys the bookkeeping evicted to make room; the medium removes them first
+    victims: list[OffloadKey] = field(default_factory=list)
+    #: per key: None (done) or why it failed
+    reasons: list[Failure | None] = field(default_factory=list)
+    #: per key: where the block lies on the medium (a slot; 0 where the medium has none)
+    block_ids: list[int] = field(default_factory=list)
+    #: store jobs of a store shared by processes: blocks on the medium, all processes
+    #: together, when the medium counted them (None: not shared, or not counted)
+    shared_blocks: int | None = None
+    #: store jobs: keys the medium refused for lack of room (other processes filled it)
+    refused: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.reasons:
+            self.reasons = [None] * len(self.keys)
+        if not self.block_ids:
+            self.block_ids = [0] * len(self.keys)
+
+
+@dataclass
+class _Pending:
+    """A submitted job's bookkeeping on the scheduler side, until its result is polled."""
+
+    job: TierJob
+    is_load: bool
+    ok: list[OffloadKey]
+    failed: dict[OffloadKey, Failure]
+    submitted_s: float
+
+
+class _Skip:
+    """Keys an eviction must pass over: those being read and those of the store's own offer."""
+
+    __slots__ = ("offered", "reading")
+
+    def __init__(self, reading: Container[OffloadKey], offered: Container[OffloadKey]):
+        self.reading = reading
+        self.offered = offered
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.reading or key in self.offered
+
+
+class IndexedTier(SecondaryTier):
+    """The scheduler-side bookkeeping every lower tier shares, over an eviction policy.
+
+    Implements the whole :class:`SecondaryTier` job contract on the scheduler thread with
+    in-memory state only: the policy (key -> block id, in eviction order) is the index of
+    committed keys; keys reserved while a store writes them look up ``None``; keys being read
+    are counted and never evicted; a store evicts (sparing its own offer and keys being read)
+    to make room and fails what still does not fit with ``Failure.FULL``; results fold in per
+    key, a load that proves a block gone (missing, corrupt) drops it from the index; every
+    block stored or dropped yields an :class:`~kvtier.base.OffloadingEvent`.
+
+    A medium subclass implements three hooks, and never touches this state:
+
+    * :meth:`_start_store` (scheduler thread, must not wait for I/O): remove ``work.victims``
+      from the medium, then write ``work.keys`` from ``work.rows``; fill ``work.reasons``
+      and ``work.block_ids``;
+    * :meth:`_start_load` (same): read ``work.keys`` into ``work.rows`` and verify each;
+      a block that fails verification is removed from the medium and reported
+      ``Failure.corrupt(...)``;
+    * :meth:`_finished_work` (scheduler thread, never waits): the work finished since the
+      last call, each once.
+
+    Class attributes: :attr:`max_key_bytes` (longer keys fail with ``KEY_TOO_LONG``).
+    """
+
+    #: the longest key the medium stores (None: no limit)
+    max_key_bytes: ClassVar[int | None] = None
+
+    def __init__(self, name: str, block_bytes: int, capacity_blocks: int, policy: EvictionPolicy):
+        super().__init__(name, block_bytes, capacity_blocks)
+        #: committed keys -> block ids, in eviction order
+        self._policy = policy
+        self._writing: set[OffloadKey] = set()
+        self._reading: dict[OffloadKey, int] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._ready: list[TierJobResult] = []
+        self._events: list[OffloadingEvent] = []
+        self._counters = TierCounters()
+        # Blocks other processes hold in a shared store, as last seen when the medium had to
+        # refuse room (0 while this process is the only writer; see _complete_store).
+        self._foreign_blocks = 0
+
+    # -- medium hooks ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def _start_store(self, work: TierWork) -> None:
+        """Begin a store (scheduler thread; never waits): evict ``victims``, write ``keys``."""
+
+    @abstractmethod
+    def _start_load(self, work: TierWork) -> None:
+        """Begin a load (scheduler thread; never waits): read and verify ``keys``."""
+
+    @abstractmethod
+    def _finished_work(self) -> Iterable[TierWork]:
+        """Work finished since the last call, each once (scheduler thread; never waits)."""
+
+    def _medium_stats(self) -> dict[str, int]:
+        """The medium's own figures for :meth:`stats` (and zeros for counters it adds to
+        ``_counters``, which override them once counted)."""
+        return {}
+
+    # -- the contract ---------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey) -> bool | None:
+        if self._policy.contains(key):
+            return True
+        return None if key in self._writing else False
+
+    def touch(self, keys: Collection[OffloadKey]) -> None:
+        self._policy.touch(keys)
+
+    def submit_store(self, job: TierJob) -> None:
+        policy = self._policy
+        limit = self.max_key_bytes
+        ok: list[OffloadKey] = []
+        failed: dict[OffloadKey, Failure] = {}
+        new_keys: list[OffloadKey] = []
+        new_rows: list[int] = []
+        for key, row in zip(job.keys, job.rows):
+            if policy.contains(key) or key in self._writing:
+                ok.append(key)
+            elif limit is not None and len(key) > limit:
+                failed[key] = Failure.KEY_TOO_LONG
+            else:
+                new_keys.append(key)
+                new_rows.append(row)
+        victims: list[OffloadKey] = []
+        if new_keys:
+            room = self.capacity_blocks - len(policy) - len(self._writing) - self._foreign_blocks
+            if len(new_keys) > room:
+                victims = self._evict(len(new_keys) - room, set(job.keys))
+                room += len(victims)
+            room = max(room, 0)
+            for key in new_keys[room:]:
+                failed[key] = Failure.FULL
+            del new_keys[room:], new_rows[room:]
+        if victims:
+            self._counters.add("evicted", len(victims))
+            self._events.append(OffloadingEvent(victims, self.block_bytes, self.medium, True))
+        pending = _Pending(job, False, ok, failed, time.perf_counter())
+        if not new_keys and not victims:
+            self._ready.append(self._result(pending))
+            return
+        self._writing.update(new_keys)
+        self._pending[job.job_id] = pending
+        self._start_store(TierWork(job.job_id, False, new_keys, new_rows, victims=victims))
+
+    def submit_load(self, job: TierJob) -> None:
+        reading = self._reading
+        for key in job.keys:
+            reading[key] = reading.get(key, 0) + 1
+        self._pending[job.job_id] = _Pending(job, True, [], {}, time.perf_counter())
+        get = self._policy.get
+        work = TierWork(job.job_id, True, list(job.keys), list(job.rows))
+        work.block_ids = [get(key) or 0 for key in job.keys]
+        self._start_load(work)
+
+    def get_finished_jobs(self) -> list[TierJobResult]:
+        results, self._ready = self._ready, []
+        for work in self._finished_work():
+            pending = self._pending.pop(work.job_id)
+            if pending.is_load:
+                results.append(self._complete_load(pending, work))
+            else:
+                results.append(self._complete_store(pending, work))
+        return results
+
+    def has_pending_work(self) -> bool:
+        return bool(self._pending) or bool(self._ready)
+
+    def num_blocks(self) -> int:
+        return len(self._policy)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> dict[str, int]:
+        figures = {"stored": 0, "loaded": 0, "evicted": 0, "failed_keys": 0, "corrupt": 0, "missing": 0}
+        figures.update(self._medium_stats())
+        figures.update(self._counters.snapshot())
+        figures.update(
+            blocks=len(self._policy),
+            capacity_blocks=self.capacity_blocks,
+            block_bytes=self.block_bytes,
+            jobs_in_flight=len(self._pending),
+        )
+        return figures
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _forget(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """Drop ``keys`` from the index (a check found them bad or gone); the event; those dropped."""
+        removed = [key for key in keys if self._policy.remove(key) is not None]
+        if removed:
+            self._events.append(OffloadingEvent(removed, self.block_bytes, self.medium, True))
+        return removed
+
+    def _evict(self, count: int, offered: set[OffloadKey]) -> list[OffloadKey]:
+        """Up to ``count`` victims in policy order, sparing keys being read and the offer."""
+        policy = self._policy
+        contains = policy.contains
+        protected = sum(1 for key in offered if contains(key))
+        protected += sum(1 for key in self._reading if key not in offered and contains(key))
+        count = min(count, len(policy) - protected)
+        if count <= 0:
+            return []
+        chosen = policy.evict(count, _Skip(self._reading, offered))
+        return [key for key, _ in chosen] if chosen else []
+
+    def _result(self, pending: _Pending) -> TierJobResult:
+        result = TierJobResult(pending.job.job_id, pending.is_load, ok=pending.ok, failed=pending.failed)
+        result.seconds = time.perf_counter() - pending.submitted_s
+        if result.failed:
+            self._counters.add("failed_keys", len(result.failed))
+            for reason in result.failed.values():
+                self._counters.add(f"failed_{reason.counter}")
+        return result
+
+    def _complete_store(self, pending: _Pending, work: TierWork) -> TierJobResult:
+        stored: list[OffloadKey] = []
+        block_ids: list[int] = []
+        for key, reason, block_id in zip(work.keys, work.reasons, work.block_ids):
+            self._writing.discard(key)
+            if reason is None:
+                stored.append(key)
+                block_ids.append(block_id)
+            else:
+                pending.failed[key] = reason
+        if stored:
+            self._policy.insert(stored, block_ids)
+            pending.ok.extend(stored)
+            self._events.append(OffloadingEvent(stored, self.block_bytes, self.medium, False))
+            self._counters.add("stored", len(stored))
+        if work.shared_blocks is not None:
+            own = len(self._policy) + len(self._writing)
+            foreign = max(0, work.shared_blocks - own)
+            # Only a refusal by the medium proves that other processes fill the store; without
+            # one, an estimate can only shrink (this process's in-flight evictions would
+            # otherwise look like foreign blocks and cause needless evictions).
+            if work.refused:
+                self._foreign_blocks = foreign
+            else:
+                self._foreign_blocks = min(self._foreign_blocks, foreign)
+        result = self._result(pending)
+        result.nbytes = len(stored) * self.block_bytes
+        return result
+
+    def _complete_load(self, pending: _Pending, work: TierWork) -> TierJobResult:
+        reading = self._reading
+        dropped: list[OffloadKey] = []
+        for key, reason in zip(work.keys, work.reasons):
+            count = reading.pop(key)
+            if count > 1:
+                reading[key] = count - 1
+            if reason is None:
+                pending.ok.append(key)
+                continue
+            pending.failed[key] = reason
+            if reason.kind is FailureKind.MISSING:
+                self._counters.add("missing")
+            elif reason.kind is FailureKind.CORRUPT:
+                self._counters.add("corrupt")
+                self._counters.add(f"corrupt_{reason.counter}")
+            if reason.block_gone and self._policy.remove(key) is not None:
+                dropped.append(key)
+        if dropped:
+            self._events.append(OffloadingEvent(dropped, self.block_bytes, self.medium, True))
+        self._counters.add("loaded", len(pending.ok))
+        result = self._result(pending)
+        result.nbytes = len(pending.ok) * self.block_bytes
+        return result

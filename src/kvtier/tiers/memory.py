@@ -4,8 +4,9 @@
   this process's memory. A SlotBackend needs a spec type for its medium and a place for its
   rows, nothing else; the manager and the policy do the rest.
 - :class:`MemoryTier`: a lower tier keeping the whole :class:`~kvtier.tiers.base.SecondaryTier`
-  contract — reserved-while-written keys, eviction that spares keys being read, verified
-  loads, events — with none of a disk's machinery. It runs jobs when asked rather than on
+  contract: the bookkeeping (reserved-while-written keys, eviction that spares keys being
+  read, events) is :class:`~kvtier.tiers.base.IndexedTier`'s, the medium a dict with verified
+  loads — none of a disk's machinery. It runs jobs when asked rather than on
   threads, so tests decide exactly when a job finishes. Failure injection
   (:meth:`MemoryTier.fail_next`, :meth:`MemoryTier.corrupt`) drives the manager's error paths.
 
@@ -14,16 +15,16 @@ Copy this file to start a new tier.
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict, deque
-from collections.abc import Collection
+import errno
+from collections import deque
 
 import numpy as np
 import xxhash
 
-from kvtier.base import OffloadingEvent, OffloadKey
+from kvtier.base import OffloadKey
 from kvtier.mediums import MemoryLoadStoreSpec
-from kvtier.tiers.base import CheckReport, SecondaryTier, TierJob, TierJobResult
+from kvtier.policies.lru import LRUPolicy
+from kvtier.tiers.base import CheckReport, Failure, IndexedTier, TierJobResult, TierWork
 from kvtier.tiers.cpu.slots import SlotBackend
 
 __all__ = ["MemoryBackend", "MemoryTier", "NullBackend"]
@@ -46,36 +47,37 @@ class NullBackend(MemoryBackend):
         super().__init__(0, block_bytes)
 
 
-class MemoryTier(SecondaryTier):
+class MemoryTier(IndexedTier):
     """Up to ``capacity_blocks`` blocks as ``bytes``, LRU-evicted, checksummed with xxh3-64.
 
     ``rows`` is the CPU tier's ``(num_rows, block_bytes)`` uint8 view that jobs copy from and
-    into. Jobs queue on submission and run at the next :meth:`get_finished_jobs` (or
+    into. The scheduler-side bookkeeping (reservations, readers, eviction, events, counters)
+    is :class:`~kvtier.tiers.base.IndexedTier`'s; this class is only the medium: a dict.
+    Jobs queue on submission and run at the next :meth:`get_finished_jobs` (or
     :meth:`drain_jobs`), unless :attr:`paused` holds them back.
     """
 
     medium = "MEMORY_STORE"
 
     def __init__(self, name: str, rows: np.ndarray, capacity_blocks: int):
-        super().__init__(name, rows.shape[1], capacity_blocks)
+        super().__init__(name, rows.shape[1], capacity_blocks, LRUPolicy(capacity_blocks))
         self._rows = rows
-        #: committed blocks, oldest use first: key -> (payload, checksum)
-        self._blocks: OrderedDict[OffloadKey, tuple[bytes, int]] = OrderedDict()
-        self._writing: set[OffloadKey] = set()  # reserved by a queued store job
-        self._reading: dict[OffloadKey, int] = {}  # key -> queued load jobs naming it
-        self._queue: deque[tuple[TierJob, bool, float, dict[OffloadKey, str]]] = deque()
-        self._events: list[OffloadingEvent] = []
-        self._fail_next: list[str] = []
+        #: committed blocks: key -> (payload, checksum)
+        self._blocks: dict[OffloadKey, tuple[bytes, int]] = {}
+        self._queue: deque[TierWork] = deque()
+        self._fail_next: list[Failure] = []
         #: while True, queued jobs stay queued (in flight)
         self.paused = False
-        self.counters = {"stored": 0, "loaded": 0, "evicted": 0, "failed_keys": 0, "corrupt": 0}
         #: every key a store job failed (refused, injected failure), for tests to reason with
         self.refused_keys: set[OffloadKey] = set()
 
     # -- failure injection (tests) --------------------------------------------------------------
 
-    def fail_next(self, count: int = 1, reason: str = "EIO") -> None:
-        """Make the next ``count`` jobs to run fail every key with ``reason``."""
+    def fail_next(self, count: int = 1, reason: Failure | str = "EIO") -> None:
+        """Make the next ``count`` jobs to run fail every key with ``reason`` (a Failure, or
+        an errno name such as ``"ENOSPC"``)."""
+        if isinstance(reason, str):
+            reason = Failure.os_error(getattr(errno, reason))
         self._fail_next.extend([reason] * count)
 
     def corrupt(self, key: OffloadKey) -> None:
@@ -85,54 +87,25 @@ class MemoryTier(SecondaryTier):
         damaged[len(damaged) // 2] ^= 0xFF
         self._blocks[key] = (bytes(damaged), checksum)
 
-    # -- the contract -----------------------------------------------------------------------------
+    # -- the medium -------------------------------------------------------------------------------
 
-    def lookup(self, key: OffloadKey) -> bool | None:
-        if key in self._blocks:
-            return True
-        return None if key in self._writing else False
+    def _start_store(self, work: TierWork) -> None:
+        for key in work.victims:
+            self._blocks.pop(key, None)
+        self._queue.append(work)
 
-    def touch(self, keys: Collection[OffloadKey]) -> None:
-        for key in keys:
-            if key in self._blocks:
-                self._blocks.move_to_end(key)
+    def _start_load(self, work: TierWork) -> None:
+        self._queue.append(work)
 
-    def submit_store(self, job: TierJob) -> None:
-        failed: dict[OffloadKey, str] = {}
-        new = [k for k in job.keys if k not in self._blocks and k not in self._writing]
-        room = self.capacity_blocks - len(self._blocks) - len(self._writing)
-        if len(new) > room:
-            # Evict the oldest blocks nobody is reading and this job does not name.
-            offered = set(job.keys)
-            victims = []
-            for key in self._blocks:
-                if len(victims) == len(new) - room:
-                    break
-                if key not in self._reading and key not in offered:
-                    victims.append(key)
-            for key in victims:
-                del self._blocks[key]
-            if victims:
-                self.counters["evicted"] += len(victims)
-                self._events.append(OffloadingEvent(victims, self.block_bytes, self.medium, True))
-            room += len(victims)
-        for key in new[room:]:
-            failed[key] = "full"
-        self._writing.update(new[:room])
-        self._queue.append((job, False, time.perf_counter(), failed))
-
-    def submit_load(self, job: TierJob) -> None:
-        for key in job.keys:
-            self._reading[key] = self._reading.get(key, 0) + 1
-        self._queue.append((job, True, time.perf_counter(), {}))
-
-    def get_finished_jobs(self) -> list[TierJobResult]:
+    def _finished_work(self) -> list[TierWork]:
         if self.paused:
             return []
-        results = []
+        done = []
         while self._queue:
-            results.append(self._run(*self._queue.popleft()))
-        return results
+            work = self._queue.popleft()
+            self._run(work)
+            done.append(work)
+        return done
 
     def drain_jobs(self) -> None:
         # Jobs run when polled; draining means nothing is left in flight once results are
@@ -140,26 +113,27 @@ class MemoryTier(SecondaryTier):
         self.paused = False
 
     def has_pending_work(self) -> bool:
-        return bool(self._queue)
+        return bool(self._queue) or super().has_pending_work()
 
-    def num_blocks(self) -> int:
-        return len(self._blocks)
-
-    def take_events(self) -> list[OffloadingEvent]:
-        events, self._events = self._events, []
-        return events
-
-    def stats(self) -> dict[str, int]:
-        return {**self.counters, "blocks": len(self._blocks)}
+    def get_finished_jobs(self) -> list[TierJobResult]:
+        results = super().get_finished_jobs()
+        for result in results:
+            if not result.is_load:
+                self.refused_keys.update(result.failed)
+        return results
 
     def check(self, fix: bool = False) -> CheckReport:
         report = CheckReport(self.name, blocks_checked=len(self._blocks))
+        bad = []
         for key, (payload, checksum) in list(self._blocks.items()):
             if xxhash.xxh3_64_intdigest(payload) != checksum:
                 report.problems.append(f"{key.hex()}: checksum mismatch")
-                if fix:
-                    del self._blocks[key]
-                    report.fixed.append(f"{key.hex()}: dropped")
+                bad.append(key)
+        if fix and bad:
+            for key in bad:
+                del self._blocks[key]
+            self._forget(bad)
+            report.fixed.append(f"dropped {len(bad)} blocks")
         return report
 
     def close(self) -> None:
@@ -167,57 +141,26 @@ class MemoryTier(SecondaryTier):
 
     # -- running a job ----------------------------------------------------------------------------
 
-    def _run(self, job: TierJob, is_load: bool, submitted: float, failed: dict) -> TierJobResult:
-        result = TierJobResult(job.job_id, is_load, failed=dict(failed))
+    def _run(self, work: TierWork) -> None:
         injected = self._fail_next.pop(0) if self._fail_next else None
-        for key, row in zip(job.keys, job.rows):
-            if key in result.failed:
-                continue
+        for index, (key, row) in enumerate(zip(work.keys, work.rows)):
             if injected is not None:
-                result.failed[key] = injected
-            elif is_load:
-                reason = self._read_into(key, row)
-                if reason is None:
-                    result.ok.append(key)
-                else:
-                    result.failed[key] = reason
-            elif key in self._writing:
+                work.reasons[index] = injected
+            elif work.is_load:
+                work.reasons[index] = self._read_into(key, row)
+            else:
                 payload = self._rows[row].tobytes()
                 self._blocks[key] = (payload, xxhash.xxh3_64_intdigest(payload))
-                result.ok.append(key)
-            else:
-                result.ok.append(key)  # was committed already
-        if is_load:
-            for key in job.keys:
-                count = self._reading.pop(key)
-                if count > 1:
-                    self._reading[key] = count - 1
-        else:
-            stored = [k for k in result.ok if k in self._writing]
-            self._writing.difference_update(job.keys)
-            if stored:
-                self.counters["stored"] += len(stored)
-                self._events.append(OffloadingEvent(stored, self.block_bytes, self.medium, False))
-        self.counters["failed_keys"] += len(result.failed)
-        if not is_load:
-            self.refused_keys.update(result.failed)
-        if is_load:
-            self.counters["loaded"] += len(result.ok)
-        result.nbytes = len(result.ok) * self.block_bytes
-        result.seconds = time.perf_counter() - submitted
-        return result
 
-    def _read_into(self, key: OffloadKey, row: int) -> str | None:
+    def _read_into(self, key: OffloadKey, row: int) -> Failure | None:
         entry = self._blocks.get(key)
         if entry is None:
-            return "missing"
+            return Failure.MISSING
         payload, checksum = entry
         self._rows[row] = np.frombuffer(payload, dtype=np.uint8)
         if xxhash.xxh3_64_intdigest(self._rows[row]) != checksum:
             # Verified after the copy, where the bytes will be served from: a corrupt block
-            # is dropped and counted, never served.
+            # is dropped, never served (the bookkeeping drops it from the index and counts it).
             del self._blocks[key]
-            self.counters["corrupt"] += 1
-            self._events.append(OffloadingEvent([key], self.block_bytes, self.medium, True))
-            return "corrupt: checksum"
+            return Failure.corrupt("checksum")
         return None

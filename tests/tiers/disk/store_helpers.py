@@ -9,7 +9,7 @@ import sys
 import numpy as np
 from helpers import payload
 
-from kvtier.config import DiskTierConfig
+from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk import open_store
 from kvtier.tiers.base import TierJob, TierJobResult
 from kvtier.tiers.disk.format import LayoutFingerprint, on_disk_block_bytes

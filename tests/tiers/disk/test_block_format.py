@@ -23,7 +23,7 @@ from kvtier.tiers.disk.manifest import (
     read_manifest,
     write_manifest,
 )
-from kvtier.tiers.disk.mover import aligned_buffer
+from kvtier.tiers.disk.blockio import aligned_buffer
 
 FP = LayoutFingerprint("m", "bfloat16", 16, (4096, 8192), 0, 2, 12288)
 KEY = b"k" * 32 + b"\0\0\0\1"

@@ -101,3 +101,74 @@ def test_publish_never_replaces_a_published_block(tmp_path, shm):
     with open(final, "rb") as f:
         assert f.read() == before
     tier.close()
+
+
+def test_group_flush_shares_a_flush_begun_after_each_caller_asked():
+    """Callers asking while a flush runs wait for the next one, which serves them all; no
+    caller returns on a flush that began before it asked."""
+    import threading
+
+    from kvtier.tiers.disk.files import _GroupFlush
+
+    started: list[int] = []
+    finished: list[int] = []
+    release = threading.Event()
+    entered = threading.Event()
+
+    def flush():
+        started.append(len(started) + 1)
+        entered.set()
+        if len(started) == 1:
+            release.wait(10)  # hold the first flush while others ask
+        finished.append(started[-1])
+
+    group = _GroupFlush(flush)
+    returned: dict[int, int] = {}  # caller -> flushes finished when it returned
+
+    def caller(index):
+        group.flush()
+        returned[index] = len(finished)
+
+    first = threading.Thread(target=caller, args=(0,))
+    first.start()
+    assert entered.wait(10)
+    others = [threading.Thread(target=caller, args=(i,)) for i in range(1, 6)]
+    for thread in others:
+        thread.start()
+    release.set()
+    for thread in (first, *others):
+        thread.join(10)
+    assert started == [1, 2]  # six callers, two flushes: the five late ones shared the second
+    assert returned[0] >= 1
+    # the late callers asked while flush 1 ran (it may have begun before their blocks were
+    # published): each returned only after flush 2 had finished
+    assert [returned[i] for i in range(1, 6)] == [2] * 5
+
+
+def test_group_flush_reports_a_failed_flush_to_its_callers_only():
+    import errno
+
+    import pytest
+
+    from kvtier.tiers.disk.files import _GroupFlush
+
+    outcomes = iter([OSError(errno.EIO, "flush failed"), None])
+
+    def flush():
+        error = next(outcomes)
+        if error is not None:
+            raise error
+
+    group = _GroupFlush(flush)
+    with pytest.raises(OSError) as info:
+        group.flush()
+    assert info.value.errno == errno.EIO
+    group.flush()  # the next flush succeeds, and so does its caller
+
+
+def test_a_batch_job_is_flushed_once_and_counted(tmp_path, shm):
+    tier = open_tier("files", tmp_path / "s", shm.rows, 8, fsync="batch")
+    store(tier, shm.rows, [key(i) for i in range(4)])
+    flushes = tier.stats().get("flushes", 0)
+    assert flushes == 1  # one syncfs for the whole job, none per block
+    tier.close()

@@ -7,15 +7,10 @@ import time
 import numpy as np
 import pytest
 
-from kvtier.tiers.disk import mover as mover_module
-from kvtier.tiers.disk.mover import (
-    Mover,
-    MoverJob,
-    RowIO,
-    aligned_buffer,
-    errno_reason,
-    probe_o_direct,
-)
+from kvtier.tiers.base import Failure, FailureKind
+from kvtier.tiers.disk import blockio as blockio_module
+from kvtier.tiers.disk.blockio import RowIO, aligned_buffer, probe_o_direct
+from kvtier.tiers.disk.mover import Mover, MoverJob
 from kvtier.tiers.cpu.region import SharedRegion
 
 
@@ -70,7 +65,7 @@ def test_prologues_run_in_submission_order_and_may_settle_keys():
 
     def before(j):
         order.append(j.job_id)
-        j.reasons[0] = "full"
+        j.reasons[0] = Failure.FULL
         j.skip[1] = True
 
     ran = []
@@ -81,7 +76,7 @@ def test_prologues_run_in_submission_order_and_may_settle_keys():
         done = wait_for(mover, 20)
         assert order == list(range(1, 21))
         assert sorted(ran) == [(job_id, 2) for job_id in range(1, 21)]
-        assert all(j.reasons == ["full", None, None] for j in done)
+        assert all(j.reasons == [Failure.FULL, None, None] for j in done)
     finally:
         mover.close()
 
@@ -95,7 +90,7 @@ def test_a_bug_in_a_block_fails_only_that_key(caplog):
     try:
         mover.submit(job(1, 3, block))
         (done,) = wait_for(mover, 1)
-        assert done.reasons == [None, "error: RuntimeError", None]
+        assert done.reasons == [None, Failure(FailureKind.UNEXPECTED, detail="RuntimeError"), None]
         assert "boom" in caplog.text
         mover.submit(job(2, 1, lambda j, i: None))  # the thread survived
         assert wait_for(mover, 1)[0].reasons == [None]
@@ -114,17 +109,10 @@ def test_wait_idle_and_close_are_idempotent():
         mover.submit(job(2, 1, lambda j, i: None))
 
 
-def test_errno_reason():
-    import errno
-
-    assert errno_reason(OSError(errno.ENOSPC, "full")) == "ENOSPC"
-    assert errno_reason(ValueError("x")) == "ValueError"
-
-
 def test_probe_is_cached_per_directory(tmp_path, monkeypatch):
     first = probe_o_direct(str(tmp_path))
     calls = []
-    monkeypatch.setattr(mover_module, "_probe", lambda d: calls.append(d))
+    monkeypatch.setattr(blockio_module, "_probe", lambda d: calls.append(d))
     assert probe_o_direct(str(tmp_path)) is first
     assert calls == []
     assert list(tmp_path.iterdir()) == []  # the probe file is gone
@@ -155,3 +143,21 @@ def test_rowio_refuses_o_direct_on_unaligned_or_unpadded_rows():
     assert RowIO(unpadded).direct_problem is not None
     with pytest.raises(ValueError):
         RowIO(np.zeros((4, 4), dtype=np.int32))
+
+
+def test_a_slow_epilogue_does_not_hold_the_io_threads():
+    """A store job's flush runs on a finisher: with one I/O thread, a second job's blocks
+    still run while the first job's epilogue waits."""
+    release = threading.Event()
+    second_ran = threading.Event()
+    mover = Mover("t", threads=1)
+    try:
+        mover.submit(job(1, 2, lambda j, i: None, after=lambda j: release.wait(10)))
+        mover.submit(job(2, 2, lambda j, i: second_ran.set()))
+        assert second_ran.wait(10)  # the only I/O thread was free while job 1 flushed
+        assert [j.job_id for j in wait_for(mover, 1)] == [2]
+        release.set()
+        assert [j.job_id for j in wait_for(mover, 1)] == [1]
+    finally:
+        release.set()
+        mover.close()

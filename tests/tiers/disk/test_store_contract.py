@@ -19,15 +19,15 @@ from store_helpers import (
     store,
 )
 
-from kvtier.config import DiskTierConfig
+from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.errors import ConfigError
 from kvtier.policies.arc import ARCPolicy
 from kvtier.tiers.disk import check_store, get_store_class, open_store
-from kvtier.tiers.disk import base as disk_module
-from kvtier.tiers.base import TierJob
-from kvtier.tiers.disk.base import DiskTierError
+from kvtier.tiers.disk import store as disk_module
+from kvtier.tiers.base import Failure, TierJob
+from kvtier.errors import DiskTierError
 from kvtier.tiers.memory import MemoryTier
-from kvtier.tiers.disk.mover import ODirectProbe, probe_o_direct
+from kvtier.tiers.disk.blockio import ODirectProbe, probe_o_direct
 
 
 def make(kind, path, rows, blocks, **options):
@@ -150,7 +150,7 @@ def test_full_when_nothing_may_be_evicted(any_kind, tmp_path, shm):
     tier.submit_load(TierJob(50, (a, b), (10, 11)))
     others: list = []
     result = store(tier, shm.rows, [c], first_row=2, others=others)
-    assert result.failed == {c: "full"} and tier.lookup(c) is False
+    assert result.failed == {c: Failure.FULL} and tier.lookup(c) is False
     tier.drain_jobs()
     assert [r.ok for r in others + tier.get_finished_jobs()] == [[a, b]]
     tier.close()
@@ -238,7 +238,7 @@ def test_another_layout_serves_nothing_and_says_so(kind, tmp_path, shm, caplog):
         tier = open_tier(kind, tmp_path / "s", shm.rows, 8, fp=fingerprint(model="model-b"))
     assert "model=model-a" in caplog.text and "model=model-b" in caplog.text
     assert tier.num_blocks() == 0 and not any(tier.lookup(k) for k in keys)
-    assert load(tier, shm.rows, keys, first_row=10).failed == {k: "missing" for k in keys}
+    assert load(tier, shm.rows, keys, first_row=10).failed == {k: Failure.MISSING for k in keys}
     assert tier.check().healthy
     tier.close()
     # and the old blocks are gone from the disk, not just hidden
@@ -307,22 +307,20 @@ def test_one_path_opens_once_per_process(kind, tmp_path, shm):
 
 def test_unknown_keys_and_too_long_keys(kind, tmp_path, shm):
     tier = open_tier(kind, tmp_path / "s", shm.rows, 4)
-    assert load(tier, shm.rows, [key(99)], first_row=10).failed == {key(99): "missing"}
+    assert load(tier, shm.rows, [key(99)], first_row=10).failed == {key(99): Failure.MISSING}
     too_long = b"x" * (tier.max_key_bytes + 1)
-    assert store(tier, shm.rows, [too_long]).failed == {too_long: "key too long"}
+    assert store(tier, shm.rows, [too_long]).failed == {too_long: Failure.KEY_TOO_LONG}
     assert tier.stats()["failed_key_too_long"] == 1
     tier.close()
 
 
-def test_registry_and_specs(kind, tmp_path, shm):
+def test_registry_and_medium(kind, tmp_path, shm):
     cls = get_store_class(kind)
     assert cls.kind == kind
     with pytest.raises(ConfigError, match="lmdb, files"):
         get_store_class("tape")
     tier = open_tier(kind, tmp_path / "s", shm.rows, 4)
-    spec = tier.load_store_spec([key(1), key(2)])
-    assert spec.medium() == tier.medium == {"lmdb": "LMDB", "files": "FILES"}[kind]
-    assert spec.keys == (key(1), key(2))
+    assert type(tier) is cls and tier.medium == {"lmdb": "LMDB", "files": "FILES"}[kind]
     tier.close()
     assert check_store(str(tmp_path / "s")).healthy
 

@@ -18,7 +18,8 @@ from store_helpers import (
 
 from kvtier.tiers.disk.format import HEADER_BYTES, encode_header_into
 from kvtier.tiers.disk.lmdb import _ENTRY
-from kvtier.tiers.disk.mover import aligned_buffer
+from kvtier.tiers.base import Failure
+from kvtier.tiers.disk.blockio import aligned_buffer
 
 
 def locate(tier, k):
@@ -80,11 +81,11 @@ def swapped(tier, victim, other):
 
 
 DAMAGE = {
-    flip_payload: "corrupt: checksum",
-    flip_header: "corrupt: header checksum",
-    truncate: "corrupt: truncated",
-    other_layout: "corrupt: other layout",
-    swapped: "corrupt: other key",
+    flip_payload: Failure.corrupt("checksum"),
+    flip_header: Failure.corrupt("header checksum"),
+    truncate: Failure.corrupt("truncated"),
+    other_layout: Failure.corrupt("other layout"),
+    swapped: Failure.corrupt("other key"),
 }
 
 
@@ -122,7 +123,7 @@ def test_damage_is_a_miss_and_never_served(kind, damage, tmp_path, shm, caplog):
     assert len([r for r in caplog.records if victim.hex() in r.getMessage()]) == 1  # logged once
     assert tier.stats()["corrupt"] == 1
     # dropped from the index too: a second try is a plain miss, and the store is healthy
-    assert load(tier, shm.rows, [victim], first_row=30).failed == {victim: "missing"}
+    assert load(tier, shm.rows, [victim], first_row=30).failed == {victim: Failure.MISSING}
     after = tier.check(fix=True)
     assert len(after.problems) == (1 if slab_cut else 0)
     assert tier.check().healthy

@@ -55,7 +55,7 @@ reasons = {}
 for _ in range(150):
     result = store(tier, shm.rows, rng.sample(universe, 4))
     stored += len(result.ok)
-    for reason in result.failed.values():
+    for reason in map(str, result.failed.values()):
         reasons[reason] = reasons.get(reason, 0) + 1
     present = [k for k in rng.sample(universe, 8) if tier.lookup(k)]
     result = load(tier, shm.rows, present, first_row=8)
@@ -64,7 +64,7 @@ for _ in range(150):
             loaded += 1
             wrong += not holds(shm.rows, 8 + i, k)
         else:
-            reason = result.failed[k]
+            reason = str(result.failed[k])
             reasons[reason] = reasons.get(reason, 0) + 1
 tier.close()
 print(json.dumps({"wrong": wrong, "stored": stored, "loaded": loaded, "reasons": reasons}))

@@ -11,6 +11,7 @@ from helpers import key
 from store_helpers import holds, load, open_tier, store
 
 from kvtier.errors import ConfigError
+from kvtier.tiers.base import Failure
 
 
 def failing(real, code, when=lambda *args: True):
@@ -41,7 +42,7 @@ def test_write_errors_fail_the_job_cleanly(kind, code, tmp_path, shm, monkeypatc
     new = [key(i) for i in range(10, 14)]
     with caplog.at_level(logging.WARNING):
         result = store(tier, shm.rows, new, first_row=10)
-    assert result.failed == {k: name for k in new} and not result.success
+    assert result.failed == {k: Failure.os_error(code) for k in new} and not result.success
     assert all(tier.lookup(k) is False for k in new)
     assert not [e for e in tier.take_events() if not e.removed]  # nothing announced as stored
     assert tier.stats()[f"failed_{name}"] == 4
@@ -65,7 +66,7 @@ def test_a_failure_midway_fails_only_the_blocks_it_hit(kind, tmp_path, shm, monk
     keys = [key(i) for i in range(6)]
     result = store(tier, shm.rows, keys)
     monkeypatch.undo()
-    assert len(result.ok) == 3 and set(result.failed.values()) == {"ENOSPC"}
+    assert len(result.ok) == 3 and set(result.failed.values()) == {Failure.os_error(errno.ENOSPC)}
     assert_committed_intact(tier, shm.rows, result.ok)
     tier.close()
 
@@ -76,7 +77,7 @@ def test_read_errors_fail_the_load_but_keep_the_block(kind, tmp_path, shm, monke
     store(tier, shm.rows, keys)
     monkeypatch.setattr(os, "preadv", failing(os.preadv, errno.EIO))
     result = load(tier, shm.rows, keys, first_row=20)
-    assert result.failed == {k: "EIO" for k in keys}
+    assert result.failed == {k: Failure.os_error(errno.EIO) for k in keys}
     monkeypatch.undo()
     assert all(tier.lookup(k) for k in keys)  # an I/O error is not evidence of a bad block
     assert_committed_intact(tier, shm.rows, keys)
@@ -91,7 +92,7 @@ def test_flush_failure_fails_the_job(kind, tmp_path, shm, monkeypatch):
     monkeypatch.setattr(os, "fdatasync", failing(os.fdatasync, errno.EIO))
     result = store(tier, shm.rows, [key(2)], first_row=2)
     monkeypatch.undo()
-    assert result.failed == {key(2): "EIO"} and tier.lookup(key(2)) is False
+    assert result.failed == {key(2): Failure.os_error(errno.EIO)} and tier.lookup(key(2)) is False
     assert_committed_intact(tier, shm.rows, committed)
     tier.close()
 
@@ -138,7 +139,7 @@ def test_a_full_filesystem_fails_jobs_cleanly(kind, tiny_fs, shm, caplog):
     failed = {k: r for result in results for k, r in result.failed.items()}
     ok = [k for result in results for k in result.ok]
     # (lmdb preallocated its slab at open, so there a full disk hits the index's growth)
-    assert failed and set(failed.values()) == {"ENOSPC"}
+    assert failed and {r.errno for r in failed.values()} == {errno.ENOSPC}
     assert all(tier.lookup(k) is False for k in failed)
     os.unlink(tiny_fs / "filler")
     assert_committed_intact(tier, shm.rows, committed + ok)

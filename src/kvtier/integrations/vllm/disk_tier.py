@@ -1,4 +1,4 @@
-"""``KvtierDiskTier``: kvtier's disk tier (lmdb or files) as a tier of vLLM 0.33's own tiering.
+"""``KvtierDiskTier``: a kvtier lower tier (lmdb, files, or a kind of your own) in vLLM 0.33's tiering.
 
 vLLM's ``TieringOffloadingSpec`` keeps its own CPU tier (the primary, which the GPU workers
 copy to and from) and cascades every stored chunk to a list of ``SecondaryTierManager``s,
@@ -10,8 +10,9 @@ promoting chunks back on a primary miss. This class is one of them, built by vLL
      "eviction": "lru", "fsync": "batch", "o_direct": "auto"}
 
 Everything but ``type``, ``module_path`` (the factory's), ``locality`` and ``backpressure``
-(vLLM's) is a kvtier disk-tier section, parsed by :func:`kvtier.load_config` exactly as in a
-kvtier YAML. The
+(vLLM's) is a kvtier tier section, parsed by :func:`kvtier.load_config` exactly as in a
+kvtier YAML, and built by its kind (``open_lower``): any kind that can sit below the first
+tier, a kind from outside kvtier included (by class path in ``kind``). The
 tier brings kvtier's capacity accounting and eviction, its index that survives restarts,
 its checksummed block format (a block that fails verification is a miss, never served), and
 its layout fingerprint (taken from vLLM's configuration).
@@ -44,11 +45,10 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvtier.config import DiskTierConfig, load_config
+from kvtier.config import TierConfig, load_config
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.integrations.vllm.manager import stats_to_vllm, to_vllm_event
 from kvtier.integrations.vllm.settings import layout_fingerprint
-from kvtier.tiers.disk import open_store
 from kvtier.tiers.base import SecondaryTier, TierJob, TierJobResult
 
 if TYPE_CHECKING:
@@ -79,8 +79,12 @@ def _rows_of(primary_kv_view: memoryview) -> np.ndarray:
 VLLM_ENTRY_KEYS = ("type", "module_path", "locality", "backpressure")
 
 
-def parse_disk_tier_entry(entry: Mapping[str, Any], primary_bytes: int = 1 << 30) -> DiskTierConfig:
-    """The kvtier settings of one ``secondary_tiers`` entry, as a DiskTierConfig.
+def parse_disk_tier_entry(entry: Mapping[str, Any], primary_bytes: int = 1 << 30) -> TierConfig:
+    """The kvtier settings of one ``secondary_tiers`` entry, as its kind's section.
+
+    Any kind that can sit below the first tier is accepted: ``lmdb`` and ``files``, or a
+    kind of your own by class path (``"kind": "my_pkg.tiers:RemoteTierConfig"``; the
+    ``module_path`` key of an entry is vLLM's, so the class path goes in ``kind``).
 
     Parsed by kvtier's own parser as tiers[1] below a stand-in cpu tier, so one set of rules
     (kinds, sizes, choices, typo suggestions) holds for a disk tier whether it is written in a
@@ -97,9 +101,7 @@ def parse_disk_tier_entry(entry: Mapping[str, Any], primary_bytes: int = 1 << 30
     except ConfigError as error:
         field = error.field.replace("tiers[1]", _SECTION, 1)
         raise ConfigError(field, error.value, error.expected, error.fix) from None
-    tier = config.tiers[1]
-    assert isinstance(tier, DiskTierConfig)  # kinds other than cpu build DiskTierConfig
-    return tier
+    return config.tiers[1]
 
 
 class KvtierDiskTier(SecondaryTierManager):
@@ -148,12 +150,10 @@ class KvtierDiskTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
         rows = _rows_of(primary_kv_view)
-        #: the parsed section (kind, path, capacity, eviction, fsync, o_direct)
+        #: the parsed section (kind, capacity, eviction, and the kind's own: path, fsync ...)
         self.config = parse_disk_tier_entry(section, rows.nbytes)
         fingerprint = layout_fingerprint(offloading_spec.config, rows.shape[1])
-        self._tier: SecondaryTier | None = open_store(
-            self.config, rows, fingerprint, field=_SECTION
-        )
+        self._tier: SecondaryTier | None = self.config.open_lower(rows, fingerprint, field=_SECTION)
         self._final_stats: dict[str, int] = {}
         self._events = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
         #: vLLM job id -> whether it is a promotion (a load), until its result is handed over
@@ -162,7 +162,7 @@ class KvtierDiskTier(SecondaryTierManager):
             "kvtier disk tier %r (%s) at %s: %d blocks of %d bytes, layout %s",
             self.config.name,
             self.config.kind,
-            self.config.path,
+            self.config.location(),
             self._tier.capacity_blocks,
             self._tier.block_bytes,
             fingerprint.describe(),
@@ -223,7 +223,7 @@ class KvtierDiskTier(SecondaryTierManager):
                 "load" if is_load else "store",
                 result.job_id,
                 len(result.failed),
-                ", ".join(sorted(set(result.failed.values()))),
+                ", ".join(sorted({str(reason) for reason in result.failed.values()})),
             )
         return JobResult(
             job_id=result.job_id,
@@ -261,7 +261,7 @@ class KvtierDiskTier(SecondaryTierManager):
     def config_info(self) -> dict[str, str | int]:
         return {
             "kvtier_kind": self.config.kind,
-            "kvtier_path": str(self.config.path),
+            "kvtier_path": str(self.config.location()),
             "kvtier_capacity_bytes": self.config.capacity_bytes,
         }
 

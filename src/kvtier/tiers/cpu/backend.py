@@ -13,7 +13,8 @@ import os
 
 import numpy as np
 
-from kvtier.config import PIN_MEMORY_CHOICES, CPUTierConfig, format_size
+from kvtier.config import format_size
+from kvtier.tiers.cpu.config import PIN_MEMORY_CHOICES, CPUTierConfig
 from kvtier.errors import ConfigError
 from kvtier.mediums import CPULoadStoreSpec
 from kvtier.tiers.cpu.region import HEADER_BYTES, SharedRegion, default_directory, row_stride_for

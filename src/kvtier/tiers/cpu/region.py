@@ -19,7 +19,6 @@ import contextlib
 import ctypes
 import logging
 import mmap
-import operator
 import os
 import secrets
 import struct
@@ -29,7 +28,8 @@ import weakref
 import numpy as np
 
 from kvtier import cuda as _cuda
-from kvtier.config import PIN_MEMORY_CHOICES
+from kvtier.config import positive_int
+from kvtier.tiers.cpu.config import PIN_MEMORY_CHOICES
 from kvtier.errors import ConfigError, KvtierError
 
 __all__ = ["SharedRegion", "ROW_ALIGNMENT", "HEADER_BYTES", "row_stride_for", "default_directory"]
@@ -65,16 +65,6 @@ def default_directory() -> str:
     closest thing, and the page cache keeps the file's pages in memory while it is mapped.
     """
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def _positive_int(field: str, value: object) -> int:
-    try:
-        number = operator.index(value)  # accepts numpy integers, refuses floats and strings
-    except TypeError:
-        number = 0
-    if isinstance(value, bool) or number < 1:
-        raise ConfigError(field, value, "an integer >= 1")
-    return number
 
 
 class _Mapping:
@@ -183,8 +173,8 @@ class SharedRegion:
         write). ``path`` defaults to ``/dev/shm/kvtier-<pid>-<random hex>``; an explicit path
         must not exist yet (a stale file of a crashed run is never reused silently).
         """
-        num_rows = _positive_int("num_rows", num_rows)
-        row_bytes = _positive_int("row_bytes", row_bytes)
+        num_rows = positive_int(num_rows, "num_rows")
+        row_bytes = positive_int(row_bytes, "row_bytes")
         row_stride = row_stride_for(row_bytes)
         file_bytes = HEADER_BYTES + num_rows * row_stride
         if path is None:

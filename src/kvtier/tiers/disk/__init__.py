@@ -1,54 +1,43 @@
-"""Secondary tiers: what lies below the CPU tier (disk tiers, and test doubles).
+"""The local disk tiers (``lmdb``, ``files``) and what they share.
 
-Disk tiers are chosen by the ``kind`` of their configuration section: :func:`get_store_class`
-maps the kind to a lazily imported class (importing ``lmdb`` costs nothing until a tier of
-that kind is used), and :func:`open_store` opens one. :func:`check_store` verifies a store
-directory knowing nothing but its path (what ``kvtier check PATH`` runs).
+Layout, by role: ``config`` (the kinds' configuration section, and which tier class serves each
+kind), ``store`` (the store directory: checks, manifest settling, locks), ``manifest``,
+``format`` (the block format), ``blockio`` (block reads and writes, with the one O_DIRECT
+fallback), ``mover`` (the I/O threads), ``base`` (:class:`~kvtier.tiers.disk.base.DiskTier`,
+what both media share), ``lmdb`` and ``files`` (the media).
+
+:func:`open_store` opens a disk tier from its section; :func:`check_store` verifies a store
+directory knowing nothing but its path (what ``kvtier check PATH`` runs). Nothing heavy is
+imported here, so parsing a configuration does not load LMDB.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
+from typing import Any
 
-import numpy as np
-
-from kvtier.config import DiskTierConfig
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import CheckReport, SecondaryTier
-from kvtier.tiers.disk.format import padded_payload_bytes
-from kvtier.tiers.disk.manifest import MANIFEST_NAME, ManifestError, read_manifest
-from kvtier.tiers.disk.mover import aligned_buffer
+from kvtier.tiers.disk.config import DISK_MEDIA, DiskTierConfig
 
 __all__ = ["check_store", "get_store_class", "open_store", "registered_stores"]
-
-_REGISTRY: dict[str, str] = {
-    "lmdb": "kvtier.tiers.disk.lmdb:LMDBTier",
-    "files": "kvtier.tiers.disk.files:FilesTier",
-}
 
 
 def registered_stores() -> tuple[str, ...]:
     """The disk-tier kinds kvtier ships."""
-    return tuple(_REGISTRY)
+    return DISK_MEDIA.names()
 
 
 def get_store_class(kind: str, *, field: str = "kind") -> type[SecondaryTier]:
     """The class of disk tiers of ``kind``; a ConfigError listing the kinds for anything else."""
-    target = _REGISTRY.get(kind)
-    if target is None:
-        raise ConfigError(
-            field, kind, "a disk-tier kind: " + ", ".join(_REGISTRY),
-            "use kind: lmdb (LMDB index over a slab) or kind: files (one file per block)",
-        )
-    module_name, class_name = target.split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return DISK_MEDIA.resolve(kind, field=field)
 
 
-def open_store(config: DiskTierConfig, rows, fingerprint, field: str = "tiers[1]", **options) -> SecondaryTier:
-    """Open the disk tier ``config`` describes over CPU rows ``rows`` (blocks; see ``DiskTier.open``)."""
-    cls = get_store_class(config.kind, field=f"{field}.kind")
-    return cls.open(config, rows, fingerprint, field=field, **options)
+def open_store(
+    config: DiskTierConfig, rows: Any, fingerprint: Any, field: str = "tiers[1]", **options: Any
+) -> SecondaryTier:
+    """Open the disk tier ``config`` describes over CPU rows ``rows`` (see ``DiskTier.open``)."""
+    return config.open_lower(rows, fingerprint, field=field, **options)
 
 
 def check_store(path: str, fix: bool = False) -> CheckReport:
@@ -58,6 +47,13 @@ def check_store(path: str, fix: bool = False) -> CheckReport:
     closes it. Blocks the caller for a full read of the store. Raises :class:`ConfigError`
     if ``path`` is not a kvtier store.
     """
+    import numpy as np
+
+    from kvtier.errors import ManifestError
+    from kvtier.tiers.disk.blockio import aligned_buffer
+    from kvtier.tiers.disk.format import padded_payload_bytes
+    from kvtier.tiers.disk.manifest import MANIFEST_NAME, read_manifest
+
     directory = os.path.abspath(path)
     try:
         manifest = read_manifest(directory) if os.path.isdir(directory) else None

@@ -64,11 +64,13 @@ import lmdb
 from kvtier.base import OffloadKey
 from kvtier.config import format_size
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import CheckReport
-from kvtier.tiers.disk.base import DiskLoadStoreSpec, DiskTier, pid_alive
-from kvtier.tiers.disk.mover import O_DIRECT, MoverJob, errno_reason
+from kvtier.tiers.base import CheckReport, Failure, FailureKind
+from kvtier.tiers.disk.base import DiskTier
+from kvtier.tiers.disk.blockio import O_DIRECT
+from kvtier.tiers.disk.mover import MoverJob
+from kvtier.tiers.disk.store import pid_alive
 
-__all__ = ["LMDBTier", "LMDBLoadStoreSpec"]
+__all__ = ["LMDBTier"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,27 +85,19 @@ _MAP_BASE_BYTES = 64 << 20
 _MAP_PER_BLOCK_BYTES = 1024
 
 
-def _lmdb_reason(exc: lmdb.Error) -> str:
-    """A job failure reason for an LMDB error: the errno name when it is a system error
-    (py-lmdb carries it only in the message), else ``index: <error type>``."""
+def _lmdb_reason(exc: lmdb.Error) -> Failure:
+    """The failure of an LMDB error: an index failure carrying the errno when it is a system
+    error (py-lmdb carries it only in the message), else naming the error type."""
     text = str(exc)
     for code in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM):
         if os.strerror(code) in text:
-            return errno.errorcode[code]
-    return f"index: {type(exc).__name__}"
+            return Failure(FailureKind.INDEX, code)
+    return Failure(FailureKind.INDEX, detail=type(exc).__name__)
 
 
 def _slot_key(slot: int) -> bytes:
     # big-endian, so cursor order is slot order and the free list hands out low slots first
     return slot.to_bytes(8, "big")
-
-
-class LMDBLoadStoreSpec(DiskLoadStoreSpec):
-    """Blocks of an ``lmdb`` tier, by key."""
-
-    @staticmethod
-    def medium() -> str:
-        return LMDBTier.medium
 
 
 class LMDBTier(DiskTier):
@@ -118,7 +112,6 @@ class LMDBTier(DiskTier):
     medium = "LMDB"
     max_key_bytes = 511  # LMDB's default key size limit
     medium_names = (_INDEX_DIR, _SLAB)
-    spec_class = LMDBLoadStoreSpec
 
     # -- open / close (caller's thread) ---------------------------------------------------------
 
@@ -217,13 +210,13 @@ class LMDBTier(DiskTier):
                     os.ftruncate(self._fd, needed)  # no fallocate here: a sparse slab
             elif size > needed and alone:
                 os.ftruncate(self._fd, needed)
-            if self._direct:
+            if self._io.direct:
                 self._fd_direct = os.open(path, os.O_RDWR | O_DIRECT)
         except OSError as exc:
             raise ConfigError(
                 field, format_size(self.config.capacity_bytes),
                 f"a slab of {format_size(needed)} in {self.path}",
-                f"cannot prepare {path}: {exc.strerror} ({errno_reason(exc)})",
+                f"cannot prepare {path}: {exc.strerror} ({Failure.from_exception(exc)})",
             ) from None
 
     def _close_medium(self) -> None:
@@ -264,13 +257,13 @@ class LMDBTier(DiskTier):
 
     # -- store (mover threads) ------------------------------------------------------------------
 
-    def _store_before(self, job: MoverJob, *, victims: list[OffloadKey], touched: list[OffloadKey]) -> None:
+    def _store_before(self, job: MoverJob[list[int]], *, touched: list[OffloadKey]) -> None:
         reserved: list[int] = []
         refused = 0
         owner = _OWNER.pack(os.getpid())
         try:
             with self._env.begin(write=True) as txn:
-                for key in victims:
+                for key in job.victims:
                     value = txn.get(key, db=self._blocks)
                     if value is not None:
                         txn.delete(key, db=self._blocks)
@@ -291,7 +284,7 @@ class LMDBTier(DiskTier):
                         slot = next_slot
                         next_slot += 1
                     else:
-                        job.reasons[i] = "full"
+                        job.reasons[i] = Failure.FULL
                         refused += 1
                         continue
                     txn.put(_slot_key(slot), owner, db=self._reserved)
@@ -303,33 +296,24 @@ class LMDBTier(DiskTier):
             job.skip = [False] * len(job.keys)
             self._index_failed(job, list(range(len(job.keys))), exc, "reserving room")
             return
-        job.state = reserved
-        job.extra["shared_blocks"] = shared
-        job.extra["refused"] = refused
+        job.state = reserved  # indexes of the keys given a slot, to publish or give back
+        job.shared_blocks = shared
+        job.refused = refused
 
-    def _store_block(self, job: MoverJob, index: int) -> str | None:
-        slot = job.block_ids[index]
-        direct = self._direct
+    def _store_block(self, job: MoverJob[list[int]], index: int) -> Failure | None:
+        offset = job.block_ids[index] * self.slot_bytes
+        key, row = job.keys[index], job.rows[index]
         try:
-            self._write_block(
-                self._slab_fd(direct), slot * self.slot_bytes, job.keys[index], job.rows[index], direct
+            self._io.with_fallback(
+                "write", lambda direct: self._io.write(self._slab_fd(direct), offset, key, row, direct)
             )
-        except OSError as exc:
-            if not (direct and exc.errno == errno.EINVAL):
-                return errno_reason(exc)
-            self._direct_fallback(f"an O_DIRECT write failed: {exc.strerror}")
-            try:
-                self._write_block(self._fd, slot * self.slot_bytes, job.keys[index], job.rows[index], False)
-            except OSError as retry_exc:
-                return errno_reason(retry_exc)
-        if self._fsync == "always":
-            try:
+            if self._fsync == "always":
                 os.fdatasync(self._fd)
-            except OSError as exc:
-                return errno_reason(exc)
+        except OSError as exc:
+            return Failure.from_exception(exc)
         return None
 
-    def _store_after(self, job: MoverJob) -> None:
+    def _store_after(self, job: MoverJob[list[int]]) -> None:
         reserved: list[int] = job.state or []
         if not reserved:
             return
@@ -339,7 +323,7 @@ class LMDBTier(DiskTier):
                 os.fdatasync(self._fd)  # the payloads first, so no entry outruns its block
             except OSError as exc:
                 for i in written:
-                    job.reasons[i] = errno_reason(exc)
+                    job.reasons[i] = Failure.from_exception(exc)
                 written = []
         try:
             with self._env.begin(write=True) as txn:
@@ -381,42 +365,37 @@ class LMDBTier(DiskTier):
 
     # -- load (mover threads) -------------------------------------------------------------------
 
-    def _load_block(self, job: MoverJob, index: int) -> str | None:
-        key = job.keys[index]
+    def _load_block(self, job: MoverJob, index: int) -> Failure | None:
+        key, row = job.keys[index], job.rows[index]
         # Resolved now, not from the scheduler's view: another process may have moved it.
         with self._env.begin(db=self._blocks) as txn:
             value = txn.get(key)
         if value is None:
-            return "missing"
+            return Failure.MISSING
         offset = _ENTRY.unpack(value)[0] * self.slot_bytes
-        direct = self._direct
         try:
-            reason = self._read_block(self._slab_fd(direct), offset, key, job.rows[index], direct)
+            reason = self._io.with_fallback(
+                "read", lambda direct: self._io.read(self._slab_fd(direct), offset, key, row, direct)
+            )
         except OSError as exc:
-            if not (direct and exc.errno == errno.EINVAL):
-                return errno_reason(exc)
-            self._direct_fallback(f"an O_DIRECT read failed: {exc.strerror}")
-            try:
-                reason = self._read_block(self._fd, offset, key, job.rows[index], False)
-            except OSError as retry_exc:
-                return errno_reason(retry_exc)
+            return Failure.from_exception(exc)
         if reason is None:
             return None
         return self._drop(key, value, reason)
 
-    def _drop(self, key: OffloadKey, value: bytes, reason: str) -> str:
+    def _drop(self, key: OffloadKey, value: bytes, reason: Failure) -> Failure:
         """A block failed verification: out of the index (unless it moved meanwhile)."""
         slot = _ENTRY.unpack(value)[0]
         try:
             with self._env.begin(write=True) as txn:
                 if txn.get(key, db=self._blocks) != value:
-                    return "missing"  # evicted or rewritten by another process while we read
+                    return Failure.MISSING  # evicted or rewritten by another process while we read
                 txn.delete(key, db=self._blocks)
                 txn.put(_slot_key(slot), b"", db=self._free)
         except lmdb.Error as exc:
             logger.warning("kvtier tier %s: could not drop block %s from the index: %s", self.name, key.hex(), exc)
         self._log_corrupt(key, reason, f"slot {slot} of {os.path.join(self.path, _SLAB)}")
-        return f"corrupt: {reason}"
+        return reason
 
     def _persist_stamps(self, keys: list[OffloadKey], stamp: int) -> None:
         try:
@@ -430,11 +409,8 @@ class LMDBTier(DiskTier):
 
     def _check_medium(self, fix: bool) -> tuple[CheckReport, list[OffloadKey]]:
         report = CheckReport(self.name)
-        page, payload = self._check_buffer()
-        direct = self._direct
-        fd = self._slab_fd(direct)
-        if not direct:
-            payload = payload[: self.block_bytes]
+        page, payload = self._io.check_buffers()
+        fd = self._slab_fd(self._io.direct)
         cap = self.capacity_blocks
         with self._env.begin() as txn:
             entries = list(txn.cursor(db=self._blocks))
@@ -456,7 +432,7 @@ class LMDBTier(DiskTier):
             elif slot in good:
                 problem = f"slot {slot} is also indexed for {good[slot].hex()}"
             else:
-                problem = self._read_for_check(fd, slot * self.slot_bytes, key, page, payload)
+                problem = self._io.read_for_check(fd, slot * self.slot_bytes, key, page, payload)
             if problem is None:
                 good[slot] = key
             else:

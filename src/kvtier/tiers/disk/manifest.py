@@ -17,7 +17,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from kvtier.errors import KvtierError
+from kvtier.errors import ManifestError
 from kvtier.tiers.disk.format import FORMAT_VERSION, LayoutFingerprint
 
 __all__ = [
@@ -29,13 +29,12 @@ __all__ = [
     "write_manifest",
 ]
 
+# ManifestError is defined with every other error in kvtier.errors; named here too because
+# readers of a manifest catch it.
+
 #: file name of the manifest inside a store directory
 MANIFEST_NAME = "kvtier-store.json"
 _MANIFEST_MARK = "kvtier_store"
-
-
-class ManifestError(KvtierError):
-    """A manifest exists but cannot be read or understood (damaged, or from a newer kvtier)."""
 
 
 @dataclass(frozen=True)

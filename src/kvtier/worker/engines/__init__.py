@@ -7,17 +7,21 @@ nothing.
 
 from __future__ import annotations
 
-import importlib
-
+from kvtier.registry import Registry
 from kvtier.worker.engines.base import CopyBuffers, CopyEngine
 
 __all__ = ["ENGINES", "CopyBuffers", "CopyEngine", "make_engine", "resolve_engine_kind"]
 
 #: engine name -> "module:Class", imported lazily
-ENGINES = {
-    "thread": "kvtier.worker.engines.thread:ThreadCopyEngine",
-    "cuda": "kvtier.worker.engines.cuda:CudaCopyEngine",
-}
+ENGINES: Registry[CopyEngine] = Registry(
+    "copy engine",
+    CopyEngine,
+    {
+        "thread": "kvtier.worker.engines.thread:ThreadCopyEngine",
+        "cuda": "kvtier.worker.engines.cuda:CudaCopyEngine",
+    },
+    module_key="engine_module_path",
+)
 
 
 def resolve_engine_kind(kind: str, device_type: str) -> str:
@@ -25,13 +29,12 @@ def resolve_engine_kind(kind: str, device_type: str) -> str:
     if kind == "auto":
         return "cuda" if device_type == "cuda" else "thread"
     if kind not in ENGINES:
-        raise ValueError(f"unknown copy engine {kind!r}; choose auto, " + ", ".join(ENGINES))
+        raise ValueError(f"unknown copy engine {kind!r}; choose auto, " + ", ".join(ENGINES.names()))
     return kind
 
 
 def make_engine(kind: str, buffers: CopyBuffers, gpu_to_cpu: bool, *, priority: int) -> CopyEngine:
     """A new engine of ``kind`` (``auto``, ``thread`` or ``cuda``) for one direction."""
     name = resolve_engine_kind(kind, buffers.device.type)
-    module_name, class_name = ENGINES[name].split(":")
-    engine_class = getattr(importlib.import_module(module_name), class_name)
+    engine_class = ENGINES.resolve(name, field="engine")
     return engine_class(buffers, gpu_to_cpu, priority=priority)

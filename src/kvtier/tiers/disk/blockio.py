@@ -1,0 +1,312 @@
+"""Block I/O of the disk tiers: one block = one ``pwritev``/``preadv`` of ``[header page, CPU row]``.
+
+Here: page-aligned buffers, the O_DIRECT probe (once per directory, cached), :class:`RowIO`
+(CPU rows as I/O vectors, padded for O_DIRECT where the rows allow it), and :class:`BlockIO`,
+which writes and reads (and verifies) one block and owns the tier's O_DIRECT state: its
+:meth:`BlockIO.with_fallback` is the one place where an O_DIRECT call that fails with EINVAL
+is retried buffered, and O_DIRECT switched off for the tier (logged and counted once).
+
+Who calls it: the mover's I/O threads (every method is thread-safe and blocks only in its
+own system calls), and ``check()`` on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import secrets
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+import xxhash
+
+from kvtier.base import OffloadKey
+from kvtier.tiers.base import Failure, TierCounters
+from kvtier.tiers.disk.format import (
+    HEADER_BYTES,
+    PAGE_BYTES,
+    encode_header_into,
+    padded_payload_bytes,
+    verify,
+)
+
+__all__ = [
+    "O_DIRECT",
+    "BlockIO",
+    "ODirectProbe",
+    "RowIO",
+    "aligned_buffer",
+    "probe_o_direct",
+    "scratch_page",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``os.O_DIRECT`` where the platform has it, else 0
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+T = TypeVar("T")
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """``nbytes`` (rounded up to pages) of zeroed, page-aligned memory: an O_DIRECT buffer.
+
+    An anonymous mapping always starts on a page boundary, which a ``bytearray`` does not.
+    """
+    return mmap.mmap(-1, max(PAGE_BYTES, padded_payload_bytes(nbytes)))
+
+
+_thread_pages = threading.local()
+
+
+def scratch_page() -> mmap.mmap:
+    """This thread's own page-aligned 4096-byte buffer (for block headers); made once per thread."""
+    page = getattr(_thread_pages, "page", None)
+    if page is None:
+        page = _thread_pages.page = aligned_buffer(PAGE_BYTES)
+    return page
+
+
+# ---------------------------------------------------------------------------------------------
+# O_DIRECT
+
+
+@dataclass(frozen=True)
+class ODirectProbe:
+    """Whether O_DIRECT works in a directory, and why not when it does not."""
+
+    supported: bool
+    reason: str = ""
+
+
+_probe_lock = threading.Lock()
+_probes: dict[str, ODirectProbe] = {}
+
+
+def probe_o_direct(directory: str) -> ODirectProbe:
+    """Whether an aligned O_DIRECT write and read-back work in ``directory`` (cached per directory).
+
+    Some filesystems refuse O_DIRECT at open (tmpfs before Linux 6.6, overlayfs in some
+    containers) and some at the first write (EINVAL); only a real write and read tells. Blocks
+    for a few small I/Os the first time for a directory, never afterwards.
+    """
+    key = os.path.realpath(directory)
+    with _probe_lock:
+        found = _probes.get(key)
+        if found is None:
+            found = _probes[key] = _probe(key)
+    return found
+
+
+def _probe(directory: str) -> ODirectProbe:
+    if not O_DIRECT:
+        return ODirectProbe(False, "this platform has no O_DIRECT")
+    path = os.path.join(directory, f".kvtier-odirect-probe-{os.getpid()}-{secrets.token_hex(4)}")
+    out = aligned_buffer(PAGE_BYTES)
+    back = aligned_buffer(PAGE_BYTES)
+    out[:16] = b"kvtier o_direct!"
+    step = "open"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_DIRECT, 0o600)
+        try:
+            step = "write"
+            if os.pwrite(fd, out, 0) != PAGE_BYTES:
+                return ODirectProbe(False, "short O_DIRECT write")
+            step = "read"
+            if os.preadv(fd, [back], 0) != PAGE_BYTES or back[:] != out[:]:
+                return ODirectProbe(False, "O_DIRECT read-back differs from what was written")
+        finally:
+            os.close(fd)
+        return ODirectProbe(True)
+    except OSError as exc:
+        return ODirectProbe(False, f"O_DIRECT {step} fails here: {exc.strerror} ({Failure.from_exception(exc)})")
+    finally:
+        out.close()
+        back.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU rows as I/O vectors
+
+
+def _byte_bounds(array: np.ndarray) -> tuple[int, int]:
+    try:
+        from numpy.lib.array_utils import byte_bounds  # numpy >= 2
+    except ImportError:  # numpy 1.x
+        byte_bounds = np.byte_bounds  # type: ignore[attr-defined]
+    return byte_bounds(array)
+
+
+class RowIO:
+    """The CPU tier's rows as buffers for ``pwritev``/``preadv``; any thread, never blocks.
+
+    With O_DIRECT every buffer address and length must be a multiple of 4096. The CPU tier's
+    rows start on pages and are ``row_stride`` (``block_bytes`` rounded up to 4096) apart, and
+    the padding after a row's ``block_bytes`` belongs to that row alone, so a row's *padded*
+    span is a valid O_DIRECT buffer: a store writes the padding along (a few junk bytes on
+    disk, outside the checksum) and a load overwrites it. This relies on the padding of every
+    row (the last one included) lying inside the array's memory, which :meth:`direct_problem`
+    checks; rows that fail the check get buffered I/O of exactly ``block_bytes``, still straight
+    into the row (no staging copy).
+    """
+
+    def __init__(self, rows: np.ndarray):
+        if rows.ndim != 2 or rows.dtype != np.uint8 or rows.strides[1] != 1:
+            raise ValueError(
+                f"rows must be a (num_rows, block_bytes) uint8 array with contiguous rows, "
+                f"got shape {rows.shape}, dtype {rows.dtype}, strides {rows.strides}"
+            )
+        self.rows = rows
+        self.num_rows, self.block_bytes = rows.shape
+        #: bytes an O_DIRECT transfer of one row moves
+        self.padded_bytes = padded_payload_bytes(self.block_bytes)
+        #: why the rows cannot be O_DIRECT buffers, or None when they can
+        self.direct_problem = self._direct_problem()
+        self._padded = rows
+        if self.direct_problem is None and self.padded_bytes != self.block_bytes:
+            self._padded = np.lib.stride_tricks.as_strided(
+                rows, shape=(self.num_rows, self.padded_bytes), strides=rows.strides
+            )
+
+    def _direct_problem(self) -> str | None:
+        address = self.rows.__array_interface__["data"][0]
+        stride = self.rows.strides[0]
+        if address % PAGE_BYTES:
+            return "the CPU rows do not start on a 4096-byte page"
+        if self.num_rows > 1 and (stride % PAGE_BYTES or stride < self.padded_bytes):
+            return f"the CPU row stride ({stride} bytes) is not a multiple of 4096 covering a row"
+        root = self.rows
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        _, high = _byte_bounds(root)
+        if address + (self.num_rows - 1) * stride + self.padded_bytes > high:
+            return "the last CPU row has no padding up to a multiple of 4096 bytes"
+        if not self.rows.flags.writeable:
+            return "the CPU rows are read-only"
+        return None
+
+    def payload(self, row: int) -> np.ndarray:
+        """Row ``row``'s ``block_bytes`` (what is checksummed)."""
+        return self.rows[row]
+
+    def iov(self, row: int, direct: bool) -> np.ndarray:
+        """Row ``row`` as an I/O buffer: its padded span for O_DIRECT, else ``block_bytes``."""
+        return self._padded[row] if direct else self.rows[row]
+
+    def io_bytes(self, direct: bool) -> int:
+        """Length of :meth:`iov`."""
+        return self.padded_bytes if direct else self.block_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# One block
+
+
+class BlockIO:
+    """Writes, reads and verifies one block at a time for one tier; any thread.
+
+    ``direct`` is whether O_DIRECT is in use now; it only ever goes from True to False (see
+    :meth:`with_fallback`). ``counters`` get ``o_direct_fallbacks``; ``where`` names the tier
+    in log lines.
+    """
+
+    def __init__(
+        self, rowio: RowIO, layout_digest: bytes, direct: bool, counters: TierCounters, where: str
+    ):
+        self.rowio = rowio
+        self.block_bytes = rowio.block_bytes
+        self.direct = direct
+        #: why O_DIRECT is not used (empty while it is, or when it was never asked for)
+        self.fallback_reason = ""
+        self._digest = layout_digest
+        self._counters = counters
+        self._where = where
+
+    def fall_back(self, reason: str) -> None:
+        """Stop using O_DIRECT (any thread): logged once, counted once."""
+        with self._counters.lock:
+            self.direct = False
+            if self.fallback_reason:
+                return  # another thread fell back first
+            self.fallback_reason = reason
+        self._counters.add("o_direct_fallbacks")
+        logger.warning(
+            "kvtier %s: O_DIRECT not used (%s); falling back to buffered I/O, which costs "
+            "page-cache copies and memory", self._where, reason,
+        )
+
+    def with_fallback(self, what: str, operation: Callable[[bool], T]) -> T:
+        """``operation(direct)``; if an O_DIRECT attempt fails with EINVAL, fall back and
+        retry it buffered. ``operation`` must leave nothing behind when it raises (a
+        half-written temp file). Raises the OSError of the attempt that counts.
+
+        Why EINVAL: a filesystem may accept O_DIRECT at open and the probe's aligned page,
+        and still refuse an I/O (some FUSE and network filesystems), and only then says so.
+        """
+        direct = self.direct
+        try:
+            return operation(direct)
+        except OSError as exc:
+            if not (direct and exc.errno == errno.EINVAL):
+                raise
+            self.fall_back(f"an O_DIRECT {what} failed: {exc.strerror}")
+        return operation(False)
+
+    def write(self, fd: int, offset: int, key: OffloadKey, row: int, direct: bool) -> None:
+        """Write ``key``'s block from CPU row ``row`` at ``offset`` of ``fd``: header page + row.
+
+        One ``pwritev`` straight from the row (no staging copy). Raises ``OSError``; a short
+        write on a regular file means the filesystem ran out of room, reported as ENOSPC.
+        """
+        page = scratch_page()
+        rowio = self.rowio
+        encode_header_into(
+            page, layout_digest=self._digest, key=key, payload_bytes=self.block_bytes,
+            checksum=xxhash.xxh3_64_intdigest(rowio.payload(row)),
+        )
+        iov = rowio.iov(row, direct)
+        expected = HEADER_BYTES + len(iov)
+        written = os.pwritev(fd, [page, iov], offset)
+        if written != expected:
+            raise OSError(errno.ENOSPC, f"short write: {written} of {expected} bytes")
+
+    def read(self, fd: int, offset: int, key: OffloadKey, row: int, direct: bool) -> Failure | None:
+        """Read the block at ``offset`` of ``fd`` straight into CPU row ``row`` and verify it there.
+
+        Returns ``None`` if the row now holds ``key``'s block, else why not. Raises ``OSError``.
+        """
+        page = scratch_page()
+        rowio = self.rowio
+        nread = os.preadv(fd, [page, rowio.iov(row, direct)], offset)
+        problem = verify(
+            page, rowio.payload(row), nread, key=key, layout_digest=self._digest,
+            payload_bytes=self.block_bytes,
+        )
+        return None if problem is None else Failure.corrupt(problem)
+
+    def check_buffers(self) -> tuple[mmap.mmap, np.ndarray]:
+        """A private header page and payload buffer for :meth:`read_for_check` (sized for the
+        current mode: padded for O_DIRECT, ``block_bytes`` otherwise)."""
+        page = aligned_buffer(HEADER_BYTES)
+        payload = np.frombuffer(aligned_buffer(self.rowio.padded_bytes), dtype=np.uint8)
+        return page, payload if self.direct else payload[: self.block_bytes]
+
+    def read_for_check(self, fd: int, offset: int, key: OffloadKey, page, payload: np.ndarray) -> str | None:
+        """Read and verify one block into check buffers (caller's thread); the problem or None."""
+        try:
+            nread = os.preadv(fd, [page, payload], offset)
+        except OSError as exc:
+            return str(Failure.from_exception(exc))
+        return verify(
+            page, payload[: self.block_bytes], nread, key=key, layout_digest=self._digest,
+            payload_bytes=self.block_bytes,
+        )

@@ -1,0 +1,75 @@
+"""The disk kinds' configuration section (``lmdb``, ``files``): a store directory on local disk.
+
+Only this module names the section's own keys (``path``, ``o_direct``, ``fsync``) and their
+defaults and errors; the common keys are :class:`kvtier.config.TierConfig`'s. Both kinds share
+the section; :data:`DISK_MEDIA` says which tier class serves each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.config import MISSING, TierConfig, non_empty_str, parse_choice
+from kvtier.registry import Registry
+from kvtier.tiers.base import SecondaryTier
+
+__all__ = ["DISK_MEDIA", "FSYNC_CHOICES", "O_DIRECT_CHOICES", "DiskTierConfig"]
+
+#: ``o_direct`` values: auto (probe once, fall back logged and counted), on (fail at open if
+#: unsupported), off
+O_DIRECT_CHOICES = ("auto", "on", "off")
+#: ``fsync`` values: none (leave it to the OS), batch (once per job), always (each block)
+FSYNC_CHOICES = ("none", "batch", "always")
+
+
+@dataclass(frozen=True)
+class DiskTierConfig(TierConfig):
+    """A disk tier (``lmdb`` or ``files``) in the directory ``path``."""
+
+    # the store directory, created if its parent exists (required)
+    path: str | None = None
+    # O_DIRECT for block I/O: auto (probe once, fall back with a logged, counted warning),
+    # on (fail at open if unsupported), off
+    o_direct: str = "auto"
+    # when to fsync: none (leave it to the OS), batch (once per batch of blocks), always
+    # (each block)
+    fsync: str = "batch"
+
+    @classmethod
+    def parse_options(cls, section: Mapping[str, object], field: str, name: str) -> dict[str, object]:
+        # a disk tier has nowhere to go without a directory
+        path = section.get("path", MISSING)
+        options: dict[str, object] = {
+            "path": non_empty_str(
+                path, f"{field}.path", "a non-empty path string (a directory)",
+                f"add path: such as /var/tmp/kvtier-{name}" if path is MISSING
+                else "write the path as a string",
+            )
+        }
+        if "o_direct" in section:
+            options["o_direct"] = parse_choice(
+                section["o_direct"], f"{field}.o_direct", O_DIRECT_CHOICES, bools=True
+            )
+        if "fsync" in section:
+            options["fsync"] = parse_choice(section["fsync"], f"{field}.fsync", FSYNC_CHOICES)
+        return options
+
+    def location(self) -> str | None:
+        return self.path
+
+    def open_lower(self, rows: Any, fingerprint: Any, *, field: str, **options: Any) -> SecondaryTier:
+        """Open the store at ``path`` (see :meth:`kvtier.tiers.disk.base.DiskTier.open`;
+        ``options``: ``threads``, the mover's I/O threads)."""
+        cls = DISK_MEDIA.resolve(self.kind, field=f"{field}.kind")
+        return cls.open(self, rows, fingerprint, field=field, **options)
+
+
+#: disk kind -> the tier class serving it ("module:Class", imported when a tier opens)
+DISK_MEDIA: Registry[SecondaryTier] = Registry(
+    "disk-tier kind",
+    SecondaryTier,
+    {"lmdb": "kvtier.tiers.disk.lmdb:LMDBTier", "files": "kvtier.tiers.disk.files:FilesTier"},
+    module_key="module_path",
+)

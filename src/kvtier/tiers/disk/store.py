@@ -1,0 +1,300 @@
+"""A disk tier's store directory: what opening it checks, its manifest, its locks.
+
+Opening a store, in order (:meth:`kvtier.tiers.disk.base.DiskTier.open` drives it): check the
+directory (:func:`prepare_directory`: created if its parent exists; a clear
+:class:`~kvtier.errors.ConfigError` for a missing parent, a file in the way, a read-only or
+unwritable directory); claim the path in this process (:func:`claim_path`); take the store's
+locks and learn whether any other process has it open (:class:`StoreLocks`); read, write or
+replace the manifest (:func:`settle_manifest`: a non-kvtier directory that is not empty is
+refused, a store of another layout wiped only when no other process uses it); decide
+O_DIRECT (:func:`decide_direct`).
+
+Two lock files coordinate processes (``flock``, released by the kernel if a process dies):
+``kvtier-store.lock`` is held exclusively only while a process opens the store, and every
+process that has the store open holds ``kvtier-users.lock`` shared. An opener that gets
+``kvtier-users.lock`` exclusively is *alone*: it may recover what crashed processes left (slot
+reservations, temp files), reconcile counters, resize, or wipe. (Rejected: pid files — a pid
+is reused, and a crashed process leaves its file behind; a kernel lock cannot leak.)
+
+Who calls it: the opener's thread, blocking by design; never the scheduler's hot path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import shutil
+import threading
+
+from kvtier.config import format_size
+from kvtier.errors import ConfigError, DiskTierError, ManifestError
+from kvtier.tiers.disk.blockio import RowIO, probe_o_direct
+from kvtier.tiers.disk.config import DiskTierConfig
+from kvtier.tiers.disk.format import LayoutFingerprint
+from kvtier.tiers.disk.manifest import MANIFEST_NAME, StoreManifest, read_manifest, write_manifest
+
+__all__ = [
+    "StoreLocks",
+    "claim_path",
+    "decide_direct",
+    "pid_alive",
+    "prepare_directory",
+    "release_path",
+    "settle_manifest",
+]
+
+logger = logging.getLogger(__name__)
+
+_MAINTENANCE_LOCK = "kvtier-store.lock"
+_USERS_LOCK = "kvtier-users.lock"
+# Names an opener may find in a directory that is not a store yet: its own lock files (left by
+# an opener that crashed before writing the manifest) and probe files.
+_OWN_PREFIXES = (".kvtier-",)
+_OWN_NAMES = (_MAINTENANCE_LOCK, _USERS_LOCK)
+_TRASH_PREFIX = ".kvtier-trash-"
+
+# Paths open in this process. LMDB forbids opening one environment twice in a process (its
+# fcntl locks are per process, so the second close would drop the first's locks), and two
+# in-process tiers on one path would each believe they own the capacity.
+_open_lock = threading.Lock()
+_open_paths: set[str] = set()
+
+
+def claim_path(directory: str) -> None:
+    """Mark ``directory`` open as a tier in this process; DiskTierError if it already is."""
+    with _open_lock:
+        if directory in _open_paths:
+            raise DiskTierError(
+                f"{directory} is already open as a disk tier in this process; share that "
+                f"tier object, or close it before opening the path again"
+            )
+        _open_paths.add(directory)
+
+
+def release_path(directory: str) -> None:
+    """Undo :func:`claim_path` (idempotent)."""
+    with _open_lock:
+        _open_paths.discard(directory)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this host)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _os_fix(exc: OSError, where: str) -> str:
+    """How to fix an OSError met while preparing ``where``."""
+    if exc.errno == errno.EROFS:
+        return f"{where} is on a read-only filesystem: remount it read-write or choose a path on a writable disk"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (
+            f"this user (uid {os.getuid()}) may not write in {where}: fix its ownership or "
+            f"permissions, or choose another path"
+        )
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the filesystem of {where} is full: free space there or choose another disk"
+    return f"fix {where} ({exc.strerror})"
+
+
+class StoreLocks:
+    """The maintenance and users locks of one store directory (see the module docstring)."""
+
+    def __init__(self, directory: str):
+        self._maintenance = os.open(os.path.join(directory, _MAINTENANCE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._maintenance, fcntl.LOCK_EX)  # held for the few ms of an open
+            self._users = os.open(os.path.join(directory, _USERS_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        except BaseException:
+            os.close(self._maintenance)
+            raise
+        try:
+            fcntl.flock(self._users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            #: no other process has the store open
+            self.alone = True
+        except BlockingIOError:
+            self.alone = False
+
+    def share(self) -> None:
+        """Become an ordinary user and let the next opener in.
+
+        Converting EX to SH is not atomic in flock, but nobody can observe the gap: every
+        opener takes the maintenance lock, which is released only afterwards.
+        """
+        fcntl.flock(self._users, fcntl.LOCK_SH)
+        fcntl.flock(self._maintenance, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        for fd in (self._maintenance, self._users):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def prepare_directory(path: str, field: str) -> str:
+    """The store's absolute path, created if its parent exists and proven writable."""
+    directory = os.path.abspath(os.path.expanduser(path))
+    where = f"{field}.path"
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise ConfigError(
+            where, path, "a directory (or where to create one)",
+            f"{directory} is a file: point path at a directory",
+        )
+    if not os.path.isdir(directory):
+        parent = os.path.dirname(directory)
+        if not os.path.isdir(parent):
+            raise ConfigError(
+                where, path, "a directory whose parent exists",
+                f"create {parent} first (kvtier creates only the last path component)",
+            )
+        try:
+            os.mkdir(directory, 0o755)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise ConfigError(where, path, "a directory kvtier can create", _os_fix(exc, parent)) from None
+    probe = os.path.join(directory, f".kvtier-write-probe-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"kvtier")
+        finally:
+            os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+        raise ConfigError(where, path, "a directory kvtier can write", _os_fix(exc, directory)) from None
+    # the real path: one store reached through a symlink is still one store
+    return os.path.realpath(directory)
+
+def settle_manifest(
+    directory: str,
+    kind: str,
+    medium_names: tuple[str, ...],
+    config: DiskTierConfig,
+    fingerprint: LayoutFingerprint,
+    alone: bool,
+    field: str,
+) -> tuple[StoreManifest, bool]:
+    """Read, create or replace the manifest of a ``kind`` store; ``(manifest, created)``.
+
+    Under the maintenance lock. ``medium_names`` are the directory entries the medium owns
+    (removed when a store of another layout is wiped).
+    """
+    try:
+        manifest = read_manifest(directory)
+    except ManifestError as exc:
+        raise ConfigError(f"{field}.path", config.path, "a kvtier store or an empty directory", str(exc)) from None
+    if manifest is None:
+        foreign = [
+            name for name in os.listdir(directory)
+            if name not in _OWN_NAMES and not name.startswith(_OWN_PREFIXES)
+        ]
+        if foreign:
+            shown = ", ".join(sorted(foreign)[:5]) + (" ..." if len(foreign) > 5 else "")
+            raise ConfigError(
+                f"{field}.path", config.path,
+                "an empty directory or a kvtier store (it has no kvtier-store.json)",
+                f"it holds other files ({shown}); kvtier never deletes files it did not "
+                f"write: choose an empty or new directory",
+            )
+        manifest = StoreManifest.new(kind, fingerprint, config.capacity_bytes)
+        _write_manifest(directory, manifest, config, field)
+        return manifest, True
+    if manifest.kind != kind:
+        raise ConfigError(
+            f"{field}.kind", config.kind,
+            f"'{manifest.kind}': {directory} holds a {manifest.kind} store",
+            f"set kind: {manifest.kind}, or point path at another directory (or remove "
+            f"{directory} to start a {kind} store there)",
+        )
+    if manifest.fingerprint.digest() != fingerprint.digest():
+        if not alone:
+            raise ConfigError(
+                f"{field}.path", config.path,
+                "a store of this engine's layout, or one no other process is using",
+                f"another process uses {directory} with layout ({manifest.fingerprint.describe()}), "
+                f"this one is ({fingerprint.describe()}): give each layout its own path",
+            )
+        # Wiped rather than moved aside: a cache is recomputable, nothing would ever read
+        # an aside copy back, and keeping it would hold disk space outside any capacity
+        # (each model switch would leave another copy, until the disk is full).
+        logger.warning(
+            "kvtier tier %s: %s holds blocks of another layout (%s); this engine's layout is "
+            "(%s). Serving none of them: wiping the old blocks and starting empty.",
+            config.name, directory, manifest.fingerprint.describe(), fingerprint.describe(),
+        )
+        _wipe(directory, medium_names)
+        manifest = StoreManifest.new(kind, fingerprint, config.capacity_bytes)
+        _write_manifest(directory, manifest, config, field)
+        return manifest, True
+    if manifest.capacity_bytes != config.capacity_bytes:
+        if not alone:
+            raise ConfigError(
+                f"{field}.capacity", format_size(config.capacity_bytes),
+                f"{format_size(manifest.capacity_bytes)}, the capacity another process "
+                f"uses {directory} with",
+                "give every process sharing a path the same capacity (or its own path)",
+            )
+        manifest = StoreManifest(
+            manifest.kind, manifest.format_version, manifest.fingerprint,
+            config.capacity_bytes, manifest.created_s,
+        )
+        _write_manifest(directory, manifest, config, field)
+    if alone:
+        _remove_trash(directory)
+    return manifest, False
+
+def _write_manifest(directory: str, manifest: StoreManifest, config: DiskTierConfig, field: str) -> None:
+    try:
+        write_manifest(directory, manifest)
+    except OSError as exc:
+        raise ConfigError(f"{field}.path", config.path, "a directory kvtier can write", _os_fix(exc, directory)) from None
+
+
+def _wipe(directory: str, medium_names: tuple[str, ...]) -> None:
+    """Remove the medium's entries: first renamed into one trash directory (atomic, so a
+    crash mid-way never leaves half a store under the live names), then deleted."""
+    trash = os.path.join(directory, f"{_TRASH_PREFIX}{secrets.token_hex(4)}")
+    os.mkdir(trash)
+    for name in medium_names:
+        source = os.path.join(directory, name)
+        if os.path.lexists(source):
+            os.rename(source, os.path.join(trash, name))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(directory, MANIFEST_NAME))
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _remove_trash(directory: str) -> None:
+    for name in os.listdir(directory):
+        if name.startswith(_TRASH_PREFIX):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def decide_direct(config: DiskTierConfig, directory: str, rowio: RowIO, field: str) -> tuple[bool, str | None]:
+    """``(use O_DIRECT, why it falls back)`` per ``o_direct``; ``on`` that cannot be is an error."""
+    if config.o_direct == "off":
+        return False, None
+    probe = probe_o_direct(directory)
+    problem = probe.reason if not probe.supported else rowio.direct_problem
+    if problem is None:
+        return True, None
+    if config.o_direct == "on":
+        raise ConfigError(
+            f"{field}.o_direct", "on", f"O_DIRECT usable in {config.path}",
+            f"{problem}: set o_direct: auto (falls back to buffered I/O, logged) or off, "
+            f"or put the store on a filesystem that supports O_DIRECT",
+        )
+    return False, problem
