@@ -12,6 +12,8 @@ Run as ``python -m kvtier.soak.store_process ROLE KIND PATH CAPACITY_BLOCKS BLOC
   ``load_failed``, ``wrong``, failure reasons) and its tier's ``stats()``.
 
 The CPU rows are a private shared region per process (in ``--shm-dir``, default /dev/shm).
+Each prints ``ready`` once the store is open; with ``--wait-go`` it then waits for a line on
+stdin, so that two processes start their load together.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("block_bytes", type=int)
     parser.add_argument("args", nargs="*")
     parser.add_argument("--shm-dir", default=None)
-    parser.add_argument("--start-at", type=float, default=0.0, help="time.time() to begin at (sharers start together)")
+    parser.add_argument("--wait-go", action="store_true", help="after 'ready', wait for a line on stdin (to start together)")
     options = parser.parse_args(argv)
     rows_needed = 2 * max(JOB_KEYS, 8)
     region_path = None
@@ -124,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = region.rows
     tier = open_tier(options.kind, options.path, options.capacity_blocks, options.block_bytes, rows)
     print("ready", flush=True)
-    while time.time() < options.start_at:
-        time.sleep(0.001)
+    if options.wait_go:
+        sys.stdin.readline()
     try:
         if options.role == "writer":
             start, salt = int(options.args[0]), options.args[1]

@@ -1,0 +1,121 @@
+"""Two processes on one store under load: both storing, loading and evicting at once, into a
+store far smaller than what they write (32 blocks, 200 keys, 8-key jobs back to back).
+
+While they run, this process samples the store from outside (the files on disk, or LMDB's
+index read by a third reader) and the capacity is never exceeded. Afterwards: no wrong byte
+was ever served, each process's counters add up with what its jobs returned, the store
+checks healthy, and every block it holds is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import lmdb
+import pytest
+
+import kvtier
+from kvtier.soak.blocks import block_key, is_exact
+from kvtier.soak.store_process import open_tier
+from kvtier.tiers.base import TierJob
+from kvtier.tiers.cpu.region import SharedRegion
+from kvtier.tiers.disk import check_store
+
+SRC = os.path.dirname(os.path.dirname(kvtier.__file__))
+BLOCK = 10_000
+CAPACITY = 32
+UNIVERSE = 200
+SECONDS = 1.5
+
+
+def sharer(kind, path, seed, shm_dir):
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvtier.soak.store_process", "sharer", kind, str(path), str(CAPACITY),
+         str(BLOCK), str(seed), str(SECONDS), str(UNIVERSE), "--shm-dir", str(shm_dir), "--wait-go"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
+
+
+def blocks_on_disk(kind: str, path: Path, index) -> int:
+    """Blocks the store holds right now, seen from outside the two processes."""
+    if kind == "files":
+        return sum(name.endswith(".kvb") for sub in (path / "blocks").iterdir() for name in os.listdir(sub))
+    with index.begin() as txn:
+        return txn.stat(index.open_db(b"blocks", txn=txn, create=False))["entries"]
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "files"])
+def test_two_processes_store_load_and_evict_at_once(kind, tmp_path):
+    store = tmp_path / "store"
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    processes = [sharer(kind, store, seed, shm_dir) for seed in (1, 2)]
+    for process in processes:
+        assert process.stdout.readline().strip() == "ready", process.stderr.read()
+    index = lmdb.open(str(store / "index"), readonly=True, max_dbs=4, lock=True) if kind == "lmdb" else None
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append(blocks_on_disk(kind, store, index))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    for process in processes:
+        process.stdin.write("go\n")
+        process.stdin.flush()
+    tallies = []
+    try:
+        for process in processes:
+            out, err = process.communicate(timeout=120)
+            assert process.returncode == 0, err
+            tallies.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        stop.set()
+        sampler.join()
+        if index is not None:
+            index.close()
+
+    assert len(samples) > 20 and max(samples) <= CAPACITY, (len(samples), max(samples))
+    for tally in tallies:
+        stats = tally["stats"]
+        assert tally["wrong"] == 0  # never another key's bytes, never damaged ones
+        assert tally["jobs"] > 10 and tally["store_ok"] > 0 and tally["load_ok"] > 0
+        assert set(tally["reasons"]) <= {"full", "missing"}, tally["reasons"]
+        # the counters add up with what the jobs returned
+        assert stats["loaded"] == tally["load_ok"]
+        assert stats["failed_keys"] == tally["store_failed"] + tally["load_failed"]
+        assert sum(stats.get(f"failed_{r}", 0) for r in tally["reasons"]) == stats["failed_keys"]
+        assert stats["missing"] == tally["reasons"].get("missing", 0)
+        assert stats["stored"] <= tally["store_ok"] and stats["corrupt"] == 0
+        assert stats["blocks"] <= CAPACITY
+    assert sum(t["stats"]["evicted"] for t in tallies) > 0  # eviction ran under load
+    assert sum(t["reasons"].get("missing", 0) for t in tallies) > 0  # each evicted the other's blocks
+
+    report = check_store(str(store))
+    assert report.healthy, report.problems
+    region = SharedRegion.create(8, BLOCK)
+    tier = open_tier(kind, str(store), CAPACITY, BLOCK, region.rows)
+    try:
+        present = [k for k in (block_key(n, "shared") for n in range(UNIVERSE)) if tier.lookup(k)]
+        assert 0 < len(present) == tier.num_blocks() <= CAPACITY
+        for first in range(0, len(present), 8):
+            batch = tuple(present[first : first + 8])
+            tier.submit_load(TierJob(first + 1, batch, tuple(range(len(batch)))))
+            tier.drain_jobs()
+            (result,) = tier.get_finished_jobs()
+            assert result.ok == list(batch)
+            assert all(is_exact(region.rows[row], k) for row, k in enumerate(batch))
+    finally:
+        tier.close()
+        region.close()
+
