@@ -554,6 +554,11 @@ class DiskTier(SecondaryTier):
         # Blocks other processes hold in a shared store, as last seen when the medium had to
         # refuse room (0 while this process is the only writer; see _complete_store).
         self._foreign_blocks = 0
+        # Blocks listed on the medium (mover thread) for this process to adopt (scheduler
+        # thread, next poll); see _adopt_blocks. A plain attribute handed over once: the GIL
+        # makes the assignment atomic.
+        self._listed: list[tuple[OffloadKey, int, int]] | None = None
+        self._listing = False
         self._counters = _Counters()
         self._warned: set[str] = set()
         self._mover: Mover | None = None
@@ -643,6 +648,10 @@ class DiskTier(SecondaryTier):
         results, self._ready = self._ready, []
         if self._mover is None:
             return results
+        if self._listed is not None:
+            listed, self._listed = self._listed, None
+            self._listing = False
+            self._adopt_blocks(listed)
         for mover_job in self._mover.poll():
             pending = self._pending.pop(mover_job.job_id)
             if pending.is_load:
@@ -785,6 +794,12 @@ class DiskTier(SecondaryTier):
             # otherwise look like foreign blocks and cause needless evictions).
             if job.extra.get("refused"):
                 self._foreign_blocks = foreign
+                if not self._listing and len(self._policy) < self.capacity_blocks // 2:
+                    # Other processes fill the store and this one holds too few blocks to make
+                    # room by evicting its own: it could never store again, even after they
+                    # exit. Learn their blocks so that eviction can take them too.
+                    self._listing = True
+                    self._mover.submit_sequenced(self._list_for_adoption)
             else:
                 self._foreign_blocks = min(self._foreign_blocks, foreign)
         result = self._result(pending)
@@ -812,7 +827,38 @@ class DiskTier(SecondaryTier):
         result.nbytes = len(pending.ok) * self.block_bytes
         return result
 
+    def _adopt_blocks(self, listed: list[tuple[OffloadKey, int, int]]) -> None:
+        """Make blocks other processes stored known here, as the coldest (so evicted first).
+
+        Rebuilds the policy (adopted blocks oldest stamp first, then this process's own in
+        their eviction order): it runs only when the medium refused room and this process
+        holds under half the store, so a rebuild per such event is cheap enough.
+        """
+        policy, writing = self._policy, self._writing
+        adopted = [entry for entry in listed if not policy.contains(entry[0]) and entry[0] not in writing]
+        # never more than the room this process's view leaves: its view may still count
+        # blocks other processes removed since, and must not grow past the capacity
+        room = self.capacity_blocks - len(policy) - len(writing)
+        adopted.sort(key=lambda entry: entry[1])
+        del adopted[max(room, 0):]
+        if not adopted:
+            return
+        own = policy.clear()
+        policy.insert([e[0] for e in adopted], [e[2] for e in adopted])
+        if own:
+            policy.insert([key for key, _ in own], [block_id for _, block_id in own])
+        self._foreign_blocks = max(0, self._foreign_blocks - len(adopted))
+        self._counters.add("adopted", len(adopted))
+
     # -- mover-thread helpers -------------------------------------------------------------------
+
+    def _list_for_adoption(self) -> None:
+        """Sequencer: list the medium's blocks for :meth:`_adopt_blocks` (an empty list if that fails)."""
+        try:
+            self._listed = self._list_blocks()
+        except Exception as exc:  # noqa: BLE001 - adoption is an optimisation: never fail a job for it
+            logger.warning("kvtier tier %s: could not list the blocks of %s: %s", self.name, self.path, exc)
+            self._listed = []
 
     def _after_store(self, job: MoverJob) -> None:
         self._store_after(job)
@@ -951,6 +997,10 @@ class DiskTier(SecondaryTier):
     @abstractmethod
     def _persist_stamps(self, keys: list[OffloadKey], stamp: int) -> None:
         """Sequencer: record that ``keys`` were used at ``stamp`` (ns since the epoch)."""
+
+    @abstractmethod
+    def _list_blocks(self) -> list[tuple[OffloadKey, int, int]]:
+        """Sequencer: every block on the medium now, as ``(key, stamp, block id)`` (all processes')."""
 
     @abstractmethod
     def _check_medium(self, fix: bool) -> tuple[CheckReport, list[OffloadKey]]:

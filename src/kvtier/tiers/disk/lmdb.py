@@ -152,11 +152,18 @@ class LMDBTier(DiskTier):
         with self._env.begin(write=True) as txn:
             if alone:
                 self._recover(txn)
-            entries = []
-            for key, value in txn.cursor(db=self._blocks):
-                slot, stamp = _ENTRY.unpack(value)
-                entries.append((key, stamp, slot))
+            return self._entries(txn)
+
+    def _entries(self, txn: lmdb.Transaction) -> list[tuple[OffloadKey, int, int]]:
+        entries = []
+        for key, value in txn.cursor(db=self._blocks):
+            slot, stamp = _ENTRY.unpack(value)
+            entries.append((key, stamp, slot))
         return entries
+
+    def _list_blocks(self) -> list[tuple[OffloadKey, int, int]]:
+        with self._env.begin() as txn:
+            return self._entries(txn)
 
     def _recover(self, txn: lmdb.Transaction) -> None:
         """Alone at open: give back what crashed writers reserved, and apply a smaller capacity."""
