@@ -63,17 +63,15 @@ class Stack:
         answer is None) and read those found; ``(keys served, wrong blocks among them)``."""
         manager = self.manager
         manager.reset_cache()
-        answers: dict[OffloadKey, bool | None] = {k: None for k in keys}
         for _ in range(50):
-            for k in keys:
-                if answers[k] is None:
-                    answers[k] = manager.lookup(k, CTX)
-            if all(a is not None for a in answers.values()):
+            # every key again each round: a step may evict what looked up True before it
+            answers = {k: manager.lookup(k, CTX) for k in keys}
+            if None not in answers.values():
                 break
             manager.on_schedule_end()
             for tier in manager.tiers:
                 tier.drain_jobs()
-        assert all(a is not None for a in answers.values()), "lookups never resolved"
+        assert None not in answers.values(), "lookups never resolved"
         served = [k for k in keys if answers[k]]
         wrong = wrong_blocks(served, read_blocks(manager, served, CTX)) if served else 0
         return served, wrong
