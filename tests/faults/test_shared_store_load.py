@@ -34,12 +34,14 @@ BLOCK = 10_000
 CAPACITY = 32
 UNIVERSE = 200
 SECONDS = 2.0
+MIN_JOBS = 20  # however loaded the machine, each does this much
 
 
 def sharer(kind, path, seed, shm_dir):
     return subprocess.Popen(
         [sys.executable, "-m", "kvtier.soak.store_process", "sharer", kind, str(path), str(CAPACITY),
-         str(BLOCK), str(seed), str(SECONDS), str(UNIVERSE), "--shm-dir", str(shm_dir), "--wait-go"],
+         str(BLOCK), str(seed), str(SECONDS), str(UNIVERSE), "shared", str(MIN_JOBS), "--shm-dir", str(shm_dir),
+         "--wait-go"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": SRC},
     )
@@ -97,12 +99,12 @@ def test_two_processes_store_load_and_evict_at_once(kind, tmp_path):
         if index is not None:
             index.close()
 
-    assert len(samples) > 20 and max(samples) <= CAPACITY, (len(samples), max(samples))
+    assert samples and max(samples) <= CAPACITY, (len(samples), max(samples))
     for tally in tallies:
         stats = tally["stats"]
-        assert tally["wrong"] == 0  # never another key's bytes, never damaged ones
-        assert tally["jobs"] >= 3 and tally["store_ok"] > 0 and tally["load_ok"] > 0
-        assert set(tally["reasons"]) <= {"full", "missing"}, tally["reasons"]
+        assert tally["wrong"] == 0, tally  # never another key's bytes, never damaged ones
+        assert tally["jobs"] >= MIN_JOBS and tally["store_ok"] > 0 and tally["load_ok"] > 0, tally
+        assert set(tally["reasons"]) <= {"full", "missing"}, tally
         # the counters add up with what the jobs returned
         assert stats["loaded"] == tally["load_ok"]
         assert stats["failed_keys"] == tally["store_failed"] + tally["load_failed"]

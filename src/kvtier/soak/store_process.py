@@ -6,7 +6,8 @@ Run as ``python -m kvtier.soak.store_process ROLE KIND PATH CAPACITY_BLOCKS BLOC
   with ``fsync: batch`` and LRU eviction, forever, and prints the keys of each job on one line
   (hex) only after the job's result said they are stored — the lines are the committed record
   a parent holds against the store after it kills the writer (SIGKILL at any moment).
-* ``sharer SEED SECONDS UNIVERSE``: for ``SECONDS``, stores random keys out of ``UNIVERSE``,
+* ``sharer SEED SECONDS UNIVERSE [SALT [MIN_JOBS]]``: for ``SECONDS`` (and at least ``MIN_JOBS``
+  store jobs), stores random keys out of ``UNIVERSE``,
   loads random keys it finds present, and verifies every loaded block byte for byte; then
   prints one JSON line: its tallies (``store_ok``, ``store_failed``, ``load_ok``,
   ``load_failed``, ``wrong``, failure reasons) and its tier's ``stats()``.
@@ -69,7 +70,7 @@ def _writer(tier, rows, start: int, salt: str) -> None:
         i += JOB_KEYS
 
 
-def _sharer(tier, rows, seed: int, seconds: float, universe: int, salt: str) -> dict:
+def _sharer(tier, rows, seed: int, seconds: float, universe: int, salt: str, min_jobs: int = 0) -> dict:
     rng = random.Random(seed)
     keys = [block_key(n, salt) for n in range(universe)]
     half = rows.shape[0] // 2
@@ -77,7 +78,7 @@ def _sharer(tier, rows, seed: int, seconds: float, universe: int, salt: str) -> 
              "reasons": {}, "jobs": 0}
     job_id = 0
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline or tally["jobs"] < min_jobs:
         chosen = rng.sample(keys, half)
         for row, key in enumerate(chosen):
             rows[row] = payload(key, rows.shape[1])
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             seed, seconds, universe = int(options.args[0]), float(options.args[1]), int(options.args[2])
             salt = options.args[3] if len(options.args) > 3 else "shared"
-            tally = _sharer(tier, rows, seed, seconds, universe, salt)
+            min_jobs = int(options.args[4]) if len(options.args) > 4 else 0
+            tally = _sharer(tier, rows, seed, seconds, universe, salt, min_jobs)
             tier.drain_jobs()
             tally["stats"] = tier.stats()
             print(json.dumps(tally, sort_keys=True), flush=True)
