@@ -49,3 +49,10 @@ def test_a_wrong_block_fails_the_soak(tmp_path, monkeypatch, capsys):
     assert main(["soak", "--minutes", "0.01", "--json", "--dir", str(tmp_path)]) == 1
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["wrong_blocks_served"] == 1 and record["faults_injected"] == 0
+
+
+def test_without_root_the_filling_fault_is_left_out_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    small = soak_run.SmallFilesystem(str(tmp_path / "disk"), 1 << 20)
+    reason = small.mount()
+    assert reason is not None and "root" in reason and not small.mounted
