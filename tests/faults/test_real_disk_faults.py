@@ -99,6 +99,8 @@ def test_a_filesystem_filled_while_running(kind, tmp_path):
             after = keys(200, 16)
             stack.store(after)
             assert stack.on_disk(after) == after
+            report = stack.disk.check()  # while running: nothing leaked by the failed jobs
+            assert report.healthy, report.problems
             committed = before + stack.on_disk(during) + after
         finally:
             stack.shutdown()
