@@ -7,7 +7,7 @@ every store from the GPU lands in it first. Secondary tiers only exchange blocks
   and answer ``None``; :meth:`~TierStackManager.on_schedule_end` reserves CPU rows for the
   step's queued reads and submits them as one job per tier; once the read is verified the key
   looks up ``True``. A key wanted by two requests is read once. A failed or corrupt read frees the row
-  and the key looks up ``False``.
+  and the key looks up ``False`` until the next step ends (a later lookup reads again).
 * **demotion** — a CPU block not yet saved below is *dirty* and held: CPU eviction never drops
   it. ``write_back`` saves the coldest dirty blocks at ``on_schedule_end`` whenever the clean
   headroom of the CPU tier runs low, so eviction finds clean victims ahead of need;
@@ -97,7 +97,8 @@ class TierStackManager(SingleTierManager):
         capacity = backend.get_num_free_blocks()
         self._clean_target = max(1, int(capacity * CLEAN_HEADROOM_FRACTION))
         self._promoting: dict[OffloadKey, int] = {}
-        #: keys whose read found no CPU row at the end of the last step: misses until the next
+        #: keys whose read found no CPU row at the end of the last step, or failed since: misses
+        #: until the next step ends
         self._no_room: set[OffloadKey] = set()
         self._promote_queue: list[deque[OffloadKey]] = [deque() for _ in self._tiers]
         self._dirty: dict[OffloadKey, None] = {}
@@ -230,6 +231,10 @@ class TierStackManager(SingleTierManager):
         if failed:
             # The row may hold partial or unverified bytes: never serve it, free it.
             self._backend.free_block_ids([self._promoting.pop(key) for key in failed])
+            # A miss for the rest of the step: a failure polled at the end of a step would
+            # otherwise be queued again by the next lookup, and a read that keeps failing
+            # slower than a step (a dying disk's EIO) would answer None for ever.
+            self._no_room.update(failed)
             counters.promote_failures += len(failed)
             counters.corrupt_blocks += sum(
                 1 for reason in result.failed.values() if reason.kind is FailureKind.CORRUPT

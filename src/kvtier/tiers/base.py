@@ -407,6 +407,11 @@ class IndexedTier(SecondaryTier):
     def _finished_work(self) -> Iterable[TierWork]:
         """Work finished since the last call, each once (scheduler thread; never waits)."""
 
+    def _list_foreign_blocks(self) -> None:
+        """A shared medium refused room while this process holds under half of it (scheduler
+        thread; never waits): list the blocks other processes stored and hand them to
+        :meth:`_adopt_blocks` at a later poll. No-op for a medium only this process uses."""
+
     def _medium_stats(self) -> dict[str, int]:
         """The medium's own figures for :meth:`stats` (and zeros for counters it adds to
         ``_counters``, which override them once counted)."""
@@ -521,6 +526,30 @@ class IndexedTier(SecondaryTier):
         chosen = policy.evict(count, _Skip(self._reading, offered))
         return [key for key, _ in chosen] if chosen else []
 
+    def _adopt_blocks(self, listed: list[tuple[OffloadKey, int, int]]) -> None:
+        """Make blocks other processes stored known here, as the coldest (so evicted first).
+
+        ``listed`` holds ``(key, recency stamp, block id)``. Rebuilds the policy (adopted
+        blocks oldest stamp first, then this process's own in their eviction order): it runs
+        only when the medium refused room and this process holds under half the store, so a
+        rebuild per such event is cheap enough.
+        """
+        policy, writing = self._policy, self._writing
+        adopted = [entry for entry in listed if not policy.contains(entry[0]) and entry[0] not in writing]
+        # never more than the room this process's view leaves: its view may still count
+        # blocks other processes removed since, and must not grow past the capacity
+        room = self.capacity_blocks - len(policy) - len(writing)
+        adopted.sort(key=lambda entry: entry[1])
+        del adopted[max(room, 0):]
+        if not adopted:
+            return
+        own = policy.clear()
+        policy.insert([e[0] for e in adopted], [e[2] for e in adopted])
+        if own:
+            policy.insert([key for key, _ in own], [block_id for _, block_id in own])
+        self._foreign_blocks = max(0, self._foreign_blocks - len(adopted))
+        self._counters.add("adopted", len(adopted))
+
     def _result(self, pending: _Pending) -> TierJobResult:
         result = TierJobResult(pending.job.job_id, pending.is_load, ok=pending.ok, failed=pending.failed)
         result.seconds = time.perf_counter() - pending.submitted_s
@@ -553,6 +582,11 @@ class IndexedTier(SecondaryTier):
             # otherwise look like foreign blocks and cause needless evictions).
             if work.refused:
                 self._foreign_blocks = foreign
+                if len(self._policy) < self.capacity_blocks // 2:
+                    # Other processes fill the store and this one holds too few blocks to make
+                    # room by evicting its own: it could never store again, even after they
+                    # exit. Learn their blocks so that eviction can take them too.
+                    self._list_foreign_blocks()
             else:
                 self._foreign_blocks = min(self._foreign_blocks, foreign)
         result = self._result(pending)

@@ -41,8 +41,9 @@ def _available_memory_bytes() -> int | None:
 def _free_space_bytes(directory: str) -> int | None:
     """Bytes an unprivileged writer may still use in ``directory``'s filesystem, or None.
 
-    Matters most for ``/dev/shm``: ftruncate on a tmpfs succeeds beyond its size limit and
-    the shortfall only shows later, as SIGBUS on the first write to a page that does not fit.
+    Checked before anything is allocated, for the clearest early error; what makes a full
+    ``/dev/shm`` an error rather than a later SIGBUS is the region reserving its pages at
+    creation (``region._reserve``), which also covers room taken between this check and then.
     """
     try:
         stats = os.statvfs(directory)
@@ -73,15 +74,18 @@ class CPUBackend(SlotBackend):
         *,
         path: str | None = None,
         pin_memory: str = "auto",
+        field: str = "tiers[0]",
     ):
         """Create a region of ``num_blocks`` rows of ``block_bytes``; pin it per ``pin_memory``.
 
-        Called once at start-up by whoever builds the tier stack. Pinning (``auto`` with a
-        GPU, or ``on``) blocks while the driver locks every page.
+        Called once at start-up by whoever builds the tier stack. Blocks while the region's
+        pages are reserved (a filesystem without room is a :class:`ConfigError` naming
+        ``<field>.capacity``, never a SIGBUS later) and, when pinning (``auto`` with a GPU,
+        or ``on``), while the driver locks every page.
         """
         if pin_memory not in PIN_MEMORY_CHOICES:
             raise ConfigError("pin_memory", pin_memory, "one of " + ", ".join(PIN_MEMORY_CHOICES))
-        self.region = SharedRegion.create(num_blocks, block_bytes, path=path)
+        self.region = SharedRegion.create(num_blocks, block_bytes, path=path, field=f"{field}.capacity")
         try:
             self.region.pin(pin_memory)
         except BaseException:
@@ -148,7 +152,7 @@ class CPUBackend(SlotBackend):
                 "a file that does not exist yet (the tier creates it and removes it at shutdown)",
                 "remove the stale file or choose another path",
             )
-        return cls(num_blocks, block_bytes, path=config.path, pin_memory=config.pin_memory)
+        return cls(num_blocks, block_bytes, path=config.path, pin_memory=config.pin_memory, field=field)
 
     # -----------------------------------------------------------------------------------------
     # bytes and lifecycle

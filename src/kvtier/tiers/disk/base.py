@@ -210,6 +210,11 @@ class DiskTier(IndexedTier):
         self._threads = threads
         self._io = BlockIO(rowio, fingerprint.digest(), direct, self._counters, f"tier {config.name} at {directory}")
         self._touched: set[OffloadKey] = set()
+        # Blocks listed on the medium (mover thread) for this process to adopt (scheduler
+        # thread, next poll); see IndexedTier._adopt_blocks. A plain attribute handed over
+        # once: the GIL makes the assignment atomic.
+        self._listed: list[tuple[OffloadKey, int, int]] | None = None
+        self._listing = False
         self._mover: Mover | None = None
         self._locks: StoreLocks | None = None
         self._closed = False
@@ -252,7 +257,18 @@ class DiskTier(IndexedTier):
         )
 
     def _finished_work(self) -> Iterable[TierWork]:
-        return self._mover.poll() if self._mover is not None else ()
+        if self._mover is None:
+            return ()
+        if self._listed is not None:
+            listed, self._listed = self._listed, None
+            self._listing = False
+            self._adopt_blocks(listed)
+        return self._mover.poll()
+
+    def _list_foreign_blocks(self) -> None:
+        if not self._listing and self._mover is not None:
+            self._listing = True
+            self._mover.submit_sequenced(self._list_for_adoption)
 
     def drain_jobs(self) -> None:
         if self._mover is not None:
@@ -316,6 +332,14 @@ class DiskTier(IndexedTier):
         )
 
     # -- mover-thread helpers -------------------------------------------------------------------
+
+    def _list_for_adoption(self) -> None:
+        """Sequencer: list the medium's blocks for :meth:`_adopt_blocks` (an empty list if that fails)."""
+        try:
+            self._listed = self._list_blocks()
+        except Exception as exc:  # noqa: BLE001 - adoption is an optimisation: never fail a job for it
+            logger.warning("kvtier tier %s: could not list the blocks of %s: %s", self.name, self.path, exc)
+            self._listed = []
 
     def _after_store(self, job: MoverJob) -> None:
         self._store_after(job)
@@ -385,6 +409,10 @@ class DiskTier(IndexedTier):
     @abstractmethod
     def _persist_stamps(self, keys: list[OffloadKey], stamp: int) -> None:
         """Sequencer: record that ``keys`` were used at ``stamp`` (ns since the epoch)."""
+
+    @abstractmethod
+    def _list_blocks(self) -> list[tuple[OffloadKey, int, int]]:
+        """Sequencer: every block on the medium now, as ``(key, stamp, block id)`` (all processes')."""
 
     @abstractmethod
     def _check_medium(self, fix: bool) -> tuple[CheckReport, list[OffloadKey]]:

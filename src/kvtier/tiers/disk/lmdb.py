@@ -57,6 +57,7 @@ import errno
 import logging
 import os
 import struct
+import threading
 import time
 
 import lmdb
@@ -118,6 +119,11 @@ class LMDBTier(DiskTier):
     def _open_medium(self, alone: bool, created: bool) -> list[tuple[OffloadKey, int, int]]:
         self._env = None
         self._fd = self._fd_direct = -1
+        # Reservations a failed publish could not give back (the index refused every write,
+        # e.g. ENOSPC): the next store prologue gives them back, so a full disk that clears
+        # does not leave the slab smaller until a restart. Appended by I/O threads.
+        self._unreleased: list[bytes] = []
+        self._unreleased_lock = threading.Lock()
         self._open_slab(alone)  # first: a capacity the disk cannot hold is the error to report
         index_dir = os.path.join(self.path, _INDEX_DIR)
         os.makedirs(index_dir, exist_ok=True)
@@ -145,11 +151,18 @@ class LMDBTier(DiskTier):
         with self._env.begin(write=True) as txn:
             if alone:
                 self._recover(txn)
-            entries = []
-            for key, value in txn.cursor(db=self._blocks):
-                slot, stamp = _ENTRY.unpack(value)
-                entries.append((key, stamp, slot))
+            return self._entries(txn)
+
+    def _entries(self, txn: lmdb.Transaction) -> list[tuple[OffloadKey, int, int]]:
+        entries = []
+        for key, value in txn.cursor(db=self._blocks):
+            slot, stamp = _ENTRY.unpack(value)
+            entries.append((key, stamp, slot))
         return entries
+
+    def _list_blocks(self) -> list[tuple[OffloadKey, int, int]]:
+        with self._env.begin() as txn:
+            return self._entries(txn)
 
     def _recover(self, txn: lmdb.Transaction) -> None:
         """Alone at open: give back what crashed writers reserved, and apply a smaller capacity."""
@@ -261,8 +274,13 @@ class LMDBTier(DiskTier):
         reserved: list[int] = []
         refused = 0
         owner = _OWNER.pack(os.getpid())
+        with self._unreleased_lock:
+            unreleased, self._unreleased = self._unreleased, []
         try:
             with self._env.begin(write=True) as txn:
+                for slot_key in unreleased:
+                    if txn.delete(slot_key, db=self._reserved):
+                        txn.put(slot_key, b"", db=self._free)
                 for key in job.victims:
                     value = txn.get(key, db=self._blocks)
                     if value is not None:
@@ -293,6 +311,8 @@ class LMDBTier(DiskTier):
                 txn.put(_NEXT_SLOT, _OWNER.pack(next_slot), db=self._meta)
                 shared = txn.stat(self._blocks)["entries"] + txn.stat(self._reserved)["entries"]
         except lmdb.Error as exc:
+            with self._unreleased_lock:
+                self._unreleased.extend(unreleased)  # the next prologue tries again
             job.skip = [False] * len(job.keys)
             self._index_failed(job, list(range(len(job.keys))), exc, "reserving room")
             return
@@ -358,9 +378,11 @@ class LMDBTier(DiskTier):
                     if txn.delete(slot_key, db=self._reserved):
                         txn.put(slot_key, b"", db=self._free)
         except lmdb.Error:
+            with self._unreleased_lock:
+                self._unreleased.extend(_slot_key(job.block_ids[i]) for i in reserved)
             logger.warning(
-                "kvtier tier %s: could not give back %d reserved slots; the next process to "
-                "open the store alone (or `kvtier check --fix`) recovers them", self.name, len(reserved),
+                "kvtier tier %s: could not give back %d reserved slots now; the next store job "
+                "gives them back", self.name, len(reserved),
             )
 
     # -- load (mover threads) -------------------------------------------------------------------

@@ -1,0 +1,182 @@
+"""Two processes on one store under load: both storing, loading and evicting at once, into a
+store far smaller than what they write (32 blocks, 200 keys, 8-key jobs back to back).
+
+While they run, this process samples the store from outside (the files on disk, or LMDB's
+index read by a third reader) and the capacity is never exceeded. Afterwards: no wrong byte
+was ever served, each process's counters add up with what its jobs returned, the store
+checks healthy, and every block it holds is exact.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import lmdb
+import pytest
+
+import kvtier
+from kvtier.soak.blocks import block_key, is_exact, payload
+from kvtier.soak.store_process import open_tier
+from kvtier.tiers.base import TierJob
+from kvtier.tiers.cpu.region import SharedRegion
+from kvtier.tiers.disk import check_store
+
+SRC = os.path.dirname(os.path.dirname(kvtier.__file__))
+BLOCK = 10_000
+CAPACITY = 32
+UNIVERSE = 200
+SECONDS = 2.0
+MIN_JOBS = 20  # however loaded the machine, each does this much
+
+
+def sharer(kind, path, seed, shm_dir):
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvtier.soak.store_process", "sharer", kind, str(path), str(CAPACITY),
+         str(BLOCK), str(seed), str(SECONDS), str(UNIVERSE), "shared", str(MIN_JOBS), "--shm-dir", str(shm_dir),
+         "--wait-go"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
+
+
+def blocks_on_disk(kind: str, path: Path, index) -> int:
+    """Blocks the store holds right now, seen from outside the two processes.
+
+    ``files``: the shared usage count, read under its flock as the tiers change it. A scan of
+    the 256 directories is no snapshot (while it runs, files go in one directory and come in
+    another, and it counted 36 of 32); the count is raised before a block is written and
+    lowered after its file is gone, so it bounds the files on disk at every instant.
+    ``lmdb``: the entries of the index, in one read transaction (a snapshot).
+    """
+    if kind == "files":
+        with open(path / "usage", "rb") as usage:
+            fcntl.flock(usage, fcntl.LOCK_SH)
+            raw = usage.read(8)
+            return struct.unpack("<Q", raw)[0] if raw else 0  # a new store's count is not written yet
+    with index.begin() as txn:
+        return txn.stat(index.open_db(b"blocks", txn=txn, create=False))["entries"]
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "files"])
+def test_two_processes_store_load_and_evict_at_once(kind, tmp_path):
+    store = tmp_path / "store"
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    processes = [sharer(kind, store, seed, shm_dir) for seed in (1, 2)]
+    for process in processes:
+        assert process.stdout.readline().strip() == "ready", process.stderr.read()
+    index = lmdb.open(str(store / "index"), readonly=True, max_dbs=4, lock=True) if kind == "lmdb" else None
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append(blocks_on_disk(kind, store, index))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    for process in processes:
+        process.stdin.write("go\n")
+        process.stdin.flush()
+    tallies = []
+    try:
+        for process in processes:
+            out, err = process.communicate(timeout=120)
+            assert process.returncode == 0, err
+            tallies.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        stop.set()
+        sampler.join()
+        if index is not None:
+            index.close()
+
+    assert samples and max(samples) <= CAPACITY, (len(samples), max(samples))
+    for tally in tallies:
+        stats = tally["stats"]
+        assert tally["wrong"] == 0, tally  # never another key's bytes, never damaged ones
+        assert tally["jobs"] >= MIN_JOBS and tally["store_ok"] > 0 and tally["load_ok"] > 0, tally
+        assert set(tally["reasons"]) <= {"full", "missing"}, tally
+        # the counters add up with what the jobs returned
+        assert stats["loaded"] == tally["load_ok"]
+        assert stats["failed_keys"] == tally["store_failed"] + tally["load_failed"]
+        assert sum(stats.get(f"failed_{r}", 0) for r in tally["reasons"]) == stats["failed_keys"]
+        assert stats["missing"] == tally["reasons"].get("missing", 0)
+        assert stats["stored"] <= tally["store_ok"] and stats["corrupt"] == 0
+        assert stats["blocks"] <= CAPACITY
+    assert sum(t["stats"]["evicted"] for t in tallies) > 0  # eviction ran under load
+
+    report = check_store(str(store))
+    assert report.healthy, report.problems
+    region = SharedRegion.create(8, BLOCK)
+    tier = open_tier(kind, str(store), CAPACITY, BLOCK, region.rows)
+    try:
+        present = [k for k in (block_key(n, "shared") for n in range(UNIVERSE)) if tier.lookup(k)]
+        assert 0 < len(present) == tier.num_blocks() <= CAPACITY
+        for first in range(0, len(present), 8):
+            batch = tuple(present[first : first + 8])
+            tier.submit_load(TierJob(first + 1, batch, tuple(range(len(batch)))))
+            tier.drain_jobs()
+            (result,) = tier.get_finished_jobs()
+            assert result.ok == list(batch)
+            assert all(is_exact(region.rows[row], k) for row, k in enumerate(batch))
+    finally:
+        tier.close()
+        region.close()
+
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "files"])
+def test_a_store_filled_by_another_process_takes_new_blocks_again(kind, tmp_path):
+    """A process that holds too few blocks to make room by evicting its own learns the other
+    processes' blocks when the medium refuses room, and evicts those: before, it answered
+    ``full`` to every store for the rest of its life, even once the other process had exited."""
+    store = tmp_path / "store"
+    region = SharedRegion.create(8, BLOCK)
+    tier = open_tier(kind, str(store), CAPACITY, BLOCK, region.rows)
+    try:
+        writer = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.soak.store_process", "writer", kind, str(store), str(CAPACITY),
+             str(BLOCK), "0", "filler", "--shm-dir", str(tmp_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": SRC},
+        )
+        committed = []
+        assert writer.stdout.readline().strip() == "ready", writer.stderr.read()
+        while len(committed) < 2 * CAPACITY:  # the store is full of the writer's blocks
+            committed.extend(bytes.fromhex(h) for h in writer.stdout.readline().split())
+        writer.kill()
+        writer.wait()
+
+        outcomes = []
+        for attempt in range(4):
+            keys = tuple(block_key(100 * attempt + n, "mine") for n in range(8))
+            for row, k in enumerate(keys):
+                region.rows[row] = payload(k, BLOCK)
+            tier.submit_store(TierJob(attempt + 1, keys, tuple(range(8))))
+            tier.drain_jobs()
+            (result,) = tier.get_finished_jobs()
+            outcomes.append(len(result.ok))
+        assert outcomes[0] == 0 and outcomes[-1] == 8, outcomes  # refused once, then room again
+        assert tier.stats()["adopted"] > 0
+        assert tier.num_blocks() <= CAPACITY
+        # the adopted blocks are served too, exactly
+        theirs = [k for k in committed if tier.lookup(k)]
+        assert theirs
+        batch = tuple(theirs[:8])
+        tier.submit_load(TierJob(99, batch, tuple(range(len(batch)))))
+        tier.drain_jobs()
+        (result,) = tier.get_finished_jobs()
+        assert result.ok == list(batch)
+        assert all(is_exact(region.rows[row], k) for row, k in enumerate(batch))
+    finally:
+        tier.close()
+        region.close()
+    assert check_store(str(store)).healthy

@@ -1,0 +1,58 @@
+"""``kvtier soak``: a few seconds of it, with every fault, through the CLI; and its exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import kvtier
+from kvtier.cli.main import main
+from kvtier.soak import run as soak_run
+
+SRC = os.path.dirname(os.path.dirname(kvtier.__file__))
+
+
+def test_a_short_soak_with_faults_serves_nothing_wrong_and_loses_nothing(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "soak", "--minutes", "0.04", "--faults", "--json",
+         "--kind", "files", "--dir", str(tmp_path), "--seed", "3"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": SRC}, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert record["wrong_blocks_served"] == 0 and record["committed_blocks_lost"] == 0
+    assert record["operations"] > 1000 and record["blocks_loaded"] > 0 and record["blocks_stored"] > 0
+    # every fault ran at least once (filling needs root; else it is left out with the reason)
+    ran = set(record["faults"])
+    assert ran | set(record["faults_left_out"]) == set(soak_run.FAULTS)
+    assert record["faults_injected"] == sum(record["faults"].values()) >= len(ran)
+    # the damaged blocks were all caught on their next read, none served
+    assert record["blocks_damaged"] > 0 and record["corrupt_detected"] == record["blocks_damaged"]
+    assert record["committed_verified"] > 0 and record["checkpoints"] >= len(ran)
+    if "filesystem_filled" in ran:
+        assert record["failed_keys_by_reason"].get("ENOSPC", 0) > 0
+    assert os.listdir(tmp_path) == []  # its stores and mounts are gone
+
+
+def test_a_wrong_block_fails_the_soak(tmp_path, monkeypatch, capsys):
+    """The exit code is 1 when a block is served wrong (here: one comparison made to fail)."""
+    real = soak_run.is_exact
+    calls = []
+
+    def one_wrong(row, key):
+        calls.append(1)
+        return real(row, key) and len(calls) != 5
+
+    monkeypatch.setattr(soak_run, "is_exact", one_wrong)
+    assert main(["soak", "--minutes", "0.01", "--json", "--dir", str(tmp_path)]) == 1
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["wrong_blocks_served"] == 1 and record["faults_injected"] == 0
+
+
+def test_without_root_the_filling_fault_is_left_out_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    small = soak_run.SmallFilesystem(str(tmp_path / "disk"), 1 << 20)
+    reason = small.mount()
+    assert reason is not None and "root" in reason and not small.mounted
