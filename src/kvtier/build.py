@@ -56,6 +56,13 @@ def build_manager(
     lower = []
     try:
         for index, tier in enumerate(config.tiers[1:], start=1):
+            # -- issue 11 hook, until the tier registry lands: the valkey tier opens itself
+            if tier.kind in ("valkey", "redis"):
+                from kvtier.tiers.valkey import open_valkey
+
+                lower.append(open_valkey(tier, backend.rows, fingerprint, field=f"tiers[{index}]"))
+                continue
+            # -- end of the issue 11 hook
             assert isinstance(tier, DiskTierConfig)
             lower.append(open_store(tier, backend.rows, fingerprint, field=f"tiers[{index}]"))
     except BaseException:

@@ -383,6 +383,12 @@ def _parse_tier(section: object, path: str) -> TierConfig:
     )
     # kind first: it decides which keys the rest of the section may hold
     kind = section.get("kind", _MISSING)
+    # -- issue 11 hook, until the tier registry lands: the valkey tier parses its own section
+    if kind in ("valkey", "redis"):
+        from kvtier.tiers.valkey.config import parse as parse_valkey
+
+        return parse_valkey(section, path)
+    # -- end of the issue 11 hook
     if not isinstance(kind, str) or kind not in _TIER_CLASSES:
         fix = _choice_fix(kind, TIER_KINDS) if kind is not _MISSING else (
             "add kind: cpu, kind: lmdb or kind: files"

@@ -1,0 +1,198 @@
+"""The valkey tier's view of its server: pipelined SET and GET of many keys, with per-key errors.
+
+One class serves a standalone server and a cluster. A cluster's keys are grouped by the node
+that owns their slot and each group goes out as one pipeline to that node, so a dead node
+fails only its own keys and the others are still served. (Rejected: the client's cluster
+pipeline — it treats a connection error to one node as the whole batch's, and retries it
+against a topology refresh that a dead node without replicas never satisfies.)
+
+Every method blocks on the network for at most ``timeout_s`` per batch and is called on the
+tier's own threads, never on the scheduler thread. The client is ``valkey`` (redis-py's
+fork, with the ``libvalkey`` C reply parser when installed); README says why not GLIDE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtier.tiers.valkey.config import ValkeyTierConfig
+
+__all__ = ["ValkeyConnection", "UNAVAILABLE", "TIMEOUT", "reason_of"]
+
+#: the failure reasons of keys a batch could not reach the server for
+UNAVAILABLE = "unavailable"
+TIMEOUT = "timeout"
+
+
+def reason_of(error: BaseException) -> str:
+    """A key's short failure reason for ``error`` (``"timeout"``, ``"unavailable"``, the server's words)."""
+    import valkey.exceptions as errors
+
+    if isinstance(error, errors.TimeoutError):
+        return TIMEOUT
+    if isinstance(error, (errors.ConnectionError, OSError)):
+        return UNAVAILABLE
+    text = str(error).split("\n")[0][:80]
+    return f"server: {text}" if text else f"server: {type(error).__name__}"
+
+
+def is_outage(reason: str) -> bool:
+    """Whether a key's failure reason means the server could not be reached at all."""
+    return reason in (UNAVAILABLE, TIMEOUT)
+
+
+class ValkeyConnection:
+    """A client for the server or cluster that ``config`` names, built lazily on first use.
+
+    Thread-safe: the client keeps a pool of connections, one per thread in use.
+    """
+
+    def __init__(self, config: ValkeyTierConfig):
+        self._config = config
+        self._client = None
+
+    # -- the client ---------------------------------------------------------------------------
+
+    def _connect(self):
+        import valkey
+        from valkey.backoff import NoBackoff
+        from valkey.retry import Retry
+
+        config = self._config
+        # No retries inside the client: the tier backs off and reconnects on its own, and a
+        # retried batch would hold the thread past timeout_s.
+        options = dict(
+            socket_timeout=config.timeout_s,
+            socket_connect_timeout=config.timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        if config.cluster_nodes:
+            from valkey.cluster import ClusterNode, ValkeyCluster
+
+            nodes = []
+            for node in config.cluster_nodes:
+                host, _, port = node.rpartition(":")
+                nodes.append(ClusterNode(host.strip("[]"), int(port)))
+            # one attempt per call, as for a single server: see above
+            return ValkeyCluster(startup_nodes=nodes, cluster_error_retry_attempts=0, **options)
+        url = self._config.url
+        return valkey.Valkey.from_url(url, **options)
+
+    @property
+    def client(self):
+        """The ``valkey`` client (``Valkey`` or ``ValkeyCluster``); connects on first use."""
+        if self._client is None:
+            self._client = self._connect()
+        return self._client
+
+    def _groups(self, names: Sequence[bytes]) -> list[tuple[object, list[int]]]:
+        """``(client, indexes of names)`` per server the names live on."""
+        client = self.client
+        if not self._config.cluster_nodes:
+            return [(client, list(range(len(names))))]
+        by_node: dict[str, tuple[object, list[int]]] = {}
+        for index, name in enumerate(names):
+            node = client.get_node_from_key(name)
+            entry = by_node.get(node.name)
+            if entry is None:
+                entry = by_node[node.name] = (client.get_valkey_connection(node), [])
+            entry[1].append(index)
+        return list(by_node.values())
+
+    # -- batches ------------------------------------------------------------------------------
+
+    def set_many(self, names: Sequence[bytes], values: Sequence, ttl_s: float | None) -> list[str | None]:
+        """SET each name to its value (expiring after ``ttl_s``); per name ``None`` or the reason it failed."""
+        out: list[str | None] = [None] * len(names)
+        px = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        try:
+            groups = self._groups(names)
+        except Exception as error:  # the cluster's topology could not be read
+            return [reason_of(error)] * len(names)
+        for server, indexes in groups:
+            try:
+                pipe = server.pipeline(transaction=False)
+                for index in indexes:
+                    pipe.set(names[index], values[index], px=px)
+                replies = pipe.execute(raise_on_error=False)
+            except Exception as error:
+                reason = reason_of(error)
+                for index in indexes:
+                    out[index] = reason
+                continue
+            for index, reply in zip(indexes, replies):
+                if isinstance(reply, Exception):
+                    out[index] = reason_of(reply)
+        return out
+
+    def get_many(self, names: Sequence[bytes]) -> list[bytes | None | str]:
+        """GET each name: its value, ``None`` if the server has no such key, or a failure reason (str)."""
+        out: list[bytes | None | str] = [None] * len(names)
+        try:
+            groups = self._groups(names)
+        except Exception as error:
+            return [reason_of(error)] * len(names)
+        for server, indexes in groups:
+            try:
+                pipe = server.pipeline(transaction=False)
+                for index in indexes:
+                    pipe.get(names[index])
+                replies = pipe.execute(raise_on_error=False)
+            except Exception as error:
+                reason = reason_of(error)
+                for index in indexes:
+                    out[index] = reason
+                continue
+            for index, reply in zip(indexes, replies):
+                out[index] = reason_of(reply) if isinstance(reply, Exception) else reply
+        return out
+
+    def ping(self) -> None:
+        """Raise unless the server (every cluster node the client knows) answers."""
+        client = self.client
+        if self._config.cluster_nodes:
+            client.ping(target_nodes=client.ALL_NODES)
+        else:
+            client.ping()
+
+    def server_figures(self) -> dict[str, int]:
+        """The server's memory and hit counters, summed over a cluster's nodes."""
+        client = self.client
+        if self._config.cluster_nodes:
+            per_node = client.info(target_nodes=client.PRIMARIES)
+            # one dict per node keyed by node name, or one dict when there is a single node
+            infos = list(per_node.values()) if all(isinstance(v, dict) for v in per_node.values()) else [per_node]
+        else:
+            infos = [client.info()]
+        figures = dict.fromkeys(
+            ("used_memory", "maxmemory", "evicted_keys", "keyspace_hits", "keyspace_misses", "expired_keys"), 0
+        )
+        for info in infos:
+            for name in figures:
+                value = info.get(name, 0)
+                figures[name] += int(value) if isinstance(value, (int, float)) else 0
+        return figures
+
+    def scan_names(self, pattern: bytes, count: int = 1000) -> list[bytes]:
+        """Every key name matching ``pattern`` (blocks; for :meth:`ValkeyTier.check`)."""
+        client = self.client
+        if self._config.cluster_nodes:
+            names: list[bytes] = []
+            for node in client.get_primaries():
+                names.extend(client.get_valkey_connection(node).scan_iter(match=pattern, count=count))
+            return names
+        return list(client.scan_iter(match=pattern, count=count))
+
+    def delete(self, names: Sequence[bytes]) -> None:
+        """DEL ``names`` (blocks; for :meth:`ValkeyTier.check`)."""
+        for server, indexes in self._groups(names):
+            pipe = server.pipeline(transaction=False)
+            for index in indexes:
+                pipe.delete(names[index])
+            pipe.execute()
+
+    def close(self) -> None:
+        """Close every pooled connection."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
