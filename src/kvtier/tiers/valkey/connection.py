@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from kvtier.tiers.valkey.config import ValkeyTierConfig
 
-__all__ = ["ValkeyConnection", "UNAVAILABLE", "TIMEOUT", "reason_of"]
+__all__ = ["ValkeyConnection", "UNAVAILABLE", "TIMEOUT", "is_outage", "reason_of"]
 
 #: the failure reasons of keys a batch could not reach the server for
 UNAVAILABLE = "unavailable"
@@ -148,20 +148,34 @@ class ValkeyConnection:
         return out
 
     def ping(self) -> None:
-        """Raise unless the server (every cluster node the client knows) answers."""
+        """Raise unless the server (for a cluster: at least one primary) answers.
+
+        A cluster with a dead node still serves the other nodes' slots, so one answering
+        node is enough; the dead node's keys fail one by one.
+        """
         client = self.client
-        if self._config.cluster_nodes:
-            client.ping(target_nodes=client.ALL_NODES)
-        else:
+        if not self._config.cluster_nodes:
             client.ping()
+            return
+        error: Exception | None = None
+        for node in client.get_primaries():
+            try:
+                client.get_valkey_connection(node).ping()
+                return
+            except Exception as exc:  # try the next node
+                error = exc
+        raise error or ConnectionError("the cluster has no primary node")
 
     def server_figures(self) -> dict[str, int]:
         """The server's memory and hit counters, summed over a cluster's nodes."""
         client = self.client
         if self._config.cluster_nodes:
-            per_node = client.info(target_nodes=client.PRIMARIES)
-            # one dict per node keyed by node name, or one dict when there is a single node
-            infos = list(per_node.values()) if all(isinstance(v, dict) for v in per_node.values()) else [per_node]
+            infos = []
+            for node in client.get_primaries():
+                try:
+                    infos.append(client.get_valkey_connection(node).info())
+                except Exception:  # a dead node: the others' figures still count
+                    continue
         else:
             infos = [client.info()]
         figures = dict.fromkeys(

@@ -54,7 +54,7 @@ from kvtier.tiers.disk.format import (
     verify,
 )
 from kvtier.tiers.valkey.config import ValkeyTierConfig
-from kvtier.tiers.valkey.connection import UNAVAILABLE, ValkeyConnection, is_outage
+from kvtier.tiers.valkey.connection import UNAVAILABLE, ValkeyConnection, is_outage, reason_of
 
 __all__ = ["ValkeyLoadStoreSpec", "ValkeyTier", "default_namespace"]
 
@@ -189,13 +189,12 @@ class ValkeyTier(SecondaryTier):
         tier = cls(config, rows, fingerprint)
         try:
             tier._conn.ping()
-            tier._server_figures = tier._conn.server_figures()
-            if tier._server_figures.get("maxmemory"):
-                tier.capacity_blocks = tier._server_figures["maxmemory"] // tier._value_bytes
         except Exception as error:
-            from kvtier.tiers.valkey.connection import reason_of
-
             tier._went_down(reason_of(error))
+            return tier
+        tier._refresh_figures()
+        if tier._server_figures.get("maxmemory"):
+            tier.capacity_blocks = tier._server_figures["maxmemory"] // tier._value_bytes
         return tier
 
     def _name(self, key: OffloadKey) -> bytes:
