@@ -36,6 +36,40 @@ def reason_of(error: BaseException) -> str:
     return f"server: {text}" if text else f"server: {type(error).__name__}"
 
 
+def _pack_set(argc: int, name: bytes, parts: Sequence, expire: bytes) -> list:
+    """The buffers of ``SET name <parts joined> [PX ms]`` in RESP, the parts not copied."""
+    length = sum(len(part) for part in parts)
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (argc, len(name), name, length)
+    first, *rest = parts
+    if len(first) <= 8192:  # a small first part (the header page) rides with the command head
+        return [head + bytes(first), *rest, b"\r\n" + expire]
+    return [head, *parts, b"\r\n" + expire]
+
+
+def _round_trip(server, chunks: list, count: int) -> list:
+    """Send ``chunks`` (``count`` packed commands) on one pooled connection; the ``count``
+    replies, an error reply as its exception. Raises if the connection fails."""
+    from valkey.exceptions import ResponseError
+
+    pool = server.connection_pool
+    connection = pool.get_connection("PIPELINE")
+    try:
+        connection.send_packed_command(chunks, check_health=False)
+        replies: list = []
+        for _ in range(count):
+            try:
+                replies.append(connection.read_response())
+            except ResponseError as error:  # that command's answer; the stream stays in step
+                replies.append(error)
+        return replies
+    except BaseException:
+        # replies may be left unread: the connection is out of step, never reuse it
+        connection.disconnect()
+        raise
+    finally:
+        pool.release(connection)
+
+
 def is_outage(reason: str) -> bool:
     """Whether a key's failure reason means the server could not be reached at all."""
     return reason in (UNAVAILABLE, TIMEOUT)
@@ -101,20 +135,41 @@ class ValkeyConnection:
 
     # -- batches ------------------------------------------------------------------------------
 
-    def set_many(self, names: Sequence[bytes], values: Sequence, ttl_s: float | None) -> list[str | None]:
-        """SET each name to its value (expiring after ``ttl_s``); per name ``None`` or the reason it failed."""
-        out: list[str | None] = [None] * len(names)
+    def set_many(self, names: Sequence[bytes], values: Sequence[Sequence], ttl_s: float | None) -> list[str | None]:
+        """SET each name to its value (expiring after ``ttl_s``); per name ``None`` or the reason it failed.
+
+        A value is a sequence of buffers sent back to back (the tier's header page, then the
+        CPU row itself): the commands are packed here so that the row goes to the socket as
+        it is. (Rejected: the client's ``pipeline().set`` — its C packer copies every value
+        into one command buffer, and the value would first have to be joined into one
+        ``bytes``: two copies of every block before the first byte is sent.)
+        """
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        expire = b"" if px is None else b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(px)), px)
+        argc = 3 if px is None else 5
+        return self._batch(names, lambda index, name: _pack_set(argc, name, values[index], expire), is_set=True)
+
+    def get_many(self, names: Sequence[bytes]) -> list[bytes | None | str]:
+        """GET each name: its value, ``None`` if the server has no such key, or a failure reason (str)."""
+        return self._batch(names, lambda index, name: [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name)], is_set=False)
+
+    def _batch(self, names: Sequence[bytes], pack, is_set: bool) -> list:
+        """One pipelined round trip per server: every name's command, then every reply.
+
+        ``pack(index, name)`` gives the command's buffers. A reply is the value, ``None``, or a
+        failure reason (str); a server that cannot be reached fails all of its names.
+        """
+        out: list = [None] * len(names)
         try:
             groups = self._groups(names)
         except Exception as error:  # the cluster's topology could not be read
             return [reason_of(error)] * len(names)
         for server, indexes in groups:
+            chunks: list = []
+            for index in indexes:
+                chunks.extend(pack(index, names[index]))
             try:
-                pipe = server.pipeline(transaction=False)
-                for index in indexes:
-                    pipe.set(names[index], values[index], px=px)
-                replies = pipe.execute(raise_on_error=False)
+                replies = _round_trip(server, chunks, len(indexes))
             except Exception as error:
                 reason = reason_of(error)
                 for index in indexes:
@@ -123,28 +178,10 @@ class ValkeyConnection:
             for index, reply in zip(indexes, replies):
                 if isinstance(reply, Exception):
                     out[index] = reason_of(reply)
-        return out
-
-    def get_many(self, names: Sequence[bytes]) -> list[bytes | None | str]:
-        """GET each name: its value, ``None`` if the server has no such key, or a failure reason (str)."""
-        out: list[bytes | None | str] = [None] * len(names)
-        try:
-            groups = self._groups(names)
-        except Exception as error:
-            return [reason_of(error)] * len(names)
-        for server, indexes in groups:
-            try:
-                pipe = server.pipeline(transaction=False)
-                for index in indexes:
-                    pipe.get(names[index])
-                replies = pipe.execute(raise_on_error=False)
-            except Exception as error:
-                reason = reason_of(error)
-                for index in indexes:
-                    out[index] = reason
-                continue
-            for index, reply in zip(indexes, replies):
-                out[index] = reason_of(reply) if isinstance(reply, Exception) else reply
+                elif is_set:
+                    out[index] = None if reply == b"OK" else f"server: {reply!r}"[:80]
+                else:
+                    out[index] = reply
         return out
 
     def ping(self) -> None:

@@ -426,16 +426,15 @@ class ValkeyTier(SecondaryTier):
 
     # -- the worker threads ----------------------------------------------------------------------
 
-    def _encode(self, key: OffloadKey, row: int) -> bytes:
-        """The value of ``key``: header page, then the row's bytes (one copy; the client's C
-        packer takes ``bytes`` only, so a bytearray filled in place would cost a second)."""
+    def _encode(self, key: OffloadKey, row: int) -> tuple[bytes, memoryview]:
+        """The value of ``key``: its header page, then the CPU row itself (sent as it is)."""
         payload = self._rows[row]
         header = bytearray(HEADER_BYTES)
         encode_header_into(
             header, layout_digest=self._digest, key=key, payload_bytes=self.block_bytes,
             checksum=xxhash.xxh3_64_intdigest(payload),
         )
-        return b"".join((header, payload.data))
+        return bytes(header), payload.data
 
     def _run_store(self, result: TierJobResult, todo: list[tuple[OffloadKey, int]]) -> None:
         stored: list[OffloadKey] = []
