@@ -48,66 +48,80 @@ DEFAULT_SERVER_MAXMEMORY = 2 << 30
 _ENGINE_TIMEOUT_S = 3600.0
 
 
-def _engine_main(index: int, config: dict, requests: list, gpu_blocks: int, block_bytes: int,
+def _engine_main(index: int, configs: list[dict], requests: list, gpu_blocks: int, block_bytes: int,
                  start, results) -> None:
-    """One engine process: replay its share of the trace, put its figures on ``results``."""
+    """One engine process: replay its share of the trace once per config in ``configs`` (the
+    fleet's runs, in order), putting ``(run, figures)`` on ``results`` after each.
+
+    One process serves every run so that the fleet pays for starting engines (importing
+    torch, mostly) once; each run builds a fresh stack, and starts when every engine is ready.
+    """
     from kvtier.replay.engine import ReplayEngine
     from kvtier.spec import TieredOffloadingSpec
 
-    record: dict[str, Any] = {"engine": index}
-    try:
-        spec = TieredOffloadingSpec(config, gpu_block_size_tokens=TRACE_BLOCK_TOKENS, page_bytes=[block_bytes])
-        engine = ReplayEngine(spec, gpu_blocks)
+    for run, config in enumerate(configs):
+        record: dict[str, Any] = {"engine": index}
         try:
-            start.wait()
-            record["elapsed_s"] = engine.run(requests)
-            stats = engine.manager.stats() if hasattr(engine.manager, "stats") else {}
-        finally:
-            engine.close()
-        counts = engine.counts
-        record.update(
-            requests=counts.requests, block_refs=counts.block_refs, hits=counts.hits,
-            verified_blocks=counts.verified_blocks, mismatched_blocks=counts.mismatched_blocks,
-            computed_blocks=counts.computed_blocks,
-            corrupt_blocks=sum(v for k, v in stats.items() if k.endswith(".corrupt_blocks")),
-            shared_outages=stats.get(f"{SHARED_TIER}.outages", 0),
-        )
-    except BaseException as exc:  # reported to the parent, which fails the run with it
-        record["error"] = f"{type(exc).__name__}: {exc}"
-    results.put(record)
+            spec = TieredOffloadingSpec(config, gpu_block_size_tokens=TRACE_BLOCK_TOKENS, page_bytes=[block_bytes])
+            engine = ReplayEngine(spec, gpu_blocks)
+            try:
+                start.wait()
+                record["elapsed_s"] = engine.run(requests)
+                stats = engine.manager.stats() if hasattr(engine.manager, "stats") else {}
+            finally:
+                engine.close()
+            counts = engine.counts
+            record.update(
+                requests=counts.requests, block_refs=counts.block_refs, hits=counts.hits,
+                verified_blocks=counts.verified_blocks, mismatched_blocks=counts.mismatched_blocks,
+                computed_blocks=counts.computed_blocks,
+                corrupt_blocks=sum(v for k, v in stats.items() if k.endswith(".corrupt_blocks")),
+                shared_outages=stats.get(f"{SHARED_TIER}.outages", 0),
+            )
+        except BaseException as exc:  # reported to the parent, which fails the run with it
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            start.abort()  # the other engines must not wait for this one
+        results.put((run, record))
+        if "error" in record:
+            return
 
 
-def _run_fleet(configs: list[dict], shares: list[list], gpu_blocks: int, block_bytes: int) -> list[dict]:
+def _run_fleet(configs: list[list[dict]], shares: list[list], gpu_blocks: int, block_bytes: int) -> list[list[dict]]:
+    """Run engine ``i`` with ``configs[i]`` (one config per run) on ``shares[i]``; per run,
+    the engines' figures in engine order."""
     context = multiprocessing.get_context("spawn")  # no forked copies of locks or threads
-    start = context.Barrier(len(configs))
+    engines, runs = len(configs), len(configs[0])
+    start = context.Barrier(engines)
     results = context.Queue()
     processes = [
         context.Process(target=_engine_main, args=(i, configs[i], shares[i], gpu_blocks, block_bytes, start, results),
                         name=f"kvtier-engine-{i}")
-        for i in range(len(configs))
+        for i in range(engines)
     ]
     for process in processes:
         process.start()
-    records = []
+    records: list[tuple[int, dict]] = []
     try:
         deadline = time.monotonic() + _ENGINE_TIMEOUT_S
-        while len(records) < len(processes):
+        while len(records) < engines * runs:
             try:
                 records.append(results.get(timeout=1.0))
             except Exception:  # queue.Empty: check that the engines are still alive
                 if time.monotonic() > deadline or all(not p.is_alive() for p in processes):
                     break
+            if any("error" in record for _, record in records):
+                break
     finally:
         for process in processes:
-            process.join(timeout=30)
+            process.join(timeout=60)
             if process.is_alive():
                 process.kill()
                 process.join()
-    failed = [r for r in records if "error" in r]
-    if failed or len(records) < len(processes):
+    failed = [record for _, record in records if "error" in record]
+    if failed or len(records) < engines * runs:
         reason = failed[0]["error"] if failed else "an engine process died without a report"
         raise KvtierError(f"fleet replay: engine failed: {reason}")
-    return sorted(records, key=lambda r: r["engine"])
+    return [sorted((r for run_, r in records if run_ == run), key=lambda r: r["engine"]) for run in range(runs)]
 
 
 def _engine_configs(base: dict, engines: int, directory: str, shared: dict | None) -> list[dict]:
@@ -223,10 +237,12 @@ def replay_fleet(
         shared = {"name": SHARED_TIER, "kind": "valkey", "timeout_s": 2.0,
                   "namespace": f"kvtier-fleet-{uuid.uuid4().hex[:12]}", **target}
         stack.callback(_delete_namespace, shared)
-        with_shared = _summary(_run_fleet(
-            _engine_configs(base, engines, str(Path(directory) / "shared"), shared), shares, gpu_blocks, block_bytes))
-        local_only = _summary(_run_fleet(
-            _engine_configs(base, engines, str(Path(directory) / "local"), None), shares, gpu_blocks, block_bytes))
+        runs = [
+            _engine_configs(base, engines, str(Path(directory) / "shared"), shared),
+            _engine_configs(base, engines, str(Path(directory) / "local"), None),
+        ]
+        per_engine = [[run[i] for run in runs] for i in range(engines)]
+        with_shared, local_only = (_summary(run) for run in _run_fleet(per_engine, shares, gpu_blocks, block_bytes))
 
     record: dict[str, Any] = {
         "engines": engines,
