@@ -75,7 +75,11 @@ def _engine_main(index: int, configs: list[dict], requests: list, gpu_blocks: in
                 requests=counts.requests, block_refs=counts.block_refs, hits=counts.hits,
                 verified_blocks=counts.verified_blocks, mismatched_blocks=counts.mismatched_blocks,
                 computed_blocks=counts.computed_blocks,
-                corrupt_blocks=sum(v for k, v in stats.items() if k.endswith(".corrupt_blocks")),
+                # the local tiers' corrupt reads, and every corrupt value the shared tier met
+                # (also those whose header failed when read at the end of a step)
+                corrupt_blocks=stats.get(f"{SHARED_TIER}.corrupt_values", 0) + sum(
+                    v for k, v in stats.items() if k.endswith(".corrupt_blocks") and not k.startswith(SHARED_TIER + ".")
+                ),
                 shared_outages=stats.get(f"{SHARED_TIER}.outages", 0),
             )
         except BaseException as exc:  # reported to the parent, which fails the run with it

@@ -119,10 +119,10 @@ def test_altered_truncated_and_misplaced_values_are_counted_misses(valkey_server
     try:
         # The header checks run on the read: only the flipped payload byte passes them.
         assert settle(reader, keys) == [True, False, False, False]
-        assert reader.stats()["corrupt_blocks"] == 3
+        assert reader.stats()["corrupt_values"] == 3
         result = load(reader, keys[:1])
         assert not result.success and result.failed[keys[0]] == "corrupt: checksum"
-        assert reader.stats()["corrupt_blocks"] == 4
+        assert reader.stats()["corrupt_values"] == 4
         assert reader.lookup(keys[0]) is False  # a corrupt value is remembered as a miss
         assert not reader_rows[1:].any()  # nothing was written where nothing was served
     finally:
@@ -139,7 +139,7 @@ def test_another_layout_is_never_served(valkey_server):
     try:
         assert store(writer, keys, rows).success
         assert settle(reader, keys) == [False] * 3
-        assert reader.stats()["corrupt_blocks"] == 3
+        assert reader.stats()["corrupt_values"] == 3
     finally:
         writer.close()
         reader.close()
@@ -157,7 +157,7 @@ def test_another_namespace_is_never_read(valkey_server):
         assert settle(reader, keys) == [False] * 3
         # its reads asked for model-b names only, which the server does not have: no hit at all
         assert raw.info("stats")["keyspace_hits"] == hits_before
-        assert reader.stats()["corrupt_blocks"] == 0
+        assert reader.stats()["corrupt_values"] == 0
         assert sorted(raw.keys("*")) == sorted(raw_name(writer, k) for k in keys)
     finally:
         writer.close()
