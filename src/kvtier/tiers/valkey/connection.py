@@ -203,6 +203,19 @@ class ValkeyConnection:
                 error = exc
         raise error or ConnectionError("the cluster has no primary node")
 
+    def drop_idle_connections(self) -> None:
+        """Close the pooled connections nobody is using: after an outage they may lead to a
+        server that restarted, and the first batch on one would fail (they reopen on use)."""
+        client = self._client
+        if client is None:
+            return
+        if self._config.cluster_nodes:
+            pools = [node.valkey_connection.connection_pool for node in client.get_nodes() if node.valkey_connection]
+        else:
+            pools = [client.connection_pool]
+        for pool in pools:
+            pool.disconnect(inuse_connections=False)
+
     def server_figures(self) -> dict[str, int]:
         """The server's memory and hit counters, summed over a cluster's nodes."""
         client = self.client

@@ -253,6 +253,7 @@ class ValkeyTier(SecondaryTier):
 
         def attempt() -> None:
             try:
+                self._conn.drop_idle_connections()
                 self._conn.ping()
             except Exception:
                 self._ping_done(False)
