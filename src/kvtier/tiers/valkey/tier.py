@@ -107,8 +107,8 @@ class _ProbeOutcome:
     """What a batch of reads found, key by key (built on a worker thread)."""
 
     batch: int
-    #: key -> verified-header value (payload checksum still to be checked on load)
-    found: dict[OffloadKey, bytes] = field(default_factory=dict)
+    #: key -> (value whose header passed, its payload checksum, checked on load)
+    found: dict[OffloadKey, tuple[bytes, int]] = field(default_factory=dict)
     missing: list[OffloadKey] = field(default_factory=list)
     #: key -> why its value is not this key's block of this layout
     corrupt: dict[OffloadKey, str] = field(default_factory=dict)
@@ -150,7 +150,8 @@ class ValkeyTier(SecondaryTier):
         # scheduler-thread state
         self._present: OrderedDict[OffloadKey, None] = OrderedDict()
         self._missing: OrderedDict[OffloadKey, float] = OrderedDict()  # key -> answer False until
-        self._staged: OrderedDict[OffloadKey, tuple[bytes, float]] = OrderedDict()  # value, drop at
+        # key -> (value, its payload checksum from the checked header, drop at)
+        self._staged: OrderedDict[OffloadKey, tuple[bytes, int, float]] = OrderedDict()
         self._staged_bytes = 0
         self._wanted: dict[OffloadKey, None] = {}
         self._probing: dict[OffloadKey, int] = {}  # key -> batch
@@ -356,7 +357,7 @@ class ValkeyTier(SecondaryTier):
 
     def _drop_stale_staged(self, now: float) -> None:
         while self._staged:
-            key, (value, until) = next(iter(self._staged.items()))
+            key, (value, _, until) = next(iter(self._staged.items()))
             if until > now:
                 break
             del self._staged[key]
@@ -395,11 +396,11 @@ class ValkeyTier(SecondaryTier):
         self.counters["load_jobs"] += 1
         for key in job.keys:
             self._reading[key] = self._reading.get(key, 0) + 1
-        staged: dict[OffloadKey, bytes] = {}
+        staged: dict[OffloadKey, tuple[bytes, int]] = {}
         for key in job.keys:
             entry = self._staged.pop(key, None)
             if entry is not None:
-                staged[key] = entry[0]
+                staged[key] = entry[:2]
                 self._staged_bytes -= len(entry[0])
         result = TierJobResult(job.job_id, is_load=True)
         if self._down_since is not None and len(staged) < len(job.keys):
@@ -473,11 +474,18 @@ class ValkeyTier(SecondaryTier):
         result.nbytes = len(stored) * self.block_bytes
         self._done.append(("store", result, stored))
 
-    def _place(self, key: OffloadKey, target: np.ndarray, value) -> str | None:
-        """Copy ``value``'s payload into ``target`` (a CPU row) and verify it there; why not, or None."""
+    def _place(self, key: OffloadKey, target: np.ndarray, value, checksum: int | None = None) -> str | None:
+        """Copy ``value``'s payload into ``target`` (a CPU row) and verify it there; why not, or None.
+
+        ``checksum``: the payload checksum of a value whose header was checked already (when
+        it was read at the end of a step); only the payload is checked then.
+        """
         if not isinstance(value, (bytes, bytearray, memoryview)):
             return "missing"
         view = memoryview(value)
+        if checksum is not None and len(view) == self._value_bytes:
+            target[:] = np.frombuffer(view, dtype=np.uint8, offset=HEADER_BYTES)
+            return None if xxhash.xxh3_64_intdigest(target) == checksum else "corrupt: checksum"
         if len(view) < self._value_bytes:
             return "corrupt: truncated"
         if len(view) > self._value_bytes:
@@ -490,12 +498,13 @@ class ValkeyTier(SecondaryTier):
         )
         return None if reason is None else "corrupt: " + reason
 
-    def _place_all(self, pairs: list[tuple[OffloadKey, int]], values: dict[OffloadKey, bytes]) -> dict:
-        """:meth:`_place` each key's value into its row: key -> why not, or None."""
-        return {key: self._place(key, self._rows[row], values[key]) for key, row in pairs}
+    def _place_all(self, pairs: list[tuple[OffloadKey, int]], values: dict[OffloadKey, tuple[bytes, int]]) -> dict:
+        """:meth:`_place` each key's read value (and checksum) into its row: key -> why not, or None."""
+        rows = self._rows
+        return {key: self._place(key, rows[row], *values[key]) for key, row in pairs}
 
     def _run_load(self, result: TierJobResult, pairs: list[tuple[OffloadKey, int]],
-                  staged: dict[OffloadKey, bytes]) -> None:
+                  staged: dict[OffloadKey, tuple[bytes, int]]) -> None:
         try:
             fetch = [(key, row) for key, row in pairs if key not in staged and key not in result.failed]
             local = [(key, row) for key, row in pairs if key in staged]
@@ -537,8 +546,9 @@ class ValkeyTier(SecondaryTier):
         result.nbytes = len(result.ok) * self.block_bytes
         self._done.append(("load", result, None))
 
-    def _check_header(self, key: OffloadKey, value: bytes) -> str | None:
-        """The cheap checks of a read value (all but the payload checksum, left to the load)."""
+    def _check_header(self, key: OffloadKey, value: bytes) -> str | int:
+        """The cheap checks of a read value (all but the payload checksum, left to the load):
+        why it is not this key's block of this layout, or its payload checksum."""
         if len(value) < HEADER_BYTES:
             return "truncated"
         header = decode_header(memoryview(value)[:HEADER_BYTES])
@@ -550,7 +560,7 @@ class ValkeyTier(SecondaryTier):
             return "other key"
         if header.payload_bytes != self.block_bytes or len(value) != self._value_bytes:
             return "truncated" if len(value) < self._value_bytes else "payload length"
-        return None
+        return header.checksum
 
     def _run_probe(self, batch: int, keys: list[OffloadKey]) -> None:
         outcome = _ProbeOutcome(batch)
@@ -562,11 +572,11 @@ class ValkeyTier(SecondaryTier):
                 elif value is None:
                     outcome.missing.append(key)
                 else:
-                    reason = self._check_header(key, value)
-                    if reason is None:
-                        outcome.found[key] = value
+                    checked = self._check_header(key, value)
+                    if isinstance(checked, int):
+                        outcome.found[key] = (value, checked)
                     else:
-                        outcome.corrupt[key] = reason
+                        outcome.corrupt[key] = checked
             if values and all(isinstance(v, str) and is_outage(v) for v in values):
                 self._went_down(values[0])
         except Exception as error:
@@ -635,10 +645,10 @@ class ValkeyTier(SecondaryTier):
                 del self._probing[key]
         budget = self.config.max_inflight_bytes
         now = time.monotonic()
-        for key, value in outcome.found.items():
+        for key, (value, checksum) in outcome.found.items():
             self.counters["probe_hits"] += 1
             if self._staged_bytes + len(value) <= budget:
-                self._staged[key] = (value, now + STAGED_TTL_S)
+                self._staged[key] = (value, checksum, now + STAGED_TTL_S)
                 self._staged_bytes += len(value)
             else:
                 # No room to hold the value: the load reads it again (a second round trip).
