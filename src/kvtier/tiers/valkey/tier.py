@@ -480,7 +480,7 @@ class ValkeyTier(SecondaryTier):
         ``checksum``: the payload checksum of a value whose header was checked already (when
         it was read at the end of a step); only the payload is checked then.
         """
-        if not isinstance(value, (bytes, bytearray, memoryview)):
+        if not isinstance(value, (bytes, bytearray, memoryview, np.ndarray)):
             return "missing"
         view = memoryview(value)
         if checksum is not None and len(view) == self._value_bytes:
