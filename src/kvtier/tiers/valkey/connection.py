@@ -8,11 +8,16 @@ against a topology refresh that a dead node without replicas never satisfies.)
 
 Every method blocks on the network for at most ``timeout_s`` per batch and is called on the
 tier's own threads, never on the scheduler thread. The client is ``valkey`` (redis-py's
-fork, with the ``libvalkey`` C reply parser when installed); README says why not GLIDE.
+fork, with the ``libvalkey`` C reply parser when installed; README says why not GLIDE): its
+pools, connections, URL parsing and cluster topology are used as they are, but the two
+commands that move blocks are packed and read here, on a pooled connection, so that a block
+is never copied on its way: SET sends the CPU row itself to the socket, and GET reads each
+value from the socket straight into an array of its own.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -173,6 +178,7 @@ class ValkeyConnection:
     def __init__(self, config: ValkeyTierConfig):
         self._config = config
         self._client = None
+        self._lock = threading.Lock()  # guards the lazy creation of _client
 
     # -- the client ---------------------------------------------------------------------------
 
@@ -204,9 +210,10 @@ class ValkeyConnection:
     @property
     def client(self):
         """The ``valkey`` client (``Valkey`` or ``ValkeyCluster``); connects on first use."""
-        if self._client is None:
-            self._client = self._connect()
-        return self._client
+        with self._lock:
+            if self._client is None:
+                self._client = self._connect()
+            return self._client
 
     def _groups(self, names: Sequence[bytes]) -> list[tuple[object, list[int]]]:
         """``(client, indexes of names)`` per server the names live on."""
@@ -347,6 +354,7 @@ class ValkeyConnection:
 
     def close(self) -> None:
         """Close every pooled connection."""
-        client, self._client = self._client, None
+        with self._lock:
+            client, self._client = self._client, None
         if client is not None:
             client.close()
