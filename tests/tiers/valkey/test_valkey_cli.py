@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvtier.cli.main import main
 
 
@@ -16,6 +18,7 @@ def test_bench_remote_measures_both_ways_at_both_sizes(server_binary, capsys):
             assert record[f"{size}_tier_{way}_gbps"] > 0 and record[f"{size}_raw_{way}_gbps"] > 0
 
 
+@pytest.mark.slow  # two engine processes, each importing torch
 def test_a_fleet_shares_prefixes_through_the_shared_tier(server_binary, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the engines' disk tiers go in a temporary folder here
     assert main(["replay", "--engines", "2", "--limit", "120", "--no-progress", "--json"]) == 0
