@@ -65,7 +65,7 @@ def test_bytes_round_trip_through_a_second_tier(valkey_server):
 
 
 def test_a_missing_key_is_asked_once_then_remembered(valkey_server):
-    tier = open_tier(valkey_server.url)
+    tier = open_tier(valkey_server.url, miss_ttl_s=600)
     try:
         absent = [key(100 + i) for i in range(5)]
         assert settle(tier, absent) == [False] * 5
