@@ -528,7 +528,7 @@ class ValkeyTier(SecondaryTier):
                     for key, _ in chunk:
                         result.failed[key] = outage
                     continue
-                values = self._conn.get_many([self._name(key) for key, _ in chunk])
+                values = self._conn.get_many([self._name(key) for key, _ in chunk], self._value_bytes)
                 for (key, row), value in zip(chunk, values):
                     reason = value if isinstance(value, str) else self._place(key, self._rows[row], value)
                     if reason is None:
@@ -565,7 +565,7 @@ class ValkeyTier(SecondaryTier):
     def _run_probe(self, batch: int, keys: list[OffloadKey]) -> None:
         outcome = _ProbeOutcome(batch)
         try:
-            values = self._conn.get_many([self._name(key) for key in keys])
+            values = self._conn.get_many([self._name(key) for key in keys], self._value_bytes)
             for key, value in zip(keys, values):
                 if isinstance(value, str):
                     outcome.failed[key] = value
@@ -687,7 +687,7 @@ class ValkeyTier(SecondaryTier):
         bad = []
         for start in range(0, len(names), self._batch_keys):
             chunk = names[start : start + self._batch_keys]
-            for name, value in zip(chunk, self._conn.get_many(chunk)):
+            for name, value in zip(chunk, self._conn.get_many(chunk, self._value_bytes)):
                 if value is None or isinstance(value, str):
                     continue  # evicted or expired since the scan
                 report.blocks_checked += 1
