@@ -72,3 +72,21 @@ def test_bad_sections_name_field_and_fix(section, field, fix_part):
 def test_a_valkey_tier_cannot_head_the_stack():
     with pytest.raises(ConfigError, match="tiers\\[0\\].kind"):
         load_config("tiers:\n  - {kind: valkey, url: 'valkey://h:1'}\n")
+
+
+def test_a_missing_client_is_a_config_error_with_the_fix(monkeypatch):
+    import importlib.util
+
+    import kvtier
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "valkey" else real(name, *a))
+    config = {
+        "tiers": [
+            {"kind": "cpu", "capacity": "1MiB", "pin_memory": "off"},
+            {"kind": "valkey", "url": "valkey://127.0.0.1:1/0"},
+        ]
+    }
+    with pytest.raises(ConfigError, match=r"kvtier\[valkey\]") as raised:
+        kvtier.build_manager(config, block_bytes=4096)
+    assert raised.value.field == "tiers[1].kind"

@@ -17,15 +17,15 @@ __all__ = ["VALKEY_KINDS", "ValkeyTierConfig", "open_valkey", "parse"]
 
 def open_valkey(config: ValkeyTierConfig, rows, fingerprint, field: str = "tiers[1]"):
     """Open the valkey tier ``config`` describes over CPU rows ``rows`` (see ``ValkeyTier.open``)."""
-    try:
-        import valkey  # noqa: F401  (the client the tier needs; a clear error if absent)
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("valkey") is None:  # the client the tier needs
         from kvtier.errors import ConfigError
 
         raise ConfigError(
             f"{field}.kind", config.kind, "a tier whose client is installed",
             "pip install 'kvtier[valkey]' (the valkey client and its libvalkey parser)",
-        ) from None
+        )
     from kvtier.tiers.valkey.tier import ValkeyTier
 
     return ValkeyTier.open(config, rows, fingerprint, field=field)

@@ -38,14 +38,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
-from kvtier.base import LoadStoreSpec, OffloadingEvent, OffloadKey
+from kvtier.base import OffloadingEvent, OffloadKey
 from kvtier.tiers.base import CheckReport, SecondaryTier, TierJob, TierJobResult
 from kvtier.tiers.disk.format import (
     HEADER_BYTES,
@@ -57,7 +57,7 @@ from kvtier.tiers.disk.format import (
 from kvtier.tiers.valkey.config import ValkeyTierConfig
 from kvtier.tiers.valkey.connection import UNAVAILABLE, ValkeyConnection, is_outage, reason_of
 
-__all__ = ["ValkeyLoadStoreSpec", "ValkeyTier", "default_namespace"]
+__all__ = ["ValkeyTier", "default_namespace"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,20 +78,6 @@ PARALLEL_COPY_BYTES = 8 << 20
 def default_namespace(fingerprint: LayoutFingerprint) -> str:
     """``kvtier:`` and 16 hex digits of the layout's digest: one namespace per model and layout."""
     return "kvtier:" + fingerprint.digest()[:8].hex()
-
-
-class ValkeyLoadStoreSpec(LoadStoreSpec):
-    """Blocks of a valkey tier, named by their keys."""
-
-    def __init__(self, keys: Sequence[OffloadKey]):
-        self.keys = tuple(keys)
-
-    @staticmethod
-    def medium() -> str:
-        return ValkeyTier.medium
-
-    def __len__(self) -> int:
-        return len(self.keys)
 
 
 @dataclass
