@@ -135,7 +135,9 @@ def _engine_configs(base: dict, engines: int, directory: str, shared: dict | Non
         tiers = []
         for tier in base["tiers"]:
             tier = dict(tier)
-            if tier.get("kind") not in ("cpu", "valkey", "redis") and "path" in tier:
+            if tier.get("kind") == "cpu":
+                tier.pop("path", None)  # each engine its own region (a fresh /dev/shm file)
+            elif tier.get("kind") not in ("valkey", "redis") and "path" in tier:
                 own = Path(directory) / f"engine-{index}"
                 own.mkdir(parents=True, exist_ok=True)
                 tier["path"] = str(own / Path(tier["path"]).name)
