@@ -17,7 +17,7 @@ def test_the_three_families_use_it():
     assert isinstance(POLICIES, Registry) and POLICIES.base is EvictionPolicy
     assert isinstance(TIER_KINDS, Registry) and TIER_KINDS.base is TierConfig
     assert isinstance(ENGINES, Registry) and ENGINES.base is CopyEngine
-    assert TIER_KINDS.names() == ("cpu", "lmdb", "files")
+    assert TIER_KINDS.names() == ("cpu", "lmdb", "files", "valkey", "redis")
     assert TIER_KINDS.resolve("cpu", field="k") is CPUTierConfig
     assert TIER_KINDS.resolve("files", field="k") is DiskTierConfig
 
@@ -25,7 +25,7 @@ def test_the_three_families_use_it():
 def test_unknown_name_lists_the_registered_ones():
     with pytest.raises(ConfigError) as info:
         TIER_KINDS.resolve("tape", field="tiers[1].kind")
-    assert info.value.field == "tiers[1].kind" and "cpu, lmdb, files" in str(info.value)
+    assert info.value.field == "tiers[1].kind" and "cpu, lmdb, files, valkey, redis" in str(info.value)
 
 
 def test_class_path_and_module_path_load_out_of_tree_classes():

@@ -33,6 +33,7 @@ __all__ = [
     "format_size",
     "describe",
     "parse_choice",
+    "parse_tier",
     "positive_int",
     "positive_size",
     "non_empty_str",
@@ -69,6 +70,10 @@ class TierConfig:
     # module to import the kind's section class from when ``kind`` is a bare class name
     # (None: a registered kind, or a class path in ``kind``)
     module_path: str | None = None
+
+    #: True: a server bounds and evicts the tier's blocks (a shared store's own memory
+    #: limit), so the section takes no capacity or eviction and capacity_bytes is 0
+    bounded_by_server: ClassVar[bool] = False
 
     #: "first": the tier every GPU load comes from (exactly one, heading the stack);
     #: "lower": a tier below it, built with :meth:`open_lower`
@@ -324,6 +329,8 @@ TIER_KINDS: Registry[TierConfig] = Registry(
         "cpu": "kvtier.tiers.cpu.config:CPUTierConfig",
         "lmdb": "kvtier.tiers.disk.config:DiskTierConfig",
         "files": "kvtier.tiers.disk.config:DiskTierConfig",
+        "valkey": "kvtier.tiers.valkey.config:ValkeyTierConfig",
+        "redis": "kvtier.tiers.valkey.config:ValkeyTierConfig",
     },
     module_key="module_path",
 )
@@ -332,12 +339,15 @@ TIER_KINDS: Registry[TierConfig] = Registry(
 # field keeps its unit in its name.
 _TIER_FIELD_BY_KEY = {"capacity": "capacity_bytes"}
 _TIER_KEY_BY_FIELD = {f: k for k, f in _TIER_FIELD_BY_KEY.items()}
+# the common fields a server-bounded kind (TierConfig.bounded_by_server) takes no key for
+_SERVER_BOUNDED_FIELDS = ("capacity_bytes", "eviction", "eviction_module_path")
 _TIER_NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _tier_keys(cls: type[TierConfig]) -> tuple[str, ...]:
     """The YAML keys a tier section of class ``cls`` accepts, in field order (common first)."""
-    return tuple(_TIER_KEY_BY_FIELD.get(f.name, f.name) for f in fields(cls))
+    skipped = _SERVER_BOUNDED_FIELDS if cls.bounded_by_server else ()
+    return tuple(_TIER_KEY_BY_FIELD.get(f.name, f.name) for f in fields(cls) if f.name not in skipped)
 
 
 def __getattr__(name: str) -> object:
@@ -469,6 +479,14 @@ def _parse_tier(section: object, path: str) -> TierConfig:
     # kind first: it decides which keys the rest of the section may hold
     cls = _section_class(section, path)
     kind = section["kind"]
+    if cls.bounded_by_server:
+        for key in ("capacity", "eviction", "eviction_module_path"):
+            if key in section:
+                raise ConfigError(
+                    _join(path, key), section[key], f"no {key} in a {kind} tier",
+                    "remove it: the server's own limit and eviction (maxmemory with "
+                    "allkeys-lru, say) bound and evict this tier",
+                )
     valid = _tier_keys(cls)
     for key in section:
         if not isinstance(key, str) or key in valid:
@@ -491,6 +509,12 @@ def _parse_tier(section: object, path: str) -> TierConfig:
             name,
             "a non-empty string of letters, digits, '_' and '-'",
             "write a name such as nvme0 (quote it if YAML reads it as a number)",
+        )
+
+    if cls.bounded_by_server:
+        return cls(
+            name=name, kind=kind, capacity_bytes=0, eviction="server",
+            module_path=section.get("module_path"), **cls.parse_options(section, path, name),
         )
 
     capacity = section.get("capacity", _MISSING)
@@ -537,6 +561,12 @@ def _parse_tier(section: object, path: str) -> TierConfig:
         module_path=section.get("module_path"),
         **cls.parse_options(section, path, name),
     )
+
+
+def parse_tier(section: object, field: str) -> TierConfig:
+    """One tier's section (a mapping from YAML) at ``field`` (``tiers[1]``), as its kind's
+    frozen section; a :class:`ConfigError` naming the key, value, choices and fix."""
+    return _parse_tier(section, field)
 
 
 def _kinds_taking(key: str) -> list[str]:

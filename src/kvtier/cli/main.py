@@ -41,6 +41,8 @@ def _config_check(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from kvtier.replay.run import replay
 
+    if args.engines is not None:
+        return _replay_fleet(args)
     try:
         record = _report(args, lambda out: replay(
             args.trace,
@@ -60,6 +62,21 @@ def _replay(args: argparse.Namespace) -> int:
         return 2
     # Wrong bytes served is the one outcome a replay must never show; corrupt blocks found
     # (and dropped) by a tier are a counted miss, not a failure.
+    return 1 if record["mismatched_blocks"] else 0
+
+
+def _replay_fleet(args: argparse.Namespace) -> int:
+    from kvtier.replay.fleet import replay_fleet
+
+    nodes = [node.strip() for node in args.valkey_cluster.split(",")] if args.valkey_cluster else None
+    try:
+        record = _report(args, lambda out: replay_fleet(
+            args.trace, args.config, engines=args.engines, valkey_url=args.valkey, cluster_nodes=nodes,
+            gpu_blocks=args.gpu_blocks, block_bytes=args.block_bytes, limit=args.limit, out=out,
+        ))
+    except (KvtierError, OSError, ImportError) as exc:
+        print(f"kvtier replay: {exc}", file=sys.stderr)
+        return 2
     return 1 if record["mismatched_blocks"] else 0
 
 
@@ -151,6 +168,18 @@ def _soak(args: argparse.Namespace) -> int:
     return 1 if record["wrong_blocks_served"] or record["committed_blocks_lost"] else 0
 
 
+def _bench_remote(args: argparse.Namespace) -> int:
+    from kvtier.bench import remote
+
+    try:
+        _report(args, lambda out: remote.run(mib=args.mib, rounds=args.rounds, url=args.url, out=out))
+    except (KvtierError, RuntimeError, OSError, ImportError) as exc:
+        # no server binary or client, or a block that failed or came back different
+        print(f"kvtier bench remote: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     disk_kinds = _disk_kinds()
     parser = argparse.ArgumentParser(
@@ -183,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", choices=("auto", "cpu", "cuda"), default="cpu",
         help="where the simulated GPU cache lives: CPU tensors (default), cuda, or cuda if available (auto)",
     )
+    replay.add_argument(
+        "--engines", type=int, metavar="N",
+        help="a fleet: N engine processes, requests dealt round-robin, run with a shared valkey tier and "
+        "with local disks only (--config is then each engine's local stack)",
+    )
+    replay.add_argument("--valkey", metavar="URL", help="the fleet's shared server (default: a local valkey-server)")
+    replay.add_argument("--valkey-cluster", metavar="HOST:PORT,...", help="the fleet's shared cluster, instead of --valkey")
     replay.set_defaults(func=_replay)
 
     config = commands.add_parser("config", help="work with configuration files")
@@ -261,6 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="never empty the machine's page cache (as root it does, for cold reads and opens)",
     )
     bench_disk.set_defaults(func=_bench_disk)
+    bench_remote = bench_commands.add_parser(
+        "remote", help="the valkey tier's store/load GB/s against the raw client's pipelined SET/GET"
+    )
+    bench_remote.add_argument("--json", action="store_true", help="print only the JSON line")
+    bench_remote.add_argument("--mib", type=int, default=128, help="MiB per block size and round (default 128)")
+    bench_remote.add_argument("--rounds", type=int, default=5, help="paired rounds; the median is kept (default 5)")
+    bench_remote.add_argument("--url", default=None, help="a server (default: a local valkey-server on 127.0.0.1)")
+    bench_remote.set_defaults(func=_bench_remote)
     return parser
 
 

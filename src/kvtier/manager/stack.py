@@ -131,14 +131,19 @@ class TierStackManager(SingleTierManager):
             return None if key in self._promoting else False
         if key in self._pending or key in self._no_room:
             return False  # being written into the CPU tier, or no CPU row to read it into
+        unknown = False
         for index, tier in enumerate(self._tiers):
-            if tier.lookup(key):
+            found = tier.lookup(key)
+            if found:
                 # The CPU row is reserved when the read is submitted, at the end of the step,
                 # not here: making room here could evict a block that looked up True a moment
                 # ago for a request whose prepare_load has not come yet.
                 self._promoting[key] = _UNRESERVED
                 self._promote_queue[index].append(key)
                 return None
+            unknown = unknown or found is None
+        if unknown:
+            return None  # a tier finds out by the end of the step (a remote tier asks its server)
         self.misses += 1
         return False
 
@@ -181,6 +186,8 @@ class TierStackManager(SingleTierManager):
         self._poll()
         self._submit_promotions()
         self._submit_demotions()
+        for tier in self._tiers:
+            tier.on_schedule_end()
 
     def _poll(self) -> None:
         for tier in self._tiers:

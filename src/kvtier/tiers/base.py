@@ -228,7 +228,20 @@ class SecondaryTier(ABC):
 
     @abstractmethod
     def lookup(self, key: OffloadKey) -> bool | None:
-        """``True`` committed and readable, ``None`` being written (ask again), ``False`` absent."""
+        """``True`` committed and readable, ``False`` absent, ``None`` not known yet: ask again
+        after the next :meth:`on_schedule_end` (the key is being written, or a remote tier has
+        queued the question for its server). The manager answers such a key ``None`` too, so
+        the engine retries it next step; the tier must settle it (``True``/``False``) within a
+        bounded number of steps. Never waits for I/O.
+        """
+
+    def on_schedule_end(self) -> None:
+        """The scheduler step's lookups are over: send what they asked for (no-op default).
+
+        Called by the manager at its own ``on_schedule_end``, on the scheduler thread; must
+        not wait for I/O. A tier that cannot answer lookups from local state (a remote store)
+        sends the step's queued questions here, as one batch.
+        """
 
     def touch(self, keys: Collection[OffloadKey]) -> None:
         """``keys`` were used: refresh them in the tier's eviction order. Unknown keys ignored."""

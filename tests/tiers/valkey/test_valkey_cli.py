@@ -1,0 +1,36 @@
+"""``kvtier bench remote`` and ``kvtier replay --engines N`` end to end, on a local server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.cli.main import main
+
+
+def test_bench_remote_measures_both_ways_at_both_sizes(server_binary, capsys):
+    assert main(["bench", "remote", "--json", "--mib", "4", "--rounds", "1"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for size in ("64k", "2048k"):
+        for way in ("store", "load"):
+            assert record[f"{size}_{way}_ratio"] > 0
+            assert record[f"{size}_tier_{way}_gbps"] > 0 and record[f"{size}_raw_{way}_gbps"] > 0
+
+
+@pytest.mark.slow  # two engine processes, each importing torch
+def test_a_fleet_shares_prefixes_through_the_shared_tier(server_binary, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the engines' disk tiers go in a temporary folder here
+    assert main(["replay", "--engines", "2", "--limit", "120", "--no-progress", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    shared, local = record["shared"], record["local"]
+    assert record["engines"] == 2 and len(shared["engines"]) == len(local["engines"]) == 2
+    assert [e["requests"] for e in shared["engines"]] == [60, 60]  # dealt round-robin
+    assert record["mismatched_blocks"] == 0 and shared["corrupt_blocks"] == 0
+    # Prefixes computed by one engine are hits for the other only through the shared tier,
+    # and every one of those hits was loaded and compared byte for byte.
+    assert shared["hits"]["shared"] > 0 and "shared" not in local["hits"]
+    assert shared["verified_blocks"] >= shared["hits"]["shared"]
+    assert record["shared_hit_ratio"] > record["local_hit_ratio"]
+    assert record["sharing_gain"] == record["shared_hit_ratio"] - record["local_hit_ratio"]
+    assert list(tmp_path.iterdir()) == []  # the engines' disks are cleaned up

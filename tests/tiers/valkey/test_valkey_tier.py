@@ -1,0 +1,271 @@
+"""The valkey tier against a real server: bytes, verification, namespaces, the lookup protocol,
+and a server that dies, hangs or comes back empty."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from conftest import BLOCK_BYTES, SETTLE_S, finish, open_tier, settle
+from helpers import key, payload
+
+from kvtier.tiers.base import TierJob
+from kvtier.tiers.disk.format import HEADER_BYTES, LayoutFingerprint
+
+
+def fill(rows, keys):
+    for index, k in enumerate(keys):
+        rows[index] = payload(k, rows.shape[1])
+
+
+def store(tier, keys, rows, job_id=1):
+    fill(rows, keys)
+    tier.submit_store(TierJob(job_id, tuple(keys), tuple(range(len(keys)))))
+    (result,) = finish(tier)
+    return result
+
+
+def load(tier, keys, job_id=2):
+    tier.submit_load(TierJob(job_id, tuple(keys), tuple(range(len(keys)))))
+    (result,) = finish(tier)
+    return result
+
+
+def test_bytes_round_trip_through_a_second_tier(valkey_server):
+    keys = [key(i) for i in range(8)]
+    rows_a = np.zeros((8, BLOCK_BYTES), dtype=np.uint8)
+    writer = open_tier(valkey_server.url, rows_a)
+    reader_rows = np.zeros((8, BLOCK_BYTES), dtype=np.uint8)
+    reader = open_tier(valkey_server.url, reader_rows)
+    try:
+        result = store(writer, keys, rows_a)
+        assert result.success and sorted(result.ok) == sorted(keys)
+        assert [writer.lookup(k) for k in keys] == [True] * 8  # it stored them: known at once
+
+        # The other tier knows nothing: None, then the step's batch of reads answers.
+        assert [reader.lookup(k) for k in keys] == [None] * 8
+        assert settle(reader, keys) == [True] * 8
+        assert reader.stats()["probe_batches"] == 1
+        hits_before = valkey_server.client().info("stats")["keyspace_hits"]
+        result = load(reader, keys)
+        assert result.success and sorted(result.ok) == sorted(keys)
+        for index, k in enumerate(keys):
+            assert np.array_equal(reader_rows[index], payload(k, BLOCK_BYTES))
+        # the load used the values the reads brought: no second GET
+        assert valkey_server.client().info("stats")["keyspace_hits"] == hits_before
+        assert reader.stats()["staged_blocks"] == 0 and reader.stats()["loaded_blocks"] == 8
+        events = writer.take_events()
+        assert [e.removed for e in events] == [False] and sorted(events[0].keys) == sorted(keys)
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_missing_key_is_asked_once_then_remembered(valkey_server):
+    tier = open_tier(valkey_server.url, miss_ttl_s=600)
+    try:
+        absent = [key(100 + i) for i in range(5)]
+        assert settle(tier, absent) == [False] * 5
+        batches = tier.stats()["probe_batches"]
+        for _ in range(3):  # more lookups and steps within miss_ttl_s: no new reads
+            assert [tier.lookup(k) for k in absent] == [False] * 5
+            tier.on_schedule_end()
+        assert tier.stats()["probe_batches"] == batches == 1
+        assert tier.stats()["probe_misses"] == 5
+    finally:
+        tier.close()
+
+
+def test_a_key_found_missing_is_asked_again_after_miss_ttl(valkey_server):
+    tier = open_tier(valkey_server.url, miss_ttl_s=0.05)
+    try:
+        k = key(1)
+        assert settle(tier, [k]) == [False]
+        time.sleep(0.1)
+        assert tier.lookup(k) is None  # forgotten: asked again
+        assert settle(tier, [k]) == [False]
+        assert tier.stats()["probe_batches"] == 2
+    finally:
+        tier.close()
+
+
+def raw_name(tier, k) -> bytes:
+    return (tier.namespace + ":" + k.hex()).encode()
+
+
+def test_altered_truncated_and_misplaced_values_are_counted_misses(valkey_server):
+    keys = [key(i) for i in range(4)]
+    rows = np.zeros((4, BLOCK_BYTES), dtype=np.uint8)
+    writer = open_tier(valkey_server.url, rows)
+    raw = valkey_server.client()
+    try:
+        assert store(writer, keys, rows).success
+        values = [raw.get(raw_name(writer, k)) for k in keys]
+        assert all(len(v) == HEADER_BYTES + BLOCK_BYTES for v in values)
+        altered = bytearray(values[0])
+        altered[HEADER_BYTES + 1000] ^= 0xFF
+        raw.set(raw_name(writer, keys[0]), bytes(altered))  # a flipped payload byte
+        raw.set(raw_name(writer, keys[1]), values[1][: HEADER_BYTES + 100])  # truncated
+        raw.set(raw_name(writer, keys[2]), values[3])  # another key's value
+        raw.set(raw_name(writer, keys[3]), b"not a block at all")
+    finally:
+        writer.close()
+
+    reader_rows = np.zeros((4, BLOCK_BYTES), dtype=np.uint8)
+    reader = open_tier(valkey_server.url, reader_rows)
+    try:
+        # The header checks run on the read: only the flipped payload byte passes them.
+        assert settle(reader, keys) == [True, False, False, False]
+        assert reader.stats()["corrupt_values"] == 3
+        result = load(reader, keys[:1])
+        assert not result.success and result.failed[keys[0]] == "corrupt: checksum"
+        assert reader.stats()["corrupt_values"] == 4
+        assert reader.lookup(keys[0]) is False  # a corrupt value is remembered as a miss
+        assert not reader_rows[1:].any()  # nothing was written where nothing was served
+    finally:
+        reader.close()
+
+
+def test_another_layout_is_never_served(valkey_server):
+    keys = [key(i) for i in range(3)]
+    rows = np.zeros((3, BLOCK_BYTES), dtype=np.uint8)
+    other = LayoutFingerprint("other-model", "bfloat16", 16, (BLOCK_BYTES,), 0, 1, BLOCK_BYTES)
+    # forced into one namespace, as a misconfigured fleet would be: the header still refuses
+    writer = open_tier(valkey_server.url, rows, other, namespace="shared-ns")
+    reader = open_tier(valkey_server.url, namespace="shared-ns")
+    try:
+        assert store(writer, keys, rows).success
+        assert settle(reader, keys) == [False] * 3
+        assert reader.stats()["corrupt_values"] == 3
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_another_namespace_is_never_read(valkey_server):
+    keys = [key(i) for i in range(3)]
+    rows = np.zeros((3, BLOCK_BYTES), dtype=np.uint8)
+    writer = open_tier(valkey_server.url, rows, namespace="model-a")
+    reader = open_tier(valkey_server.url, namespace="model-b")
+    raw = valkey_server.client()
+    try:
+        assert store(writer, keys, rows).success
+        hits_before = raw.info("stats")["keyspace_hits"]
+        assert settle(reader, keys) == [False] * 3
+        # its reads asked for model-b names only, which the server does not have: no hit at all
+        assert raw.info("stats")["keyspace_hits"] == hits_before
+        assert reader.stats()["corrupt_values"] == 0
+        assert sorted(raw.keys("*")) == sorted(raw_name(writer, k) for k in keys)
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_the_default_namespace_follows_the_layout(valkey_server):
+    a = open_tier(valkey_server.url, fingerprint=LayoutFingerprint.standalone(BLOCK_BYTES))
+    other = LayoutFingerprint("m", "fp8", 16, (BLOCK_BYTES,), 0, 1, BLOCK_BYTES)
+    b = open_tier(valkey_server.url, fingerprint=other)
+    try:
+        assert a.namespace.startswith("kvtier:") and a.namespace != b.namespace
+    finally:
+        a.close()
+        b.close()
+
+
+def wait_until(predicate, what):
+    deadline = time.monotonic() + SETTLE_S
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_killed_server_fails_jobs_then_the_tier_reconnects_to_an_empty_one(valkey_server, caplog):
+    rows = np.zeros((16, BLOCK_BYTES), dtype=np.uint8)
+    tier = open_tier(valkey_server.url, rows)
+    try:
+        first = [key(i) for i in range(8)]
+        assert store(tier, first, rows).success
+        valkey_server.kill()  # mid-run: the next jobs find no server
+        later = [key(100 + i) for i in range(16)]
+        fill(rows, later)
+        tier.submit_store(TierJob(2, tuple(later), tuple(range(16))))
+        tier.submit_load(TierJob(3, (first[0],), (0,)))  # known present, but nobody answers
+        results = {r.job_id: r for r in finish(tier)}
+        assert not results[2].success and set(results[2].failed.values()) <= {"unavailable", "timeout"}
+        assert not results[3].success
+        assert tier.down and tier.stats()["outages"] == 1 and tier.stats()["down"] == 1
+        assert sum("unreachable" in r.message for r in caplog.records) == 1
+        # While down: answers at once, no waiting on the network.
+        assert [tier.lookup(k) for k in first] == [False] * 8
+        tier.submit_store(TierJob(4, (later[0],), (0,)))
+        assert [r.failed for r in finish(tier)] == [{later[0]: "unavailable"}]
+        for _ in range(3):
+            tier.on_schedule_end()  # reconnect attempts fail quietly
+        assert sum("unreachable" in r.message for r in caplog.records) == 1
+
+        valkey_server.start()  # back, and empty
+        def reconnected():
+            tier.on_schedule_end()
+            return not tier.down
+        wait_until(reconnected, "the tier never reconnected")
+        assert tier.stats()["outage_ms"] > 0 and tier.stats()["outages"] == 1
+        # What it stored before is gone: asked again, and a miss.
+        assert settle(tier, first) == [False] * 8
+        assert store(tier, later[:4], rows, job_id=5).success
+    finally:
+        tier.close()
+
+
+def test_a_hung_server_fails_jobs_after_timeout_s(valkey_server):
+    rows = np.zeros((4, BLOCK_BYTES), dtype=np.uint8)
+    tier = open_tier(valkey_server.url, rows, timeout_s=0.3)
+    keys = [key(i) for i in range(4)]
+    os.kill(valkey_server.pid, signal.SIGSTOP)
+    try:
+        tier.submit_store(TierJob(1, tuple(keys), (0, 1, 2, 3)))
+        assert tier.lookup(key(50)) is None
+        tier.on_schedule_end()  # a read for key(50) goes out, and hangs too
+        (result,) = finish(tier)
+        assert set(result.failed.values()) == {"timeout"}
+        assert tier.down
+        assert settle(tier, [key(50)]) == [False]
+    finally:
+        os.kill(valkey_server.pid, signal.SIGCONT)
+    try:
+        def reconnected():
+            tier.on_schedule_end()
+            return not tier.down
+        wait_until(reconnected, "the tier never reconnected")
+        assert store(tier, keys, rows, job_id=2).success
+    finally:
+        tier.close()
+
+
+def test_ttl_and_check(valkey_server):
+    rows = np.zeros((2, BLOCK_BYTES), dtype=np.uint8)
+    tier = open_tier(valkey_server.url, rows, ttl_s=60)
+    raw = valkey_server.client()
+    try:
+        keys = [key(1), key(2)]
+        assert store(tier, keys, rows).success
+        assert 0 < raw.pttl(raw_name(tier, keys[0])) <= 60_000
+        assert tier.check().healthy and tier.check().blocks_checked == 2
+        raw.set(raw_name(tier, keys[1]), b"garbage")
+        report = tier.check(fix=True)
+        assert len(report.problems) == 1 and len(report.fixed) == 1
+        assert raw.exists(raw_name(tier, keys[1])) == 0
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("unreachable", ["valkey://127.0.0.1:1/0"])
+def test_an_unreachable_server_at_open_is_an_outage_not_an_error(server_binary, unreachable):
+    tier = open_tier(unreachable)
+    try:
+        assert tier.down
+        assert tier.lookup(key(1)) is False
+    finally:
+        tier.close()
