@@ -25,7 +25,7 @@ Nothing in this module names a concrete tier: the stack is whatever list it is g
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -72,8 +72,13 @@ class TierStackManager(SingleTierManager):
     * ``_promoting``: key -> CPU row of its read from below (``_UNRESERVED`` until the read
       is submitted at the end of the step); looks up ``None``;
     * ``_promote_queue``: per tier, keys whose read is not submitted yet;
-    * ``_dirty``: ready CPU blocks not saved below yet, in store order; each holds one hold;
-    * ``_demoting``: key -> tier jobs still reading its CPU row; each job holds one hold.
+    * ``_dirty``: ready CPU blocks not saved below and not being saved, least recently used
+      first (an OrderedDict that :meth:`touch` refreshes), so the coldest are saved first by
+      popping its front — never by walking the policy;
+    * ``_demoting``: key -> tier jobs still reading its CPU row (still unsaved).
+
+    A key in ``_dirty`` or ``_demoting`` is held (:meth:`_held_otherwise`): the policy keeps
+    it out of its eviction order until the last job that reads it finishes.
 
     Threading: the engine's scheduler thread only, like every manager.
     """
@@ -100,12 +105,14 @@ class TierStackManager(SingleTierManager):
         #: keys whose read found no CPU row at the end of the last step: misses until the next
         self._no_room: set[OffloadKey] = set()
         self._promote_queue: list[deque[OffloadKey]] = [deque() for _ in self._tiers]
-        self._dirty: dict[OffloadKey, None] = {}
+        self._dirty: OrderedDict[OffloadKey, None] = OrderedDict()
         self._demoting: dict[OffloadKey, int] = {}
         #: job id -> (tier index, job, is_load)
         self._jobs: dict[int, tuple[int, TierJob, bool]] = {}
         self._job_ids = itertools.count(1)
         self._counters = [_TierCounters() for _ in self._tiers]
+        #: dirty entries the demotion choice examined since creation (a cost counter for tests)
+        self.entries_visited = 0
         self.lookups = 0
         self.cpu_hits = 0
         self.misses = 0
@@ -144,9 +151,10 @@ class TierStackManager(SingleTierManager):
     def _reserve_rows(self, count: int) -> list[int]:
         """Up to ``count`` CPU rows, evicting clean blocks if need be (end of step only)."""
         backend = self._backend
-        shortfall = count - backend.get_num_free_blocks()
-        while shortfall > 0 and self._evict(shortfall, []) is None:
-            shortfall -= 1  # not that many evictable: take what there is
+        # not that many evictable: take what there is
+        shortfall = min(count - backend.get_num_free_blocks(), self._policy.evictable_blocks())
+        if shortfall > 0:
+            self._evict(shortfall, [])
         return backend.allocate_block_ids(min(count, backend.get_num_free_blocks()))
 
     # -- stores ------------------------------------------------------------------------------
@@ -164,12 +172,24 @@ class TierStackManager(SingleTierManager):
         # evicted from the CPU tier earlier and recomputed by the engine since).
         if not self._tiers:
             return
-        holds, dirty, tiers = self._holds, self._dirty, self._tiers
+        dirty, tiers, hold = self._dirty, self._tiers, self._policy.hold
         for key in keys:
             if all(tier.lookup(key) for tier in tiers):
                 continue
             dirty[key] = None
-            holds[key] = holds.get(key, 0) + 1
+            hold(key)  # just ready: neither pinned nor otherwise held yet
+
+    def _held_otherwise(self, key: OffloadKey) -> bool:
+        return key in self._dirty or key in self._demoting
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._policy.touch(keys)
+        dirty = self._dirty
+        if dirty:
+            move_to_end = dirty.move_to_end
+            for key in keys:
+                if key in dirty:
+                    move_to_end(key)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -241,35 +261,30 @@ class TierStackManager(SingleTierManager):
         budget = self._demote_budget - len(self._demoting)
         if budget <= 0:
             return  # the tiers are still busy with earlier steps' writes
-        if self._write_through:
-            candidates: Iterator[OffloadKey] = iter(self._dirty)
-        else:
-            headroom = (
-                self._backend.get_num_free_blocks() + len(self._policy) - len(self._holds)
-            )
+        if not self._write_through:
+            headroom = self._backend.get_num_free_blocks() + self._policy.evictable_blocks()
             if headroom >= self._clean_target:
                 return
             budget = min(budget, self._clean_target - headroom)
-            candidates = (key for key in self._policy if key in self._dirty)  # coldest first
-        demoting = self._demoting
-        keys = []
-        for key in candidates:
-            if key not in demoting:
-                keys.append(key)
-                if len(keys) == budget:
-                    break
+        dirty = self._dirty
+        popitem = dirty.popitem
+        # The front of _dirty is its coldest block (write_back saves those first, so they
+        # become the clean victims); write_through saves in the same order, soon after store.
+        keys = [popitem(last=False)[0] for _ in range(min(budget, len(dirty)))]
+        self.entries_visited += len(keys)
         self._demote(keys)
 
     def _demote(self, keys: list[OffloadKey]) -> None:
+        """Submit one store job per tier for ``keys`` (taken out of ``_dirty`` by the caller)."""
         if not keys:
             return
-        get, holds, demoting = self._get, self._holds, self._demoting
+        get, demoting = self._get, self._demoting
         rows = tuple(get(key) for key in keys)
+        jobs = len(self._tiers)
+        for key in keys:
+            demoting[key] = jobs  # still held: each job reads the row
         for index, tier in enumerate(self._tiers):
             job = TierJob(next(self._job_ids), tuple(keys), rows)
-            for key in keys:
-                demoting[key] = demoting.get(key, 0) + 1
-                holds[key] += 1  # the job reads the row: it must stay put
             self._jobs[job.job_id] = (index, job, False)
             self._counters[index].demote_jobs += 1
             tier.submit_store(job)
@@ -279,18 +294,16 @@ class TierStackManager(SingleTierManager):
         counters.demotions += len(result.ok)
         counters.demoted_bytes += result.nbytes
         counters.demote_failures += len(result.failed)
-        demoting, dirty, release = self._demoting, self._dirty, self._release
+        demoting, holds, release = self._demoting, self._holds, self._policy.release
         for key in job.keys:
-            release(key)  # the job's read of the row
             left = demoting[key] - 1
             if left:
                 demoting[key] = left
                 continue
             del demoting[key]
             # Saved by every tier, or refused by some (a tier that failed the job would not
-            # take it now): either way the CPU tier may drop it.
-            if key in dirty:
-                del dirty[key]
+            # take it now): either way the CPU tier may drop it, once no read pins it.
+            if key not in holds:
                 release(key)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -320,8 +333,10 @@ class TierStackManager(SingleTierManager):
 
     def flush(self) -> None:
         """Save every dirty CPU block below and wait for it (blocks; for shutdown)."""
-        while self._dirty:
-            self._demote([key for key in self._dirty if key not in self._demoting])
+        while self._dirty or self._demoting:
+            keys = list(self._dirty)
+            self._dirty.clear()
+            self._demote(keys)
             self._drain()
 
     def shutdown(self) -> None:
@@ -346,9 +361,9 @@ class TierStackManager(SingleTierManager):
             lookups=self.lookups,
             cpu_hits=self.cpu_hits,
             misses=self.misses,
-            dirty_blocks=len(self._dirty),
+            dirty_blocks=len(self._dirty) + len(self._demoting),
             # rows held by reads from below (queued reads hold none yet)
-            promoting_blocks=sum(1 for row in self._promoting.values() if row != _UNRESERVED),
+            promoting_blocks=len(self._promoting) - sum(map(len, self._promote_queue)),
             demoting_blocks=len(self._demoting),
         )
         for tier, counters, queue in zip(self._tiers, self._counters, self._promote_queue):
