@@ -94,6 +94,10 @@ def test_entries_visited_per_step_do_not_grow_with_capacity(policy_cls, stack, w
     small = fill_and_step(policy_cls, 1024, stack, write_policy)
     large = fill_and_step(policy_cls, 16 * 1024, stack, write_policy)
     # A step evicts STORES blocks and saves at most STORES (the demote budget): each entry
-    # it visits is one it moves.
-    assert max(small) <= 2 * STORES and max(large) <= 2 * STORES
-    assert sum(large) == sum(small)
+    # it visits is one it moves, or a stale copy of a dirty block that a touch refreshed
+    # (passed over once, in some later step: the bound is amortized over the steps).
+    bound = len(small) * (2 * STORES + LOADS)
+    assert sum(small) <= bound and sum(large) <= bound
+    # Sixteen times the blocks, a quarter of them pinned at the cold end: a walk past them
+    # would visit thousands of entries a step; only when stale copies are met differs.
+    assert sum(large) <= sum(small) + len(small) * LOADS

@@ -108,8 +108,22 @@ def _bench_disk(args: argparse.Namespace) -> int:
 
 
 def _bench_manager(args: argparse.Namespace) -> int:
+    if args.stack:
+        from kvtier.bench import manager_stack
+
+        try:
+            sizes = [int(size) for size in args.sizes.split(",")]
+        except ValueError:
+            print(f"kvtier bench manager: --sizes {args.sizes!r}: give block counts like 10000,100000", file=sys.stderr)
+            return 2
+        record = _report(args, lambda out: manager_stack.run(
+            sizes=sizes, steps=args.steps, runs=args.runs if args.runs is not None else 3, out=out
+        ))
+        return 0 if record["us_per_step"] else 1
     from kvtier.bench import manager
 
+    if args.runs is None:
+        args.runs = 5
     record = _report(
         args, lambda out: manager.run(num_keys=args.keys, capacity=args.capacity, runs=args.runs, out=out)
     )
@@ -172,12 +186,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks, each against a baseline measured in the same run")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="TARGET")
     bench_manager = bench_commands.add_parser(
-        "manager", help="scheduler-side cost per block of the single-tier manager, LRU and ARC"
+        "manager", help="scheduler-side cost per block of the single-tier manager, LRU and ARC "
+        "(--stack: a step of the stack manager at growing CPU-tier sizes)"
     )
     bench_manager.add_argument("--json", action="store_true", help="print only the JSON line")
     bench_manager.add_argument("--keys", type=int, default=100_000, help="distinct keys stored (default 100000)")
     bench_manager.add_argument("--capacity", type=int, default=50_000, help="tier size in blocks (default 50000)")
-    bench_manager.add_argument("--runs", type=int, default=5, help="runs per figure; the median is kept (default 5)")
+    bench_manager.add_argument(
+        "--runs", type=int, default=None, help="runs per figure; the median is kept (default 5, --stack 3)"
+    )
+    bench_manager.add_argument(
+        "--stack", action="store_true",
+        help="the stack manager over an in-memory lower tier, per step, at each of --sizes CPU blocks",
+    )
+    bench_manager.add_argument(
+        "--sizes", default="10000,100000,1000000", help="--stack: CPU-tier sizes in blocks (default 10^4,10^5,10^6)"
+    )
+    bench_manager.add_argument("--steps", type=int, default=2000, help="--stack: timed steps per run (default 2000)")
     bench_manager.set_defaults(func=_bench_manager)
     bench_transfer = bench_commands.add_parser(
         "transfer", help="GPU<->CPU handler throughput against one contiguous copy of the same bytes"

@@ -25,7 +25,7 @@ Nothing in this module names a concrete tier: the stack is whatever list it is g
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -72,9 +72,13 @@ class TierStackManager(SingleTierManager):
     * ``_promoting``: key -> CPU row of its read from below (``_UNRESERVED`` until the read
       is submitted at the end of the step); looks up ``None``;
     * ``_promote_queue``: per tier, keys whose read is not submitted yet;
-    * ``_dirty``: ready CPU blocks not saved below and not being saved, least recently used
-      first (an OrderedDict that :meth:`touch` refreshes), so the coldest are saved first by
-      popping its front — never by walking the policy;
+    * ``_dirty``: ready CPU blocks not saved below and not being saved, ``key -> how many
+      times it is in _dirty_order``; ``_dirty_order``: those keys, least recently used first,
+      a key appended again when :meth:`touch` refreshes it. The coldest are saved first by
+      popping the front — never by walking the policy; an entry with a later copy is passed
+      over once, paid for by the touch that made it. A deque and a dict of small ints cost
+      about 60 bytes per dirty block where an OrderedDict costs 120, and most blocks of a
+      write_back CPU tier are dirty;
     * ``_demoting``: key -> tier jobs still reading its CPU row (still unsaved).
 
     A key in ``_dirty`` or ``_demoting`` is held (:meth:`_held_otherwise`): the policy keeps
@@ -105,7 +109,8 @@ class TierStackManager(SingleTierManager):
         #: keys whose read found no CPU row at the end of the last step: misses until the next
         self._no_room: set[OffloadKey] = set()
         self._promote_queue: list[deque[OffloadKey]] = [deque() for _ in self._tiers]
-        self._dirty: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._dirty: dict[OffloadKey, int] = {}
+        self._dirty_order: deque[OffloadKey] = deque()
         self._demoting: dict[OffloadKey, int] = {}
         #: job id -> (tier index, job, is_load)
         self._jobs: dict[int, tuple[int, TierJob, bool]] = {}
@@ -172,12 +177,17 @@ class TierStackManager(SingleTierManager):
         # evicted from the CPU tier earlier and recomputed by the engine since).
         if not self._tiers:
             return
-        dirty, tiers, hold = self._dirty, self._tiers, self._policy.hold
-        for key in keys:
-            if all(tier.lookup(key) for tier in tiers):
-                continue
-            dirty[key] = None
+        dirty, hold = self._dirty, self._policy.hold
+        if len(self._tiers) == 1:
+            lookup = self._tiers[0].lookup
+            new = [key for key in keys if lookup(key) is not True]
+        else:
+            tiers = self._tiers
+            new = [key for key in keys if not all(tier.lookup(key) is True for tier in tiers)]
+        for key in new:
+            dirty[key] = 1
             hold(key)  # just ready: neither pinned nor otherwise held yet
+        self._dirty_order.extend(new)
 
     def _held_otherwise(self, key: OffloadKey) -> bool:
         return key in self._dirty or key in self._demoting
@@ -186,10 +196,10 @@ class TierStackManager(SingleTierManager):
         self._policy.touch(keys)
         dirty = self._dirty
         if dirty:
-            move_to_end = dirty.move_to_end
-            for key in keys:
-                if key in dirty:
-                    move_to_end(key)
+            refreshed = [key for key in keys if key in dirty]
+            for key in refreshed:
+                dirty[key] += 1
+            self._dirty_order.extend(refreshed)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -266,12 +276,22 @@ class TierStackManager(SingleTierManager):
             if headroom >= self._clean_target:
                 return
             budget = min(budget, self._clean_target - headroom)
-        dirty = self._dirty
-        popitem = dirty.popitem
-        # The front of _dirty is its coldest block (write_back saves those first, so they
-        # become the clean victims); write_through saves in the same order, soon after store.
-        keys = [popitem(last=False)[0] for _ in range(min(budget, len(dirty)))]
-        self.entries_visited += len(keys)
+        dirty, popleft = self._dirty, self._dirty_order.popleft
+        # The front of _dirty_order is the coldest block (write_back saves those first, so
+        # they become the clean victims); write_through saves in the same order, soon after
+        # store.
+        keys = []
+        visited = 0
+        while len(keys) < budget and dirty:
+            key = popleft()
+            visited += 1
+            copies = dirty[key]
+            if copies == 1:
+                del dirty[key]
+                keys.append(key)
+            else:  # touched since: its later copy is where it belongs
+                dirty[key] = copies - 1
+        self.entries_visited += visited
         self._demote(keys)
 
     def _demote(self, keys: list[OffloadKey]) -> None:
@@ -327,6 +347,7 @@ class TierStackManager(SingleTierManager):
         for queue in self._promote_queue:
             queue.clear()
         self._dirty.clear()
+        self._dirty_order.clear()
         self._demoting.clear()
         super().reset_cache()  # clears holds, pending and ready blocks
         self._backend.free_block_ids(rows)
@@ -336,6 +357,7 @@ class TierStackManager(SingleTierManager):
         while self._dirty or self._demoting:
             keys = list(self._dirty)
             self._dirty.clear()
+            self._dirty_order.clear()
             self._demote(keys)
             self._drain()
 

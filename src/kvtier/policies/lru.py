@@ -34,6 +34,7 @@ class LRUPolicy(EvictionPolicy):
         # would double its cost. _index is only ever cleared in place, so they stay valid.
         self.get = self._index.get  # type: ignore[method-assign]
         self.contains = self._index.__contains__  # type: ignore[method-assign]
+        self.hold = self._order.__delitem__  # type: ignore[method-assign]
 
     def get(self, key: OffloadKey) -> int | None:  # replaced per instance in __init__
         return self._index.get(key)
@@ -53,7 +54,7 @@ class LRUPolicy(EvictionPolicy):
             if key in order:  # a held key is refreshed when it is released
                 move_to_end(key)
 
-    def hold(self, key: OffloadKey) -> None:
+    def hold(self, key: OffloadKey) -> None:  # replaced per instance in __init__
         del self._order[key]
 
     def release(self, key: OffloadKey) -> None:
