@@ -117,7 +117,7 @@ def _bench_manager(args: argparse.Namespace) -> int:
             print(f"kvtier bench manager: --sizes {args.sizes!r}: give block counts like 10000,100000", file=sys.stderr)
             return 2
         record = _report(args, lambda out: manager_stack.run(
-            sizes=sizes, steps=args.steps, runs=args.runs if args.runs is not None else 3, out=out
+            sizes=sizes, steps=args.steps, runs=args.runs if args.runs is not None else 5, out=out
         ))
         return 0 if record["us_per_step"] else 1
     from kvtier.bench import manager
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_manager.add_argument("--keys", type=int, default=100_000, help="distinct keys stored (default 100000)")
     bench_manager.add_argument("--capacity", type=int, default=50_000, help="tier size in blocks (default 50000)")
     bench_manager.add_argument(
-        "--runs", type=int, default=None, help="runs per figure; the median is kept (default 5, --stack 3)"
+        "--runs", type=int, default=None, help="runs per figure; the median is kept (default 5)"
     )
     bench_manager.add_argument(
         "--stack", action="store_true",
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_manager.add_argument(
         "--sizes", default="10000,100000,1000000", help="--stack: CPU-tier sizes in blocks (default 10^4,10^5,10^6)"
     )
-    bench_manager.add_argument("--steps", type=int, default=2000, help="--stack: timed steps per run (default 2000)")
+    bench_manager.add_argument("--steps", type=int, default=1000, help="--stack: timed steps per run (default 1000)")
     bench_manager.set_defaults(func=_bench_manager)
     bench_transfer = bench_commands.add_parser(
         "transfer", help="GPU<->CPU handler throughput against one contiguous copy of the same bytes"
