@@ -53,7 +53,7 @@ def _replay(args: argparse.Namespace) -> int:
             plot=args.plot,
             disk_kind=args.disk,
             out=out,
-        ))
+        ))  # the JSON line only with --json (printed by _report): a person gets the table
     except KvtierError as exc:
         print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2
@@ -162,7 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--disk", choices=("lmdb", "files"), default="lmdb", help="disk tier kind of the default stack")
     replay.add_argument("--no-baseline", action="store_true", help="skip the CPU-tier-only comparison run")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
-    replay.add_argument("--plot", metavar="FILE.png", help="draw the hit ratio per tier over time")
+    replay.add_argument(
+        "--plot", metavar="FILE.png",
+        help="draw the hit ratio per tier over time, the ceiling, and the CPU-tier-only run",
+    )
     replay.add_argument("--json", action="store_true", help="print only the JSON line")
     replay.set_defaults(func=_replay)
 
