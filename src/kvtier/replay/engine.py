@@ -111,7 +111,11 @@ class ReplayEngine:
             [[CanonicalKVCacheRef(0, self.block_bytes)]],
         )
         self.worker = OffloadingWorker.from_spec(spec, caches)
-        self._host_view = self._gpu.numpy() if device == "cpu" else None
+        # One numpy element per block (a void of block_bytes): fancy indexing then copies
+        # whole rows, where an int8 view would copy byte by byte.
+        self._host_rows = (
+            self._gpu.numpy().view(np.dtype((np.void, self.block_bytes)))[:, 0] if device == "cpu" else None
+        )
         self._gpu_cache: OrderedDict[OffloadKey, int] = OrderedDict()  # key -> GPU block, LRU
         self._free_gpu = list(range(gpu_blocks - 1, -1, -1))
         self._job_ids = itertools.count(1)
@@ -139,18 +143,19 @@ class ReplayEngine:
 
     def _write_gpu(self, blocks: list[int], payload: bytes) -> None:
         """Write ``payload`` (one row per block, concatenated) into GPU ``blocks``."""
-        values = np.frombuffer(payload, dtype=np.int8).reshape(len(blocks), self.block_bytes)
-        if self._host_view is not None:
-            self._host_view[blocks] = values
+        if self._host_rows is not None:
+            self._host_rows[blocks] = np.frombuffer(payload, dtype=self._host_rows.dtype)
         else:
             import torch
 
-            self._gpu[torch.tensor(blocks, device=self._gpu.device)] = torch.from_numpy(values.copy()).to(self._gpu.device)
+            values = np.frombuffer(payload, dtype=np.int8).reshape(len(blocks), self.block_bytes)
+            index = torch.tensor(blocks, device=self._gpu.device)
+            self._gpu[index] = torch.from_numpy(values.copy()).to(self._gpu.device)
 
     def _read_gpu(self, blocks: list[int]) -> bytes:
         """GPU ``blocks``' bytes, concatenated."""
-        if self._host_view is not None:
-            return self._host_view[blocks].tobytes()
+        if self._host_rows is not None:
+            return self._host_rows[blocks].tobytes()
         import torch
 
         return self._gpu[torch.tensor(blocks, device=self._gpu.device)].cpu().numpy().tobytes()
