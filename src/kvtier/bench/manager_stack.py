@@ -80,6 +80,8 @@ class _Driver:
         batch = 4096
         while self.next_key < self.capacity:
             self._store_batch(_keys(self.next_key, min(batch, self.capacity - self.next_key)))
+        for _ in range(3):  # the last saves finish: clean blocks to evict
+            self._idle_step()
         for _ in range(LOOKBACK_STEPS + 8):
             self.step()
 
@@ -95,6 +97,9 @@ class _Driver:
         self.step_no += 1
 
     def _store_batch(self, keys: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def _idle_step(self) -> None:
         raise NotImplementedError
 
     def _step(self, new_keys: list[bytes], lookups: list[bytes], loads: list[bytes]) -> None:
@@ -132,6 +137,9 @@ class _KvtierDriver(_Driver):
             raise RuntimeError("kvtier: the CPU tier refused a store while filling")
         self.manager.complete_store(out.keys_to_store, ctx)
         self.next_key += len(keys)
+        self.manager.on_schedule_end()
+
+    def _idle_step(self) -> None:
         self.manager.on_schedule_end()
 
     def _step(self, new_keys: list[bytes], lookups: list[bytes], loads: list[bytes]) -> None:
@@ -217,6 +225,9 @@ class _VllmDriver(_Driver):
         self.manager.on_request_finished(ctx)
         self.next_key += len(keys)
         self.manager.on_schedule_end(self._end(new_req_ids=(req_id,), preempted_req_ids=()))
+
+    def _idle_step(self) -> None:
+        self.manager.on_schedule_end(self._end(new_req_ids=(), preempted_req_ids=()))
 
     def _step(self, new_keys: list[bytes], lookups: list[bytes], loads: list[bytes]) -> None:
         manager = self.manager
