@@ -11,8 +11,10 @@ It owns a "GPU" KV cache (a CUDA tensor, or a CPU tensor standing in without CUD
 3. loads the hits into free GPU blocks through the real CPU->GPU handler, and compares every
    loaded block byte for byte with what was stored;
 4. "computes" the rest: writes each block's deterministic bytes (derived from its key);
-5. offers the computed blocks for storing, copies them GPU->CPU through the real handler and
-   completes the store; then finishes the request and ends the step.
+5. offers the computed blocks for storing and starts their GPU->CPU copy through the real
+   handler; then finishes the request and ends the step. Like vLLM's connector, it does not
+   wait for the copy: the store completes at the first step after the handler reports it,
+   and until then its GPU blocks are neither evicted nor reused.
 
 It never looks at the trace's timestamps: requests run back to back, one at a time, so the
 figures are about what the tiers hold and move, not about queueing. When it has nothing to
@@ -118,6 +120,11 @@ class ReplayEngine:
         )
         self._gpu_cache: OrderedDict[OffloadKey, int] = OrderedDict()  # key -> GPU block, LRU
         self._keys: dict[int, OffloadKey] = {}  # trace block id -> key, each hashed once
+        #: store copies in flight: job id -> (keys, request context)
+        self._storing: dict[int, tuple[list[OffloadKey], ReqContext]] = {}
+        #: keys whose GPU blocks a store copy still reads: never evicted until it finishes
+        self._copying: set[OffloadKey] = set()
+        self._finished: dict[int, object] = {}  # handler results not yet taken
         self._free_gpu = list(range(gpu_blocks - 1, -1, -1))
         self._job_ids = itertools.count(1)
         self._cpu_name = spec.config.tiers[0].name
@@ -130,10 +137,13 @@ class ReplayEngine:
     def _allocate_gpu(self, count: int, keep: set[OffloadKey]) -> list[int]:
         while len(self._free_gpu) < count:
             for victim in self._gpu_cache:  # least recently used first
-                if victim not in keep:
+                if victim not in keep and victim not in self._copying:
                     self._free_gpu.append(self._gpu_cache.pop(victim))
                     break
             else:
+                if self._copying:  # blocks still being copied out: theirs come free then
+                    self._wait_for_stores()
+                    continue
                 raise KvtierError(
                     f"a request needs {count} GPU blocks but only {len(self._free_gpu)} are free "
                     f"of {self.gpu_blocks}: raise --gpu-blocks"
@@ -162,17 +172,43 @@ class ReplayEngine:
         return self._gpu[torch.tensor(blocks, device=self._gpu.device)].cpu().numpy().tobytes()
 
     def _transfer(self, spec) -> bool:
+        """Run one copy to its end (a load: the engine needs its bytes now)."""
         job_id = next(self._job_ids)
         if not self.worker.transfer_async(job_id, spec):
             return False
         self.worker.wait({job_id})
-        results = {r.job_id: r for r in self.worker.get_finished()}
-        return results[job_id].success
+        self._collect()
+        return self._finished.pop(job_id).success
+
+    def _collect(self) -> None:
+        """Take the handlers' finished jobs; complete the stores among them."""
+        finished = self._finished
+        for result in self.worker.get_finished():
+            finished[result.job_id] = result
+        for job_id in [job_id for job_id in self._storing if job_id in finished]:
+            self._finish_store(job_id, finished.pop(job_id).success)
+
+    def _finish_store(self, job_id: int, ok: bool) -> None:
+        keys, ctx = self._storing.pop(job_id)
+        self.manager.complete_store(keys, ctx, success=ok)
+        self._copying.difference_update(keys)
+        if ok:
+            self.counts.stored_blocks += len(keys)
+        else:
+            self.counts.failed_transfers += 1
+
+    def _wait_for_stores(self) -> None:
+        """Wait for every store copy in flight and complete them."""
+        if self._storing:
+            self.worker.wait(set(self._storing))
+            self._collect()
 
     # -- the scheduler side --------------------------------------------------------------------
 
     def step(self) -> None:
         """End one scheduler step; count CPU-tier drops that no lower tier could have served."""
+        if self._storing:
+            self._collect()
         self.manager.on_schedule_end()
         self.counts.steps += 1
         for event in self.manager.take_events():
@@ -202,17 +238,18 @@ class ReplayEngine:
         deadline = time.monotonic() + MAX_WAIT_S
         promoted: set[OffloadKey] = set()
         while True:
-            found = pending = 0
+            found = 0
+            waiting = []
             for key in keys:
                 answer = manager.lookup(key, ctx)
                 if answer is False:
                     break
                 if answer is None:
-                    pending += 1
+                    waiting.append(key)
                     promoted.add(key)
-                elif not pending:
+                elif not waiting:
                     found += 1
-            if not pending or time.monotonic() >= deadline:
+            if not waiting or time.monotonic() >= deadline:
                 return found, promoted
             if found:
                 manager.touch(keys[:found], ctx)
@@ -221,7 +258,12 @@ class ReplayEngine:
             self.step()  # takes their results: the next scan sees the promoted blocks
 
     def _wait_for_tiers(self) -> None:
-        """Block until the lower tiers finished what they were given (reads and saves)."""
+        """Block until the lower tiers finished what they were given (reads and saves).
+
+        Blocking, not polling: spinning on lookups (even yielding with ``sleep(0)``) starves
+        the tiers' threads of the GIL on a busy machine, and short sleeps last a scheduler
+        tick there. Waiting for the saves too costs little: they are bounded per step.
+        """
         for tier in self._lower:
             tier.drain_jobs()
 
@@ -318,12 +360,13 @@ class ReplayEngine:
             return
         blocks = [self._gpu_cache[key] for key in out.keys_to_store]
         gpu_spec = GPULoadStoreSpec(blocks, [len(blocks)])
-        ok = self._transfer((gpu_spec, out.store_spec))
-        manager.complete_store(out.keys_to_store, ctx, success=ok)
-        if ok:
-            self.counts.stored_blocks += len(out.keys_to_store)
-        else:
+        job_id = next(self._job_ids)
+        if not self.worker.transfer_async(job_id, (gpu_spec, out.store_spec)):
+            manager.complete_store(out.keys_to_store, ctx, success=False)
             self.counts.failed_transfers += 1
+            return
+        self._storing[job_id] = (out.keys_to_store, ctx)
+        self._copying.update(out.keys_to_store)
 
     def run(
         self,
@@ -342,11 +385,14 @@ class ReplayEngine:
                 progress(1)
             if (index + 1) % every == 0:
                 self.counts.timeline.append((index + 1, dict(self.counts.hits), self.counts.block_refs))
+        self._wait_for_stores()
+        self.step()
         self.counts.timeline.append((self.counts.requests, dict(self.counts.hits), self.counts.block_refs))
         return time.perf_counter() - start
 
     def close(self) -> None:
         """Stop the handlers and the manager (the manager saves dirty CPU blocks below)."""
+        self._wait_for_stores()
         self.worker.shutdown()
         self.manager.shutdown()
 
