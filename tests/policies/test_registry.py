@@ -10,7 +10,7 @@ from kvtier.policies.lru import LRUPolicy
 
 
 def test_builtin_names():
-    assert registered_policies() == ("lru", "arc")
+    assert registered_policies() == ("lru", "arc", "s3fifo", "sieve", "chain")
     assert get_policy_class("lru") is LRUPolicy
     assert get_policy_class("arc") is ARCPolicy
 
@@ -18,7 +18,7 @@ def test_builtin_names():
 def test_unknown_name_lists_the_choices():
     with pytest.raises(ConfigError) as err:
         get_policy_class("mru", field="tiers[0].eviction")
-    assert "tiers[0].eviction" in str(err.value) and "lru, arc" in str(err.value)
+    assert "tiers[0].eviction" in str(err.value) and "lru, arc, s3fifo, sieve, chain" in str(err.value)
 
 
 def test_out_of_tree_policy_by_module_path(tmp_path, monkeypatch):

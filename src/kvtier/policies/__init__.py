@@ -16,6 +16,9 @@ __all__ = ["EvictionPolicy", "get_policy_class", "registered_policies"]
 _REGISTRY: dict[str, str] = {
     "lru": "kvtier.policies.lru:LRUPolicy",
     "arc": "kvtier.policies.arc:ARCPolicy",
+    "s3fifo": "kvtier.policies.s3fifo:S3FIFOPolicy",
+    "sieve": "kvtier.policies.sieve:SIEVEPolicy",
+    "chain": "kvtier.policies.chain:ChainPolicy",
 }
 
 
