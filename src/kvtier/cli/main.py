@@ -62,6 +62,26 @@ def _replay(args: argparse.Namespace) -> int:
     return 1 if record["mismatched_blocks"] else 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from kvtier.plan.run import plan
+
+    try:
+        _report(args, lambda out: plan(
+            args.trace,
+            capacities=args.capacities,
+            policies=args.policies,
+            target=args.target,
+            cpu_target=args.cpu_target,
+            block_bytes=args.block_bytes,
+            plot=args.plot,
+            out=out,
+        ))
+    except KvtierError as exc:
+        print(f"kvtier plan: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _check(args: argparse.Namespace) -> int:
     import json
 
@@ -169,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--json", action="store_true", help="print only the JSON line")
     replay.set_defaults(func=_replay)
 
+    _add_plan(commands)
+
     config = commands.add_parser("config", help="work with configuration files")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     check = config_commands.add_parser("check", help="parse FILE and print the tier stack, or the error")
@@ -242,6 +264,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_disk.set_defaults(func=_bench_disk)
     return parser
+
+
+def _add_plan(commands: Any) -> None:
+    from kvtier.plan.run import DEFAULT_BLOCK_BYTES, DEFAULT_CAPACITIES
+
+    plan = commands.add_parser(
+        "plan",
+        help="hit ratio against cache size per eviction policy, Belady's bound, tier sizes",
+        description="Simulate a Mooncake-format trace (default: the bundled one) through one pooled "
+        "cache at many sizes, bookkeeping only, with the policies the managers use; print the "
+        "prefix-hit-ratio table, Belady's offline optimum and the unbounded ceiling, and the "
+        "smallest CPU and disk tier sizes reaching the targets.",
+    )
+    plan.add_argument("trace", nargs="?", metavar="TRACE", help="JSONL trace (default: bundled Mooncake trace)")
+    plan.add_argument("--capacities", type=int, nargs="+", default=list(DEFAULT_CAPACITIES), metavar="N",
+                      help="cache sizes in blocks (default: %(default)s)")
+    plan.add_argument("--policies", nargs="+", metavar="NAME", help="policies to simulate (default: all registered)")
+    plan.add_argument("--target", type=float, default=0.95,
+                      help="share of the ceiling the disk tier must reach (default 0.95)")
+    plan.add_argument("--cpu-target", type=float, default=0.5,
+                      help="share of the ceiling the CPU tier alone must reach (default 0.5)")
+    plan.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES,
+                      help="bytes per block, for sizes in bytes (default %(default)s: 512 tokens of Llama-3-8B fp16)")
+    plan.add_argument("--plot", metavar="FILE.png", help="draw the hit-ratio curves, Belady's and the ceiling")
+    plan.add_argument("--json", action="store_true", help="print only the JSON line")
+    plan.set_defaults(func=_plan)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
