@@ -83,3 +83,15 @@ def test_bad_arguments_name_the_flag():
         plan(None, [0], ["lru"])
     with pytest.raises(ConfigError, match="--target"):
         plan(None, [10], ["lru"], target=1.5)
+
+
+def test_synthetic_trace_is_deterministic_and_loads(tmp_path):
+    from kvtier.plan.synthetic import write_synthetic_trace
+    from kvtier.replay.trace import ceiling_hit_ratio, load_trace
+
+    first = write_synthetic_trace(tmp_path / "a.jsonl", requests=300, seed=3).read_text()
+    assert write_synthetic_trace(tmp_path / "b.jsonl", requests=300, seed=3).read_text() == first
+    requests = load_trace(tmp_path / "a.jsonl")
+    assert len(requests) == 300
+    ratio, refs = ceiling_hit_ratio(requests)
+    assert 0 < ratio < 1 and refs == sum(len(r.hash_ids) for r in requests)
