@@ -26,7 +26,8 @@ class EvictionPolicy(ABC):
     :meth:`touch` may name unknown keys (ignored); :meth:`hold` names a ready key not held,
     :meth:`release` a held one. The implementation must: make :meth:`evict` all-or-nothing,
     never return a held key nor a key in ``skip``, and forget evicted keys as live blocks
-    (ghost entries that only steer future decisions are fine, within ``capacity_blocks``).
+    (ghost entries — keys only — that only steer future decisions are fine, up to a small
+    constant multiple of ``capacity_blocks``).
 
     Speed matters, because the manager runs inside the engine's scheduler every step: each
     method must cost O(keys it names + victims it returns), whatever the number of blocks

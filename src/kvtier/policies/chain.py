@@ -13,6 +13,9 @@ __all__ = ["ChainPolicy"]
 #: share of the capacity that blocks with a hit may fill before the oldest of them go back
 #: to probation (the classic segmented-LRU split)
 PROTECTED_SHARE = 0.8
+#: ghost keys remembered per block of capacity: keys cost ~100 bytes against a block's
+#: megabytes, and reuse distances in KV traces run to several cache sizes
+GHOST_FACTOR = 4
 
 
 class ChainPolicy(EvictionPolicy):
@@ -34,8 +37,9 @@ class ChainPolicy(EvictionPolicy):
       chain come as a leading run, so a prefix's blocks have at least the hits of any block
       after them; tail-first order keeps that.
     * **A block stored again soon after it was evicted was wanted.** Keys evicted from
-      probation are remembered (``_ghost``, keys only, at most ``capacity_blocks``); such a
-      key is stored straight into ``_protected``.
+      probation are remembered (``_ghost``, keys only, at most ``GHOST_FACTOR`` times
+      ``capacity_blocks``: first reuses in KV traces often come several cache sizes later);
+      such a key is stored straight into ``_protected``.
 
     ``_protected`` may hold up to 80% of the ready blocks; past that its least recently used
     block goes back to the recent end of probation (one more chance to prove itself) rather
@@ -149,7 +153,7 @@ class ChainPolicy(EvictionPolicy):
             del protected[key]
         ghost = self._ghost
         ghost.update(dict.fromkeys(chosen[:from_probation]))
-        while len(ghost) > self.capacity_blocks:
+        while len(ghost) > GHOST_FACTOR * self.capacity_blocks:
             ghost.popitem(last=False)
         return [(key, pop(key)) for key in chosen]
 
