@@ -32,7 +32,7 @@ __all__ = [
 MiB = 1 << 20
 
 #: eviction policies shipped with kvtier; others load through ``eviction_module_path``
-BUILTIN_EVICTION_POLICIES = ("lru", "arc")
+BUILTIN_EVICTION_POLICIES = ("lru", "arc", "s3fifo", "sieve", "chain")
 #: tier kinds the configuration knows, with the class of their section
 TIER_KINDS = ("cpu", "lmdb", "files")
 WRITE_POLICIES = ("write_back", "write_through")

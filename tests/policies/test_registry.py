@@ -88,3 +88,9 @@ def test_a_policy_without_native_holds_still_never_evicts_a_held_key():
     assert policy.evict_unheld(1) is None
     policy.release(key(0))
     assert policy.evict_unheld(1) == [(key(0), 0)]
+
+
+def test_config_accepts_exactly_the_registered_names():
+    from kvtier.config import BUILTIN_EVICTION_POLICIES
+
+    assert BUILTIN_EVICTION_POLICIES == registered_policies()
