@@ -63,4 +63,16 @@ def build_manager(
             store.close()
         backend.shutdown()
         raise
-    return TierStackManager(backend, policy, lower, config.cascade, enable_events=enable_events)
+    from kvtier.policies.admission import AdmissionFilter
+
+    admission = [
+        # A few sketch counters per block the tier can hold; bounded (4 rows of 1 byte each).
+        AdmissionFilter(tier.admit, tier.min_reuse, sketch_width=min(1 << 22, max(
+            1 << 12, 4 * (tier.capacity_bytes // block_bytes))))
+        for tier in config.tiers[1:]
+    ]
+    endurance = [tier.endurance_tbw for tier in config.tiers[1:]]
+    return TierStackManager(
+        backend, policy, lower, config.cascade, enable_events=enable_events,
+        admission=admission, endurance_tbw=endurance,
+    )

@@ -9,13 +9,16 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from decimal import Decimal, InvalidOperation, localcontext
+
+from typing import Any
 
 import yaml
 
 from kvtier.errors import ConfigError
+from kvtier.policies.admission import ADMIT_MODES
 
 __all__ = [
     "TierConfig",
@@ -79,6 +82,13 @@ class DiskTierConfig(TierConfig):
     # when to fsync: none (leave it to the OS), batch (once per batch of blocks), always
     # (each block)
     fsync: str = "batch"
+    # which blocks are written here: all, or reuse (only once offered or looked up
+    # min_reuse times, so one-off blocks never wear the drive)
+    admit: str = "all"
+    # with admit: reuse, the sightings a block needs before it is written here
+    min_reuse: int = 2
+    # the drive's rated endurance in terabytes written; stats project its life from it
+    endurance_tbw: float | None = None
 
 
 @dataclass(frozen=True)
@@ -284,6 +294,7 @@ _TIER_OPTIONS: dict[str, tuple[tuple[str, ...], bool]] = {
     "pin_memory": (PIN_MEMORY_CHOICES, True),
     "o_direct": (O_DIRECT_CHOICES, True),
     "fsync": (FSYNC_CHOICES, False),
+    "admit": (ADMIT_MODES, False),
 }
 _TIER_NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
 
@@ -299,8 +310,20 @@ def _extra_fields(cls: type[TierConfig]) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls) if f.name not in common)
 
 
+def _positive_number(value: object, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(path, value, "a positive number", "write a number such as 600")
+    return float(value)
+
+
+#: kind-specific options that are numbers, with their parser
+_TIER_NUMBERS: dict[str, Callable[[object, str], Any]] = {
+    "min_reuse": lambda value, path: _positive_int(value, path),
+    "endurance_tbw": lambda value, path: _positive_number(value, path),
+}
+
 assert all(
-    name in _TIER_OPTIONS for cls in _TIER_CLASSES.values() for name in _extra_fields(cls)
+    name in _TIER_OPTIONS or name in _TIER_NUMBERS for cls in _TIER_CLASSES.values() for name in _extra_fields(cls)
 ), "every kind-specific field needs an entry in _TIER_OPTIONS"
 
 _CASCADE_KEYS = tuple(f.name for f in fields(CascadeConfig))
@@ -461,7 +484,9 @@ def _parse_tier(section: object, path: str) -> TierConfig:
 
     options = {}
     for option in _extra_fields(cls):
-        if option in section:
+        if option in section and option in _TIER_NUMBERS:
+            options[option] = _TIER_NUMBERS[option](section[option], _join(path, option))
+        elif option in section:
             choices, bools = _TIER_OPTIONS[option]
             options[option] = _parse_choice(section[option], _join(path, option), choices, bools)
 

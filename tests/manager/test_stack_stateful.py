@@ -16,6 +16,7 @@ from kvtier.base import ReqContext
 from kvtier.config import CascadeConfig
 from kvtier.manager.stack import TierStackManager
 from kvtier.policies import get_policy_class, registered_policies
+from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.lru import LRUPolicy
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.memory import MemoryBackend
@@ -28,19 +29,36 @@ CTX = ReqContext("r")
 key_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=3)
 
 
+class RecordingAdmission(AdmissionFilter):
+    """``admit: reuse``, remembering which keys it refused (so the model may allow their drop)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.refused_keys: set = set()
+
+    def admit(self, key):
+        ok = super().admit(key)
+        if not ok:
+            self.refused_keys.add(key)
+        return ok
+
+
 class StackMachine(RuleBasedStateMachine):
     policy_cls: type = LRUPolicy
     write_policy = "write_back"
+    admit = "all"
 
     def __init__(self):
         super().__init__()
         backend = MemoryBackend(CPU_BLOCKS, BLOCK)
         self.disk = MemoryTier("disk", backend.rows, DISK_BLOCKS)
+        self.admission = RecordingAdmission(self.admit, min_reuse=2, sketch_width=64)
         self.manager = TierStackManager(
             backend,
             self.policy_cls(CPU_BLOCKS),
             [self.disk],
             CascadeConfig(write_policy=self.write_policy, max_demote_bytes_per_step=2 * BLOCK),
+            admission=[self.admission],
         )
         self.rows = backend.rows
         self.store_jobs: list = []
@@ -108,6 +126,14 @@ class StackMachine(RuleBasedStateMachine):
         list(self.manager.take_events())
 
     @invariant()
+    def admission_counted_in_stats(self):
+        figures = self.manager.stats()
+        assert figures["disk.refused_blocks"] == self.admission.refused >= len(self.admission.refused_keys)
+        assert figures["disk.admitted_blocks"] == self.admission.admitted
+        if self.admit == "all":
+            assert self.admission.refused == 0
+
+    @invariant()
     def dirty_never_dropped(self):
         events = list(self.manager.take_events())
         for event in events:  # the disk may have made room by dropping its own oldest
@@ -120,6 +146,7 @@ class StackMachine(RuleBasedStateMachine):
                         self.disk.lookup(k) is True
                         or k in self.disk.refused_keys
                         or k in self.evicted_below
+                        or k in self.admission.refused_keys
                     ), "a block the disk could take was dropped from the CPU tier"
 
     @invariant()
@@ -151,3 +178,14 @@ for _name in registered_policies():
         _title = _write.title().replace("_", "")
         globals()[f"TestStack{_name.upper()}{_title}"] = _case
 del _name, _write, _machine, _case, _title
+
+
+class ReuseAdmissionMachine(StackMachine):
+    """The disk admits a block only once it was offered or looked up twice."""
+
+    admit = "reuse"
+
+
+TestStackLRUWriteBackAdmitReuse = ReuseAdmissionMachine.TestCase
+TestStackLRUWriteBackAdmitReuse.settings = SETTINGS_NEWER
+

@@ -15,6 +15,12 @@ every store from the GPU lands in it first. Secondary tiers only exchange blocks
   job: full, ENOSPC, EIO ...) stops being dirty — the tier would not take it — and becomes
   evictable.
 
+**Admission** (optional, per tier): a tier with ``admit: reuse`` takes a dirty block only
+once its key was offered or looked up ``min_reuse`` times (:class:`AdmissionFilter`); a block
+no tier admits stops being dirty, like a refused one. Stats per tier add blocks admitted and
+refused, write amplification (bytes written per byte later read) and, with
+``endurance_tbw``, the drive's projected life at the write rate seen so far.
+
 Both directions are bounded per step (``max_promote_bytes_per_step``,
 ``max_demote_bytes_per_step``) so I/O never piles up behind the scheduler. Every call is
 bookkeeping; the tiers' own threads move the bytes, and their completions are polled here.
@@ -25,6 +31,7 @@ Nothing in this module names a concrete tier: the stack is whatever list it is g
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +45,7 @@ from kvtier.base import (
 )
 from kvtier.config import CascadeConfig
 from kvtier.manager.single import SingleTierManager
+from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.base import EvictionPolicy
 from kvtier.tiers.base import SecondaryTier, TierJob, TierJobResult
 
@@ -95,9 +103,17 @@ class TierStackManager(SingleTierManager):
         cascade: CascadeConfig | None = None,
         *,
         enable_events: bool = True,
+        admission: Sequence[AdmissionFilter | None] | None = None,
+        endurance_tbw: Sequence[float | None] | None = None,
     ):
         super().__init__(backend, policy, enable_events=enable_events)
         self._tiers = list(tiers)
+        # -- admission (None per tier: it takes every block) --
+        self._admission = list(admission) if admission is not None else [None] * len(self._tiers)
+        self._endurance_tbw = list(endurance_tbw) if endurance_tbw is not None else [None] * len(self._tiers)
+        #: filters that count sightings (only ``admit: reuse`` ones need to)
+        self._counting = [f for f in self._admission if f is not None and f.mode == "reuse"]
+        self._started = time.monotonic()
         cascade = cascade or CascadeConfig()
         self._write_through = cascade.write_policy == "write_through"
         block_bytes = max(1, backend.block_size)
@@ -132,6 +148,8 @@ class TierStackManager(SingleTierManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         self.lookups += 1
+        if self._counting:
+            self._sighted((key,))
         if self._contains(key):
             self.cpu_hits += 1
             return True
@@ -167,6 +185,8 @@ class TierStackManager(SingleTierManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
+        if self._counting:
+            self._sighted(keys)
         promoting = self._promoting
         if promoting:  # coming up from below already: present, like a block being written
             keys = [key for key in keys if key not in promoting]
@@ -295,19 +315,63 @@ class TierStackManager(SingleTierManager):
         self._demote(keys)
 
     def _demote(self, keys: list[OffloadKey]) -> None:
-        """Submit one store job per tier for ``keys`` (taken out of ``_dirty`` by the caller)."""
+        """Submit one store job per tier for ``keys`` (taken out of ``_dirty`` by the caller).
+
+        Each tier gets the keys its admission filter takes; a key no tier takes is released
+        at once (like a block every tier refused), unless a read pins it.
+        """
         if not keys:
             return
         get, demoting = self._get, self._demoting
-        rows = tuple(get(key) for key in keys)
-        jobs = len(self._tiers)
+        per_tier = [self._admitted(index, keys) for index in range(len(self._tiers))]
+        for taken in per_tier:
+            for key in taken:
+                demoting[key] = demoting.get(key, 0) + 1  # still held: each job reads the row
+        holds, release = self._holds, self._policy.release
         for key in keys:
-            demoting[key] = jobs  # still held: each job reads the row
-        for index, tier in enumerate(self._tiers):
-            job = TierJob(next(self._job_ids), tuple(keys), rows)
+            if key not in demoting and key not in holds:
+                release(key)
+        for index, (tier, taken) in enumerate(zip(self._tiers, per_tier)):
+            if not taken:
+                continue
+            job = TierJob(next(self._job_ids), tuple(taken), tuple(get(key) for key in taken))
             self._jobs[job.job_id] = (index, job, False)
             self._counters[index].demote_jobs += 1
             tier.submit_store(job)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def _sighted(self, keys: Collection[OffloadKey]) -> None:
+        """``keys`` were offered or looked up: count them for every ``admit: reuse`` tier."""
+        for admission in self._counting:
+            record = admission.record
+            for key in keys:
+                record(key)
+
+    def _admitted(self, index: int, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """The keys of ``keys`` tier ``index`` takes."""
+        admission = self._admission[index]
+        if admission is None:
+            return keys
+        return [key for key in keys if admission.admit(key)]
+
+    def _admission_stats(self, index: int, counters: _TierCounters) -> dict[str, float | int | None]:
+        """Admission and wear figures of tier ``index``."""
+        admission = self._admission[index]
+        written, read = counters.demoted_bytes, counters.promoted_bytes
+        figures: dict[str, float | int | None] = {
+            "admitted_blocks": counters.demotions if admission is None else admission.admitted,
+            "refused_blocks": 0 if admission is None else admission.refused,
+            "bytes_written": written,
+            "bytes_read_later": read,
+            # bytes written per byte ever read back: 1.0 would mean no write was wasted
+            "write_amplification": round(written / read, 3) if read else None,
+        }
+        tbw = self._endurance_tbw[index]
+        if tbw is not None:
+            rate = written / max(time.monotonic() - self._started, 1e-9)  # bytes per second
+            figures["projected_life_days"] = round(tbw * 1e12 / rate / 86400, 1) if rate else None
+        return figures
 
     def _finish_demotion(self, index: int, job: TierJob, result: TierJobResult) -> None:
         counters = self._counters[index]
@@ -388,9 +452,13 @@ class TierStackManager(SingleTierManager):
             promoting_blocks=len(self._promoting) - sum(map(len, self._promote_queue)),
             demoting_blocks=len(self._demoting),
         )
-        for tier, counters, queue in zip(self._tiers, self._counters, self._promote_queue):
+        for index, (tier, counters, queue) in enumerate(
+            zip(self._tiers, self._counters, self._promote_queue)
+        ):
             prefix = tier.name + "."
             for name, value in vars(counters).items():
+                figures[prefix + name] = value
+            for name, value in self._admission_stats(index, counters).items():
                 figures[prefix + name] = value
             figures[prefix + "queued_promotions"] = len(queue)
             figures[prefix + "blocks"] = tier.num_blocks()
