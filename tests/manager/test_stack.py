@@ -239,8 +239,9 @@ def test_reuse_admission_keeps_one_off_blocks_off_the_disk_and_counts_wear():
         admission=[AdmissionFilter("reuse", min_reuse=2, sketch_width=1 << 10)],
         endurance_tbw=[600.0],
     )
-    assert manager.lookup(key(0), CTX) is False  # a request wanted it once: one sighting
-    store(manager, [key(0), key(1)])  # the offer is the second sighting of 0, the first of 1
+    assert manager.lookup(key(0), CTX) is False  # a miss: the offer that follows counts
+    store(manager, [key(0), key(1)])  # wanted once each
+    assert manager.lookup(key(0), CTX) is True  # a hit: 0 is wanted a second time
     settle(manager)
     assert disk.lookup(key(0)) is True and disk.lookup(key(1)) is False
     np.testing.assert_array_equal(disk_bytes(disk, key(0)), payload(key(0), BLOCK))

@@ -16,7 +16,7 @@ every store from the GPU lands in it first. Secondary tiers only exchange blocks
   evictable.
 
 **Admission** (optional, per tier): a tier with ``admit: reuse`` takes a dirty block only
-once its key was offered or looked up ``min_reuse`` times (:class:`AdmissionFilter`); a block
+once its key was wanted ``min_reuse`` times (offered for storing, or hit in the CPU tier) (:class:`AdmissionFilter`); a block
 no tier admits stops being dirty, like a refused one. Stats per tier add blocks admitted and
 refused, write amplification (bytes written per byte later read) and, with
 ``endurance_tbw``, the drive's projected life at the write rate seen so far.
@@ -148,10 +148,10 @@ class TierStackManager(SingleTierManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         self.lookups += 1
-        if self._counting:
-            self._sighted((key,))
         if self._contains(key):
             self.cpu_hits += 1
+            if self._counting:
+                self._sighted((key,))  # a reuse; a miss is counted by the offer that follows
             return True
         if key in self._promoting:
             self._poll()  # the read may have finished since the last step
@@ -342,7 +342,9 @@ class TierStackManager(SingleTierManager):
     # -- admission ---------------------------------------------------------------------------
 
     def _sighted(self, keys: Collection[OffloadKey]) -> None:
-        """``keys`` were offered or looked up: count them for every ``admit: reuse`` tier."""
+        """``keys`` were wanted: offered (computed), or hit in the CPU tier. A lookup that
+        misses is not counted: the engine offers the block it then computes, and one request
+        must count once."""
         for admission in self._counting:
             record = admission.record
             for key in keys:
