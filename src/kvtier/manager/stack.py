@@ -357,22 +357,24 @@ class TierStackManager(SingleTierManager):
             return keys
         return [key for key in keys if admission.admit(key)]
 
-    def _admission_stats(self, index: int, counters: _TierCounters) -> dict[str, float | int | None]:
-        """Admission and wear figures of tier ``index``."""
+    def _admission_stats(self, index: int, counters: _TierCounters) -> dict[str, int | float]:
+        """Admission and wear figures of tier ``index``; every value a number (metrics export
+        them as gauges), so a ratio with nothing to divide by yet is left out."""
         admission = self._admission[index]
         written, read = counters.demoted_bytes, counters.promoted_bytes
-        figures: dict[str, float | int | None] = {
+        figures: dict[str, int | float] = {
             "admitted_blocks": counters.demotions if admission is None else admission.admitted,
             "refused_blocks": 0 if admission is None else admission.refused,
             "bytes_written": written,
             "bytes_read_later": read,
-            # bytes written per byte ever read back: 1.0 would mean no write was wasted
-            "write_amplification": round(written / read, 3) if read else None,
         }
+        if read:
+            # bytes written per byte ever read back: 1.0 would mean no write was wasted
+            figures["write_amplification"] = round(written / read, 3)
         tbw = self._endurance_tbw[index]
-        if tbw is not None:
+        if tbw is not None and written:
             rate = written / max(time.monotonic() - self._started, 1e-9)  # bytes per second
-            figures["projected_life_days"] = round(tbw * 1e12 / rate / 86400, 1) if rate else None
+            figures["projected_life_days"] = round(tbw * 1e12 / rate / 86400, 1)
         return figures
 
     def _finish_demotion(self, index: int, job: TierJob, result: TierJobResult) -> None:
