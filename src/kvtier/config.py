@@ -54,7 +54,8 @@ class TierConfig:
     kind: str
     # the tier never holds more payload than this many bytes
     capacity_bytes: int
-    # eviction policy: a registered name (lru, arc) or a class name in eviction_module_path
+    # eviction policy: a registered name (lru, arc, s3fifo, sieve, chain) or a class name in
+    # eviction_module_path
     eviction: str = "lru"
     # module to import an out-of-tree eviction policy class from (None: built-in names only)
     eviction_module_path: str | None = None

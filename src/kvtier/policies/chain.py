@@ -89,7 +89,8 @@ class ChainPolicy(EvictionPolicy):
 
     def touch(self, keys: Collection[OffloadKey]) -> None:
         probation, protected, index = self._probation, self._protected, self._index
-        for key in reversed(list(keys)):  # the prefix's head ends most recent
+        ordered = keys if isinstance(keys, Sequence) else list(keys)
+        for key in reversed(ordered):  # the prefix's head ends most recent
             if key in protected:
                 protected.move_to_end(key)
             elif key in probation:
@@ -131,6 +132,15 @@ class ChainPolicy(EvictionPolicy):
         probation, protected = self._probation, self._protected
         if count > len(probation) + len(protected):
             return None
+        if not skip:
+            # Nothing to pass over: probation's oldest, then protected's, are the victims.
+            self.entries_visited += count
+            pop = self._index.pop
+            from_probation = min(count, len(probation))
+            chosen = [probation.popitem(last=False)[0] for _ in range(from_probation)]
+            chosen += [protected.popitem(last=False)[0] for _ in range(count - from_probation)]
+            self._remember(chosen[:from_probation])
+            return [(key, pop(key)) for key in chosen]
         chosen: list[OffloadKey] = []
         from_probation = 0
         walked = 0
@@ -151,11 +161,15 @@ class ChainPolicy(EvictionPolicy):
             del probation[key]
         for key in chosen[from_probation:]:
             del protected[key]
+        self._remember(chosen[:from_probation])
+        return [(key, pop(key)) for key in chosen]
+
+    def _remember(self, keys: list[OffloadKey]) -> None:
+        """Keep ``keys`` (just evicted from probation) as ghosts, forgetting the oldest."""
         ghost = self._ghost
-        ghost.update(dict.fromkeys(chosen[:from_probation]))
+        ghost.update(dict.fromkeys(keys))
         while len(ghost) > GHOST_FACTOR * self.capacity_blocks:
             ghost.popitem(last=False)
-        return [(key, pop(key)) for key in chosen]
 
     def __len__(self) -> int:
         return len(self._index)
