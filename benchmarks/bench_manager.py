@@ -1,9 +1,11 @@
-"""Scheduler-side cost per block of kvtier's single-tier manager, against vLLM's CPU manager.
+"""Scheduler-side cost of kvtier's managers, against vLLM's, measured in the same run.
 
     python benchmarks/bench_manager.py [--json] [--keys 100000] [--capacity 50000] [--runs 5]
+    python benchmarks/bench_manager.py --stack [--json] [--sizes 10000,100000,1000000] [--steps 1000]
 
-The same as ``kvtier bench manager``; see ``kvtier.bench.manager`` for the protocol.
-Prints a table, then one JSON line.
+The same as ``kvtier bench manager``; see ``kvtier.bench.manager`` for the protocol, and
+``kvtier.bench.manager_stack`` for ``--stack`` (one step of the stack manager at growing
+CPU-tier sizes, against vLLM's TieringOffloadingManager). Prints a table, then one JSON line.
 """
 
 import sys

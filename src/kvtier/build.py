@@ -61,4 +61,16 @@ def build_manager(
             opened.close()
         backend.shutdown()
         raise
-    return TierStackManager(backend, policy, lower, config.cascade, enable_events=enable_events)
+    from kvtier.policies.admission import AdmissionFilter
+
+    admission, endurance = [], []
+    for tier in config.tiers[1:]:
+        admit, min_reuse, endurance_tbw = tier.admission()
+        # A few sketch counters per block the tier can hold; bounded (4 rows of 1 byte each).
+        width = min(1 << 22, max(1 << 12, 4 * (tier.capacity_bytes // block_bytes)))
+        admission.append(AdmissionFilter(admit, min_reuse, sketch_width=width))
+        endurance.append(endurance_tbw)
+    return TierStackManager(
+        backend, policy, lower, config.cascade, enable_events=enable_events,
+        admission=admission, endurance_tbw=endurance,
+    )

@@ -10,10 +10,12 @@ import difflib
 import operator
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from decimal import Decimal, InvalidOperation, localcontext
 from typing import Any, ClassVar
+
+from typing import Any
 
 import yaml
 
@@ -63,7 +65,8 @@ class TierConfig:
     kind: str
     # the tier never holds more payload than this many bytes
     capacity_bytes: int
-    # eviction policy: a registered name (lru, arc) or a class name in eviction_module_path
+    # eviction policy: a registered name (lru, arc, s3fifo, sieve, chain) or a class name in
+    # eviction_module_path
     eviction: str = "lru"
     # module to import an out-of-tree eviction policy class from (None: built-in names only)
     eviction_module_path: str | None = None
@@ -105,6 +108,12 @@ class TierConfig:
             for f in fields(self)
             if f.name not in common and not (where is not None and getattr(self, f.name) == where)
         )
+
+    def admission(self) -> tuple[str, int, float | None]:
+        """Which blocks a lower tier takes: ``(admit, min_reuse, endurance_tbw)``, see
+        :class:`~kvtier.policies.admission.AdmissionFilter`. Default: every block, no
+        endurance figure; a kind with such settings (the disk kinds) returns its own."""
+        return "all", 1, None
 
     def open_first(self, block_bytes: int, *, field: str) -> Any:
         """Build the first tier (a :class:`~kvtier.base.Backend` with ``rows``, the CPU rows

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from helpers import key, payload
 from kvtier.base import ReqContext
 from kvtier.manager.single import SingleTierManager
-from kvtier.policies.arc import ARCPolicy
+from kvtier.policies import get_policy_class, registered_policies
 from kvtier.policies.lru import LRUPolicy
 from kvtier.tiers.memory import MemoryBackend
 
@@ -132,12 +132,15 @@ class SingleTierMachine(RuleBasedStateMachine):
         assert self.visible_by_events == self.ready
 
 
-class ARCMachine(SingleTierMachine):
-    policy_cls = ARCPolicy
-
-
 SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
-TestLRUManagerStateful = SingleTierMachine.TestCase
-TestLRUManagerStateful.settings = SETTINGS
-TestARCManagerStateful = ARCMachine.TestCase
-TestARCManagerStateful.settings = SETTINGS
+# The newer policies get fewer examples each, so the whole file stays within seconds.
+SETTINGS_NEWER = settings(max_examples=40, stateful_step_count=40, deadline=None)
+
+# One state machine per registered policy: every manager invariant must hold whichever
+# policy orders the tier.
+for _name in registered_policies():
+    _machine = type(f"{_name}Machine", (SingleTierMachine,), {"policy_cls": get_policy_class(_name)})
+    _case = _machine.TestCase
+    _case.settings = SETTINGS if _name in ("lru", "arc") else SETTINGS_NEWER
+    globals()[f"Test{_name.upper()}ManagerStateful"] = _case
+del _name, _machine, _case

@@ -227,3 +227,36 @@ def test_a_read_with_no_cpu_row_is_a_miss_for_a_step_not_a_livelock():
     manager.on_schedule_end()
     assert resolve(manager, key(0)) is True  # rows are free again: the read goes through
     np.testing.assert_array_equal(load_bytes(manager, [key(0)])[0], payload(key(0), BLOCK))
+
+
+def test_reuse_admission_keeps_one_off_blocks_off_the_disk_and_counts_wear():
+    from kvtier.policies.admission import AdmissionFilter
+
+    backend = MemoryBackend(4, BLOCK)
+    disk = MemoryTier("disk", backend.rows, 8)
+    manager = TierStackManager(
+        backend, LRUPolicy(4), [disk], CascadeConfig(write_policy="write_through"),
+        admission=[AdmissionFilter("reuse", min_reuse=2, sketch_width=1 << 10)],
+        endurance_tbw=[600.0],
+    )
+    assert manager.lookup(key(0), CTX) is False  # a miss: the offer that follows counts
+    store(manager, [key(0), key(1)])  # wanted once each
+    assert manager.lookup(key(0), CTX) is True  # a hit: 0 is wanted a second time
+    settle(manager)
+    assert disk.lookup(key(0)) is True and disk.lookup(key(1)) is False
+    np.testing.assert_array_equal(disk_bytes(disk, key(0)), payload(key(0), BLOCK))
+    figures = manager.stats()
+    assert figures["dirty_blocks"] == 0  # the refused block is no longer held for saving
+    assert (figures["disk.admitted_blocks"], figures["disk.refused_blocks"]) == (1, 1)
+    assert figures["disk.bytes_written"] == BLOCK and figures["disk.bytes_read_later"] == 0
+    assert "disk.write_amplification" not in figures  # nothing read back yet
+    assert figures["disk.projected_life_days"] > 0
+    # Evict both from the CPU tier: 0 comes back from the disk byte for byte, 1 is gone.
+    store(manager, [key(i) for i in range(2, 6)])
+    settle(manager)
+    assert resolve(manager, key(0)) is True
+    np.testing.assert_array_equal(load_bytes(manager, [key(0)])[0], payload(key(0), BLOCK))
+    assert manager.lookup(key(1), CTX) is False
+    figures = manager.stats()
+    assert figures["disk.bytes_read_later"] == BLOCK
+    assert figures["disk.write_amplification"] == figures["disk.bytes_written"] / BLOCK

@@ -75,3 +75,21 @@ def test_clear_resets_history():
     dropped = policy.clear()
     assert dropped == [(key(1), 1)]
     assert len(policy) == 0 and not policy._b1 and policy.target_t1_blocks == 0
+
+
+def test_held_keys_keep_their_list_and_a_touch_while_held_promotes():
+    policy = ARCPolicy(4)
+    policy.insert([key(i) for i in range(4)], [0, 1, 2, 3])
+    policy.touch([key(3)])  # t1 = {0, 1, 2}, t2 = {3}
+    policy.hold(key(0))
+    policy.hold(key(3))
+    assert policy.contains(key(0)) and policy.get(key(3)) == 3 and len(policy) == 4
+    assert policy.evictable_blocks() == 2
+    policy.touch([key(0)])  # used again while held: belongs to t2 now
+    assert policy.evict(3, set()) is None
+    assert sorted(policy.evict(2, set())) == [(key(1), 1), (key(2), 2)]
+    assert policy.evict(1, set()) is None  # everything left is held
+    policy.release(key(0))
+    policy.release(key(3))
+    assert list(policy._t2) == [key(0), key(3)] and not policy._t1
+    assert policy.remove(key(0)) == 0 and policy.remove(key(0)) is None

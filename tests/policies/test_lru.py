@@ -51,3 +51,18 @@ def test_evict_count(count):
     policy = filled(3)
     victims = policy.evict(count, set())
     assert victims is not None and len(victims) == count
+
+
+def test_held_keys_stay_visible_are_never_victims_and_return_as_recent():
+    policy = filled(4)
+    policy.hold(key(0))
+    policy.hold(key(1))
+    assert policy.contains(key(0)) and policy.get(key(1)) == 1 and len(policy) == 4
+    assert policy.evictable_blocks() == 2
+    assert policy.evict(3, set()) is None  # only two may go: nothing changed
+    assert policy.evict(1, set()) == [(key(2), 2)]  # the held, older keys were not visited
+    assert policy.entries_visited == 1
+    policy.release(key(0))
+    assert policy.evict(2, set()) == [(key(3), 3), (key(0), 0)]  # released = just used
+    assert policy.evict(1, set()) is None and policy.contains(key(1))
+    assert policy.remove(key(1)) == 1 and len(policy) == 0

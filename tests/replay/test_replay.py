@@ -34,8 +34,11 @@ def test_cpu_only_replay_of_a_trace_slice_verifies_every_load(tmp_path, capsys):
         block_bytes=BLOCK,
         limit=300,
         progress=False,
+        json_line=True,
     )
     assert record["requests"] == 300 and record["mismatched_blocks"] == 0
+    assert 0 < record["engine_s"] < record["elapsed_s"]
+    assert record["stack_s"] == record["elapsed_s"] - record["engine_s"]
     assert record["hits"]["cpu"] > 0 and record["verified_blocks"] == record["hits"]["cpu"]
     assert record["hit_ratio"] <= record["ceiling_hit_ratio"] + 1e-9
     # every reference is a hit of some tier or computed again
@@ -90,14 +93,76 @@ def test_stack_replay_with_rotting_store_is_a_miss_not_wrong_bytes(tmp_path):
     assert engine.counts.hits["mem"] == 0  # every rotten block was a miss, then recomputed
 
 
-def test_replay_plot_draws_a_png(tmp_path):
+def test_replay_plot_draws_tiers_ceiling_and_cpu_only_run(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    labels = []
+    plot = matplotlib.axes.Axes.plot
+
+    def spy(self, *args, label=None, **kwargs):
+        labels.append(label)
+        return plot(self, *args, label=label, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
     target = tmp_path / "hits.png"
     replay(
-        str(bundled_trace_path()), json.dumps(cpu_config(1000)), gpu_blocks=400, block_bytes=BLOCK,
+        str(bundled_trace_path()), None, gpu_blocks=400, block_bytes=BLOCK,
         limit=100, progress=False, plot=str(target),
     )
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"all tiers", "ceiling (unbounded cache)", "CPU tier alone", "gpu", "cpu", "disk"} <= set(labels)
+
+
+def test_ceiling_timeline_ends_at_the_ceiling():
+    from kvtier.replay.run import _ceiling_timeline
+    from kvtier.replay.trace import ceiling_hit_ratio
+
+    requests = load_trace(bundled_trace_path(), 200)
+    timeline = [(50, {}, 0), (120, {}, 0), (200, {}, 0)]
+    curve = _ceiling_timeline(requests, timeline)
+    assert curve[-1] == ceiling_hit_ratio(requests)[0]
+    assert curve[0] == ceiling_hit_ratio(requests[:50])[0]
+
+
+def test_requests_larger_than_the_gpu_cache_are_reported_and_skipped_before_the_replay(tmp_path, capsys):
+    requests = load_trace(bundled_trace_path(), 200)
+    gpu_blocks = sorted(len(r.hash_ids) for r in requests)[150]  # about a quarter do not fit
+    too_big = [r for r in requests if len(r.hash_ids) > gpu_blocks]
+    assert too_big
+    record = replay(
+        str(bundled_trace_path()), json.dumps(cpu_config(3000)), gpu_blocks=gpu_blocks,
+        block_bytes=BLOCK, limit=200, progress=False,
+    )
+    err = capsys.readouterr().err
+    assert f"skipping {len(too_big)} of 200 requests" in err and "raise --gpu-blocks" in err
+    assert record["skipped_requests"] == len(too_big)
+    assert record["skipped_block_refs"] == sum(len(r.hash_ids) for r in too_big)
+    assert record["requests"] == 200 - len(too_big) and record["mismatched_blocks"] == 0
+
+
+def test_a_gpu_cache_too_small_for_every_request_is_an_error_before_the_replay(tmp_path):
+    from kvtier.errors import KvtierError
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(
+        json.dumps({"timestamp": i, "input_length": 1, "output_length": 1, "hash_ids": list(range(i, i + 5 + i))}) + "\n"
+        for i in range(3)
+    ))
+    with pytest.raises(KvtierError, match="raise --gpu-blocks to at least 7"):
+        replay(str(trace), json.dumps(cpu_config(100)), gpu_blocks=4, progress=False)
+    with pytest.raises(KvtierError, match="--gpu-blocks must be at least 1"):
+        replay(str(trace), json.dumps(cpu_config(100)), gpu_blocks=0, progress=False)
+
+
+def test_cli_replay_without_json_prints_the_table_and_no_json_line(capsys):
+    from kvtier.cli.main import main
+
+    assert main(["replay", "--limit", "60", "--no-progress", "--no-baseline", "--block-bytes", "4096"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("kvtier replay: 60 requests") and "ceiling" in lines[0]
+    assert lines[1].split() == ["tier", "hits", "hit_ratio", "bytes_read", "bytes_written"]
+    assert not any(line.lstrip().startswith("{") for line in lines)
 
 
 def test_cli_replay_default_stack_on_a_slice(capsys):

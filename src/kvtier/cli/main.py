@@ -56,7 +56,7 @@ def _replay(args: argparse.Namespace) -> int:
             disk_kind=args.disk,
             out=out,
             device=args.device,
-        ))
+        ))  # the JSON line only with --json (printed by _report): a person gets the table
     except KvtierError as exc:
         print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2
@@ -78,6 +78,26 @@ def _replay_fleet(args: argparse.Namespace) -> int:
         print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2
     return 1 if record["mismatched_blocks"] else 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from kvtier.plan.run import plan
+
+    try:
+        _report(args, lambda out: plan(
+            args.trace,
+            capacities=args.capacities,
+            policies=args.policies,
+            target=args.target,
+            cpu_target=args.cpu_target,
+            block_bytes=args.block_bytes,
+            plot=args.plot,
+            out=out,
+        ))
+    except KvtierError as exc:
+        print(f"kvtier plan: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -126,8 +146,22 @@ def _bench_disk(args: argparse.Namespace) -> int:
 
 
 def _bench_manager(args: argparse.Namespace) -> int:
+    if args.stack:
+        from kvtier.bench import manager_stack
+
+        try:
+            sizes = [int(size) for size in args.sizes.split(",")]
+        except ValueError:
+            print(f"kvtier bench manager: --sizes {args.sizes!r}: give block counts like 10000,100000", file=sys.stderr)
+            return 2
+        record = _report(args, lambda out: manager_stack.run(
+            sizes=sizes, steps=args.steps, runs=args.runs if args.runs is not None else 5, out=out
+        ))
+        return 0 if record["us_per_step"] else 1
     from kvtier.bench import manager
 
+    if args.runs is None:
+        args.runs = 5
     record = _report(
         args, lambda out: manager.run(num_keys=args.keys, capacity=args.capacity, runs=args.runs, out=out)
     )
@@ -206,7 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--disk", choices=disk_kinds, default="lmdb", help="disk tier kind of the default stack")
     replay.add_argument("--no-baseline", action="store_true", help="skip the CPU-tier-only comparison run")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
-    replay.add_argument("--plot", metavar="FILE.png", help="draw the hit ratio per tier over time")
+    replay.add_argument(
+        "--plot", metavar="FILE.png",
+        help="draw the hit ratio per tier over time, the ceiling, and the CPU-tier-only run",
+    )
     replay.add_argument("--json", action="store_true", help="print only the JSON line")
     replay.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="cpu",
@@ -220,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--valkey", metavar="URL", help="the fleet's shared server (default: a local valkey-server)")
     replay.add_argument("--valkey-cluster", metavar="HOST:PORT,...", help="the fleet's shared cluster, instead of --valkey")
     replay.set_defaults(func=_replay)
+
+    _add_plan(commands)
 
     config = commands.add_parser("config", help="work with configuration files")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -256,12 +295,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks, each against a baseline measured in the same run")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="TARGET")
     bench_manager = bench_commands.add_parser(
-        "manager", help="scheduler-side cost per block of the single-tier manager, LRU and ARC"
+        "manager", help="scheduler-side cost per block of the single-tier manager, LRU and ARC "
+        "(--stack: a step of the stack manager at growing CPU-tier sizes)"
     )
     bench_manager.add_argument("--json", action="store_true", help="print only the JSON line")
     bench_manager.add_argument("--keys", type=int, default=100_000, help="distinct keys stored (default 100000)")
     bench_manager.add_argument("--capacity", type=int, default=50_000, help="tier size in blocks (default 50000)")
-    bench_manager.add_argument("--runs", type=int, default=5, help="runs per figure; the median is kept (default 5)")
+    bench_manager.add_argument(
+        "--runs", type=int, default=None, help="runs per figure; the median is kept (default 5)"
+    )
+    bench_manager.add_argument(
+        "--stack", action="store_true",
+        help="the stack manager over an in-memory lower tier, per step, at each of --sizes CPU blocks",
+    )
+    bench_manager.add_argument(
+        "--sizes", default="10000,100000,1000000", help="--stack: CPU-tier sizes in blocks (default 10^4,10^5,10^6)"
+    )
+    bench_manager.add_argument("--steps", type=int, default=1000, help="--stack: timed steps per run (default 1000)")
     bench_manager.set_defaults(func=_bench_manager)
     bench_transfer = bench_commands.add_parser(
         "transfer", help="GPU<->CPU handler throughput against one contiguous copy of the same bytes"
@@ -306,6 +356,32 @@ def build_parser() -> argparse.ArgumentParser:
     bench_remote.add_argument("--url", default=None, help="a server (default: a local valkey-server on 127.0.0.1)")
     bench_remote.set_defaults(func=_bench_remote)
     return parser
+
+
+def _add_plan(commands: Any) -> None:
+    from kvtier.plan.run import DEFAULT_BLOCK_BYTES, DEFAULT_CAPACITIES
+
+    plan = commands.add_parser(
+        "plan",
+        help="hit ratio against cache size per eviction policy, Belady's bound, tier sizes",
+        description="Simulate a Mooncake-format trace (default: the bundled one) through one pooled "
+        "cache at many sizes, bookkeeping only, with the policies the managers use; print the "
+        "prefix-hit-ratio table, Belady's offline optimum and the unbounded ceiling, and the "
+        "smallest CPU and disk tier sizes reaching the targets.",
+    )
+    plan.add_argument("trace", nargs="?", metavar="TRACE", help="JSONL trace (default: bundled Mooncake trace)")
+    plan.add_argument("--capacities", type=int, nargs="+", default=list(DEFAULT_CAPACITIES), metavar="N",
+                      help="cache sizes in blocks (default: %(default)s)")
+    plan.add_argument("--policies", nargs="+", metavar="NAME", help="policies to simulate (default: all registered)")
+    plan.add_argument("--target", type=float, default=0.95,
+                      help="share of the ceiling the disk tier must reach (default 0.95)")
+    plan.add_argument("--cpu-target", type=float, default=0.5,
+                      help="share of the ceiling the CPU tier alone must reach (default 0.5)")
+    plan.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES,
+                      help="bytes per block, for sizes in bytes (default %(default)s: 512 tokens of Llama-3-8B fp16)")
+    plan.add_argument("--plot", metavar="FILE.png", help="draw the hit-ratio curves, Belady's and the ceiling")
+    plan.add_argument("--json", action="store_true", help="print only the JSON line")
+    plan.set_defaults(func=_plan)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

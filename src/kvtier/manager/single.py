@@ -28,10 +28,15 @@ class SingleTierManager(OffloadingManager):
     * ready blocks: in the policy, ``key -> block id``; ``lookup`` is one membership test;
     * blocks being written: ``_pending``, ``key -> block id``; invisible to ``lookup``, never
       evicted, their slot owned by the writing transfer;
-    * holds: ``_holds``, ``key -> reasons it must stay``, only for ready blocks: each read in
-      flight is one (a pin); a subclass may add its own (a block not yet saved below). The
-      policy is told to pass over held keys when evicting, so no slot is reused while a
-      worker reads it.
+    * holds: ``_holds``, ``key -> reads in flight`` (pins), only for ready blocks. A subclass
+      may have reasons of its own (a block not yet saved below) and says so through
+      :meth:`_held_otherwise`. The policy is told when a block's first reason appears
+      (:meth:`EvictionPolicy.hold`) and its last goes (``release``), so it keeps held blocks
+      out of its eviction order: no slot is reused while a worker reads it, and eviction
+      never walks past a held block.
+
+    Every call costs O(keys it names + blocks it evicts), whatever the tier's size or how
+    many of its blocks are held.
 
     The manager never waits: a single tier has nothing to promote, so ``lookup`` never says
     ``None`` and ``on_schedule_end`` has nothing to flush.
@@ -77,9 +82,12 @@ class SingleTierManager(OffloadingManager):
                     "and load only keys that looked up True in this step"
                 )
             block_ids.append(block_id)
-        holds = self._holds
+        holds, hold, held_otherwise = self._holds, self._policy.hold, self._held_otherwise
         for key in keys:
-            holds[key] = holds.get(key, 0) + 1
+            count = holds.get(key, 0)
+            holds[key] = count + 1
+            if not count and not held_otherwise(key):
+                hold(key)
         return self._backend.get_load_store_spec(keys, block_ids)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -91,14 +99,20 @@ class SingleTierManager(OffloadingManager):
             release(key)
 
     def _release(self, key: OffloadKey) -> None:
-        """Drop one hold on ``key`` (a finished read, or a reason that no longer applies)."""
+        """Drop one pin on ``key`` (a finished read)."""
         count = self._holds.get(key)
         if count is None:
             return  # held before a reset_cache: that block is gone already
         if count == 1:
             del self._holds[key]
+            if not self._held_otherwise(key):
+                self._policy.release(key)
         else:
             self._holds[key] = count - 1
+
+    def _held_otherwise(self, key: OffloadKey) -> bool:
+        """Whether ready ``key`` must stay for a reason other than a pin (none here)."""
+        return False
 
     # -- stores ------------------------------------------------------------------------------
 
@@ -165,8 +179,9 @@ class SingleTierManager(OffloadingManager):
         Never evicts a held block, nor one of ``protected`` (the ready keys of the offer being
         placed: the engine relies on the blocks it offered being present after the call).
         """
-        skip = self._holds.keys() | protected if protected else self._holds
-        victims = self._policy.evict(count, skip)
+        # The policy keeps held blocks out of its order; only the offer's own ready keys
+        # (a handful) are passed over.
+        victims = self._policy.evict_unheld(count, set(protected) if protected else ())
         if victims is None:
             return None
         evicted_keys = [key for key, _ in victims]
@@ -217,7 +232,7 @@ class SingleTierManager(OffloadingManager):
         return {
             "ready_blocks": len(self._policy),
             "pending_blocks": len(self._pending),
-            "held_blocks": len(self._holds),
+            "held_blocks": len(self._policy) - self._policy.evictable_blocks(),
             "free_blocks": self._backend.get_num_free_blocks(),
             "evictions": self.evictions,
         }

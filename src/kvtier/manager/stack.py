@@ -15,6 +15,12 @@ every store from the GPU lands in it first. Secondary tiers only exchange blocks
   job: full, ENOSPC, EIO ...) stops being dirty — the tier would not take it — and becomes
   evictable.
 
+**Admission** (optional, per tier): a tier with ``admit: reuse`` takes a dirty block only
+once its key was wanted ``min_reuse`` times (offered for storing, or hit in the CPU tier) (:class:`AdmissionFilter`); a block
+no tier admits stops being dirty, like a refused one. Stats per tier add blocks admitted and
+refused, write amplification (bytes written per byte later read) and, with
+``endurance_tbw``, the drive's projected life at the write rate seen so far.
+
 Both directions are bounded per step (``max_promote_bytes_per_step``,
 ``max_demote_bytes_per_step``) so I/O never piles up behind the scheduler. Every call is
 bookkeeping; the tiers' own threads move the bytes, and their completions are polled here.
@@ -25,6 +31,7 @@ Nothing in this module names a concrete tier: the stack is whatever list it is g
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +45,7 @@ from kvtier.base import (
 )
 from kvtier.config import CascadeConfig
 from kvtier.manager.single import SingleTierManager
+from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.base import EvictionPolicy
 from kvtier.tiers.base import FailureKind, SecondaryTier, TierJob, TierJobResult
 
@@ -72,8 +80,17 @@ class TierStackManager(SingleTierManager):
     * ``_promoting``: key -> CPU row of its read from below (``_UNRESERVED`` until the read
       is submitted at the end of the step); looks up ``None``;
     * ``_promote_queue``: per tier, keys whose read is not submitted yet;
-    * ``_dirty``: ready CPU blocks not saved below yet, in store order; each holds one hold;
-    * ``_demoting``: key -> tier jobs still reading its CPU row; each job holds one hold.
+    * ``_dirty``: ready CPU blocks not saved below and not being saved, ``key -> how many
+      times it is in _dirty_order``; ``_dirty_order``: those keys, least recently used first,
+      a key appended again when :meth:`touch` refreshes it. The coldest are saved first by
+      popping the front — never by walking the policy; an entry with a later copy is passed
+      over once, paid for by the touch that made it. A deque and a dict of small ints cost
+      about 60 bytes per dirty block where an OrderedDict costs 120, and most blocks of a
+      write_back CPU tier are dirty;
+    * ``_demoting``: key -> tier jobs still reading its CPU row (still unsaved).
+
+    A key in ``_dirty`` or ``_demoting`` is held (:meth:`_held_otherwise`): the policy keeps
+    it out of its eviction order until the last job that reads it finishes.
 
     Threading: the engine's scheduler thread only, like every manager.
     """
@@ -86,9 +103,17 @@ class TierStackManager(SingleTierManager):
         cascade: CascadeConfig | None = None,
         *,
         enable_events: bool = True,
+        admission: Sequence[AdmissionFilter | None] | None = None,
+        endurance_tbw: Sequence[float | None] | None = None,
     ):
         super().__init__(backend, policy, enable_events=enable_events)
         self._tiers = list(tiers)
+        # -- admission (None per tier: it takes every block) --
+        self._admission = list(admission) if admission is not None else [None] * len(self._tiers)
+        self._endurance_tbw = list(endurance_tbw) if endurance_tbw is not None else [None] * len(self._tiers)
+        #: filters that count sightings (only ``admit: reuse`` ones need to)
+        self._counting = [f for f in self._admission if f is not None and f.mode == "reuse"]
+        self._started = time.monotonic()
         cascade = cascade or CascadeConfig()
         self._write_through = cascade.write_policy == "write_through"
         block_bytes = max(1, backend.block_size)
@@ -101,12 +126,15 @@ class TierStackManager(SingleTierManager):
         #: until the next step ends
         self._no_room: set[OffloadKey] = set()
         self._promote_queue: list[deque[OffloadKey]] = [deque() for _ in self._tiers]
-        self._dirty: dict[OffloadKey, None] = {}
+        self._dirty: dict[OffloadKey, int] = {}
+        self._dirty_order: deque[OffloadKey] = deque()
         self._demoting: dict[OffloadKey, int] = {}
         #: job id -> (tier index, job, is_load)
         self._jobs: dict[int, tuple[int, TierJob, bool]] = {}
         self._job_ids = itertools.count(1)
         self._counters = [_TierCounters() for _ in self._tiers]
+        #: dirty entries the demotion choice examined since creation (a cost counter for tests)
+        self.entries_visited = 0
         self.lookups = 0
         self.cpu_hits = 0
         self.misses = 0
@@ -123,6 +151,8 @@ class TierStackManager(SingleTierManager):
         self.lookups += 1
         if self._contains(key):
             self.cpu_hits += 1
+            if self._counting:
+                self._sighted((key,))  # a reuse; a miss is counted by the offer that follows
             return True
         if key in self._promoting:
             self._poll()  # the read may have finished since the last step
@@ -150,9 +180,10 @@ class TierStackManager(SingleTierManager):
     def _reserve_rows(self, count: int) -> list[int]:
         """Up to ``count`` CPU rows, evicting clean blocks if need be (end of step only)."""
         backend = self._backend
-        shortfall = count - backend.get_num_free_blocks()
-        while shortfall > 0 and self._evict(shortfall, []) is None:
-            shortfall -= 1  # not that many evictable: take what there is
+        # not that many evictable: take what there is
+        shortfall = min(count - backend.get_num_free_blocks(), self._policy.evictable_blocks())
+        if shortfall > 0:
+            self._evict(shortfall, [])
         return backend.allocate_block_ids(min(count, backend.get_num_free_blocks()))
 
     # -- stores ------------------------------------------------------------------------------
@@ -160,6 +191,8 @@ class TierStackManager(SingleTierManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
+        if self._counting:
+            self._sighted(keys)
         promoting = self._promoting
         if promoting:  # coming up from below already: present, like a block being written
             keys = [key for key in keys if key not in promoting]
@@ -170,12 +203,29 @@ class TierStackManager(SingleTierManager):
         # evicted from the CPU tier earlier and recomputed by the engine since).
         if not self._tiers:
             return
-        holds, dirty, tiers = self._holds, self._dirty, self._tiers
-        for key in keys:
-            if all(tier.lookup(key) for tier in tiers):
-                continue
-            dirty[key] = None
-            holds[key] = holds.get(key, 0) + 1
+        dirty, hold = self._dirty, self._policy.hold
+        if len(self._tiers) == 1:
+            lookup = self._tiers[0].lookup
+            new = [key for key in keys if lookup(key) is not True]
+        else:
+            tiers = self._tiers
+            new = [key for key in keys if not all(tier.lookup(key) is True for tier in tiers)]
+        for key in new:
+            dirty[key] = 1
+            hold(key)  # just ready: neither pinned nor otherwise held yet
+        self._dirty_order.extend(new)
+
+    def _held_otherwise(self, key: OffloadKey) -> bool:
+        return key in self._dirty or key in self._demoting
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._policy.touch(keys)
+        dirty = self._dirty
+        if dirty:
+            refreshed = [key for key in keys if key in dirty]
+            for key in refreshed:
+                dirty[key] += 1
+            self._dirty_order.extend(refreshed)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -253,56 +303,107 @@ class TierStackManager(SingleTierManager):
         budget = self._demote_budget - len(self._demoting)
         if budget <= 0:
             return  # the tiers are still busy with earlier steps' writes
-        if self._write_through:
-            candidates: Iterator[OffloadKey] = iter(self._dirty)
-        else:
-            headroom = (
-                self._backend.get_num_free_blocks() + len(self._policy) - len(self._holds)
-            )
+        if not self._write_through:
+            headroom = self._backend.get_num_free_blocks() + self._policy.evictable_blocks()
             if headroom >= self._clean_target:
                 return
             budget = min(budget, self._clean_target - headroom)
-            candidates = (key for key in self._policy if key in self._dirty)  # coldest first
-        demoting = self._demoting
+        dirty, popleft = self._dirty, self._dirty_order.popleft
+        # The front of _dirty_order is the coldest block (write_back saves those first, so
+        # they become the clean victims); write_through saves in the same order, soon after
+        # store.
         keys = []
-        for key in candidates:
-            if key not in demoting:
+        visited = 0
+        while len(keys) < budget and dirty:
+            key = popleft()
+            visited += 1
+            copies = dirty[key]
+            if copies == 1:
+                del dirty[key]
                 keys.append(key)
-                if len(keys) == budget:
-                    break
+            else:  # touched since: its later copy is where it belongs
+                dirty[key] = copies - 1
+        self.entries_visited += visited
         self._demote(keys)
 
     def _demote(self, keys: list[OffloadKey]) -> None:
+        """Submit one store job per tier for ``keys`` (taken out of ``_dirty`` by the caller).
+
+        Each tier gets the keys its admission filter takes; a key no tier takes is released
+        at once (like a block every tier refused), unless a read pins it.
+        """
         if not keys:
             return
-        get, holds, demoting = self._get, self._holds, self._demoting
-        rows = tuple(get(key) for key in keys)
-        for index, tier in enumerate(self._tiers):
-            job = TierJob(next(self._job_ids), tuple(keys), rows)
-            for key in keys:
-                demoting[key] = demoting.get(key, 0) + 1
-                holds[key] += 1  # the job reads the row: it must stay put
+        get, demoting = self._get, self._demoting
+        per_tier = [self._admitted(index, keys) for index in range(len(self._tiers))]
+        for taken in per_tier:
+            for key in taken:
+                demoting[key] = demoting.get(key, 0) + 1  # still held: each job reads the row
+        holds, release = self._holds, self._policy.release
+        for key in keys:
+            if key not in demoting and key not in holds:
+                release(key)
+        for index, (tier, taken) in enumerate(zip(self._tiers, per_tier)):
+            if not taken:
+                continue
+            job = TierJob(next(self._job_ids), tuple(taken), tuple(get(key) for key in taken))
             self._jobs[job.job_id] = (index, job, False)
             self._counters[index].demote_jobs += 1
             tier.submit_store(job)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def _sighted(self, keys: Collection[OffloadKey]) -> None:
+        """``keys`` were wanted: offered (computed), or hit in the CPU tier. A lookup that
+        misses is not counted: the engine offers the block it then computes, and one request
+        must count once."""
+        for admission in self._counting:
+            record = admission.record
+            for key in keys:
+                record(key)
+
+    def _admitted(self, index: int, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """The keys of ``keys`` tier ``index`` takes."""
+        admission = self._admission[index]
+        if admission is None:
+            return keys
+        return [key for key in keys if admission.admit(key)]
+
+    def _admission_stats(self, index: int, counters: _TierCounters) -> dict[str, int | float]:
+        """Admission and wear figures of tier ``index``; every value a number (metrics export
+        them as gauges), so a ratio with nothing to divide by yet is left out."""
+        admission = self._admission[index]
+        written, read = counters.demoted_bytes, counters.promoted_bytes
+        figures: dict[str, int | float] = {
+            "admitted_blocks": counters.demotions if admission is None else admission.admitted,
+            "refused_blocks": 0 if admission is None else admission.refused,
+            "bytes_written": written,
+            "bytes_read_later": read,
+        }
+        if read:
+            # bytes written per byte ever read back: 1.0 would mean no write was wasted
+            figures["write_amplification"] = round(written / read, 3)
+        tbw = self._endurance_tbw[index]
+        if tbw is not None and written:
+            rate = written / max(time.monotonic() - self._started, 1e-9)  # bytes per second
+            figures["projected_life_days"] = round(tbw * 1e12 / rate / 86400, 1)
+        return figures
 
     def _finish_demotion(self, index: int, job: TierJob, result: TierJobResult) -> None:
         counters = self._counters[index]
         counters.demotions += len(result.ok)
         counters.demoted_bytes += result.nbytes
         counters.demote_failures += len(result.failed)
-        demoting, dirty, release = self._demoting, self._dirty, self._release
+        demoting, holds, release = self._demoting, self._holds, self._policy.release
         for key in job.keys:
-            release(key)  # the job's read of the row
             left = demoting[key] - 1
             if left:
                 demoting[key] = left
                 continue
             del demoting[key]
             # Saved by every tier, or refused by some (a tier that failed the job would not
-            # take it now): either way the CPU tier may drop it.
-            if key in dirty:
-                del dirty[key]
+            # take it now): either way the CPU tier may drop it, once no read pins it.
+            if key not in holds:
                 release(key)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -326,14 +427,18 @@ class TierStackManager(SingleTierManager):
         for queue in self._promote_queue:
             queue.clear()
         self._dirty.clear()
+        self._dirty_order.clear()
         self._demoting.clear()
         super().reset_cache()  # clears holds, pending and ready blocks
         self._backend.free_block_ids(rows)
 
     def flush(self) -> None:
         """Save every dirty CPU block below and wait for it (blocks; for shutdown)."""
-        while self._dirty:
-            self._demote([key for key in self._dirty if key not in self._demoting])
+        while self._dirty or self._demoting:
+            keys = list(self._dirty)
+            self._dirty.clear()
+            self._dirty_order.clear()
+            self._demote(keys)
             self._drain()
 
     def shutdown(self) -> None:
@@ -358,14 +463,18 @@ class TierStackManager(SingleTierManager):
             lookups=self.lookups,
             cpu_hits=self.cpu_hits,
             misses=self.misses,
-            dirty_blocks=len(self._dirty),
+            dirty_blocks=len(self._dirty) + len(self._demoting),
             # rows held by reads from below (queued reads hold none yet)
-            promoting_blocks=sum(1 for row in self._promoting.values() if row != _UNRESERVED),
+            promoting_blocks=len(self._promoting) - sum(map(len, self._promote_queue)),
             demoting_blocks=len(self._demoting),
         )
-        for tier, counters, queue in zip(self._tiers, self._counters, self._promote_queue):
+        for index, (tier, counters, queue) in enumerate(
+            zip(self._tiers, self._counters, self._promote_queue)
+        ):
             prefix = tier.name + "."
             for name, value in vars(counters).items():
+                figures[prefix + name] = value
+            for name, value in self._admission_stats(index, counters).items():
                 figures[prefix + name] = value
             figures[prefix + "queued_promotions"] = len(queue)
             figures[prefix + "blocks"] = tier.num_blocks()

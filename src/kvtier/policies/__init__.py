@@ -16,7 +16,13 @@ __all__ = ["POLICIES", "EvictionPolicy", "get_policy_class", "registered_policie
 POLICIES: Registry[EvictionPolicy] = Registry(
     "eviction policy",
     EvictionPolicy,
-    {"lru": "kvtier.policies.lru:LRUPolicy", "arc": "kvtier.policies.arc:ARCPolicy"},
+    {
+        "lru": "kvtier.policies.lru:LRUPolicy",
+        "arc": "kvtier.policies.arc:ARCPolicy",
+        "s3fifo": "kvtier.policies.s3fifo:S3FIFOPolicy",
+        "sieve": "kvtier.policies.sieve:SIEVEPolicy",
+        "chain": "kvtier.policies.chain:ChainPolicy",
+    },
     module_key="eviction_module_path",
 )
 

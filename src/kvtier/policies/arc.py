@@ -11,13 +11,6 @@ from kvtier.policies.base import EvictionPolicy
 __all__ = ["ARCPolicy"]
 
 
-def _first_not_in(keys: Iterator[OffloadKey], skip: Container[OffloadKey]) -> OffloadKey | None:
-    for key in keys:
-        if key not in skip:
-            return key
-    return None
-
-
 class ARCPolicy(EvictionPolicy):
     """Balances recency and frequency, and learns the balance from its own mistakes.
 
@@ -31,85 +24,136 @@ class ARCPolicy(EvictionPolicy):
 
     Unlike a page cache, a tier sees a block "used" only on :meth:`touch` (a hit), never on
     insertion, so the first store of a key lands in t1 and a later hit promotes it.
+
+    Held keys leave ``t1``/``t2`` (so eviction never walks past them) but still count in the
+    list they belong to, for ``p`` and the ghost bounds; ``_held_t2`` names the held keys
+    whose list is t2 (a held key touched moves there), and a released key returns to the
+    recent end of its list. ``_index`` maps every ready key to its block id.
     """
 
     def __init__(self, capacity_blocks: int):
         super().__init__(capacity_blocks)
         self._p = 0.0
-        self._t1: OrderedDict[OffloadKey, int] = OrderedDict()
-        self._t2: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._index: dict[OffloadKey, int] = {}
+        self._t1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._t2: OrderedDict[OffloadKey, None] = OrderedDict()
         self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._held_t2: set[OffloadKey] = set()
+        # Bound C methods, as in LRUPolicy: lookup runs once per key per request.
+        self.get = self._index.get  # type: ignore[method-assign]
+        self.contains = self._index.__contains__  # type: ignore[method-assign]
 
     @property
     def target_t1_blocks(self) -> float:
         """The adaptive target size of t1 (``p`` in the paper)."""
         return self._p
 
-    def get(self, key: OffloadKey) -> int | None:
-        block_id = self._t1.get(key)
-        return block_id if block_id is not None else self._t2.get(key)
+    def get(self, key: OffloadKey) -> int | None:  # replaced per instance in __init__
+        return self._index.get(key)
 
-    def contains(self, key: OffloadKey) -> bool:
-        return key in self._t1 or key in self._t2
+    def _sizes(self) -> tuple[int, int]:
+        """|t1| and |t2| as ARC counts them: held keys included, in their own list."""
+        size2 = len(self._t2) + len(self._held_t2)
+        return len(self._index) - size2, size2
 
     def insert(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        self._index.update(zip(keys, block_ids))
         if not b1 and not b2:  # cold start / no history: skip the ghost probes
-            t1.update(zip(keys, block_ids))
+            t1.update(dict.fromkeys(keys))
             return
         capacity = self.capacity_blocks
-        for key, block_id in zip(keys, block_ids):
+        for key in keys:
             if key in b1:
                 self._p = min(capacity, self._p + max(1.0, len(b2) / len(b1)))
                 del b1[key]
-                t2[key] = block_id
+                t2[key] = None
             elif key in b2:
                 self._p = max(0.0, self._p - max(1.0, len(b1) / len(b2)))
                 del b2[key]
-                t2[key] = block_id
+                t2[key] = None
             else:
-                t1[key] = block_id
+                t1[key] = None
         self._trim_ghosts()
 
     def remove(self, key: OffloadKey) -> int | None:
-        block_id = self._t1.pop(key, None)
-        return block_id if block_id is not None else self._t2.pop(key, None)
+        block_id = self._index.pop(key, None)
+        if block_id is not None:
+            if self._t1.pop(key, 0) is not None:  # held, or in t2
+                if self._t2.pop(key, 0) is not None:
+                    self._held_t2.discard(key)
+        return block_id
 
     def touch(self, keys: Collection[OffloadKey]) -> None:
-        t1, t2 = self._t1, self._t2
+        t1, t2, index = self._t1, self._t2, self._index
         for key in keys:
             if key in t2:
                 t2.move_to_end(key)
             elif key in t1:
-                t2[key] = t1.pop(key)
+                del t1[key]
+                t2[key] = None
+            elif key in index:  # held: used again, so it goes back to t2
+                self._held_t2.add(key)
+
+    def hold(self, key: OffloadKey) -> None:
+        if key in self._t1:
+            del self._t1[key]
+        else:
+            del self._t2[key]
+            self._held_t2.add(key)
+
+    def release(self, key: OffloadKey) -> None:
+        if key in self._held_t2:
+            self._held_t2.remove(key)
+            self._t2[key] = None
+        else:
+            self._t1[key] = None
+
+    def evict_unheld(
+        self, count: int, protected: Collection[OffloadKey] = ()
+    ) -> list[tuple[OffloadKey, int]] | None:
+        return self.evict(count, protected)
+
+    def evictable_blocks(self) -> int:
+        return len(self._t1) + len(self._t2)
 
     def evict(self, count: int, skip: Container[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
         t1, t2 = self._t1, self._t2
         if count > len(t1) + len(t2):
             return None
         # Choose every victim first (iterators only read), so a failure changes nothing.
-        left1, left2 = len(t1), len(t2)
-        oldest1, oldest2 = iter(t1), iter(t2)
-        from_t1: list[OffloadKey] = []
-        from_t2: list[OffloadKey] = []
+        left1, left2 = self._sizes()
+        oldest = (iter(t1), iter(t2))
+        chosen: tuple[list[OffloadKey], list[OffloadKey]] = ([], [])
+        visited = 0
         for _ in range(count):
-            prefer_t1 = left1 > 0 and (left1 > self._p or left2 == 0)
-            key = _first_not_in(oldest1 if prefer_t1 else oldest2, skip)
-            if key is not None:
-                (from_t1 if prefer_t1 else from_t2).append(key)
-            else:  # the preferred list has nothing evictable left: take from the other
-                prefer_t1 = not prefer_t1
-                key = _first_not_in(oldest1 if prefer_t1 else oldest2, skip)
-                if key is None:
-                    return None
-                (from_t1 if prefer_t1 else from_t2).append(key)
-            if prefer_t1:
-                left1 -= 1
+            prefer = 0 if left1 > 0 and (left1 > self._p or left2 == 0) else 1
+            for side in (prefer, 1 - prefer):  # the other list if the preferred has none left
+                key = None
+                for candidate in oldest[side]:
+                    visited += 1
+                    if candidate not in skip:
+                        key = candidate
+                        break
+                if key is not None:
+                    chosen[side].append(key)
+                    if side == 0:
+                        left1 -= 1
+                    else:
+                        left2 -= 1
+                    break
             else:
-                left2 -= 1
-        victims = [(key, t1.pop(key)) for key in from_t1]
-        victims += [(key, t2.pop(key)) for key in from_t2]
+                self.entries_visited += visited
+                return None
+        self.entries_visited += visited
+        from_t1, from_t2 = chosen
+        pop = self._index.pop
+        for key in from_t1:
+            del t1[key]
+        for key in from_t2:
+            del t2[key]
+        victims = [(key, pop(key)) for key in from_t1] + [(key, pop(key)) for key in from_t2]
         self._b1.update(dict.fromkeys(from_t1))
         self._b2.update(dict.fromkeys(from_t2))
         self._trim_ghosts()
@@ -118,21 +162,21 @@ class ARCPolicy(EvictionPolicy):
     def _trim_ghosts(self) -> None:
         capacity = self.capacity_blocks
         b1, b2 = self._b1, self._b2
-        while b1 and len(self._t1) + len(b1) > capacity:
+        size1, size2 = self._sizes()
+        while b1 and size1 + len(b1) > capacity:
             b1.popitem(last=False)
-        while b2 and len(self._t1) + len(self._t2) + len(b1) + len(b2) > 2 * capacity:
+        while b2 and size1 + size2 + len(b1) + len(b2) > 2 * capacity:
             b2.popitem(last=False)
 
     def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+        return len(self._index)
 
     def __iter__(self) -> Iterator[OffloadKey]:
-        yield from self._t1
-        yield from self._t2
+        return iter(self._index)
 
     def clear(self) -> list[tuple[OffloadKey, int]]:
-        dropped = list(self._t1.items()) + list(self._t2.items())
-        for part in (self._t1, self._t2, self._b1, self._b2):
+        dropped = list(self._index.items())
+        for part in (self._index, self._t1, self._t2, self._b1, self._b2, self._held_t2):
             part.clear()
         self._p = 0.0
         return dropped

@@ -14,31 +14,49 @@ class EvictionPolicy(ABC):
     """The ready blocks of one tier, in the order the policy would drop them.
 
     A policy maps each ready key to its block id (the slot in the tier's Backend) and decides
-    which keys to evict when the manager needs room. It knows nothing of blocks being written
-    or of pins: the manager keeps those, and tells :meth:`evict` which keys to pass over.
+    which keys to evict when the manager needs room. It knows nothing of blocks being written.
+    A ready block that must stay put (a read in flight, a block not yet saved below) is
+    *held*: the manager calls :meth:`hold` when the first reason appears and :meth:`release`
+    when the last one goes; a held key stays visible to :meth:`get` and :meth:`contains` but
+    is never a victim.
 
     Who calls it: the owning manager only, on the engine's scheduler thread; never blocks.
 
     The manager guarantees: :meth:`insert` names keys not present; :meth:`remove` and
-    :meth:`touch` may name unknown keys (ignored). The implementation must: make :meth:`evict`
-    all-or-nothing, never return a key in ``skip``, and forget evicted keys as live blocks
-    (ghost entries that only steer future decisions are fine, within ``capacity_blocks``).
+    :meth:`touch` may name unknown keys (ignored); :meth:`hold` names a ready key not held,
+    :meth:`release` a held one. The implementation must: make :meth:`evict` all-or-nothing,
+    never return a held key nor a key in ``skip``, and forget evicted keys as live blocks
+    (ghost entries — keys only — that only steer future decisions are fine, up to a small
+    constant multiple of ``capacity_blocks``).
 
-    Speed matters: :meth:`contains` runs once per ``lookup``. A subclass may bind it in
-    ``__init__`` to a C-level method (``self.contains = some_dict.__contains__``), which is why
-    the manager calls ``policy.contains`` rather than ``key in policy``.
+    Speed matters, because the manager runs inside the engine's scheduler every step: each
+    method must cost O(keys it names + victims it returns), whatever the number of blocks
+    held or stored. The built-in policies keep held keys out of their eviction order, so
+    :meth:`evict` never walks past one. The defaults of :meth:`hold`, :meth:`release` and
+    :meth:`evictable_blocks` keep an out-of-tree policy that ignores holds correct, not fast:
+    they hand :meth:`evict` every held key as ``skip``. :meth:`contains` runs once per
+    ``lookup``; a subclass may bind it in ``__init__`` to a C-level method
+    (``self.contains = some_dict.__contains__``), which is why the manager calls
+    ``policy.contains`` rather than ``key in policy``.
+
+    ``entries_visited`` counts the entries :meth:`evict` examined since creation, chosen or
+    passed over; the tests read it to prove a step's cost does not grow with the tier.
     """
 
     def __init__(self, capacity_blocks: int):
         #: the most ready blocks the tier can hold (ghost lists are sized from it)
         self.capacity_blocks = capacity_blocks
+        #: entries :meth:`evict` examined since creation (a cost counter, not a statistic)
+        self.entries_visited = 0
+        # Only the fallback hold tracking of the defaults below uses this.
+        self._held_fallback: set[OffloadKey] = set()
 
     @abstractmethod
     def get(self, key: OffloadKey) -> int | None:
-        """The block id of ready ``key``, or ``None``."""
+        """The block id of ready ``key`` (held or not), or ``None``."""
 
     def contains(self, key: OffloadKey) -> bool:
-        """Whether ``key`` is a ready block of the tier."""
+        """Whether ``key`` is a ready block of the tier (held or not)."""
         return self.get(key) is not None
 
     @abstractmethod
@@ -47,7 +65,7 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def remove(self, key: OffloadKey) -> int | None:
-        """Forget ``key``; its block id, or ``None`` if it was not present."""
+        """Forget ``key`` (held or not); its block id, or ``None`` if it was not present."""
 
     @abstractmethod
     def touch(self, keys: Collection[OffloadKey]) -> None:
@@ -55,22 +73,46 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def evict(self, count: int, skip: Container[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
-        """Drop ``count`` ready blocks not in ``skip``; their ``(key, block id)`` pairs.
+        """Drop ``count`` ready blocks neither held nor in ``skip``; their ``(key, block id)`` pairs.
 
-        ``None`` if fewer than ``count`` blocks may be dropped; then nothing changed.
+        ``skip`` is small (the ready keys of one offer). ``None`` if fewer than ``count``
+        blocks may be dropped; then nothing changed.
         """
+
+    def hold(self, key: OffloadKey) -> None:
+        """Ready ``key`` must not be evicted until :meth:`release` names it."""
+        self._held_fallback.add(key)
+
+    def release(self, key: OffloadKey) -> None:
+        """Held ``key`` may be evicted again."""
+        self._held_fallback.discard(key)
+
+    def evict_unheld(
+        self, count: int, protected: Collection[OffloadKey] = ()
+    ) -> list[tuple[OffloadKey, int]] | None:
+        """What the manager calls: :meth:`evict` passing over held keys and ``protected``.
+
+        A policy that keeps held keys out of its order overrides this to skip the union.
+        """
+        held = self._held_fallback
+        return self.evict(count, held.union(protected) if protected else held)
+
+    def evictable_blocks(self) -> int:
+        """How many ready blocks are not held (the most :meth:`evict` could drop)."""
+        return len(self) - len(self._held_fallback)
 
     @abstractmethod
     def __len__(self) -> int:
-        """How many ready blocks the policy holds."""
+        """How many ready blocks the policy holds, held ones included."""
 
     @abstractmethod
     def __iter__(self) -> Iterator[OffloadKey]:
         """The ready keys, in no promised order."""
 
     def clear(self) -> list[tuple[OffloadKey, int]]:
-        """Forget every block (and any history); the ``(key, block id)`` pairs dropped."""
+        """Forget every block (and any history, and every hold); the ``(key, block id)`` pairs."""
         dropped = [(key, self.get(key)) for key in list(self)]
         for key, _ in dropped:
             self.remove(key)
+        self._held_fallback.clear()
         return dropped  # type: ignore[return-value]

@@ -11,11 +11,20 @@ It owns a "GPU" KV cache (a CUDA tensor, or a CPU tensor standing in without CUD
 3. loads the hits into free GPU blocks through the real CPU->GPU handler, and compares every
    loaded block byte for byte with what was stored;
 4. "computes" the rest: writes each block's deterministic bytes (derived from its key);
-5. offers the computed blocks for storing, copies them GPU->CPU through the real handler and
-   completes the store; then finishes the request and ends the step.
+5. offers the computed blocks for storing and starts their GPU->CPU copy through the real
+   handler; then finishes the request and ends the step. Like vLLM's connector, it does not
+   wait for the copy: the store completes at the first step after the handler reports it,
+   and until then its GPU blocks are neither evicted nor reused.
 
 It never looks at the trace's timestamps: requests run back to back, one at a time, so the
-figures are about what the tiers hold and move, not about queueing.
+figures are about what the tiers hold and move, not about queueing. When it has nothing to
+do but wait for the tiers (a promotion, or room to store), it blocks on their
+``drain_jobs`` rather than sleeping and polling: on a busy machine a short sleep lasts far
+longer than asked, and a replay would measure the scheduler's naps.
+
+The engine's own work — making each computed block's bytes and checking each loaded one —
+is timed apart (``ReplayCounts.engine_s``), so what is left of the elapsed time is the
+stack's: the manager, the tiers, the handlers.
 """
 
 from __future__ import annotations
@@ -38,8 +47,6 @@ __all__ = ["ReplayEngine", "ReplayCounts", "block_key", "block_bytes_of"]
 
 #: how long the engine waits for pending lookups or busy tiers before giving up on them
 MAX_WAIT_S = 30.0
-#: pause between idle steps while waiting on the tiers' threads
-IDLE_STEP_S = 0.0002
 
 
 def block_key(hash_id: int) -> OffloadKey:
@@ -49,8 +56,14 @@ def block_key(hash_id: int) -> OffloadKey:
 
 def block_bytes_of(key: OffloadKey, nbytes: int) -> np.ndarray:
     """The bytes block ``key`` "computes" to: its SHA-512 repeated, so no other key's match."""
-    pattern = np.frombuffer(hashlib.sha512(key).digest(), dtype=np.int8)
-    return np.resize(pattern, nbytes)
+    return np.frombuffer(_payload(key, nbytes), dtype=np.int8)
+
+
+def _payload(key: OffloadKey, nbytes: int) -> bytes:
+    # bytes repetition is one C-level copy; np.resize did the same in a Python loop of numpy
+    # calls and was most of the engine's own time.
+    digest = hashlib.sha512(key).digest()
+    return (digest * -(-nbytes // len(digest)))[:nbytes]
 
 
 @dataclass
@@ -72,6 +85,8 @@ class ReplayCounts:
     #: blocks dropped from the CPU tier that no lower tier held at that moment
     dropped_blocks: int = 0
     steps: int = 0
+    #: seconds the engine spent on its own work: making and checking block payloads
+    engine_s: float = 0.0
     #: (requests done, cumulative hits by tier, cumulative block refs), one per sample
     timeline: list[tuple[int, dict[str, int], int]] = field(default_factory=list)
 
@@ -98,8 +113,18 @@ class ReplayEngine:
             [[CanonicalKVCacheRef(0, self.block_bytes)]],
         )
         self.worker = OffloadingWorker.from_spec(spec, caches)
-        self._host_view = self._gpu.numpy() if device == "cpu" else None
+        # One numpy element per block (a void of block_bytes): fancy indexing then copies
+        # whole rows, where an int8 view would copy byte by byte.
+        self._host_rows = (
+            self._gpu.numpy().view(np.dtype((np.void, self.block_bytes)))[:, 0] if device == "cpu" else None
+        )
         self._gpu_cache: OrderedDict[OffloadKey, int] = OrderedDict()  # key -> GPU block, LRU
+        self._keys: dict[int, OffloadKey] = {}  # trace block id -> key, each hashed once
+        #: store copies in flight: job id -> (keys, request context)
+        self._storing: dict[int, tuple[list[OffloadKey], ReqContext]] = {}
+        #: keys whose GPU blocks a store copy still reads: never evicted until it finishes
+        self._copying: set[OffloadKey] = set()
+        self._finished: dict[int, object] = {}  # handler results not yet taken
         self._free_gpu = list(range(gpu_blocks - 1, -1, -1))
         self._job_ids = itertools.count(1)
         self._cpu_name = spec.config.tiers[0].name
@@ -112,10 +137,13 @@ class ReplayEngine:
     def _allocate_gpu(self, count: int, keep: set[OffloadKey]) -> list[int]:
         while len(self._free_gpu) < count:
             for victim in self._gpu_cache:  # least recently used first
-                if victim not in keep:
+                if victim not in keep and victim not in self._copying:
                     self._free_gpu.append(self._gpu_cache.pop(victim))
                     break
             else:
+                if self._copying:  # blocks still being copied out: theirs come free then
+                    self._wait_for_stores()
+                    continue
                 raise KvtierError(
                     f"a request needs {count} GPU blocks but only {len(self._free_gpu)} are free "
                     f"of {self.gpu_blocks}: raise --gpu-blocks"
@@ -124,31 +152,63 @@ class ReplayEngine:
         del self._free_gpu[len(self._free_gpu) - count :]
         return taken
 
-    def _write_gpu(self, block: int, values: np.ndarray) -> None:
-        if self._host_view is not None:
-            self._host_view[block] = values
+    def _write_gpu(self, blocks: list[int], payload: bytes) -> None:
+        """Write ``payload`` (one row per block, concatenated) into GPU ``blocks``."""
+        if self._host_rows is not None:
+            self._host_rows[blocks] = np.frombuffer(payload, dtype=self._host_rows.dtype)
         else:
             import torch
 
-            self._gpu[block].copy_(torch.from_numpy(values))
+            values = np.frombuffer(payload, dtype=np.int8).reshape(len(blocks), self.block_bytes)
+            index = torch.tensor(blocks, device=self._gpu.device)
+            self._gpu[index] = torch.from_numpy(values.copy()).to(self._gpu.device)
 
-    def _read_gpu(self, block: int) -> np.ndarray:
-        if self._host_view is not None:
-            return self._host_view[block]
-        return self._gpu[block].cpu().numpy()
+    def _read_gpu(self, blocks: list[int]) -> bytes:
+        """GPU ``blocks``' bytes, concatenated."""
+        if self._host_rows is not None:
+            return self._host_rows[blocks].tobytes()
+        import torch
+
+        return self._gpu[torch.tensor(blocks, device=self._gpu.device)].cpu().numpy().tobytes()
 
     def _transfer(self, spec) -> bool:
+        """Run one copy to its end (a load: the engine needs its bytes now)."""
         job_id = next(self._job_ids)
         if not self.worker.transfer_async(job_id, spec):
             return False
         self.worker.wait({job_id})
-        results = {r.job_id: r for r in self.worker.get_finished()}
-        return results[job_id].success
+        self._collect()
+        return self._finished.pop(job_id).success
+
+    def _collect(self) -> None:
+        """Take the handlers' finished jobs; complete the stores among them."""
+        finished = self._finished
+        for result in self.worker.get_finished():
+            finished[result.job_id] = result
+        for job_id in [job_id for job_id in self._storing if job_id in finished]:
+            self._finish_store(job_id, finished.pop(job_id).success)
+
+    def _finish_store(self, job_id: int, ok: bool) -> None:
+        keys, ctx = self._storing.pop(job_id)
+        self.manager.complete_store(keys, ctx, success=ok)
+        self._copying.difference_update(keys)
+        if ok:
+            self.counts.stored_blocks += len(keys)
+        else:
+            self.counts.failed_transfers += 1
+
+    def _wait_for_stores(self) -> None:
+        """Wait for every store copy in flight and complete them."""
+        if self._storing:
+            self.worker.wait(set(self._storing))
+            self._collect()
 
     # -- the scheduler side --------------------------------------------------------------------
 
     def step(self) -> None:
         """End one scheduler step; count CPU-tier drops that no lower tier could have served."""
+        if self._storing:
+            self._collect()
         self.manager.on_schedule_end()
         self.counts.steps += 1
         for event in self.manager.take_events():
@@ -178,27 +238,40 @@ class ReplayEngine:
         deadline = time.monotonic() + MAX_WAIT_S
         promoted: set[OffloadKey] = set()
         while True:
-            found = pending = 0
+            found = 0
+            waiting = []
             for key in keys:
                 answer = manager.lookup(key, ctx)
                 if answer is False:
                     break
                 if answer is None:
-                    pending += 1
+                    waiting.append(key)
                     promoted.add(key)
-                elif not pending:
+                elif not waiting:
                     found += 1
-            if not pending or time.monotonic() >= deadline:
+            if not waiting or time.monotonic() >= deadline:
                 return found, promoted
             if found:
                 manager.touch(keys[:found], ctx)
-            self.step()
-            time.sleep(IDLE_STEP_S)  # the reads run on the tiers' threads
+            self.step()  # submits the reads
+            self._wait_for_tiers()
+            self.step()  # takes their results: the next scan sees the promoted blocks
+
+    def _wait_for_tiers(self) -> None:
+        """Block until the lower tiers finished what they were given (reads and saves).
+
+        Blocking, not polling: spinning on lookups (even yielding with ``sleep(0)``) starves
+        the tiers' threads of the GIL on a busy machine, and short sleeps last a scheduler
+        tick there. Waiting for the saves too costs little: they are bounded per step.
+        """
+        for tier in self._lower:
+            tier.drain_jobs()
 
     def run_request(self, index: int, request: Request) -> None:
         """Serve one request end to end (see the module docstring)."""
         counts = self.counts
-        keys = [block_key(h) for h in request.hash_ids]
+        known = self._keys
+        keys = [known.get(h) or known.setdefault(h, block_key(h)) for h in request.hash_ids]
         counts.requests += 1
         counts.block_refs += len(keys)
         ctx = ReqContext(f"req-{index}")
@@ -226,9 +299,11 @@ class ReplayEngine:
         computed = keys[gpu_hits + loaded :]
         if computed:
             blocks = self._allocate_gpu(len(computed), keep)
-            for key, block in zip(computed, blocks):
-                self._write_gpu(block, block_bytes_of(key, self.block_bytes))
-                self._gpu_cache[key] = block
+            start = time.perf_counter()
+            nbytes = self.block_bytes
+            self._write_gpu(blocks, b"".join([_payload(key, nbytes) for key in computed]))
+            counts.engine_s += time.perf_counter() - start
+            self._gpu_cache.update(zip(computed, blocks))
             counts.computed_blocks += len(computed)
             self._store(computed, ctx)
         manager.on_request_finished(ctx)
@@ -248,12 +323,20 @@ class ReplayEngine:
             self._free_gpu.extend(blocks)
             return False
         manager.touch(hits, ctx)
-        for key, block in zip(hits, blocks):
-            if np.array_equal(self._read_gpu(block), block_bytes_of(key, self.block_bytes)):
-                counts.verified_blocks += 1
-            else:
-                counts.mismatched_blocks += 1
-            self._gpu_cache[key] = block
+        start = time.perf_counter()
+        nbytes = self.block_bytes
+        expected = [_payload(key, nbytes) for key in hits]
+        got = self._read_gpu(blocks)
+        if got == b"".join(expected):  # the common case: one comparison for the whole load
+            counts.verified_blocks += len(hits)
+        else:
+            for i, want in enumerate(expected):
+                if got[i * nbytes : (i + 1) * nbytes] == want:
+                    counts.verified_blocks += 1
+                else:
+                    counts.mismatched_blocks += 1
+        counts.engine_s += time.perf_counter() - start
+        self._gpu_cache.update(zip(hits, blocks))
         return True
 
     def _store(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
@@ -267,7 +350,8 @@ class ReplayEngine:
             deadline = time.monotonic() + MAX_WAIT_S
             while manager.has_pending_work() and time.monotonic() < deadline:
                 self.step()
-                time.sleep(IDLE_STEP_S)
+                self._wait_for_tiers()
+            self.step()
             out = manager.prepare_store(keys, ctx)
         if out is None:
             self.counts.refused_stores += len(keys)
@@ -276,12 +360,13 @@ class ReplayEngine:
             return
         blocks = [self._gpu_cache[key] for key in out.keys_to_store]
         gpu_spec = GPULoadStoreSpec(blocks, [len(blocks)])
-        ok = self._transfer((gpu_spec, out.store_spec))
-        manager.complete_store(out.keys_to_store, ctx, success=ok)
-        if ok:
-            self.counts.stored_blocks += len(out.keys_to_store)
-        else:
+        job_id = next(self._job_ids)
+        if not self.worker.transfer_async(job_id, (gpu_spec, out.store_spec)):
+            manager.complete_store(out.keys_to_store, ctx, success=False)
             self.counts.failed_transfers += 1
+            return
+        self._storing[job_id] = (out.keys_to_store, ctx)
+        self._copying.update(out.keys_to_store)
 
     def run(
         self,
@@ -300,11 +385,14 @@ class ReplayEngine:
                 progress(1)
             if (index + 1) % every == 0:
                 self.counts.timeline.append((index + 1, dict(self.counts.hits), self.counts.block_refs))
+        self._wait_for_stores()
+        self.step()
         self.counts.timeline.append((self.counts.requests, dict(self.counts.hits), self.counts.block_refs))
         return time.perf_counter() - start
 
     def close(self) -> None:
         """Stop the handlers and the manager (the manager saves dirty CPU blocks below)."""
+        self._wait_for_stores()
         self.worker.shutdown()
         self.manager.shutdown()
 

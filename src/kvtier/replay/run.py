@@ -109,18 +109,28 @@ def replay(
     disk_kind: str = "lmdb",
     out: TextIO | None = None,
     device: str = "cpu",
+    json_line: bool = False,
 ) -> dict[str, Any]:
     """Replay ``trace`` (default: the bundled one) through ``config`` (default: CPU + disk in a
-    temporary folder); print a table and one JSON line; return the JSON record.
+    temporary folder); print a summary and a table (and, with ``json_line``, one JSON line);
+    return the JSON record.
 
     With ``baseline``, the same trace also runs through the CPU tier alone, in the same run,
     so the JSON shows what the lower tiers add (``cpu_only_hit_ratio``). ``device``: where
     the simulated GPU cache lives, ``cpu`` (CPU tensors stand in), ``cuda`` (the real CUDA
     copy path) or ``auto`` (cuda if available); ``KvtierError`` if cuda is asked for and absent.
+
+    A request with more blocks than ``gpu_blocks`` could never be served whole by the
+    simulated engine: such requests are found before the replay starts, reported, counted
+    (``skipped_requests``, ``skipped_block_refs``) and left out; the ceiling is that of the
+    requests replayed. If none is left, :class:`KvtierError` says which ``--gpu-blocks`` fits.
     """
     out = out or sys.stdout
     device = _resolve_device(device)
+    if gpu_blocks < 1:
+        raise KvtierError(f"--gpu-blocks must be at least 1 (got {gpu_blocks}): the engine needs a GPU cache")
     requests = load_trace(trace or bundled_trace_path(), limit)
+    requests, skipped = _fitting(requests, gpu_blocks)
     ceiling, refs = ceiling_hit_ratio(requests)
     with contextlib.ExitStack() as stack:
         if config is None:
@@ -132,6 +142,7 @@ def replay(
         cpu_only = None
         if baseline and len(parsed.tiers) > 1:
             cpu_only, _, _ = _run_one(_cpu_only(parsed), requests, gpu_blocks, block_bytes, progress, "cpu only", device)
+    skipped_refs = sum(len(request.hash_ids) for request in skipped)
 
     lower = [tier.name for tier in parsed.tiers[1:]]
     read, written = _tier_bytes(parsed, counts, stats, block_bytes)
@@ -157,7 +168,11 @@ def replay(
         "failed_transfers": counts.failed_transfers,
         "steps": counts.steps,
         "elapsed_s": elapsed,
+        "engine_s": counts.engine_s,
+        "stack_s": elapsed - counts.engine_s,
         "blocks_per_s": counts.block_refs / elapsed if elapsed else 0.0,
+        "skipped_requests": len(skipped),
+        "skipped_block_refs": skipped_refs,
         "gpu_blocks": gpu_blocks,
         "block_bytes": block_bytes,
         "device": device,
@@ -174,19 +189,60 @@ def replay(
     ]
     print(
         f"kvtier replay: {counts.requests} requests, {counts.block_refs} block refs, "
-        f"{elapsed:.1f} s ({record['blocks_per_s']:.0f} blocks/s); hit ratio {record['hit_ratio']:.4f} "
+        f"{elapsed:.1f} s ({record['blocks_per_s']:.0f} blocks/s; the engine's own work "
+        f"{counts.engine_s:.1f} s of it); hit ratio {record['hit_ratio']:.4f} "
         f"of a {ceiling:.4f} ceiling"
         + (f"; CPU tier alone {record['cpu_only_hit_ratio']:.4f}" if cpu_only is not None else ""),
         file=out,
     )
     print_table(rows, ["tier", "hits", "hit_ratio", "bytes_read", "bytes_written"], out)
     if plot:
-        _plot(counts, plot)
-    print_json(record, out)
+        _plot(counts, plot, _ceiling_timeline(requests, counts.timeline), cpu_only)
+    if json_line:
+        print_json(record, out)
     return record
 
 
-def _plot(counts, path: str) -> None:
+def _fitting(requests: list, gpu_blocks: int) -> tuple[list, list]:
+    """The requests the simulated GPU cache can hold whole, and the others (reported)."""
+    fit = [request for request in requests if len(request.hash_ids) <= gpu_blocks]
+    if len(fit) == len(requests):
+        return requests, []
+    skipped = [request for request in requests if len(request.hash_ids) > gpu_blocks]
+    largest = max(len(request.hash_ids) for request in skipped)
+    if not fit:
+        raise KvtierError(
+            f"every request needs more than --gpu-blocks {gpu_blocks} GPU blocks (the largest "
+            f"{largest}): raise --gpu-blocks to at least {largest}"
+        )
+    print(
+        f"kvtier replay: skipping {len(skipped)} of {len(requests)} requests with more blocks than "
+        f"--gpu-blocks {gpu_blocks} (the largest has {largest}); raise --gpu-blocks to at least "
+        f"{largest} to replay them",
+        file=sys.stderr,  # seen with --json too, where stdout carries only the JSON line
+    )
+    return fit, skipped
+
+
+def _ceiling_timeline(requests, timeline) -> list[float]:
+    """The unbounded cache's cumulative hit ratio at each sample of ``timeline``."""
+    marks = {done for done, _, _ in timeline}
+    seen: set[int] = set()
+    hits = refs = 0
+    ratios: dict[int, float] = {}
+    for done, request in enumerate(requests, start=1):
+        refs += len(request.hash_ids)
+        for block_id in request.hash_ids:
+            if block_id not in seen:
+                break
+            hits += 1
+        seen.update(request.hash_ids)
+        if done in marks:
+            ratios[done] = hits / refs if refs else 0.0
+    return [ratios.get(done, 0.0) for done, _, _ in timeline]
+
+
+def _plot(counts, path: str, ceiling: list[float], cpu_only=None) -> None:
     try:
         import matplotlib
 
@@ -201,6 +257,11 @@ def _plot(counts, path: str) -> None:
         axes.plot(xs, ys, label=name)
     total = [sum(hits.values()) / refs if refs else 0.0 for _, hits, refs in counts.timeline]
     axes.plot(xs, total, label="all tiers", color="black", linewidth=2)
+    axes.plot(xs, ceiling, label="ceiling (unbounded cache)", color="grey", linestyle="--")
+    if cpu_only is not None:
+        alone = [sum(hits.values()) / refs if refs else 0.0 for _, hits, refs in cpu_only.timeline]
+        axes.plot([done for done, _, _ in cpu_only.timeline], alone, label="CPU tier alone",
+                  color="black", linestyle=":")
     axes.set_xlabel("requests replayed")
     axes.set_ylabel("cumulative hit ratio (of block refs)")
     axes.set_ylim(0, 1)

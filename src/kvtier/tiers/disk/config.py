@@ -11,7 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.config import MISSING, TierConfig, non_empty_str, parse_choice
+from kvtier.config import MISSING, TierConfig, non_empty_str, parse_choice, positive_int
+from kvtier.errors import ConfigError
+from kvtier.policies.admission import ADMIT_MODES
 from kvtier.registry import Registry
 from kvtier.tiers.base import SecondaryTier
 
@@ -36,6 +38,13 @@ class DiskTierConfig(TierConfig):
     # when to fsync: none (leave it to the OS), batch (once per batch of blocks), always
     # (each block)
     fsync: str = "batch"
+    # which blocks are written here: all, or reuse (only once offered or looked up
+    # min_reuse times, so one-off blocks never wear the drive)
+    admit: str = "all"
+    # with admit: reuse, the sightings a block needs before it is written here
+    min_reuse: int = 2
+    # the drive's rated endurance in terabytes written; stats project its life from it
+    endurance_tbw: float | None = None
 
     @classmethod
     def parse_options(cls, section: Mapping[str, object], field: str, name: str) -> dict[str, object]:
@@ -54,10 +63,25 @@ class DiskTierConfig(TierConfig):
             )
         if "fsync" in section:
             options["fsync"] = parse_choice(section["fsync"], f"{field}.fsync", FSYNC_CHOICES)
+        if "admit" in section:
+            options["admit"] = parse_choice(section["admit"], f"{field}.admit", ADMIT_MODES)
+        if "min_reuse" in section:
+            options["min_reuse"] = positive_int(section["min_reuse"], f"{field}.min_reuse")
+        if "endurance_tbw" in section:
+            tbw = section["endurance_tbw"]
+            if isinstance(tbw, bool) or not isinstance(tbw, (int, float)) or not tbw > 0:
+                raise ConfigError(
+                    f"{field}.endurance_tbw", tbw, "a positive number of terabytes written",
+                    "write the drive's rated endurance, such as 600",
+                )
+            options["endurance_tbw"] = float(tbw)
         return options
 
     def location(self) -> str | None:
         return self.path
+
+    def admission(self) -> tuple[str, int, float | None]:
+        return self.admit, self.min_reuse, self.endurance_tbw
 
     def open_lower(self, rows: Any, fingerprint: Any, *, field: str, **options: Any) -> SecondaryTier:
         """Open the store at ``path`` (see :meth:`kvtier.tiers.disk.base.DiskTier.open`;

@@ -1,0 +1,391 @@
+"""``kvtier bench manager --stack``: a step of the stack manager, at growing CPU-tier sizes.
+
+The manager runs inside the engine's scheduler every step, so its cost per step must follow
+what the step does, not how many blocks the tiers hold. This benchmark holds the step fixed
+and grows the CPU tier (10^4, 10^5, 10^6 blocks by default).
+
+Protocol (the same for kvtier and the baseline, at each size):
+
+* a CPU tier of ``N`` blocks above one in-memory lower tier, filled until full, then run to
+  its steady state (write_back: the manager keeps a quarter of the tier clean by saving the
+  coldest blocks below; every store evicts);
+* one step = one request that stores 64 new blocks (``prepare_store`` + ``complete_store``),
+  looks up 64 blocks stored a few steps earlier (all CPU hits), loads 16 of them
+  (``prepare_load``, ``complete_load``, ``touch``), finishes, and ends the step;
+* ``us_per_step``: CPU time of the benchmark's process per step, the median over ``--runs`` rounds of ``--steps`` timed steps each (every
+  manager is filled first, and each round times all of them in turn);
+  ``us_per_block`` divides it by the 144 keys a step names; ``growth`` is
+  ``us_per_step[largest] / us_per_step[smallest]``.
+
+kvtier's side is :class:`~kvtier.manager.stack.TierStackManager` over a
+:class:`~kvtier.tiers.memory.MemoryBackend` CPU tier and a
+:class:`~kvtier.tiers.memory.MemoryTier` lower tier. Their rows are ``BLOCK_BYTES`` (64) bytes,
+so 10^6 rows are 64 MB, not the gigabytes real blocks would take: this measures bookkeeping,
+and the lower tier still copies and checksums every saved row.
+
+The baseline is vLLM 0.33's ``TieringOffloadingManager`` built by its own
+``TieringOffloadingSpec`` (CPU primary tier, LRU, write-through to vLLM's in-memory
+``example`` secondary tier), driven the same way in the same run, when vLLM imports. Its CPU
+region is a /dev/shm mapping of ``N`` 4 KiB rows that is never written, so its pages are not
+materialised.
+
+``bytes_per_block``: what tracemalloc sees the scheduler side allocate for the full CPU tier
+of the middle size, at steady state, divided by its blocks — the manager, its policy, the
+CPU tier's slot allocator; not the keys (the engine owns them), nor the rows, nor the lower
+tier's own store.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from statistics import median
+from typing import Any, TextIO
+
+from kvtier.bench.report import print_json, print_table
+
+__all__ = ["run"]
+
+STORES, LOOKUPS, LOADS = 64, 64, 16
+KEYS_PER_STEP = STORES + LOOKUPS + LOADS
+#: payload bytes of one row on kvtier's side (the rows only have to exist and be copied)
+BLOCK_BYTES = 64
+#: how many steps back the looked-up blocks were stored (well inside the dirty, recent part)
+LOOKBACK_STEPS = 4
+DEFAULT_SIZES = (10_000, 100_000, 1_000_000)
+
+
+def _keys(start: int, count: int) -> list[bytes]:
+    """Keys ``start .. start+count``, 36 bytes like vLLM's (32-byte hash, 4-byte group)."""
+    return [hashlib.sha256(i.to_bytes(8, "little")).digest() + b"\0\0\0\0" for i in range(start, start + count)]
+
+
+class _Driver:
+    """One manager under the protocol: builds it, fills it, runs steps."""
+
+    name = ""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.next_key = 0
+        self.step_no = 0
+        self.recent: list[list[bytes]] = []  # keys stored by each of the last steps
+
+    def fill(self) -> None:
+        """Store ``capacity`` blocks, then run steps until the tier is at its steady state."""
+        batch = 4096
+        while self.next_key < self.capacity:
+            self._store_batch(_keys(self.next_key, min(batch, self.capacity - self.next_key)))
+        for _ in range(3):  # the last saves finish: clean blocks to evict
+            self._idle_step()
+        for _ in range(LOOKBACK_STEPS + 8):
+            self.step()
+
+    def step(self, new_keys: list[bytes] | None = None) -> None:
+        if new_keys is None:
+            new_keys = _keys(self.next_key, STORES)
+        self.next_key += STORES
+        lookups = self.recent[0] if len(self.recent) >= LOOKBACK_STEPS else []
+        self._step(new_keys, lookups, lookups[:LOADS])
+        self.recent.append(new_keys)
+        if len(self.recent) > LOOKBACK_STEPS:
+            self.recent.pop(0)
+        self.step_no += 1
+
+    def _store_batch(self, keys: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def _idle_step(self) -> None:
+        raise NotImplementedError
+
+    def _step(self, new_keys: list[bytes], lookups: list[bytes], loads: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _KvtierDriver(_Driver):
+    name = "kvtier"
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        from kvtier.base import ReqContext
+        from kvtier.config import CascadeConfig
+        from kvtier.manager.stack import TierStackManager
+        from kvtier.policies.lru import LRUPolicy
+        from kvtier.tiers.memory import MemoryBackend, MemoryTier
+
+        self._context = ReqContext
+        backend = MemoryBackend(capacity, BLOCK_BYTES)
+        # As many blocks below as in the CPU tier: it evicts its oldest once full, which the
+        # steps never look up again.
+        self.lower = MemoryTier("lower", backend.rows, capacity)
+        self.manager = TierStackManager(
+            backend, LRUPolicy(capacity), [self.lower], CascadeConfig(write_policy="write_back"),
+            enable_events=False,
+        )
+
+    def _store_batch(self, keys: list[bytes]) -> None:
+        ctx = self._context("fill")
+        out = self.manager.prepare_store(keys, ctx)
+        if out is None:
+            raise RuntimeError("kvtier: the CPU tier refused a store while filling")
+        self.manager.complete_store(out.keys_to_store, ctx)
+        self.next_key += len(keys)
+        self.manager.on_schedule_end()
+
+    def _idle_step(self) -> None:
+        self.manager.on_schedule_end()
+
+    def _step(self, new_keys: list[bytes], lookups: list[bytes], loads: list[bytes]) -> None:
+        manager = self.manager
+        ctx = self._context(f"r{self.step_no}")
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(new_keys, ctx)
+        if out is None:
+            raise RuntimeError(f"kvtier: store refused at step {self.step_no}: not at steady state")
+        manager.complete_store(out.keys_to_store, ctx)
+        lookup = manager.lookup
+        for key in lookups:
+            if lookup(key, ctx) is not True:
+                raise RuntimeError(f"kvtier: a block stored {LOOKBACK_STEPS} steps ago missed")
+        if loads:
+            manager.prepare_load(loads, ctx)
+            manager.complete_load(loads, ctx)
+            manager.touch(loads, ctx)
+        manager.on_request_finished(ctx)
+        manager.on_schedule_end()
+
+    def check_steady(self) -> None:
+        stats = self.manager.stats()
+        if stats["ready_blocks"] != self.capacity or stats["evictions"] == 0:
+            raise RuntimeError(f"kvtier: not at steady state: {stats}")
+
+    def close(self) -> None:
+        self.manager.shutdown()
+
+
+class _VllmDriver(_Driver):
+    name = "vllm"
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        import logging
+        import uuid
+
+        logging.getLogger("vllm").setLevel(logging.WARNING)
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+        from vllm.v1.kv_offload.config import (
+            OffloadingCacheConfig,
+            OffloadingConfig,
+            OffloadingGroupConfig,
+            OffloadingModelConfig,
+            OffloadingParallelConfig,
+        )
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+        self._hit = LookupResult.HIT
+        self._context = ReqContext
+        self._end = ScheduleEndContext
+        row = TieringOffloadingSpec.BLOCK_SIZE_ALIGNMENT  # vLLM's smallest row: one page
+        config = OffloadingConfig(
+            groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0.attn",), group_id=0),),
+            worker_kv_bytes_per_block=row,
+            enable_kv_cache_events=False,
+            extra_config={
+                "spec_name": "TieringOffloadingSpec",
+                "cpu_bytes_to_use": capacity * row,
+                "eviction_policy": "lru",
+                "secondary_tiers": [{"type": "example"}],
+            },
+            engine_id=f"kvtier-bench-{uuid.uuid4().hex[:12]}",
+            model=OffloadingModelConfig(name="bench/none", dtype="float16", max_model_len=0),
+            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+            parallel=OffloadingParallelConfig(
+                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                is_parallelism_agnostic=True,
+            ),
+        )
+        self.manager = TieringOffloadingSpec(config).get_manager()
+
+    def _store_batch(self, keys: list[bytes]) -> None:
+        req_id = f"fill{self.next_key}"
+        ctx = self._context(req_id=req_id)
+        self.manager.on_new_request(ctx)
+        out = self.manager.prepare_store(keys, ctx)
+        if out is None:
+            raise RuntimeError("vllm: the CPU tier refused a store while filling")
+        self.manager.complete_store(out.keys_to_store, ctx)
+        self.manager.on_request_finished(ctx)
+        self.next_key += len(keys)
+        self.manager.on_schedule_end(self._end(new_req_ids=(req_id,), preempted_req_ids=()))
+
+    def _idle_step(self) -> None:
+        self.manager.on_schedule_end(self._end(new_req_ids=(), preempted_req_ids=()))
+
+    def _step(self, new_keys: list[bytes], lookups: list[bytes], loads: list[bytes]) -> None:
+        manager = self.manager
+        req_id = f"r{self.step_no}"
+        ctx = self._context(req_id=req_id)
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(new_keys, ctx)
+        if out is None:
+            raise RuntimeError(f"vllm: store refused at step {self.step_no}: not at steady state")
+        manager.complete_store(out.keys_to_store, ctx)
+        lookup, hit = manager.lookup, self._hit
+        for key in lookups:
+            if lookup(key, ctx) is not hit:
+                raise RuntimeError(f"vllm: a block stored {LOOKBACK_STEPS} steps ago missed")
+        if loads:
+            manager.prepare_load(loads, ctx)
+            manager.complete_load(loads, ctx)
+            manager.touch(loads, ctx)
+        manager.on_request_finished(ctx)
+        manager.on_schedule_end(self._end(new_req_ids=(req_id,), preempted_req_ids=()))
+
+    def check_steady(self) -> None:
+        pass  # every step's store would have been refused (and raised) without room
+
+    def close(self) -> None:
+        self.manager.shutdown()
+
+
+def _vllm_available() -> bool:
+    try:
+        import vllm.v1.kv_offload.tiering.spec  # noqa: F401
+    except Exception:  # any import failure means: no vLLM here
+        return False
+    return True
+
+
+def _time_steps(driver: _Driver, steps: int) -> float:
+    """CPU seconds per step over ``steps`` steps (keys made before the clock starts).
+
+    CPU time of this process rather than wall time: on a shared machine, time spent waiting
+    for a core is not the manager's.
+    """
+    batches = [_keys(driver.next_key + i * STORES, STORES) for i in range(steps)]
+    gc.collect()
+    gc.disable()  # a collection pass walks every tracked object: its cost would be the heap's
+    try:
+        start = time.process_time()
+        for keys in batches:
+            driver.step(keys)
+        return (time.process_time() - start) / steps
+    finally:
+        gc.enable()
+
+
+def _bytes_per_block(make: Callable[[int], _Driver], capacity: int, exclude: Sequence[str]) -> float:
+    """Scheduler-side bytes per CPU block at steady state (tracemalloc, filtered)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        driver = make(capacity)
+        driver.fill()
+        gc.collect()
+        snapshot = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    filters = [tracemalloc.Filter(False, pattern) for pattern in (__file__, *exclude)]
+    used = sum(stat.size for stat in snapshot.filter_traces(filters).statistics("filename"))
+    driver.close()
+    return used / capacity
+
+
+def run(
+    *, sizes: Sequence[int] = DEFAULT_SIZES, steps: int = 1000, runs: int = 5, out: TextIO | None = None
+) -> dict[str, Any]:
+    """Run the benchmark; print the table and the JSON line; return the JSON record."""
+    out = out or sys.stdout
+    sizes = sorted(sizes)
+    subjects: list[Callable[[int], _Driver]] = [_KvtierDriver]
+    if _vllm_available():
+        subjects.append(_VllmDriver)
+    # Every manager is built and filled first, then the rounds go round all of them: a noisy
+    # neighbour on a shared machine then slows every size and subject alike, and the medians
+    # compare like with like.
+    drivers: list[_Driver] = []
+    samples: dict[tuple[str, int], list[float]] = {}
+    try:
+        for make in subjects:
+            for size in sizes:
+                driver = make(size)
+                drivers.append(driver)
+                driver.fill()
+                driver.check_steady()
+        for _ in range(runs):
+            for driver in drivers:
+                samples.setdefault((driver.name, driver.capacity), []).append(_time_steps(driver, steps))
+        for driver in drivers:
+            driver.check_steady()
+    finally:
+        for driver in drivers:
+            driver.close()
+    del drivers
+    gc.collect()
+    us_per_step: dict[str, dict[str, float]] = {}
+    for (name, size), values in samples.items():
+        us_per_step.setdefault(name, {})[str(size)] = median(values) * 1e6
+    middle = sizes[len(sizes) // 2]
+    # The lower tier's store, the rows and the shared region are not scheduler metadata.
+    memory = {
+        "kvtier": _bytes_per_block(_KvtierDriver, middle, ["*/kvtier/tiers/memory.py"]),
+    }
+    if len(subjects) > 1:
+        memory["vllm"] = _bytes_per_block(_VllmDriver, middle, ["*/vllm/v1/kv_offload/tiering/example/*"])
+
+    rows: list[dict[str, Any]] = []
+    for size in sizes:
+        row: dict[str, Any] = {"cpu_blocks": size}
+        for name, figures in us_per_step.items():
+            row[f"{name}_us_per_step"] = figures[str(size)]
+            row[f"{name}_us_per_block"] = figures[str(size)] / KEYS_PER_STEP
+        if "vllm" in us_per_step:
+            row["speedup"] = row["vllm_us_per_step"] / row["kvtier_us_per_step"]
+        rows.append(row)
+    first, last = str(sizes[0]), str(sizes[-1])
+    record: dict[str, Any] = {
+        "bench": "manager_stack",
+        "baseline": "vllm" if "vllm" in us_per_step else None,
+        "protocol": {"stores": STORES, "lookups": LOOKUPS, "loads": LOADS, "write_policy": "write_back",
+                     "policy": "lru", "block_bytes": BLOCK_BYTES},
+        "steps": steps,
+        "runs": runs,
+        "us_per_step": us_per_step["kvtier"],
+        "us_per_block": {size: value / KEYS_PER_STEP for size, value in us_per_step["kvtier"].items()},
+        "growth": us_per_step["kvtier"][last] / us_per_step["kvtier"][first],
+        "bytes_per_block": memory["kvtier"],
+        "bytes_per_block_at": middle,
+    }
+    if "vllm" in us_per_step:
+        vllm = us_per_step["vllm"]
+        record["vllm_us_per_step"] = vllm
+        record["vllm_growth"] = vllm[last] / vllm[first]
+        record["vllm_bytes_per_block"] = memory["vllm"]
+        record["speedup"] = {size: vllm[size] / us_per_step["kvtier"][size] for size in vllm}
+    print(
+        f"kvtier bench manager --stack: {STORES} stores, {LOOKUPS} lookups, {LOADS} loads and a step "
+        f"end per step, CPU tier full, write_back; median of {runs} rounds of {steps} steps; "
+        f"baseline = {'vLLM TieringOffloadingManager measured now' if record['baseline'] else 'none (vllm not importable)'}",
+        file=out,
+    )
+    columns = ["cpu_blocks", "kvtier_us_per_step", "kvtier_us_per_block"]
+    if "vllm" in us_per_step:
+        columns += ["vllm_us_per_step", "vllm_us_per_block", "speedup"]
+    print_table(rows, columns, out)
+    summary = f"growth {sizes[-1]}/{sizes[0]}: kvtier {record['growth']:.2f}"
+    if "vllm" in us_per_step:
+        summary += f", vLLM {record['vllm_growth']:.2f}"
+    summary += f"; bytes per tracked block at {middle}: kvtier {memory['kvtier']:.0f}"
+    if "vllm" in memory:
+        summary += f", vLLM {memory['vllm']:.0f}"
+    print(summary, file=out)
+    print_json(record, out)
+    return record

@@ -1,0 +1,1 @@
+"""``kvtier plan``: hit ratio against cache size, per policy, from a request trace."""

@@ -1,0 +1,159 @@
+"""``kvtier plan``: simulate a trace at many cache sizes, print the table, recommend tier sizes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvtier.bench.report import print_json, print_table
+from kvtier.errors import ConfigError
+from kvtier.plan.belady import belady
+from kvtier.plan.simulate import simulate
+from kvtier.policies import get_policy_class, registered_policies
+from kvtier.replay.trace import bundled_trace_path, ceiling_hit_ratio, load_trace
+
+__all__ = ["DEFAULT_CAPACITIES", "plan", "smallest_reaching"]
+
+#: cache sizes (blocks) simulated when none are given: a geometric sweep
+DEFAULT_CAPACITIES = (500, 1000, 2000, 5000, 10000, 20000, 50000)
+#: payload bytes per block when none is given: 512 tokens of Llama-3-8B in fp16
+#: (32 layers x 2 (K and V) x 8 KV heads x 128 dims x 2 bytes = 128 KiB per token)
+DEFAULT_BLOCK_BYTES = 512 * 128 * 1024
+
+
+def smallest_reaching(capacities: Sequence[int], ratios: Sequence[float], goal: float) -> int | None:
+    """The smallest of ``capacities`` whose ratio reaches ``goal``; ``None`` if none does."""
+    reaching = [c for c, r in zip(capacities, ratios) if r >= goal]
+    return min(reaching) if reaching else None
+
+
+def _check(capacities: Sequence[int], policies: Sequence[str], target: float, cpu_target: float) -> None:
+    if not capacities or any(c < 1 for c in capacities):
+        raise ConfigError("--capacities", list(capacities), "one or more positive block counts",
+                          "give sizes in blocks, e.g. --capacities 1000 5000 20000")
+    for name in policies:
+        get_policy_class(name, field="--policies")  # names the choices if unknown
+    for flag, value in (("--target", target), ("--cpu-target", cpu_target)):
+        if not 0 < value <= 1:
+            raise ConfigError(flag, value, "a share of the ceiling in (0, 1]", "e.g. 0.95")
+
+
+def plan(
+    trace: str | Path | None = None,
+    capacities: Sequence[int] = DEFAULT_CAPACITIES,
+    policies: Sequence[str] | None = None,
+    target: float = 0.95,
+    cpu_target: float = 0.5,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    plot: str | None = None,
+    out: TextIO | None = None,
+) -> dict[str, Any]:
+    """Hit ratio per policy and size, Belady's bound, the ceiling, and tier sizes; the JSON record.
+
+    Each policy is the class the managers use (from the policy registry), driven through
+    :func:`~kvtier.plan.simulate.simulate`. Recommendations use the best policy at each size:
+    the disk tier (which holds everything the stack keeps) is the smallest size reaching
+    ``target`` of the ceiling; the CPU tier is the smallest reaching ``cpu_target`` of it (the
+    hot part, served without a disk read). ``None`` means no simulated size reaches it:
+    simulate larger ones.
+    """
+    policies = list(policies or registered_policies())
+    capacities = sorted(set(capacities))
+    _check(capacities, policies, target, cpu_target)
+    path = Path(trace) if trace else bundled_trace_path()
+    chains = [request.hash_ids for request in load_trace(path)]
+    ceiling, refs = ceiling_hit_ratio(load_trace(path))
+
+    hit_ratio: dict[str, list[float]] = {}
+    seconds: dict[str, float] = {}
+    for name in policies:
+        cls = get_policy_class(name, field="--policies")
+        results = [simulate(chains, cls(c), c) for c in capacities]
+        hit_ratio[name] = [round(r.hit_ratio, 4) for r in results]
+        seconds[name] = sum(r.seconds for r in results)
+    opt_results = [belady(chains, c) for c in capacities]
+    opt = [round(r.hit_ratio, 4) for r in opt_results]
+    opt_s = sum(r.seconds for r in opt_results)
+
+    best = [max(hit_ratio[name][i] for name in policies) for i in range(len(capacities))]
+    best_policy = [max(policies, key=lambda name: hit_ratio[name][i]) for i in range(len(capacities))]
+    disk_blocks = smallest_reaching(capacities, best, target * ceiling)
+    cpu_blocks = smallest_reaching(capacities, best, cpu_target * ceiling)
+    sim_refs = refs * len(capacities)
+    record: dict[str, Any] = {
+        "bench": "plan",
+        "trace": str(path),
+        "requests": len(chains),
+        "block_refs": refs,
+        "capacities": capacities,
+        "hit_ratio": hit_ratio,
+        "opt": opt,
+        "ceiling": round(ceiling, 4),
+        "best_policy": best_policy,
+        "target": target,
+        "cpu_target": cpu_target,
+        "block_bytes": block_bytes,
+        "recommend": {
+            "cpu_blocks": cpu_blocks,
+            "cpu_bytes": None if cpu_blocks is None else cpu_blocks * block_bytes,
+            "disk_blocks": disk_blocks,
+            "disk_bytes": None if disk_blocks is None else disk_blocks * block_bytes,
+        },
+        "refs_per_s": {name: round(sim_refs / max(seconds[name], 1e-9)) for name in policies},
+        "opt_refs_per_s": round(sim_refs / max(opt_s, 1e-9)),
+    }
+    if out is not None:
+        _print(record, policies, out)
+    if plot:
+        _plot(record, policies, plot)
+    return record
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None:
+    rows = []
+    for i, capacity in enumerate(record["capacities"]):
+        row: dict[str, Any] = {"blocks": capacity}
+        row.update({name: record["hit_ratio"][name][i] for name in policies})
+        row["opt"] = record["opt"][i]
+        row["ceiling"] = record["ceiling"]
+        rows.append(row)
+    print(f"{record['trace']}: {record['requests']} requests, {record['block_refs']} block refs "
+          "(prefix hits, one pooled cache)", file=out)
+    print_table(rows, ["blocks", *policies, "opt", "ceiling"], out)
+    rec = record["recommend"]
+    for tier, share, key in (("CPU tier ", "cpu_target", "cpu"), ("disk tier", "target", "disk")):
+        blocks = rec[f"{key}_blocks"]
+        size = "not reached: simulate larger sizes" if blocks is None else (
+            f"{blocks} blocks, {_gib(rec[f'{key}_bytes'])}")
+        print(f"{tier} ({record[share]:.0%} of ceiling): {size}", file=out)
+    print(f"(at {record['block_bytes']} bytes per block; block refs simulated per CPU second: "
+          f"{record['refs_per_s']}, Belady {record['opt_refs_per_s']})", file=out)
+    print_json(record, out)
+
+
+def _plot(record: dict[str, Any], policies: Sequence[str], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit(f"--plot needs matplotlib: pip install 'kvtier[plot]' ({exc})") from exc
+    xs = record["capacities"]
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for name in policies:
+        axes.plot(xs, record["hit_ratio"][name], marker="o", label=name)
+    axes.plot(xs, record["opt"], marker="o", color="black", label="Belady (offline optimum)")
+    axes.axhline(record["ceiling"], color="grey", linestyle="--", label="ceiling (unbounded)")
+    axes.set_xscale("log")
+    axes.set_xlabel("cache size (blocks)")
+    axes.set_ylabel("prefix hit ratio")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)

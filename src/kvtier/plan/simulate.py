@@ -1,0 +1,78 @@
+"""Bookkeeping-only replay of a trace through one pooled cache ordered by a real policy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.policies.base import EvictionPolicy
+
+__all__ = ["SimResult", "simulate"]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Prefix hits out of block references, and the simulation's own seconds."""
+
+    hits: int
+    refs: int
+    seconds: float = 0.0
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.refs if self.refs else 0.0
+
+
+def simulate(chains: Sequence[Sequence[int]], policy: EvictionPolicy, capacity: int) -> SimResult:
+    """Replay ``chains`` (each request's block ids, prefix order) through ``capacity`` slots.
+
+    The same calls, in the same order, as the managers make for one request in one step:
+    the request looks its blocks up in prefix order and hits the leading run found
+    (``contains``), ``touch`` es that run, then stores every block it has that the cache lacks
+    (``evict_unheld`` for room, passing over its own present blocks as the manager does, then
+    ``insert`` in prefix order). Nothing is held, no bytes move: only the policy decides.
+    Keys are the trace's integer block ids — a policy only hashes and compares keys.
+
+    A request longer than the cache stores only its first ``capacity`` blocks.
+    """
+    import time
+
+    start = time.process_time()
+    contains, touch, insert = policy.contains, policy.touch, policy.insert
+    evict = policy.evict_unheld
+    free = list(range(capacity))
+    hits = refs = 0
+    for chain in chains:
+        refs += len(chain)
+        found = 0
+        for block in chain:
+            if not contains(block):
+                break
+            found += 1
+        if found:
+            hits += found
+            touch(chain[:found])
+        missing = []
+        present = list(chain[:found])  # the manager's `protected`: the offer's ready keys
+        for block in chain[found:]:
+            if contains(block):
+                present.append(block)
+            else:
+                missing.append(block)
+        if not missing:
+            continue
+        if len(missing) > 1:
+            missing = list(dict.fromkeys(missing))  # a block repeated in a chain gets one slot
+        del missing[capacity:]
+        shortfall = len(missing) - len(free)
+        if shortfall > 0:
+            victims = evict(shortfall, set(present)) if present else evict(shortfall)
+            if victims is None:
+                victims = evict(shortfall)  # a request longer than the cache: its own go too
+            if victims is None:  # cannot happen with nothing held; keep the cache consistent
+                raise RuntimeError(f"{type(policy).__name__} refused to evict {shortfall} blocks")
+            free.extend(block_id for _, block_id in victims)
+        slots = free[-len(missing):]
+        del free[-len(missing):]
+        insert(missing, slots)
+    return SimResult(hits, refs, time.process_time() - start)

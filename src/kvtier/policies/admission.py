@@ -1,0 +1,112 @@
+"""Admission to a lower tier: write a block below only once it has proven reuse (TinyLFU style)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from kvtier.errors import ConfigError
+
+__all__ = ["ADMIT_MODES", "AdmissionFilter", "CountMinSketch"]
+
+#: ``admit`` values of a lower tier's configuration
+ADMIT_MODES = ("all", "reuse")
+#: rows of the sketch: the estimate is the least of these counters
+_DEPTH = 4
+#: a counter never goes past this (a byte; reuse thresholds are small)
+_SATURATE = 255
+
+
+class CountMinSketch:
+    """Approximate counts of keys in a fixed number of bytes, never below the true count.
+
+    ``_DEPTH`` rows of ``width`` one-byte counters; a key adds one to a counter in each row
+    (positions from its hash, by double hashing) and its estimate is the least of them, so
+    collisions can only inflate it. After ``10 * width`` additions every counter is halved
+    (TinyLFU's reset): old popularity fades, and the cost — one pass over the table — is O(1)
+    amortized per addition. Memory: ``_DEPTH * width`` bytes, whatever the number of keys.
+
+    Keys are hashed with Python's ``hash``: counts live for one process only.
+    """
+
+    def __init__(self, width: int):
+        if width < 1:
+            raise ConfigError("sketch width", width, "a positive number of counters", "e.g. 4096")
+        self.width = 1 << (width - 1).bit_length()  # a power of two: masking, not modulo
+        self._mask = self.width - 1
+        self._rows = [bytearray(self.width) for _ in range(_DEPTH)]
+        self._added = 0
+        self._reset_after = 10 * self.width
+
+    def _positions(self, key: Hashable) -> list[int]:
+        h = hash(key)
+        step = ((h >> 32) | 1) & 0xFFFFFFFF  # odd, so the rows' positions differ
+        mask = self._mask
+        return [(h + i * step) & mask for i in range(_DEPTH)]
+
+    def add(self, key: Hashable) -> int:
+        """Count one more occurrence of ``key``; its new estimate."""
+        least = _SATURATE
+        for row, at in zip(self._rows, self._positions(key)):
+            value = row[at]
+            if value < _SATURATE:
+                value += 1
+                row[at] = value
+            least = min(least, value)
+        self._added += 1
+        if self._added >= self._reset_after:
+            self._halve()
+        return least
+
+    def estimate(self, key: Hashable) -> int:
+        """How many times ``key`` was counted (at least; halved by each reset)."""
+        return min(row[at] for row, at in zip(self._rows, self._positions(key)))
+
+    def _halve(self) -> None:
+        halve = bytes(value >> 1 for value in range(256))  # a translation table: C-level
+        self._rows = [bytearray(row.translate(halve)) for row in self._rows]
+        self._added = 0
+
+
+@dataclass
+class AdmissionFilter:
+    """Decides which blocks a lower tier takes: all of them, or those seen ``min_reuse`` times.
+
+    The manager calls :meth:`record` when a key is offered for storing or looked up, and
+    :meth:`admit` when a block is about to be written to the tier. With ``mode="reuse"`` a
+    block is admitted once its key was recorded at least ``min_reuse`` times (an estimate
+    from a bounded :class:`CountMinSketch`, so a one-off block never reaches flash, and a
+    collision can only admit early, never refuse a block that earned its place).
+
+    Who calls it: the owning manager, on the scheduler thread; every call O(1).
+    """
+
+    mode: str = "all"
+    min_reuse: int = 2
+    #: counters per sketch row; a few per block the tier can hold is plenty
+    sketch_width: int = 1 << 16
+    admitted: int = 0
+    refused: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ADMIT_MODES:
+            raise ConfigError("admit", self.mode, "one of " + ", ".join(ADMIT_MODES),
+                              "use admit: reuse to keep one-off blocks off the tier")
+        if isinstance(self.min_reuse, bool) or not isinstance(self.min_reuse, int) or self.min_reuse < 1:
+            raise ConfigError("min_reuse", self.min_reuse, "an integer >= 1",
+                              "2 writes a block below once it was seen twice")
+        self._sketch = CountMinSketch(self.sketch_width) if self.mode == "reuse" else None
+
+    def record(self, key: Hashable) -> None:
+        """``key`` was offered for storing or looked up."""
+        if self._sketch is not None:
+            self._sketch.add(key)
+
+    def admit(self, key: Hashable) -> bool:
+        """Whether the block of ``key`` may be written to the tier now (counted either way)."""
+        ok = self._sketch is None or self._sketch.estimate(key) >= self.min_reuse
+        if ok:
+            self.admitted += 1
+        else:
+            self.refused += 1
+        return ok

@@ -1,0 +1,43 @@
+"""``kvtier bench manager --stack`` runs its protocol and reports every figure (not its speed)."""
+
+import io
+import json
+
+from kvtier.bench import manager_stack
+from kvtier.cli.main import main
+
+
+def test_stack_bench_record_has_every_figure():
+    out = io.StringIO()
+    record = manager_stack.run(sizes=(3000, 1000), steps=20, runs=2, out=out)
+    assert set(record["us_per_step"]) == {"1000", "3000"}
+    assert record["growth"] == record["us_per_step"]["3000"] / record["us_per_step"]["1000"]
+    for size, per_step in record["us_per_step"].items():
+        assert per_step > 0
+        assert record["us_per_block"][size] == per_step / manager_stack.KEYS_PER_STEP
+    assert 0 < record["bytes_per_block"] < 1000 and record["bytes_per_block_at"] == 3000
+    assert record["protocol"]["write_policy"] == "write_back"
+    if record["baseline"] == "vllm":
+        assert set(record["vllm_us_per_step"]) == {"1000", "3000"}
+    lines = out.getvalue().splitlines()
+    assert json.loads(lines[-1]) == json.loads(json.dumps(record))
+
+
+def test_kvtier_driver_reaches_the_steady_state_and_every_lookup_hits():
+    driver = manager_stack._KvtierDriver(2000)
+    try:
+        driver.fill()
+        driver.check_steady()
+        evictions = driver.manager.stats()["evictions"]
+        for _ in range(10):
+            driver.step()  # raises if a store is refused or a recent block misses
+        stats = driver.manager.stats()
+        assert stats["ready_blocks"] == 2000 and stats["evictions"] == evictions + 10 * manager_stack.STORES
+        assert stats["lookups"] == stats["cpu_hits"] > 0
+    finally:
+        driver.close()
+
+
+def test_cli_rejects_bad_sizes(capsys):
+    assert main(["bench", "manager", "--stack", "--sizes", "10k,20k"]) == 2
+    assert "--sizes" in capsys.readouterr().err
