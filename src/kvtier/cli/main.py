@@ -155,13 +155,11 @@ def _bench_manager(args: argparse.Namespace) -> int:
             print(f"kvtier bench manager: --sizes {args.sizes!r}: give block counts like 10000,100000", file=sys.stderr)
             return 2
         record = _report(args, lambda out: manager_stack.run(
-            sizes=sizes, steps=args.steps, runs=args.runs if args.runs is not None else 5, out=out
+            sizes=sizes, steps=args.steps, runs=args.runs, out=out
         ))
         return 0 if record["us_per_step"] else 1
     from kvtier.bench import manager
 
-    if args.runs is None:
-        args.runs = 5
     record = _report(
         args, lambda out: manager.run(num_keys=args.keys, capacity=args.capacity, runs=args.runs, out=out)
     )
@@ -301,9 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_manager.add_argument("--json", action="store_true", help="print only the JSON line")
     bench_manager.add_argument("--keys", type=int, default=100_000, help="distinct keys stored (default 100000)")
     bench_manager.add_argument("--capacity", type=int, default=50_000, help="tier size in blocks (default 50000)")
-    bench_manager.add_argument(
-        "--runs", type=int, default=None, help="runs per figure; the median is kept (default 5)"
-    )
+    bench_manager.add_argument("--runs", type=int, default=5, help="runs per figure; the median is kept (default 5)")
     bench_manager.add_argument(
         "--stack", action="store_true",
         help="the stack manager over an in-memory lower tier, per step, at each of --sizes CPU blocks",

@@ -87,6 +87,8 @@ class ReplayCounts:
     steps: int = 0
     #: seconds the engine spent on its own work: making and checking block payloads
     engine_s: float = 0.0
+    #: seconds closing the stack took (saving what only the CPU tier held), after the run
+    shutdown_s: float = 0.0
     #: (requests done, cumulative hits by tier, cumulative block refs), one per sample
     timeline: list[tuple[int, dict[str, int], int]] = field(default_factory=list)
 
@@ -385,7 +387,10 @@ class ReplayEngine:
                 progress(1)
             if (index + 1) % every == 0:
                 self.counts.timeline.append((index + 1, dict(self.counts.hits), self.counts.block_refs))
-        self._wait_for_stores()
+        self._wait_for_stores()  # the run ends when what it started has finished
+        while getattr(self.manager, "has_pending_work", lambda: False)():
+            self._wait_for_tiers()
+            self.step()
         self.step()
         self.counts.timeline.append((self.counts.requests, dict(self.counts.hits), self.counts.block_refs))
         return time.perf_counter() - start
