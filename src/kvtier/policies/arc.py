@@ -6,12 +6,12 @@ from collections import OrderedDict
 from collections.abc import Collection, Container, Iterator, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.base import TwoQueuePolicy
 
 __all__ = ["ARCPolicy"]
 
 
-class ARCPolicy(EvictionPolicy):
+class ARCPolicy(TwoQueuePolicy):
     """Balances recency and frequency, and learns the balance from its own mistakes.
 
     Ready blocks live in ``t1`` (used once since they arrived) or ``t2`` (used again).
@@ -40,6 +40,8 @@ class ARCPolicy(EvictionPolicy):
         self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
         self._held_t2: set[OffloadKey] = set()
+        # the names TwoQueuePolicy's holds work on
+        self._first, self._second, self._held_second = self._t1, self._t2, self._held_t2
         # Bound C methods, as in LRUPolicy: lookup runs once per key per request.
         self.get = self._index.get  # type: ignore[method-assign]
         self.contains = self._index.__contains__  # type: ignore[method-assign]
@@ -95,28 +97,6 @@ class ARCPolicy(EvictionPolicy):
                 t2[key] = None
             elif key in index:  # held: used again, so it goes back to t2
                 self._held_t2.add(key)
-
-    def hold(self, key: OffloadKey) -> None:
-        if key in self._t1:
-            del self._t1[key]
-        else:
-            del self._t2[key]
-            self._held_t2.add(key)
-
-    def release(self, key: OffloadKey) -> None:
-        if key in self._held_t2:
-            self._held_t2.remove(key)
-            self._t2[key] = None
-        else:
-            self._t1[key] = None
-
-    def evict_unheld(
-        self, count: int, protected: Collection[OffloadKey] = ()
-    ) -> list[tuple[OffloadKey, int]] | None:
-        return self.evict(count, protected)
-
-    def evictable_blocks(self) -> int:
-        return len(self._t1) + len(self._t2)
 
     def evict(self, count: int, skip: Container[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
         t1, t2 = self._t1, self._t2

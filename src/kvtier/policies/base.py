@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Collection, Container, Iterator, Sequence
 
 from kvtier.base import OffloadKey
 
-__all__ = ["EvictionPolicy"]
+__all__ = ["EvictionPolicy", "TwoQueuePolicy"]
 
 
 class EvictionPolicy(ABC):
@@ -116,3 +117,40 @@ class EvictionPolicy(ABC):
             self.remove(key)
         self._held_fallback.clear()
         return dropped  # type: ignore[return-value]
+
+
+class TwoQueuePolicy(EvictionPolicy):
+    """Holds for a policy whose evictable blocks sit in two ordered queues: ``_first`` (blocks
+    new to the tier: ARC's t1, S3-FIFO's small queue, chain's probation) and ``_second``
+    (blocks used again: t2, main, protected).
+
+    A held block leaves its queue; one taken from the second queue is remembered in
+    ``_held_second`` so that :meth:`release` puts it back there (as just used), and the
+    policy can count it in that queue's share while it is held. Eviction then never meets a
+    held key, so :meth:`evict_unheld` needs no skip set beyond ``protected``. A subclass
+    creates the three containers in ``__init__`` and never rebinds them.
+    """
+
+    _first: OrderedDict[OffloadKey, None]
+    _second: OrderedDict[OffloadKey, None]
+    _held_second: set[OffloadKey]
+
+    def hold(self, key: OffloadKey) -> None:
+        if self._first.pop(key, 0) is not None:  # values are None: 0 means not in _first
+            del self._second[key]
+            self._held_second.add(key)
+
+    def release(self, key: OffloadKey) -> None:
+        if key in self._held_second:
+            self._held_second.remove(key)
+            self._second[key] = None
+        else:
+            self._first[key] = None
+
+    def evict_unheld(
+        self, count: int, protected: Collection[OffloadKey] = ()
+    ) -> list[tuple[OffloadKey, int]] | None:
+        return self.evict(count, protected)
+
+    def evictable_blocks(self) -> int:
+        return len(self._first) + len(self._second)

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Container, Iterator, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.base import TwoQueuePolicy
 
 __all__ = ["ChainPolicy"]
 
@@ -18,7 +18,7 @@ PROTECTED_SHARE = 0.8
 GHOST_FACTOR = 4
 
 
-class ChainPolicy(EvictionPolicy):
+class ChainPolicy(TwoQueuePolicy):
     """What a KV cache knows and a generic cache does not, turned into an eviction order.
 
     Three facts about prefix caches drive it:
@@ -62,6 +62,8 @@ class ChainPolicy(EvictionPolicy):
         self._protected: OrderedDict[OffloadKey, None] = OrderedDict()
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
         self._held_protected: set[OffloadKey] = set()
+        # the names TwoQueuePolicy's holds work on
+        self._first, self._second, self._held_second = self._probation, self._protected, self._held_protected
         self._protected_limit = max(1, int(PROTECTED_SHARE * capacity_blocks))
         self.get = self._index.get  # type: ignore[method-assign]
         self.contains = self._index.__contains__  # type: ignore[method-assign]
@@ -107,26 +109,6 @@ class ChainPolicy(EvictionPolicy):
             key, _ = protected.popitem(last=False)
             probation[key] = None
             excess -= 1
-
-    def hold(self, key: OffloadKey) -> None:
-        if self._probation.pop(key, 0) is not None:
-            del self._protected[key]
-            self._held_protected.add(key)
-
-    def release(self, key: OffloadKey) -> None:
-        if key in self._held_protected:
-            self._held_protected.remove(key)
-            self._protected[key] = None
-        else:
-            self._probation[key] = None
-
-    def evict_unheld(
-        self, count: int, protected: Collection[OffloadKey] = ()
-    ) -> list[tuple[OffloadKey, int]] | None:
-        return self.evict(count, protected)
-
-    def evictable_blocks(self) -> int:
-        return len(self._probation) + len(self._protected)
 
     def evict(self, count: int, skip: Container[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
         probation, protected = self._probation, self._protected

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Container, Iterator, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.base import TwoQueuePolicy
 
 __all__ = ["S3FIFOPolicy"]
 
@@ -16,7 +16,7 @@ SMALL_SHARE = 0.1
 MAX_FREQ = 3
 
 
-class S3FIFOPolicy(EvictionPolicy):
+class S3FIFOPolicy(TwoQueuePolicy):
     """Most blocks are used once: make them leave soon, through a small FIFO queue.
 
     A new block enters the small queue ``_small`` — unless its key is in the ghost queue
@@ -44,6 +44,8 @@ class S3FIFOPolicy(EvictionPolicy):
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
         self._freq: dict[OffloadKey, int] = {}
         self._held_main: set[OffloadKey] = set()
+        # the names TwoQueuePolicy's holds work on
+        self._first, self._second, self._held_second = self._small, self._main, self._held_main
         self.get = self._index.get  # type: ignore[method-assign]
         self.contains = self._index.__contains__  # type: ignore[method-assign]
 
@@ -75,26 +77,6 @@ class S3FIFOPolicy(EvictionPolicy):
             count = freq.get(key)
             if count is not None and count < MAX_FREQ:
                 freq[key] = count + 1
-
-    def hold(self, key: OffloadKey) -> None:
-        if self._small.pop(key, 0) is not None:
-            del self._main[key]
-            self._held_main.add(key)
-
-    def release(self, key: OffloadKey) -> None:
-        if key in self._held_main:
-            self._held_main.remove(key)
-            self._main[key] = None
-        else:
-            self._small[key] = None
-
-    def evict_unheld(
-        self, count: int, protected: Collection[OffloadKey] = ()
-    ) -> list[tuple[OffloadKey, int]] | None:
-        return self.evict(count, protected)
-
-    def evictable_blocks(self) -> int:
-        return len(self._small) + len(self._main)
 
     def evict(self, count: int, skip: Container[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
         small, main, freq, index = self._small, self._main, self._freq, self._index
