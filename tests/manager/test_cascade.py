@@ -8,7 +8,7 @@ import pytest
 from helpers import key, payload, read_blocks, store_blocks
 from kvtier import build_manager, load_config
 from kvtier.base import ReqContext
-from kvtier.config import CascadeConfig
+from kvtier.config import CascadeConfig, describe
 from kvtier.errors import ConfigError
 from kvtier.manager.stack import TierStackManager
 from kvtier.policies.admission import AdmissionFilter
@@ -221,7 +221,10 @@ def stack(tmp_path, **lower):
 
 def test_receives_defaults_to_saved_and_parses_evicted(tmp_path):
     assert load_config(stack(tmp_path)).tiers[1].receives == "saved"
-    assert load_config(stack(tmp_path, receives="evicted")).tiers[1].receives == "evicted"
+    config = load_config(stack(tmp_path, receives="evicted"))
+    assert config.tiers[1].receives == "evicted"
+    lines = describe(config).splitlines()
+    assert "receives=evicted" in lines[2] and "receives" not in lines[1]  # [1] disk, [0] cpu
 
 
 def test_receives_on_the_first_tier_is_an_error(tmp_path):
