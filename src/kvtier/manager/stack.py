@@ -136,9 +136,10 @@ class TierStackManager(SingleTierManager):
                 f"receives must name one of {', '.join(RECEIVES)} per lower tier "
                 f"({len(self._tiers)}), got {receives!r}"
             )
-        self._receives = receives
-        self._saved = [(i, t) for i, (t, r) in enumerate(zip(self._tiers, receives)) if r == "saved"]
-        self._victims = [(i, t) for i, (t, r) in enumerate(zip(self._tiers, receives)) if r == "evicted"]
+        indexed = list(enumerate(self._tiers))
+        #: (index, tier) of the mirrors and of the victim tiers, in stack order
+        self._saved = [(i, tier) for i, tier in indexed if receives[i] == "saved"]
+        self._victims = [(i, tier) for i, tier in indexed if receives[i] == "evicted"]
         self._is_victim = [r == "evicted" for r in receives]
         #: index of the first victim tier (len(tiers) when there is none)
         self._first_victim = self._victims[0][0] if self._victims else len(self._tiers)
