@@ -73,4 +73,5 @@ def build_manager(
     return TierStackManager(
         backend, policy, lower, config.cascade, enable_events=enable_events,
         admission=admission, endurance_tbw=endurance,
+        receives=[tier.receives for tier in config.tiers[1:]],
     )

@@ -29,6 +29,7 @@ __all__ = [
     "CPUTierConfig",
     "DiskTierConfig",
     "CascadeConfig",
+    "RECEIVES",
     "KvtierConfig",
     "load_config",
     "parse_size",
@@ -45,6 +46,8 @@ __all__ = [
 MiB = 1 << 20
 
 WRITE_POLICIES = ("write_back", "write_through")
+#: how a tier below the first receives blocks (TierConfig.receives)
+RECEIVES = ("saved", "evicted")
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,10 @@ class TierConfig:
     # module to import the kind's section class from when ``kind`` is a bare class name
     # (None: a registered kind, or a class path in ``kind``)
     module_path: str | None = None
+    # tiers below the first only: "saved" (a mirror) takes every block saved out of the CPU
+    # tier, when cascade.write_policy says; "evicted" (a victim tier) takes only blocks the
+    # CPU tier lets go that no saved tier above it keeps. See TierStackManager.
+    receives: str = "saved"
 
     #: True: a server bounds and evicts the tier's blocks (a shared store's own memory
     #: limit), so the section takes no capacity or eviction and capacity_bytes is 0
@@ -510,6 +517,16 @@ def _parse_tier(section: object, path: str) -> TierConfig:
             )
     _check_keys(section, valid, path, f"a {kind} tier")
 
+    receives = "saved"
+    if "receives" in section:
+        if cls.role == "first":
+            raise ConfigError(
+                _join(path, "receives"), section["receives"],
+                "no receives in the first tier: it receives every block from the GPU",
+                "remove it here; set receives: saved or evicted on the tiers below",
+            )
+        receives = parse_choice(section["receives"], _join(path, "receives"), RECEIVES)
+
     default_name = kind if kind in TIER_KINDS else cls.__name__
     name = section.get("name", default_name)
     if not isinstance(name, str) or not _TIER_NAME_RE.fullmatch(name):
@@ -523,7 +540,8 @@ def _parse_tier(section: object, path: str) -> TierConfig:
     if cls.bounded_by_server:
         return cls(
             name=name, kind=kind, capacity_bytes=0, eviction="server",
-            module_path=section.get("module_path"), **cls.parse_options(section, path, name),
+            module_path=section.get("module_path"), receives=receives,
+            **cls.parse_options(section, path, name),
         )
 
     capacity = section.get("capacity", _MISSING)
@@ -568,6 +586,7 @@ def _parse_tier(section: object, path: str) -> TierConfig:
         eviction=eviction,
         eviction_module_path=eviction_module_path,
         module_path=section.get("module_path"),
+        receives=receives,
         **cls.parse_options(section, path, name),
     )
 
@@ -925,6 +944,8 @@ def describe(config: KvtierConfig) -> str:
             eviction += f" (from {tier.eviction_module_path})"
         where = tier.location() or "(none)"
         options = tier.options_text()
+        if index:  # how the tier fills: the first tier receives every block from the GPU
+            options = f"receives={tier.receives}  {options}".rstrip()
         rows.append(
             (
                 f"[{index}]",

@@ -31,15 +31,17 @@ def visits(manager) -> int:
     return manager.policy.entries_visited + getattr(manager, "entries_visited", 0)
 
 
-def fill_and_step(policy_cls, capacity: int, stack: bool, write_policy: str = "write_back") -> list[int]:
-    """Entries visited by each of 20 steady-state steps over a full tier of ``capacity``."""
+def fill_and_step(policy_cls, capacity: int, stack: bool | str, write_policy: str = "write_back") -> list[int]:
+    """Entries visited by each of 20 steady-state steps over a full tier of ``capacity``
+    (``stack="victim"``: its lower tier has ``receives: evicted``)."""
     backend = MemoryBackend(capacity, BLOCK)
     policy = policy_cls(capacity)
     if stack:
         lower = MemoryTier("lower", backend.rows, 4 * capacity)
         lower.paused = True  # saves stay in flight: their blocks stay dirty and held
         manager = TierStackManager(
-            backend, policy, [lower], CascadeConfig(write_policy=write_policy, max_demote_bytes_per_step=64 * BLOCK)
+            backend, policy, [lower], CascadeConfig(write_policy=write_policy, max_demote_bytes_per_step=64 * BLOCK),
+            receives=["evicted"] if stack == "victim" else None,
         )
     else:
         manager = SingleTierManager(backend, policy)
@@ -91,7 +93,8 @@ def fill_and_step(policy_cls, capacity: int, stack: bool, write_policy: str = "w
 
 @pytest.mark.parametrize("policy_cls", [get_policy_class(name) for name in registered_policies()])
 @pytest.mark.parametrize(
-    "stack, write_policy", [(False, "write_back"), (True, "write_back"), (True, "write_through")]
+    "stack, write_policy",
+    [(False, "write_back"), (True, "write_back"), (True, "write_through"), ("victim", "write_through")],
 )
 def test_entries_visited_per_step_do_not_grow_with_capacity(policy_cls, stack, write_policy):
     small = fill_and_step(policy_cls, 1024, stack, write_policy)

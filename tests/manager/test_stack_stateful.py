@@ -3,7 +3,9 @@
 What is checked, whatever the sequence: every byte served from the CPU tier is the key's own
 (read when the load starts and again when it completes); a block the disk tier has not saved
 (and did not refuse) is never dropped from the CPU tier; the CPU tier's rows are all accounted
-for; the disk tier never holds more than its capacity.
+for; the disk tier never holds more than its capacity. A variant adds a victim tier below the
+disk (``receives: evicted``): a block leaving the CPU tier that the disk does not keep must
+reach it (or be refused by it), and it never gets a block the disk keeps.
 """
 
 import numpy as np
@@ -47,23 +49,35 @@ class StackMachine(RuleBasedStateMachine):
     policy_cls: type = LRUPolicy
     write_policy = "write_back"
     admit = "all"
+    #: > 0: a victim tier of this many blocks below the disk
+    victim_blocks = 0
 
     def __init__(self):
         super().__init__()
         backend = MemoryBackend(CPU_BLOCKS, BLOCK)
         self.disk = MemoryTier("disk", backend.rows, DISK_BLOCKS)
         self.admission = RecordingAdmission(self.admit, min_reuse=2, sketch_width=64)
+        tiers, admission, receives = [self.disk], [self.admission], ["saved"]
+        self.victim = None
+        if self.victim_blocks:
+            self.victim = MemoryTier("victim", backend.rows, self.victim_blocks)
+            self.victim.medium = "VICTIM_STORE"  # its events told apart from the disk's
+            tiers.append(self.victim)
+            admission.append(None)
+            receives.append("evicted")
         self.manager = TierStackManager(
             backend,
             self.policy_cls(CPU_BLOCKS),
-            [self.disk],
+            tiers,
             CascadeConfig(write_policy=self.write_policy, max_demote_bytes_per_step=2 * BLOCK),
-            admission=[self.admission],
+            admission=admission,
+            receives=receives,
         )
         self.rows = backend.rows
         self.store_jobs: list = []
         self.load_jobs: list = []
         self.evicted_below: set = set()  # keys the disk tier dropped by its own policy
+        self.evicted_from_victim: set = set()  # keys the victim tier dropped by its own policy
 
     def check_rows(self, keys, rows):
         for k, row in zip(keys, rows):
@@ -113,6 +127,11 @@ class StackMachine(RuleBasedStateMachine):
     def disk_fails_next_job(self, reason):
         self.disk.fail_next(1, reason)
 
+    @precondition(lambda self: self.victim is not None)
+    @rule(reason=st.sampled_from(["EIO", "ENOSPC"]))
+    def victim_fails_next_job(self, reason):
+        self.victim.fail_next(1, reason)
+
     @rule(k=st.sampled_from(KEYS))
     def disk_rots(self, k):
         if self.disk.lookup(k) is True:
@@ -139,9 +158,25 @@ class StackMachine(RuleBasedStateMachine):
         for event in events:  # the disk may have made room by dropping its own oldest
             if event.medium == self.disk.medium and event.removed:
                 self.evicted_below.update(event.keys)
+            if self.victim is not None and event.medium == self.victim.medium:
+                if event.removed:
+                    self.evicted_from_victim.update(event.keys)
+                else:
+                    for k in event.keys:
+                        assert self.disk.lookup(k) is not True, "the victim got a block the disk keeps"
         for event in events:
             if event.medium == "MEMORY" and event.removed:
                 for k in event.keys:
+                    if self.victim is not None:
+                        # what the disk does not keep, whatever the reason, goes to the victim
+                        assert (
+                            self.disk.lookup(k) is True
+                            or k in self.evicted_below
+                            or self.victim.lookup(k) is True
+                            or k in self.victim.refused_keys
+                            or k in self.evicted_from_victim
+                        ), "a block the victim tier could take was dropped from the CPU tier"
+                        continue
                     assert (
                         self.disk.lookup(k) is True
                         or k in self.disk.refused_keys
@@ -158,6 +193,8 @@ class StackMachine(RuleBasedStateMachine):
     @invariant()
     def disk_within_capacity(self):
         assert self.disk.num_blocks() <= DISK_BLOCKS
+        if self.victim is not None:
+            assert self.victim.num_blocks() <= self.victim_blocks
 
 
 SETTINGS = settings(max_examples=150, stateful_step_count=50, deadline=None)
@@ -189,3 +226,20 @@ class ReuseAdmissionMachine(StackMachine):
 TestStackLRUWriteBackAdmitReuse = ReuseAdmissionMachine.TestCase
 TestStackLRUWriteBackAdmitReuse.settings = SETTINGS_NEWER
 
+
+
+class VictimTierMachine(StackMachine):
+    """Below the disk (a mirror), a victim tier (``receives: evicted``) that fails and evicts
+    too. The disk takes every block, or (``admit: reuse``) only blocks wanted twice."""
+
+    victim_blocks = 5
+
+
+for _write, _admit in (("write_back", "all"), ("write_through", "all"), ("write_back", "reuse")):
+    _case = type(
+        f"Victim{_write}{_admit}Machine", (VictimTierMachine,), {"write_policy": _write, "admit": _admit}
+    ).TestCase
+    _case.settings = SETTINGS if _admit == "all" else SETTINGS_NEWER
+    _title = _write.title().replace("_", "") + ("AdmitReuse" if _admit == "reuse" else "")
+    globals()[f"TestStackLRU{_title}VictimTier"] = _case
+del _write, _admit, _case, _title

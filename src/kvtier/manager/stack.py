@@ -15,6 +15,15 @@ every store from the GPU lands in it first. Secondary tiers only exchange blocks
   job: full, ENOSPC, EIO ...) stops being dirty — the tier would not take it — and becomes
   evictable.
 
+**The cascade** (per tier, ``receives``): a ``saved`` tier (the default, a mirror) is
+sent every dirty block as above. An ``evicted`` tier (a victim tier) is sent only blocks that
+leave the CPU tier: once no ``saved`` tier above it in the list keeps a block (there is none,
+or each refused, failed or did not admit it), the block waits in the *spill* queue, still held;
+when the CPU tier's clean headroom runs low (the ``write_back`` trigger, whatever the write
+policy), the coldest of them are written to the victim tiers, and each becomes evictable once
+those jobs end (saved or failed). A block a ``saved`` tier above keeps is never written to the
+victim tier. ``shutdown`` spills what is left: the whole CPU tier is leaving.
+
 **Admission** (optional, per tier): a tier with ``admit: reuse`` takes a dirty block only
 once its key was wanted ``min_reuse`` times (offered for storing, or hit in the CPU tier) (:class:`AdmissionFilter`); a block
 no tier admits stops being dirty, like a refused one. Stats per tier add blocks admitted and
@@ -43,7 +52,7 @@ from kvtier.base import (
     PrepareStoreOutput,
     ReqContext,
 )
-from kvtier.config import CascadeConfig
+from kvtier.config import RECEIVES, CascadeConfig
 from kvtier.manager.single import SingleTierManager
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.base import EvictionPolicy
@@ -87,10 +96,15 @@ class TierStackManager(SingleTierManager):
       over once, paid for by the touch that made it. A deque and a dict of small ints cost
       about 60 bytes per dirty block where an OrderedDict costs 120, and most blocks of a
       write_back CPU tier are dirty;
-    * ``_demoting``: key -> tier jobs still reading its CPU row (still unsaved).
+    * ``_demoting``: key -> ``saved``-tier jobs still reading its CPU row (still unsaved);
+    * only with ``evicted`` tiers: ``_spill`` / ``_spill_order``, blocks no ``saved`` tier
+      above a victim tier keeps, waiting for CPU pressure to be written to the victim tiers
+      (kept like ``_dirty``: a deque with copy counts, coldest first); ``_spilling``, key ->
+      victim-tier jobs still reading its row; ``_kept``, key -> the index of the highest
+      ``saved`` tier known to hold it (absent: none), which decides the victim tiers it goes to.
 
-    A key in ``_dirty`` or ``_demoting`` is held (:meth:`_held_otherwise`): the policy keeps
-    it out of its eviction order until the last job that reads it finishes.
+    A key in any of these is held (:meth:`_held_otherwise`): the policy keeps it out of its
+    eviction order until the last job that reads it finishes.
 
     Threading: the engine's scheduler thread only, like every manager.
     """
@@ -105,6 +119,7 @@ class TierStackManager(SingleTierManager):
         enable_events: bool = True,
         admission: Sequence[AdmissionFilter | None] | None = None,
         endurance_tbw: Sequence[float | None] | None = None,
+        receives: Sequence[str] | None = None,
     ):
         super().__init__(backend, policy, enable_events=enable_events)
         self._tiers = list(tiers)
@@ -114,6 +129,20 @@ class TierStackManager(SingleTierManager):
         #: filters that count sightings (only ``admit: reuse`` ones need to)
         self._counting = [f for f in self._admission if f is not None and f.mode == "reuse"]
         self._started = time.monotonic()
+        # -- the cascade: "saved" tiers mirror the CPU tier, "evicted" ones take its victims --
+        receives = list(receives) if receives is not None else ["saved"] * len(self._tiers)
+        if len(receives) != len(self._tiers) or not set(receives) <= set(RECEIVES):
+            raise ValueError(
+                f"receives must name one of {', '.join(RECEIVES)} per lower tier "
+                f"({len(self._tiers)}), got {receives!r}"
+            )
+        indexed = list(enumerate(self._tiers))
+        #: (index, tier) of the mirrors and of the victim tiers, in stack order
+        self._saved = [(i, tier) for i, tier in indexed if receives[i] == "saved"]
+        self._victims = [(i, tier) for i, tier in indexed if receives[i] == "evicted"]
+        self._is_victim = [r == "evicted" for r in receives]
+        #: index of the first victim tier (len(tiers) when there is none)
+        self._first_victim = self._victims[0][0] if self._victims else len(self._tiers)
         cascade = cascade or CascadeConfig()
         self._write_through = cascade.write_policy == "write_through"
         block_bytes = max(1, backend.block_size)
@@ -129,6 +158,10 @@ class TierStackManager(SingleTierManager):
         self._dirty: dict[OffloadKey, int] = {}
         self._dirty_order: deque[OffloadKey] = deque()
         self._demoting: dict[OffloadKey, int] = {}
+        self._spill: dict[OffloadKey, int] = {}
+        self._spill_order: deque[OffloadKey] = deque()
+        self._spilling: dict[OffloadKey, int] = {}
+        self._kept: dict[OffloadKey, int] = {}
         #: job id -> (tier index, job, is_load)
         self._jobs: dict[int, tuple[int, TierJob, bool]] = {}
         self._job_ids = itertools.count(1)
@@ -203,6 +236,9 @@ class TierStackManager(SingleTierManager):
         # evicted from the CPU tier earlier and recomputed by the engine since).
         if not self._tiers:
             return
+        if self._victims:
+            self._on_ready_cascade(keys)
+            return
         dirty, hold = self._dirty, self._policy.hold
         if len(self._tiers) == 1:
             lookup = self._tiers[0].lookup
@@ -215,8 +251,38 @@ class TierStackManager(SingleTierManager):
             hold(key)  # just ready: neither pinned nor otherwise held yet
         self._dirty_order.extend(new)
 
+    def _on_ready_cascade(self, keys: list[OffloadKey]) -> None:
+        """:meth:`_on_ready` of a stack with victim tiers: a key some ``saved`` tier lacks is
+        dirty; else one that a victim tier lacks, with no ``saved`` tier above that victim
+        keeping it, waits in the spill queue."""
+        dirty, spill, kept_by, hold = self._dirty, self._spill, self._kept, self._policy.hold
+        none = len(self._tiers)
+        new_dirty, new_spill = [], []
+        for key in keys:
+            kept, missing = none, False
+            for index, tier in self._saved:  # in stack order: the first found is the highest
+                if tier.lookup(key) is True:
+                    kept = min(kept, index)
+                else:
+                    missing = True
+            if missing:
+                dirty[key] = 1
+                new_dirty.append(key)
+            elif any(index < kept and tier.lookup(key) is not True for index, tier in self._victims):
+                spill[key] = 1
+                new_spill.append(key)
+            else:
+                continue
+            if kept != none:
+                kept_by[key] = kept
+            hold(key)
+        self._dirty_order.extend(new_dirty)
+        self._spill_order.extend(new_spill)
+
     def _held_otherwise(self, key: OffloadKey) -> bool:
-        return key in self._dirty or key in self._demoting
+        return (
+            key in self._dirty or key in self._demoting or key in self._spill or key in self._spilling
+        )
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._policy.touch(keys)
@@ -226,6 +292,12 @@ class TierStackManager(SingleTierManager):
             for key in refreshed:
                 dirty[key] += 1
             self._dirty_order.extend(refreshed)
+        spill = self._spill
+        if spill:
+            refreshed = [key for key in keys if key in spill]
+            for key in refreshed:
+                spill[key] += 1
+            self._spill_order.extend(refreshed)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -255,7 +327,7 @@ class TierStackManager(SingleTierManager):
                 continue
             rows = self._reserve_rows(min(budget, len(queue)))
             if not rows:
-                if not self._demoting:
+                if not self._demoting and not self._spilling:
                     # Every CPU row is held and nothing being saved will free one: waiting
                     # would never end, so these reads become misses — for the whole next
                     # step, or the engine's next lookup would only queue them again.
@@ -298,58 +370,111 @@ class TierStackManager(SingleTierManager):
             )
 
     def _submit_demotions(self) -> None:
-        if not self._dirty:
+        if not self._dirty and not self._spill:
             return
-        budget = self._demote_budget - len(self._demoting)
+        budget = self._demote_budget - len(self._demoting) - len(self._spilling)
         if budget <= 0:
             return  # the tiers are still busy with earlier steps' writes
-        if not self._write_through:
+        deficit = 0  # clean rows missing from the headroom write_back keeps
+        if self._spill or not self._write_through:
             headroom = self._backend.get_num_free_blocks() + self._policy.evictable_blocks()
-            if headroom >= self._clean_target:
+            deficit = self._clean_target - headroom
+        if self._spill and deficit > 0:
+            # Blocks already past every saved tier go first: writing them to the victim
+            # tiers frees rows without another step's wait.
+            keys = self._pop_coldest(self._spill, self._spill_order, min(budget, deficit))
+            budget -= len(keys)
+            deficit -= len(keys)
+            self._submit_spill(keys)
+        if not self._dirty or budget <= 0:
+            return
+        if not self._write_through:
+            if deficit <= 0:
                 return
-            budget = min(budget, self._clean_target - headroom)
-        dirty, popleft = self._dirty, self._dirty_order.popleft
+            budget = min(budget, deficit)
         # The front of _dirty_order is the coldest block (write_back saves those first, so
         # they become the clean victims); write_through saves in the same order, soon after
         # store.
+        self._demote(self._pop_coldest(self._dirty, self._dirty_order, budget))
+
+    def _pop_coldest(
+        self, waiting: dict[OffloadKey, int], order: deque[OffloadKey], count: int
+    ) -> list[OffloadKey]:
+        """Take up to ``count`` of the coldest keys out of ``waiting`` (key -> copies in
+        ``order``), popping ``order`` from its front."""
+        popleft = order.popleft
         keys = []
         visited = 0
-        while len(keys) < budget and dirty:
+        while len(keys) < count and waiting:
             key = popleft()
             visited += 1
-            copies = dirty[key]
+            copies = waiting[key]
             if copies == 1:
-                del dirty[key]
+                del waiting[key]
                 keys.append(key)
             else:  # touched since: its later copy is where it belongs
-                dirty[key] = copies - 1
+                waiting[key] = copies - 1
         self.entries_visited += visited
-        self._demote(keys)
+        return keys
 
     def _demote(self, keys: list[OffloadKey]) -> None:
-        """Submit one store job per tier for ``keys`` (taken out of ``_dirty`` by the caller).
+        """Submit one store job per ``saved`` tier for ``keys`` (taken out of ``_dirty`` by
+        the caller).
 
-        Each tier gets the keys its admission filter takes; a key no tier takes is released
-        at once (like a block every tier refused), unless a read pins it.
+        Each tier gets the keys its admission filter takes; a key no tier takes is done with
+        at once (like a block every tier refused): released unless a read pins it, or spilled.
         """
         if not keys:
             return
-        get, demoting = self._get, self._demoting
-        per_tier = [self._admitted(index, keys) for index in range(len(self._tiers))]
-        for taken in per_tier:
+        demoting = self._demoting
+        per_tier = [(index, self._admitted(index, keys)) for index, _ in self._saved]
+        for _, taken in per_tier:
             for key in taken:
                 demoting[key] = demoting.get(key, 0) + 1  # still held: each job reads the row
+        for key in keys:
+            if key not in demoting:
+                self._saved_done(key)
+        self._submit_stores(per_tier)
+
+    def _submit_spill(self, keys: list[OffloadKey]) -> None:
+        """Submit one store job per victim tier for ``keys`` (taken out of ``_spill``): each
+        victim tier gets those no ``saved`` tier above it keeps, that its filter admits."""
+        if not keys:
+            return
+        none, kept_by, spilling = len(self._tiers), self._kept, self._spilling
+        kept = [kept_by.pop(key, none) for key in keys]
+        per_tier = []
+        for index, _ in self._victims:
+            taken = self._admitted(index, [key for key, k in zip(keys, kept) if index < k])
+            for key in taken:
+                spilling[key] = spilling.get(key, 0) + 1
+            per_tier.append((index, taken))
         holds, release = self._holds, self._policy.release
         for key in keys:
-            if key not in demoting and key not in holds:
+            if key not in spilling and key not in holds:
                 release(key)
-        for index, (tier, taken) in enumerate(zip(self._tiers, per_tier)):
+        self._submit_stores(per_tier)
+
+    def _submit_stores(self, per_tier: list[tuple[int, list[OffloadKey]]]) -> None:
+        get = self._get
+        for index, taken in per_tier:
             if not taken:
                 continue
             job = TierJob(next(self._job_ids), tuple(taken), tuple(get(key) for key in taken))
             self._jobs[job.job_id] = (index, job, False)
             self._counters[index].demote_jobs += 1
-            tier.submit_store(job)
+            self._tiers[index].submit_store(job)
+
+    def _saved_done(self, key: OffloadKey) -> None:
+        """Every ``saved`` tier saved, refused or skipped ``key``: spill it if a victim tier
+        has no ``saved`` tier above it keeping the block, else let it go (unless pinned)."""
+        if self._first_victim < self._kept.get(key, len(self._tiers)):
+            self._spill[key] = 1
+            self._spill_order.append(key)
+            return
+        self._kept.pop(key, None)
+        if key not in self._holds:
+            self._policy.release(key)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -394,7 +519,23 @@ class TierStackManager(SingleTierManager):
         counters.demotions += len(result.ok)
         counters.demoted_bytes += result.nbytes
         counters.demote_failures += len(result.failed)
-        demoting, holds, release = self._demoting, self._holds, self._policy.release
+        if self._is_victim[index]:
+            spilling, holds, release = self._spilling, self._holds, self._policy.release
+            for key in job.keys:
+                left = spilling[key] - 1
+                if left:
+                    spilling[key] = left
+                    continue
+                del spilling[key]
+                if key not in holds:  # saved below, or refused: the CPU tier may drop it
+                    release(key)
+            return
+        if self._victims and result.ok:
+            kept_by = self._kept
+            for key in result.ok:
+                if index < kept_by.get(key, len(self._tiers)):
+                    kept_by[key] = index
+        demoting, saved_done = self._demoting, self._saved_done
         for key in job.keys:
             left = demoting[key] - 1
             if left:
@@ -402,9 +543,9 @@ class TierStackManager(SingleTierManager):
                 continue
             del demoting[key]
             # Saved by every tier, or refused by some (a tier that failed the job would not
-            # take it now): either way the CPU tier may drop it, once no read pins it.
-            if key not in holds:
-                release(key)
+            # take it now): either way the CPU tier may drop it, once no read pins it — or
+            # once a victim tier has it, if no saved tier above that one keeps it.
+            saved_done(key)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -429,16 +570,27 @@ class TierStackManager(SingleTierManager):
         self._dirty.clear()
         self._dirty_order.clear()
         self._demoting.clear()
+        self._spill.clear()
+        self._spill_order.clear()
+        self._spilling.clear()
+        self._kept.clear()
         super().reset_cache()  # clears holds, pending and ready blocks
         self._backend.free_block_ids(rows)
 
     def flush(self) -> None:
-        """Save every dirty CPU block below and wait for it (blocks; for shutdown)."""
-        while self._dirty or self._demoting:
+        """Save every dirty CPU block below and wait for it (blocks; for shutdown).
+
+        Victim tiers are sent every block waiting for them too, as if the CPU tier evicted it.
+        """
+        while self._dirty or self._demoting or self._spill or self._spilling:
             keys = list(self._dirty)
             self._dirty.clear()
             self._dirty_order.clear()
             self._demote(keys)
+            keys = list(self._spill)
+            self._spill.clear()
+            self._spill_order.clear()
+            self._submit_spill(keys)
             self._drain()
 
     def shutdown(self) -> None:
@@ -463,10 +615,13 @@ class TierStackManager(SingleTierManager):
             lookups=self.lookups,
             cpu_hits=self.cpu_hits,
             misses=self.misses,
-            dirty_blocks=len(self._dirty) + len(self._demoting),
+            # held until a tier below takes them (or refuses): mirrors' and victim tiers'
+            dirty_blocks=len(self._dirty) + len(self._demoting) + len(self._spill) + len(self._spilling),
+            # of those, the ones waiting for, or being written to, victim tiers
+            spill_blocks=len(self._spill) + len(self._spilling),
             # rows held by reads from below (queued reads hold none yet)
             promoting_blocks=len(self._promoting) - sum(map(len, self._promote_queue)),
-            demoting_blocks=len(self._demoting),
+            demoting_blocks=len(self._demoting) + len(self._spilling),
         )
         for index, (tier, counters, queue) in enumerate(
             zip(self._tiers, self._counters, self._promote_queue)
