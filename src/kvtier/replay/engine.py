@@ -18,9 +18,10 @@ It owns a "GPU" KV cache (a CUDA tensor, or a CPU tensor standing in without CUD
 
 It never looks at the trace's timestamps: requests run back to back, one at a time, so the
 figures are about what the tiers hold and move, not about queueing. When it has nothing to
-do but wait for the tiers (a promotion, or room to store), it blocks on their
-``drain_jobs`` rather than sleeping and polling: on a busy machine a short sleep lasts far
-longer than asked, and a replay would measure the scheduler's naps.
+do but wait for the tiers, it blocks on them rather than sleeping and polling (on their
+``wait_loads`` for a promotion, on their ``drain_jobs`` for room to store): on a busy
+machine a short sleep lasts far longer than asked, and a replay would measure the
+scheduler's naps.
 
 The engine's own work — making each computed block's bytes and checking each loaded one —
 is timed apart (``ReplayCounts.engine_s``), so what is left of the elapsed time is the
@@ -256,15 +257,24 @@ class ReplayEngine:
             if found:
                 manager.touch(keys[:found], ctx)
             self.step()  # submits the reads
-            self._wait_for_tiers()
+            self._wait_for_loads()
             self.step()  # takes their results: the next scan sees the promoted blocks
+
+    def _wait_for_loads(self) -> None:
+        """Block until the lower tiers finished their reads; their saves go on meanwhile.
+
+        A request waits for its promotions only, as in vLLM: a save queued beside the reads
+        (with its flush and index commit) is not on the request's path.
+        """
+        for tier in self._lower:
+            tier.wait_loads()
 
     def _wait_for_tiers(self) -> None:
         """Block until the lower tiers finished what they were given (reads and saves).
 
-        Blocking, not polling: spinning on lookups (even yielding with ``sleep(0)``) starves
-        the tiers' threads of the GIL on a busy machine, and short sleeps last a scheduler
-        tick there. Waiting for the saves too costs little: they are bounded per step.
+        For room to store: the CPU tier is full of blocks being saved below. Blocking, not
+        polling: spinning on lookups (even yielding with ``sleep(0)``) starves the tiers'
+        threads of the GIL on a busy machine, and short sleeps last a scheduler tick there.
         """
         for tier in self._lower:
             tier.drain_jobs()

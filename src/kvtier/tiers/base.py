@@ -191,8 +191,8 @@ class SecondaryTier(ABC):
     """A tier below the CPU tier: a capacity-bounded, verified block store with its own index.
 
     Who calls it: the stack manager, on the engine's scheduler thread, under the engine's
-    scheduler lock. Every method except :meth:`drain_jobs`, :meth:`check` and :meth:`close`
-    must return without waiting for I/O: byte copies run on the tier's own threads, and their
+    scheduler lock. Every method except :meth:`drain_jobs`, :meth:`wait_loads`, :meth:`check`
+    and :meth:`close` must return without waiting for I/O: byte copies run on the tier's own threads, and their
     outcome is reported by :meth:`get_finished_jobs`. The tier's threads may only touch the
     CPU rows named by a job, and only until that job's result is handed over.
 
@@ -261,6 +261,14 @@ class SecondaryTier(ABC):
     @abstractmethod
     def drain_jobs(self) -> None:
         """Block until every submitted job has finished (results stay queued for polling)."""
+
+    def wait_loads(self) -> None:
+        """Block until every submitted load job has finished; stores may still be running.
+
+        For a reader that needs only its promotions (results stay queued for polling). A
+        tier that cannot tell its loads apart may wait for everything, as this default does.
+        """
+        self.drain_jobs()
 
     @abstractmethod
     def num_blocks(self) -> int:

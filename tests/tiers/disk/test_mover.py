@@ -161,3 +161,37 @@ def test_a_slow_epilogue_does_not_hold_the_io_threads():
     finally:
         release.set()
         mover.close()
+
+
+def test_wait_loads_returns_while_a_store_is_still_running():
+    """A promotion's reader waits for the loads only: a stalled store's flush does not hold it,
+    and wait_idle still waits for that store."""
+    release = threading.Event()
+    mover = Mover("t", threads=2)
+    try:
+        mover.submit(job(1, 2, lambda j, i: None, after=lambda j: release.wait(10)))
+        mover.submit(job(2, 3, lambda j, i: None, is_load=True))
+        assert mover.wait_loads(timeout_s=10)
+        assert mover.pending() == 1  # the store is still in flight
+        assert [j.job_id for j in wait_for(mover, 1)] == [2]
+        assert not mover.wait_idle(timeout_s=0.05)
+        release.set()
+        assert mover.wait_idle(timeout_s=10)
+        assert [j.job_id for j in mover.poll()] == [1]
+    finally:
+        release.set()
+        mover.close()
+
+
+def test_wait_loads_times_out_while_a_load_is_stuck():
+    gate = threading.Event()
+    mover = Mover("t", threads=1)
+    try:
+        mover.submit(job(1, 1, lambda j, i: gate.wait(10) and None, is_load=True))
+        assert not mover.wait_loads(timeout_s=0.05)
+        gate.set()
+        assert mover.wait_loads(timeout_s=10)
+        assert [j.job_id for j in wait_for(mover, 1)] == [1]
+    finally:
+        gate.set()
+        mover.close()

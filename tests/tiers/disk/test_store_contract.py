@@ -11,6 +11,7 @@ from helpers import key
 from store_helpers import (
     BLOCK,
     KINDS,
+    fill,
     fingerprint,
     holds,
     load,
@@ -102,6 +103,31 @@ def test_lookup_is_none_until_the_store_is_polled(any_kind, tmp_path, shm):
     (result,) = tier.get_finished_jobs()
     assert result.job_id == 7 and result.ok == [k]
     assert tier.lookup(k) is True and not tier.has_pending_work()
+    tier.close()
+
+
+@pytest.mark.parametrize("any_kind", [*KINDS, "memory"])
+def test_wait_loads_hands_over_the_loads_with_stores_beside_them(any_kind, tmp_path, shm):
+    tier = make(any_kind, tmp_path / "s", shm.rows, 16)
+    old = [key(i) for i in range(4)]
+    new = [key(i) for i in range(10, 14)]
+    assert store(tier, shm.rows, old).ok == old
+    for row, k in enumerate(new, start=8):
+        fill(shm.rows, row, k)
+    shm.rows[32:36] = 0
+    tier.submit_store(TierJob(20, tuple(new), tuple(range(8, 12))))
+    tier.submit_load(TierJob(21, tuple(old), tuple(range(32, 36))))
+    tier.wait_loads()
+    results = {r.job_id: r for r in tier.get_finished_jobs()}
+    assert results[21].ok == old  # the load finished, whatever the store is doing
+    assert all(holds(shm.rows, 32 + i, k) for i, k in enumerate(old))
+    if 20 not in results:
+        tier.drain_jobs()
+        (late,) = tier.get_finished_jobs()
+        results[20] = late
+    assert results[20].ok == new
+    assert load(tier, shm.rows, new, first_row=40).ok == new
+    assert all(holds(shm.rows, 40 + i, k) for i, k in enumerate(new))
     tier.close()
 
 

@@ -274,6 +274,10 @@ class DiskTier(IndexedTier):
         if self._mover is not None:
             self._mover.wait_idle()
 
+    def wait_loads(self) -> None:
+        if self._mover is not None:
+            self._mover.wait_loads()
+
     def _medium_stats(self) -> dict[str, Any]:
         return {
             "bytes_written": 0, "bytes_read": 0, "o_direct_fallbacks": 0,

@@ -102,8 +102,8 @@ class Mover:
     """The I/O threads, sequencer and completion queue of one disk tier.
 
     :meth:`submit`, :meth:`poll`, :meth:`pending` are for the tier's scheduler thread and never
-    block on I/O (they hold the queue lock for a few list operations). :meth:`wait_idle` and
-    :meth:`close` block. A job's ``block``/``before``/``after`` callables run on the mover's
+    block on I/O (they hold the queue lock for a few list operations). :meth:`wait_idle`,
+    :meth:`wait_loads` and :meth:`close` block. A job's ``block``/``before``/``after`` callables run on the mover's
     threads and must not raise for expected failures (they return reasons); an unexpected
     exception fails the keys concerned with ``Failure(UNEXPECTED)`` and is logged with its traceback.
     """
@@ -120,6 +120,7 @@ class Mover:
         self._finished: deque[MoverJob] = deque()  # appended by mover threads, popped by poll
         self._epilogues: deque[MoverJob] = deque()  # jobs whose last block is done
         self._inflight = 0  # submitted and not yet in _finished (guarded by _cond)
+        self._loads_inflight = 0  # the load jobs among them (guarded by _cond)
         self._closed = False
         self._workers = [
             threading.Thread(target=self._work, name=f"kvtier-{name}-io{i}", daemon=True)
@@ -143,6 +144,8 @@ class Mover:
             if self._closed:
                 raise RuntimeError(f"mover {self.name} is closed")
             self._inflight += 1
+            if job.is_load:
+                self._loads_inflight += 1
             if job.before is not None:
                 self._sequenced.append(job)
             else:
@@ -179,6 +182,16 @@ class Mover:
         """Block until nothing is in flight; ``False`` on timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: self._inflight == 0, timeout_s)
+
+    def wait_loads(self, timeout_s: float | None = None) -> bool:
+        """Block until no load job is in flight (stores may still run); ``False`` on timeout.
+
+        A promotion's reader waits here: the I/O threads take loads first, so this returns
+        as soon as the reads are done, not after the stores queued beside them (whose flush
+        and index commit can take far longer).
+        """
+        with self._cond:
+            return self._cond.wait_for(lambda: self._loads_inflight == 0, timeout_s)
 
     def close(self) -> None:
         """Finish everything queued, then stop the threads. Idempotent; blocks."""
@@ -284,6 +297,8 @@ class Mover:
         self._finished.append(job)
         with self._cond:
             self._inflight -= 1
+            if job.is_load:
+                self._loads_inflight -= 1
             self._cond.notify_all()
 
     def _unexpected(self, exc: BaseException, where: str) -> Failure:
