@@ -81,6 +81,17 @@ class _TierCounters:
     promote_jobs: int = 0
 
 
+
+def _refresh(counts: dict[OffloadKey, int], order: deque[OffloadKey], keys: Collection[OffloadKey]) -> None:
+    """Move the keys of ``counts`` among ``keys`` to the warm end of ``order`` (a used block is
+    the last to save): one more copy appended and counted; the stale copy is skipped once
+    where it is popped (amortized O(1), no search in the deque)."""
+    if counts:
+        refreshed = [key for key in keys if key in counts]
+        for key in refreshed:
+            counts[key] += 1
+        order.extend(refreshed)
+
 class TierStackManager(SingleTierManager):
     """The CPU tier (a Backend and its policy) above an ordered list of secondary tiers.
 
@@ -286,18 +297,8 @@ class TierStackManager(SingleTierManager):
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._policy.touch(keys)
-        dirty = self._dirty
-        if dirty:
-            refreshed = [key for key in keys if key in dirty]
-            for key in refreshed:
-                dirty[key] += 1
-            self._dirty_order.extend(refreshed)
-        spill = self._spill
-        if spill:
-            refreshed = [key for key in keys if key in spill]
-            for key in refreshed:
-                spill[key] += 1
-            self._spill_order.extend(refreshed)
+        _refresh(self._dirty, self._dirty_order, keys)
+        _refresh(self._spill, self._spill_order, keys)
 
     # -- the step ----------------------------------------------------------------------------
 
