@@ -17,6 +17,8 @@ def test_stack_bench_record_has_every_figure():
         assert record["us_per_block"][size] == per_step / manager_stack.KEYS_PER_STEP
     assert 0 < record["bytes_per_block"] < 1000 and record["bytes_per_block_at"] == 3000
     assert record["protocol"]["write_policy"] == "write_back"
+    assert set(record["floor_us_per_step"]) == {"1000", "3000"}
+    assert record["floor_growth"] == record["floor_us_per_step"]["3000"] / record["floor_us_per_step"]["1000"]
     if record["baseline"] == "vllm":
         assert set(record["vllm_us_per_step"]) == {"1000", "3000"}
     lines = out.getvalue().splitlines()
@@ -36,6 +38,16 @@ def test_kvtier_driver_reaches_the_steady_state_and_every_lookup_hits():
         assert stats["lookups"] == stats["cpu_hits"] > 0
     finally:
         driver.close()
+
+
+def test_floor_driver_evicts_its_oldest_and_every_lookup_hits():
+    driver = manager_stack._FloorDriver(1000)
+    driver.fill()
+    driver.check_steady()
+    oldest = next(iter(driver.index))
+    driver.step()  # raises if a recent block misses
+    assert len(driver.index) == 1000 and oldest not in driver.index
+    assert driver.evictions == (manager_stack.LOOKBACK_STEPS + 9) * manager_stack.STORES
 
 
 def test_cli_rejects_bad_sizes(capsys):

@@ -113,3 +113,23 @@ def test_contract_holds_skip_all_or_nothing_and_clear(name):
     assert len(policy) == 0 and policy.evict(1, set()) is None
     policy.insert([key(7)], [3])
     assert policy.contains(key(7)) and victims(policy, 1) == [key(7)]
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "sieve", "chain"])
+def test_insert_held_is_insert_then_hold(name):
+    """A block held from the moment it is ready (write-back: not saved below yet) is never a
+    victim, and comes back to the order when released — as with insert, then hold."""
+    cls = get_policy_class(name)
+    policy = cls(8)
+    keys = [key(i) for i in range(4)]
+    policy.insert_held(keys, [0, 1, 2, 3], {key(1), key(3)})
+    assert len(policy) == 4 and policy.get(key(3)) == 3 and policy.contains(key(1))
+    assert policy.evictable_blocks() == 2
+    assert policy.evict_unheld(3) is None
+    assert sorted(victims(policy, 2)) == sorted([key(0), key(2)])
+    policy.insert_held([key(5), key(6)], [5, 6], [key(5), key(6)])  # all held: a list will do
+    assert policy.evictable_blocks() == 0 and policy.evict(1, set()) is None
+    for k in (key(1), key(3), key(5), key(6)):
+        policy.release(k)
+    assert policy.evictable_blocks() == 4
+    assert sorted(victims(policy, 4)) == sorted([key(1), key(3), key(5), key(6)])

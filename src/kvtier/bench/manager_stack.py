@@ -32,7 +32,8 @@ materialised.
 ``bytes_per_block``: what tracemalloc sees the scheduler side allocate for the full CPU tier
 of the middle size, at steady state, divided by its blocks — the manager, its policy, the
 CPU tier's slot allocator; not the keys (the engine owns them), nor the rows, nor the lower
-tier's own store.
+tier's own store and index (whatever is allocated under ``kvtier/tiers/base.py``'s frames,
+where the lower tier keeps its own policy object).
 """
 
 from __future__ import annotations
@@ -170,6 +171,57 @@ class _KvtierDriver(_Driver):
         self.manager.shutdown()
 
 
+class _FloorDriver(_Driver):
+    """The least any dict-based manager does under the protocol, as a reference: one
+    ``OrderedDict`` of key -> row, LRU. A step evicts its 64 oldest keys and inserts the 64 new
+    ones, probes the 64 looked-up keys and moves the 16 loaded ones to the recent end — no
+    lower tier, no dirty blocks, no holds, no checks.
+
+    Its growth is the price of the memory hierarchy alone: at 10^6 keys the evicted keys'
+    entries, and the table slots new keys land in, are cache and TLB misses, whatever code
+    touches them. A manager's growth above it comes from the work it adds, below it only
+    from hiding that price behind more work.
+    """
+
+    name = "floor"
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        from collections import OrderedDict
+
+        self.index: OrderedDict[bytes, int] = OrderedDict()
+        self.evictions = 0
+
+    def _store_batch(self, keys: list[bytes]) -> None:
+        index = self.index
+        for key in keys:
+            index[key] = len(index)
+        self.next_key += len(keys)
+
+    def _idle_step(self) -> None:
+        pass
+
+    def _step(self, new_keys: list[bytes], lookups: list[bytes], loads: list[bytes]) -> None:
+        index = self.index
+        popitem = index.popitem
+        rows = [popitem(last=False)[1] for _ in new_keys]
+        self.evictions += len(rows)
+        index.update(zip(new_keys, rows))
+        for key in lookups:
+            if key not in index:
+                raise RuntimeError(f"floor: a block stored {LOOKBACK_STEPS} steps ago missed")
+        move_to_end = index.move_to_end
+        for key in loads:
+            move_to_end(key)
+
+    def check_steady(self) -> None:
+        if len(self.index) != self.capacity:
+            raise RuntimeError(f"floor: {len(self.index)} keys, not {self.capacity}")
+
+    def close(self) -> None:
+        self.index.clear()
+
+
 class _VllmDriver(_Driver):
     name = "vllm"
 
@@ -282,10 +334,17 @@ def _time_steps(driver: _Driver, steps: int) -> float:
         gc.enable()
 
 
-def _bytes_per_block(make: Callable[[int], _Driver], capacity: int, exclude: Sequence[str]) -> float:
-    """Scheduler-side bytes per CPU block at steady state (tracemalloc, filtered)."""
+def _bytes_per_block(
+    make: Callable[[int], _Driver], capacity: int, exclude: Sequence[str], exclude_below: Sequence[str] = ()
+) -> float:
+    """Scheduler-side bytes per CPU block at steady state (tracemalloc, filtered).
+
+    ``exclude``: files whose own allocations are not counted; ``exclude_below``: files none
+    of whose callees' allocations are counted either (the lower tier's index, made by a
+    policy object that tier owns).
+    """
     gc.collect()
-    tracemalloc.start()
+    tracemalloc.start(32)  # deep enough to see the tier's frame under the policy's
     try:
         driver = make(capacity)
         driver.fill()
@@ -294,6 +353,7 @@ def _bytes_per_block(make: Callable[[int], _Driver], capacity: int, exclude: Seq
     finally:
         tracemalloc.stop()
     filters = [tracemalloc.Filter(False, pattern) for pattern in (__file__, *exclude)]
+    filters += [tracemalloc.Filter(False, pattern, all_frames=True) for pattern in exclude_below]
     used = sum(stat.size for stat in snapshot.filter_traces(filters).statistics("filename"))
     driver.close()
     return used / capacity
@@ -305,7 +365,7 @@ def run(
     """Run the benchmark; print the table and the JSON line; return the JSON record."""
     out = out or sys.stdout
     sizes = sorted(sizes)
-    subjects: list[Callable[[int], _Driver]] = [_KvtierDriver]
+    subjects: list[Callable[[int], _Driver]] = [_KvtierDriver, _FloorDriver]
     if _vllm_available():
         subjects.append(_VllmDriver)
     # Every manager is built and filled first, then the rounds go round all of them: a noisy
@@ -336,9 +396,11 @@ def run(
     middle = sizes[len(sizes) // 2]
     # The lower tier's store, the rows and the shared region are not scheduler metadata.
     memory = {
-        "kvtier": _bytes_per_block(_KvtierDriver, middle, ["*/kvtier/tiers/memory.py"]),
+        "kvtier": _bytes_per_block(
+            _KvtierDriver, middle, ["*/kvtier/tiers/memory.py"], exclude_below=["*/kvtier/tiers/base.py"]
+        ),
     }
-    if len(subjects) > 1:
+    if _VllmDriver in subjects:
         memory["vllm"] = _bytes_per_block(_VllmDriver, middle, ["*/vllm/v1/kv_offload/tiering/example/*"])
 
     rows: list[dict[str, Any]] = []
@@ -364,6 +426,9 @@ def run(
         "bytes_per_block": memory["kvtier"],
         "bytes_per_block_at": middle,
     }
+    floor = us_per_step["floor"]
+    record["floor_us_per_step"] = floor
+    record["floor_growth"] = floor[last] / floor[first]
     if "vllm" in us_per_step:
         vllm = us_per_step["vllm"]
         record["vllm_us_per_step"] = vllm
@@ -376,11 +441,11 @@ def run(
         f"baseline = {'vLLM TieringOffloadingManager measured now' if record['baseline'] else 'none (vllm not importable)'}",
         file=out,
     )
-    columns = ["cpu_blocks", "kvtier_us_per_step", "kvtier_us_per_block"]
+    columns = ["cpu_blocks", "kvtier_us_per_step", "kvtier_us_per_block", "floor_us_per_step"]
     if "vllm" in us_per_step:
         columns += ["vllm_us_per_step", "vllm_us_per_block", "speedup"]
     print_table(rows, columns, out)
-    summary = f"growth {sizes[-1]}/{sizes[0]}: kvtier {record['growth']:.2f}"
+    summary = f"growth {sizes[-1]}/{sizes[0]}: kvtier {record['growth']:.2f}, floor {record['floor_growth']:.2f}"
     if "vllm" in us_per_step:
         summary += f", vLLM {record['vllm_growth']:.2f}"
     summary += f"; bytes per tracked block at {middle}: kvtier {memory['kvtier']:.0f}"

@@ -161,8 +161,11 @@ class SingleTierManager(OffloadingManager):
         if not done:
             return
         if success:
-            self._policy.insert(done, block_ids)
-            self._on_ready(done)
+            held = self._on_ready(done)
+            if held:
+                self._policy.insert_held(done, block_ids, held)
+            else:
+                self._policy.insert(done, block_ids)
             if self._events is not None:
                 backend = self._backend
                 self._events.append(
@@ -194,8 +197,13 @@ class SingleTierManager(OffloadingManager):
             )
         return evicted_keys
 
-    def _on_ready(self, keys: list[OffloadKey]) -> None:
-        """``keys`` were just stored and are ready; a hook for subclasses."""
+    def _on_ready(self, keys: list[OffloadKey]) -> Collection[OffloadKey]:
+        """``keys`` were just stored and are about to become ready: a hook for subclasses.
+
+        Returns those of ``keys`` that must be held from the moment they are ready (none
+        here); the policy then takes them straight into its held set.
+        """
+        return ()
 
     # -- requests, steps, lifecycle ------------------------------------------------------------
 

@@ -53,6 +53,7 @@ from kvtier.base import (
     ReqContext,
 )
 from kvtier.config import RECEIVES, CascadeConfig
+from kvtier.manager.coldqueue import ColdQueue
 from kvtier.manager.single import SingleTierManager
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.base import EvictionPolicy
@@ -82,16 +83,6 @@ class _TierCounters:
 
 
 
-def _refresh(counts: dict[OffloadKey, int], order: deque[OffloadKey], keys: Collection[OffloadKey]) -> None:
-    """Move the keys of ``counts`` among ``keys`` to the warm end of ``order`` (a used block is
-    the last to save): one more copy appended and counted; the stale copy is skipped once
-    where it is popped (amortized O(1), no search in the deque)."""
-    if counts:
-        refreshed = [key for key in keys if key in counts]
-        for key in refreshed:
-            counts[key] += 1
-        order.extend(refreshed)
-
 class TierStackManager(SingleTierManager):
     """The CPU tier (a Backend and its policy) above an ordered list of secondary tiers.
 
@@ -100,17 +91,15 @@ class TierStackManager(SingleTierManager):
     * ``_promoting``: key -> CPU row of its read from below (``_UNRESERVED`` until the read
       is submitted at the end of the step); looks up ``None``;
     * ``_promote_queue``: per tier, keys whose read is not submitted yet;
-    * ``_dirty``: ready CPU blocks not saved below and not being saved, ``key -> how many
-      times it is in _dirty_order``; ``_dirty_order``: those keys, least recently used first,
-      a key appended again when :meth:`touch` refreshes it. The coldest are saved first by
-      popping the front — never by walking the policy; an entry with a later copy is passed
-      over once, paid for by the touch that made it. A deque and a dict of small ints cost
-      about 60 bytes per dirty block where an OrderedDict costs 120, and most blocks of a
-      write_back CPU tier are dirty;
+    * ``_dirty``: ready CPU blocks not saved below and not being saved, a :class:`ColdQueue`
+      (a set that also keeps them least recently used first, :meth:`touch` refreshing them).
+      The coldest are saved first by popping its front — never by walking the policy. It
+      costs about 30 bytes per dirty block, where an OrderedDict costs 120, and most blocks
+      of a write_back CPU tier are dirty;
     * ``_demoting``: key -> ``saved``-tier jobs still reading its CPU row (still unsaved);
-    * only with ``evicted`` tiers: ``_spill`` / ``_spill_order``, blocks no ``saved`` tier
-      above a victim tier keeps, waiting for CPU pressure to be written to the victim tiers
-      (kept like ``_dirty``: a deque with copy counts, coldest first); ``_spilling``, key ->
+    * only with ``evicted`` tiers: ``_spill``, blocks no ``saved`` tier above a victim tier
+      keeps, waiting for CPU pressure to be written to the victim tiers (a
+      :class:`ColdQueue` like ``_dirty``); ``_spilling``, key ->
       victim-tier jobs still reading its row; ``_kept``, key -> the index of the highest
       ``saved`` tier known to hold it (absent: none), which decides the victim tiers it goes to.
 
@@ -166,11 +155,9 @@ class TierStackManager(SingleTierManager):
         #: until the next step ends
         self._no_room: set[OffloadKey] = set()
         self._promote_queue: list[deque[OffloadKey]] = [deque() for _ in self._tiers]
-        self._dirty: dict[OffloadKey, int] = {}
-        self._dirty_order: deque[OffloadKey] = deque()
+        self._dirty = ColdQueue()
         self._demoting: dict[OffloadKey, int] = {}
-        self._spill: dict[OffloadKey, int] = {}
-        self._spill_order: deque[OffloadKey] = deque()
+        self._spill = ColdQueue()
         self._spilling: dict[OffloadKey, int] = {}
         self._kept: dict[OffloadKey, int] = {}
         #: job id -> (tier index, job, is_load)
@@ -242,31 +229,28 @@ class TierStackManager(SingleTierManager):
             keys = [key for key in keys if key not in promoting]
         return super().prepare_store(keys, req_context)
 
-    def _on_ready(self, keys: list[OffloadKey]) -> None:
+    def _on_ready(self, keys: list[OffloadKey]) -> Collection[OffloadKey]:
         # A stored block is dirty unless every tier below already has it (say, it was
-        # evicted from the CPU tier earlier and recomputed by the engine since).
+        # evicted from the CPU tier earlier and recomputed by the engine since). A dirty
+        # block is held from the start: the policy never puts it in its eviction order.
         if not self._tiers:
-            return
+            return ()
         if self._victims:
-            self._on_ready_cascade(keys)
-            return
-        dirty, hold = self._dirty, self._policy.hold
+            return self._on_ready_cascade(keys)
         if len(self._tiers) == 1:
             lookup = self._tiers[0].lookup
             new = [key for key in keys if lookup(key) is not True]
         else:
             tiers = self._tiers
             new = [key for key in keys if not all(tier.lookup(key) is True for tier in tiers)]
-        for key in new:
-            dirty[key] = 1
-            hold(key)  # just ready: neither pinned nor otherwise held yet
-        self._dirty_order.extend(new)
+        self._dirty.add_new(new)
+        return keys if len(new) == len(keys) else set(new)
 
-    def _on_ready_cascade(self, keys: list[OffloadKey]) -> None:
+    def _on_ready_cascade(self, keys: list[OffloadKey]) -> Collection[OffloadKey]:
         """:meth:`_on_ready` of a stack with victim tiers: a key some ``saved`` tier lacks is
         dirty; else one that a victim tier lacks, with no ``saved`` tier above that victim
         keeping it, waits in the spill queue."""
-        dirty, spill, kept_by, hold = self._dirty, self._spill, self._kept, self._policy.hold
+        kept_by = self._kept
         none = len(self._tiers)
         new_dirty, new_spill = [], []
         for key in keys:
@@ -277,18 +261,16 @@ class TierStackManager(SingleTierManager):
                 else:
                     missing = True
             if missing:
-                dirty[key] = 1
                 new_dirty.append(key)
             elif any(index < kept and tier.lookup(key) is not True for index, tier in self._victims):
-                spill[key] = 1
                 new_spill.append(key)
             else:
                 continue
             if kept != none:
                 kept_by[key] = kept
-            hold(key)
-        self._dirty_order.extend(new_dirty)
-        self._spill_order.extend(new_spill)
+        self._dirty.add_new(new_dirty)
+        self._spill.add_new(new_spill)
+        return set(new_dirty).union(new_spill)
 
     def _held_otherwise(self, key: OffloadKey) -> bool:
         return (
@@ -297,8 +279,8 @@ class TierStackManager(SingleTierManager):
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._policy.touch(keys)
-        _refresh(self._dirty, self._dirty_order, keys)
-        _refresh(self._spill, self._spill_order, keys)
+        self._dirty.refresh(keys)
+        self._spill.refresh(keys)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -383,7 +365,7 @@ class TierStackManager(SingleTierManager):
         if self._spill and deficit > 0:
             # Blocks already past every saved tier go first: writing them to the victim
             # tiers frees rows without another step's wait.
-            keys = self._pop_coldest(self._spill, self._spill_order, min(budget, deficit))
+            keys = self._pop_coldest(self._spill, min(budget, deficit))
             budget -= len(keys)
             deficit -= len(keys)
             self._submit_spill(keys)
@@ -393,28 +375,14 @@ class TierStackManager(SingleTierManager):
             if deficit <= 0:
                 return
             budget = min(budget, deficit)
-        # The front of _dirty_order is the coldest block (write_back saves those first, so
+        # The front of _dirty's order is the coldest block (write_back saves those first, so
         # they become the clean victims); write_through saves in the same order, soon after
         # store.
-        self._demote(self._pop_coldest(self._dirty, self._dirty_order, budget))
+        self._demote(self._pop_coldest(self._dirty, budget))
 
-    def _pop_coldest(
-        self, waiting: dict[OffloadKey, int], order: deque[OffloadKey], count: int
-    ) -> list[OffloadKey]:
-        """Take up to ``count`` of the coldest keys out of ``waiting`` (key -> copies in
-        ``order``), popping ``order`` from its front."""
-        popleft = order.popleft
-        keys = []
-        visited = 0
-        while len(keys) < count and waiting:
-            key = popleft()
-            visited += 1
-            copies = waiting[key]
-            if copies == 1:
-                del waiting[key]
-                keys.append(key)
-            else:  # touched since: its later copy is where it belongs
-                waiting[key] = copies - 1
+    def _pop_coldest(self, queue: ColdQueue, count: int) -> list[OffloadKey]:
+        """Take up to ``count`` of the coldest keys out of ``queue``, counting the visit."""
+        keys, visited = queue.pop_coldest(count)
         self.entries_visited += visited
         return keys
 
@@ -470,8 +438,7 @@ class TierStackManager(SingleTierManager):
         """Every ``saved`` tier saved, refused or skipped ``key``: spill it if a victim tier
         has no ``saved`` tier above it keeping the block, else let it go (unless pinned)."""
         if self._first_victim < self._kept.get(key, len(self._tiers)):
-            self._spill[key] = 1
-            self._spill_order.append(key)
+            self._spill.add_new((key,))
             return
         self._kept.pop(key, None)
         if key not in self._holds:
@@ -569,10 +536,8 @@ class TierStackManager(SingleTierManager):
         for queue in self._promote_queue:
             queue.clear()
         self._dirty.clear()
-        self._dirty_order.clear()
         self._demoting.clear()
         self._spill.clear()
-        self._spill_order.clear()
         self._spilling.clear()
         self._kept.clear()
         super().reset_cache()  # clears holds, pending and ready blocks
@@ -586,11 +551,9 @@ class TierStackManager(SingleTierManager):
         while self._dirty or self._demoting or self._spill or self._spilling:
             keys = list(self._dirty)
             self._dirty.clear()
-            self._dirty_order.clear()
             self._demote(keys)
             keys = list(self._spill)
             self._spill.clear()
-            self._spill_order.clear()
             self._submit_spill(keys)
             self._drain()
 

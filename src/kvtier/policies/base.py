@@ -64,6 +64,21 @@ class EvictionPolicy(ABC):
     def insert(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
         """``keys`` became ready in slots ``block_ids`` (same order); none was present."""
 
+    def insert_held(
+        self, keys: Sequence[OffloadKey], block_ids: Sequence[int], held: Collection[OffloadKey]
+    ) -> None:
+        """:meth:`insert`, with the keys of ``keys`` that are in ``held`` held at once.
+
+        A write-back tier's new blocks are held from the moment they are ready (not saved
+        below yet), so a policy that keeps held keys out of its order can skip putting them
+        in it, only to take them out again. ``held`` is a subset of ``keys``; the default
+        inserts, then holds each.
+        """
+        self.insert(keys, block_ids)
+        for key in keys:
+            if key in held:
+                self.hold(key)
+
     @abstractmethod
     def remove(self, key: OffloadKey) -> int | None:
         """Forget ``key`` (held or not); its block id, or ``None`` if it was not present."""

@@ -43,6 +43,13 @@ class LRUPolicy(EvictionPolicy):
         self._index.update(zip(keys, block_ids))
         self._order.update(dict.fromkeys(keys))
 
+    def insert_held(
+        self, keys: Sequence[OffloadKey], block_ids: Sequence[int], held: Collection[OffloadKey]
+    ) -> None:
+        self._index.update(zip(keys, block_ids))
+        if len(held) != len(keys):  # held is a subset of keys: equal sizes mean all of them
+            self._order.update(dict.fromkeys(key for key in keys if key not in held))
+
     def remove(self, key: OffloadKey) -> int | None:
         self._order.pop(key, None)
         return self._index.pop(key, None)
