@@ -31,10 +31,16 @@ def test_kvtier_driver_reaches_the_steady_state_and_every_lookup_hits():
         driver.fill()
         driver.check_steady()
         evictions = driver.manager.stats()["evictions"]
+        lower = driver.lower.stats()
+        assert lower["blocks"] + 2 * manager_stack.STORES >= 2000  # full from the start
         for _ in range(10):
             driver.step()  # raises if a store is refused or a recent block misses
         stats = driver.manager.stats()
         assert stats["ready_blocks"] == 2000 and stats["evictions"] == evictions + 10 * manager_stack.STORES
+        # every block saved below pushes one filler (or older) block out of the full lower tier
+        after = driver.lower.stats()
+        stored, evicted = after["stored"] - lower["stored"], after["evicted"] - lower["evicted"]
+        assert stored >= 10 * manager_stack.STORES and evicted == stored
         assert stats["lookups"] == stats["cpu_hits"] > 0
     finally:
         driver.close()

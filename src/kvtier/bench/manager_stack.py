@@ -6,9 +6,10 @@ and grows the CPU tier (10^4, 10^5, 10^6 blocks by default).
 
 Protocol (the same for kvtier and the baseline, at each size):
 
-* a CPU tier of ``N`` blocks above one in-memory lower tier, filled until full, then run to
-  its steady state (write_back: the manager keeps a quarter of the tier clean by saving the
-  coldest blocks below; every store evicts);
+* a CPU tier of ``N`` blocks above one in-memory lower tier of ``N`` blocks, both filled until
+  full, then run to their steady state (write_back: the manager keeps a quarter of the CPU
+  tier clean by saving the coldest blocks below; every store evicts from the CPU tier, and
+  every block saved evicts one from the lower tier);
 * one step = one request that stores 64 new blocks (``prepare_store`` + ``complete_store``),
   looks up 64 blocks stored a few steps earlier (all CPU hits), loads 16 of them
   (``prepare_load``, ``complete_load``, ``touch``), finishes, and ends the step;
@@ -58,6 +59,8 @@ BLOCK_BYTES = 64
 #: how many steps back the looked-up blocks were stored (well inside the dirty, recent part)
 LOOKBACK_STEPS = 4
 DEFAULT_SIZES = (10_000, 100_000, 1_000_000)
+#: first key number of the blocks that fill the lower tier (never reached by the steps' keys)
+_FILLER_KEYS = 1 << 40
 
 
 def _keys(start: int, count: int) -> list[bytes]:
@@ -123,13 +126,29 @@ class _KvtierDriver(_Driver):
 
         self._context = ReqContext
         backend = MemoryBackend(capacity, BLOCK_BYTES)
-        # As many blocks below as in the CPU tier: it evicts its oldest once full, which the
-        # steps never look up again.
+        # As many blocks below as in the CPU tier, and full from the start (blocks no step
+        # names): every size then runs with the lower tier evicting its oldest for each block
+        # saved. Left to fill through the manager, a tier of 10^4 would be full and evicting
+        # while one of 10^6 was still filling, and the sizes would not run the same step.
         self.lower = MemoryTier("lower", backend.rows, capacity)
+        self._fill_lower(capacity)
         self.manager = TierStackManager(
             backend, LRUPolicy(capacity), [self.lower], CascadeConfig(write_policy="write_back"),
             enable_events=False,
         )
+
+    def _fill_lower(self, count: int) -> None:
+        """Store ``count`` blocks of a key range no step uses straight into the lower tier
+        (before the manager exists, so no job result of its own is taken here)."""
+        from kvtier.tiers.base import TierJob
+
+        batch = 4096
+        for job_id, start in enumerate(range(0, count, batch), start=1):
+            keys = _keys(_FILLER_KEYS + start, min(batch, count - start))
+            self.lower.submit_store(TierJob(job_id, tuple(keys), tuple(range(len(keys)))))
+            for result in self.lower.get_finished_jobs():
+                if result.failed:
+                    raise RuntimeError(f"kvtier: the lower tier refused filler blocks: {result.failed}")
 
     def _store_batch(self, keys: list[bytes]) -> None:
         ctx = self._context("fill")
@@ -164,7 +183,7 @@ class _KvtierDriver(_Driver):
 
     def check_steady(self) -> None:
         stats = self.manager.stats()
-        if stats["ready_blocks"] != self.capacity or stats["evictions"] == 0:
+        if stats["ready_blocks"] != self.capacity or stats["evictions"] == 0 or stats["lower.evicted"] == 0:
             raise RuntimeError(f"kvtier: not at steady state: {stats}")
 
     def close(self) -> None:

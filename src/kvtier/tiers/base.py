@@ -455,8 +455,12 @@ class IndexedTier(SecondaryTier):
         failed: dict[OffloadKey, Failure] = {}
         new_keys: list[OffloadKey] = []
         new_rows: list[int] = []
+        present: set[OffloadKey] = set()  # committed keys of the offer: eviction spares them
         for key, row in zip(job.keys, job.rows):
-            if policy.contains(key) or key in self._writing:
+            if policy.contains(key):
+                ok.append(key)
+                present.add(key)
+            elif key in self._writing:
                 ok.append(key)
             elif limit is not None and len(key) > limit:
                 failed[key] = Failure.KEY_TOO_LONG
@@ -467,7 +471,7 @@ class IndexedTier(SecondaryTier):
         if new_keys:
             room = self.capacity_blocks - len(policy) - len(self._writing) - self._foreign_blocks
             if len(new_keys) > room:
-                victims = self._evict(len(new_keys) - room, set(job.keys))
+                victims = self._evict(len(new_keys) - room, present)
                 room += len(victims)
             room = max(room, 0)
             for key in new_keys[room:]:
@@ -536,15 +540,21 @@ class IndexedTier(SecondaryTier):
         return removed
 
     def _evict(self, count: int, offered: set[OffloadKey]) -> list[OffloadKey]:
-        """Up to ``count`` victims in policy order, sparing keys being read and the offer."""
+        """Up to ``count`` victims in policy order, sparing keys being read and ``offered``
+        (the committed keys of the store's own offer)."""
         policy = self._policy
-        contains = policy.contains
-        protected = sum(1 for key in offered if contains(key))
-        protected += sum(1 for key in self._reading if key not in offered and contains(key))
+        reading = self._reading
+        protected = len(offered)
+        if reading:
+            contains = policy.contains
+            protected += sum(1 for key in reading if key not in offered and contains(key))
         count = min(count, len(policy) - protected)
         if count <= 0:
             return []
-        chosen = policy.evict(count, _Skip(self._reading, offered))
+        if protected:
+            chosen = policy.evict(count, _Skip(reading, offered))
+        else:  # nothing to pass over: the policy pops its coldest without a membership test each
+            chosen = policy.evict(count, ())
         return [key for key, _ in chosen] if chosen else []
 
     def _adopt_blocks(self, listed: list[tuple[OffloadKey, int, int]]) -> None:
