@@ -174,3 +174,25 @@ def test_cli_replay_default_stack_on_a_slice(capsys):
     assert record["mismatched_blocks"] == 0 and record["dropped_blocks"] == 0
     assert 0 < record["hit_ratio"] <= record["ceiling_hit_ratio"] + 1e-9
     assert "cpu_only_hit_ratio" in record
+
+
+def test_replay_reports_each_lower_tiers_admission(tmp_path):
+    """`admit: reuse` on a small stack: the JSON says per tier what was admitted and refused,
+    and its bytes written are the tier's bytes in the table."""
+    import yaml
+
+    from kvtier.replay.run import default_config
+
+    config = default_config(str(tmp_path), BLOCK, "files")
+    config["tiers"][0]["capacity"] = 300 * (BLOCK + 4096)  # a small CPU tier: blocks leave it
+    config["tiers"][1].update(admit="reuse", min_reuse=2, endurance_tbw=600)
+    path = tmp_path / "stack.yaml"
+    path.write_text(yaml.safe_dump(config))
+    record = replay(config=str(path), limit=300, gpu_blocks=200, block_bytes=BLOCK, baseline=False,
+                    progress=False)
+    admission = record["admission"]["disk"]
+    assert admission["refused_blocks"] > 0 and admission["admitted_blocks"] > 0
+    assert admission["bytes_written"] == record["bytes_written"]["disk"] > 0
+    assert admission["bytes_written"] == admission["admitted_blocks"] * BLOCK
+    assert admission["projected_life_days"] > 0
+    assert record["mismatched_blocks"] == 0

@@ -99,6 +99,17 @@ def _tier_bytes(config: KvtierConfig, counts, stats: dict[str, int], block_bytes
     return read, written
 
 
+#: the manager's per-tier admission and wear figures (``manager.stats()``, ``<tier>.<name>``)
+_ADMISSION_FIGURES = ("admitted_blocks", "refused_blocks", "bytes_written", "bytes_read_later",
+                      "write_amplification", "projected_life_days")
+
+
+def _admission(stats: dict[str, int], tier: str) -> dict[str, int | float]:
+    """The admission figures of ``tier`` that its manager reported (a ratio with nothing to
+    divide by yet is absent)."""
+    return {name: stats[f"{tier}.{name}"] for name in _ADMISSION_FIGURES if f"{tier}.{name}" in stats}
+
+
 def replay(
     trace: str | None = None,
     config: str | None = None,
@@ -182,6 +193,8 @@ def replay(
         "block_bytes": block_bytes,
         "device": device,
         "tiers": [f"{tier.name}:{tier.kind}" for tier in parsed.tiers],
+        # per lower tier: what its admission let through and what the writes bought
+        "admission": {name: _admission(stats, name) for name in lower},
     }
     if cpu_only is not None:
         record["cpu_only_hit_ratio"] = sum(cpu_only.hits.values()) / cpu_only.block_refs
