@@ -884,3 +884,12 @@ def test_kind_sections_live_beside_their_tiers_and_old_names_still_work() -> Non
     assert "path" not in {f.name for f in dataclasses.fields(kvtier.TierConfig)}  # kinds own it
     with pytest.raises(AttributeError):
         config_module.NoSuchTierConfig  # noqa: B018
+
+
+def test_disk_tier_io_threads() -> None:
+    base = "tiers:\n- {kind: cpu, capacity: 1GiB}\n- {kind: lmdb, capacity: 1GiB, path: /x"
+    assert load_config(base + "}\n").tiers[1].threads == 16
+    assert load_config(base + ", threads: 4}\n").tiers[1].threads == 4
+    for bad in (0, 1000, "many"):
+        error = raises_config_error(base + f", threads: {bad}}}\n", "tiers[1].threads", bad)
+        assert error.fix

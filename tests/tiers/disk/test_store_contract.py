@@ -377,3 +377,18 @@ def test_o_direct_refused_at_run_time_falls_back_once(kind, tmp_path, shm, monke
     assert all(holds(shm.rows, 20 + i, k) for i, k in enumerate(keys))
     assert tier.check().healthy
     tier.close()
+
+
+def test_io_threads_come_from_the_tier_section(kind, tmp_path, shm):
+    from store_helpers import config
+
+    cfg = config(kind, tmp_path / "s", 16, shm.rows.shape[1], threads=3)
+    tier = open_store(cfg, shm.rows, fingerprint(shm.rows.shape[1]))
+    try:
+        assert tier._threads == 3
+        keys = [key(i) for i in range(6)]
+        assert store(tier, shm.rows, keys).ok == keys
+        result = load(tier, shm.rows, keys, first_row=32)
+        assert result.ok == keys and all(holds(shm.rows, 32 + i, k) for i, k in enumerate(keys))
+    finally:
+        tier.close()

@@ -44,7 +44,7 @@ from kvtier.tiers.base import CheckReport, Failure, FailureKind, IndexedTier, Ti
 from kvtier.tiers.disk.blockio import BlockIO, RowIO
 from kvtier.tiers.disk.config import FSYNC_CHOICES, O_DIRECT_CHOICES, DiskTierConfig
 from kvtier.tiers.disk.format import LayoutFingerprint, on_disk_block_bytes
-from kvtier.tiers.disk.mover import DEFAULT_THREADS, Mover, MoverJob
+from kvtier.tiers.disk.mover import Mover, MoverJob
 from kvtier.tiers.disk.store import (
     StoreLocks,
     claim_path,
@@ -139,7 +139,7 @@ class DiskTier(IndexedTier):
             direct, fallback = decide_direct(config, directory, rowio, field)
             tier = cls(
                 config, rowio, fingerprint, capacity_blocks, directory, field, policy_class,
-                threads if threads is not None else DEFAULT_THREADS, direct,
+                threads if threads is not None else config.threads, direct,
             )
             if fallback is not None:
                 tier._io.fall_back(fallback)

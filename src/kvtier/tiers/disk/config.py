@@ -1,6 +1,7 @@
 """The disk kinds' configuration section (``lmdb``, ``files``): a store directory on local disk.
 
-Only this module names the section's own keys (``path``, ``o_direct``, ``fsync``) and their
+Only this module names the section's own keys (``path``, ``o_direct``, ``fsync``, ``threads``,
+the admission keys) and their
 defaults and errors; the common keys are :class:`kvtier.config.TierConfig`'s. Both kinds share
 the section; :data:`DISK_MEDIA` says which tier class serves each.
 """
@@ -16,6 +17,7 @@ from kvtier.errors import ConfigError
 from kvtier.policies.admission import ADMIT_MODES
 from kvtier.registry import Registry
 from kvtier.tiers.base import SecondaryTier
+from kvtier.tiers.disk.mover import DEFAULT_THREADS
 
 __all__ = ["DISK_MEDIA", "FSYNC_CHOICES", "O_DIRECT_CHOICES", "DiskTierConfig"]
 
@@ -24,6 +26,8 @@ __all__ = ["DISK_MEDIA", "FSYNC_CHOICES", "O_DIRECT_CHOICES", "DiskTierConfig"]
 O_DIRECT_CHOICES = ("auto", "on", "off")
 #: ``fsync`` values: none (leave it to the OS), batch (once per job), always (each block)
 FSYNC_CHOICES = ("none", "batch", "always")
+#: more I/O threads than this only queue in the kernel (an NVMe drive saturates with 16-64)
+MAX_THREADS = 256
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,8 @@ class DiskTierConfig(TierConfig):
     # when to fsync: none (leave it to the OS), batch (once per batch of blocks), always
     # (each block)
     fsync: str = "batch"
+    # I/O threads moving this tier's blocks (each job's blocks are spread over them)
+    threads: int = DEFAULT_THREADS
     # which blocks are written here: all, or reuse (only once offered or looked up
     # min_reuse times, so one-off blocks never wear the drive)
     admit: str = "all"
@@ -63,6 +69,14 @@ class DiskTierConfig(TierConfig):
             )
         if "fsync" in section:
             options["fsync"] = parse_choice(section["fsync"], f"{field}.fsync", FSYNC_CHOICES)
+        if "threads" in section:
+            threads = positive_int(section["threads"], f"{field}.threads")
+            if threads > MAX_THREADS:
+                raise ConfigError(
+                    f"{field}.threads", threads, f"at most {MAX_THREADS} I/O threads",
+                    f"{DEFAULT_THREADS} (the default) saturates a local NVMe drive",
+                )
+            options["threads"] = threads
         if "admit" in section:
             options["admit"] = parse_choice(section["admit"], f"{field}.admit", ADMIT_MODES)
         if "min_reuse" in section:
@@ -85,7 +99,7 @@ class DiskTierConfig(TierConfig):
 
     def open_lower(self, rows: Any, fingerprint: Any, *, field: str, **options: Any) -> SecondaryTier:
         """Open the store at ``path`` (see :meth:`kvtier.tiers.disk.base.DiskTier.open`;
-        ``options``: ``threads``, the mover's I/O threads)."""
+        ``options``: ``threads``, to override the section's I/O threads)."""
         cls = DISK_MEDIA.resolve(self.kind, field=f"{field}.kind")
         return cls.open(self, rows, fingerprint, field=field, **options)
 
