@@ -269,3 +269,33 @@ def test_an_unreachable_server_at_open_is_an_outage_not_an_error(server_binary, 
         assert tier.lookup(key(1)) is False
     finally:
         tier.close()
+
+
+def test_wait_loads_returns_while_a_store_waits_on_paused_writes(valkey_server):
+    """A reader waits for its loads only: the server pauses writes (CLIENT PAUSE WRITE, reads
+    still served), a store is stuck behind it, a load of stored keys completes meanwhile."""
+    rows = np.zeros((16, BLOCK_BYTES), dtype=np.uint8)
+    tier = open_tier(valkey_server.url, rows, timeout_s=30.0)
+    admin = valkey_server.client()
+    try:
+        stored = [key(i) for i in range(4)]
+        assert store(tier, stored, rows).success
+        admin.execute_command("CLIENT", "PAUSE", 20_000, "WRITE")
+        try:
+            later = [key(i) for i in range(10, 14)]
+            for index, k in enumerate(later):
+                rows[8 + index] = payload(k, BLOCK_BYTES)
+            tier.submit_store(TierJob(5, tuple(later), tuple(range(8, 12))))
+            rows[:4] = 0
+            tier.submit_load(TierJob(6, tuple(stored), (0, 1, 2, 3)))
+            tier.wait_loads()
+            results = {result.job_id: result for result in tier.get_finished_jobs()}
+            assert 5 not in results and tier.has_pending_work()  # the store is still waiting
+            assert sorted(results[6].ok) == sorted(stored)
+            assert all(np.array_equal(rows[i], payload(k, BLOCK_BYTES)) for i, k in enumerate(stored))
+        finally:
+            admin.execute_command("CLIENT", "UNPAUSE")
+        (result,) = finish(tier)
+        assert result.job_id == 5 and sorted(result.ok) == sorted(later)
+    finally:
+        tier.close()

@@ -132,6 +132,7 @@ class ValkeyTier(SecondaryTier):
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{config.name}-r")
         self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{config.name}-c")
         self._futures: set[Future] = set()
+        self._load_futures: set[Future] = set()  # of those, the loads (what wait_loads waits for)
 
         # scheduler-thread state
         self._present: OrderedDict[OffloadKey, None] = OrderedDict()
@@ -352,10 +353,11 @@ class ValkeyTier(SecondaryTier):
 
     # -- jobs ------------------------------------------------------------------------------------
 
-    def _submit(self, pool: ThreadPoolExecutor, fn, *args) -> None:
+    def _submit(self, pool: ThreadPoolExecutor, fn, *args) -> Future:
         future = pool.submit(fn, *args)
         self._futures.add(future)
         future.add_done_callback(self._futures.discard)
+        return future
 
     def submit_store(self, job: TierJob) -> None:
         self._jobs[job.job_id] = time.perf_counter()
@@ -393,7 +395,9 @@ class ValkeyTier(SecondaryTier):
             for key in job.keys:
                 if key not in staged:
                     result.failed[key] = UNAVAILABLE
-        self._submit(self._reader, self._run_load, result, list(zip(job.keys, job.rows)), staged)
+        future = self._submit(self._reader, self._run_load, result, list(zip(job.keys, job.rows)), staged)
+        self._load_futures.add(future)
+        future.add_done_callback(self._load_futures.discard)
 
     def get_finished_jobs(self) -> list[TierJobResult]:
         self._fold()
@@ -403,6 +407,12 @@ class ValkeyTier(SecondaryTier):
     def drain_jobs(self) -> None:
         while self._futures:
             wait(list(self._futures))
+
+    def wait_loads(self) -> None:
+        # Loads run on their own pool and connections: a store stuck behind a slow or paused
+        # write does not hold them up, nor does this wait for it.
+        while self._load_futures:
+            wait(list(self._load_futures))
 
     def has_pending_work(self) -> bool:
         return bool(self._jobs)
