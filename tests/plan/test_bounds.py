@@ -1,0 +1,149 @@
+"""kvtier plan's bounds: the reuse oracle, oracle disk admission, and the reuse signals."""
+
+import json
+
+import pytest
+
+from kvtier.cli.main import main
+from kvtier.errors import ConfigError
+from kvtier.plan.admission import simulate_admission
+from kvtier.plan.belady import belady
+from kvtier.plan.oracle import last_reference, reuse_oracle
+from kvtier.plan.run import plan
+from kvtier.plan.signals import reuse_signals
+from kvtier.plan.simulate import simulate
+from kvtier.plan.synthetic import write_synthetic_trace
+from kvtier.policies import get_policy_class, registered_policies
+from kvtier.policies.admission import AdmissionFilter
+from kvtier.replay.trace import bundled_trace_path, ceiling_hit_ratio, load_trace
+
+
+def _chains(path):
+    return [request.hash_ids for request in load_trace(path)]
+
+
+def test_reuse_oracle_by_hand():
+    # Capacity 2. Storing 3, then 4, needs a slot each; only 1, 2 come back (request 3).
+    chains = [(1, 2), (3,), (4,), (1, 2)]
+    chain = get_policy_class("chain")
+    # chain drops its probation tail first: 2 for 3, then 1 for 4: the last request misses.
+    assert simulate(chains, chain(2), 2).hits == 0
+    assert simulate(chains, get_policy_class("lru")(2), 2).hits == 0
+    # The oracle makes room for 3 the same way (nothing is dead yet: 1 and 2 come back), so 2
+    # goes; before request 2, 3 is dead (never named again) and leaves instead of 1: 1 hits.
+    assert reuse_oracle(chains, chain, 2).hits == 1
+    # Belady also knows *when*: it never stores 3 or 4, and hits both 1 and 2.
+    assert belady(chains, 2).hits == 2
+    assert last_reference(chains) == {1: 3, 2: 3, 3: 1, 4: 2}
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    synthetic = write_synthetic_trace(tmp_path_factory.mktemp("syn") / "s.jsonl", requests=3000)
+    return {"bundled": (bundled_trace_path(), (2000, 10000)), "synthetic": (synthetic, (250, 1000))}
+
+
+@pytest.mark.parametrize("trace", ["bundled", "synthetic"])
+def test_reuse_oracle_between_every_policy_and_belady(traces, trace):
+    path, capacities = traces[trace]
+    chains = _chains(path)
+    ceiling, refs = ceiling_hit_ratio(load_trace(path))
+    for capacity in capacities:
+        bound = reuse_oracle(chains, get_policy_class("chain"), capacity)
+        assert bound.refs == refs
+        policies = {name: simulate(chains, get_policy_class(name)(capacity), capacity).hits
+                    for name in registered_policies()}
+        assert bound.hits >= max(policies.values()), (capacity, bound.hits, policies)
+        opt = belady(chains, capacity).hits
+        assert bound.hits <= opt and bound.hit_ratio <= ceiling + 1e-12
+        # The bound is not the policy again: knowing reuse gains something at these sizes.
+        assert bound.hits > policies["chain"]
+
+
+def test_admission_by_hand():
+    # CPU tier of 1 block over an unbounded disk: 1, then 2, then 1 again.
+    chains = [(1,), (2,), (1,)]
+    lru = get_policy_class("lru")
+    every = simulate_admission(chains, lru(1), 1)
+    # 1 is written when 2 pushes it out, read back for request 2 (a hit), which pushes 2 out:
+    # 2 is written too, though no request names it again — the write an oracle skips.
+    assert (every.hits, every.writes, every.reads, every.needless_writes) == (1, 2, 1, 1)
+    reuse = simulate_admission(chains, lru(1), 1, AdmissionFilter("reuse", 2))
+    # Seen once when each leaves the CPU tier: both refused, so request 2 misses.
+    assert (reuse.hits, reuse.writes, reuse.refused) == (0, 0, 2)
+
+
+class _OracleAdmission:
+    """Admits a block only if a later request names it: the oracle the planner's share means.
+    It learns the current request from ``record``, called once per block of each request."""
+
+    def __init__(self, chains):
+        self._request_of_ref = [index for index, chain in enumerate(chains) for _ in chain]
+        self._last = last_reference(chains)
+        self._refs = 0
+
+    def record(self, key):
+        self._refs += 1
+
+    def admit(self, key):
+        return self._last[key] > self._request_of_ref[self._refs - 1]
+
+
+@pytest.mark.parametrize("trace", ["bundled", "synthetic"])
+def test_oracle_share_is_refused_at_no_hit_loss_and_reuse_loses(traces, trace):
+    path, capacities = traces[trace]
+    chains = _chains(path)
+    lru = get_policy_class("lru")
+    capacity = capacities[0]
+    every = simulate_admission(chains, lru(capacity), capacity)
+    ceiling, _ = ceiling_hit_ratio(load_trace(path))
+    assert every.hit_ratio == pytest.approx(ceiling)  # the disk never evicts
+    assert 0 < every.needless_writes < every.writes
+    oracle = simulate_admission(chains, lru(capacity), capacity, _OracleAdmission(chains))
+    assert oracle.hits == every.hits
+    assert oracle.writes == every.writes - every.needless_writes
+    reuse = simulate_admission(chains, lru(capacity), capacity, AdmissionFilter("reuse", 2))
+    assert reuse.writes < every.writes and reuse.hits < every.hits
+
+
+def test_signals_by_hand():
+    # 1, 2, 3; then 1, 2 (a prefix hit) and a new 4; then a new 5. Only 1 and 2 come back.
+    signals = reuse_signals([(1, 2, 3), (1, 2, 4), (5,)])
+    assert signals["new"] == {"refs": 5, "p_again": 0.4}
+    assert signals["seen_before"] == {"refs": 2, "p_again": 0.0}
+    assert signals["new_last_block"] == {"refs": 3, "p_again": 0.0}
+    assert signals["new_body_block"] == {"refs": 2, "p_again": 1.0}
+    assert signals["new_after_prefix_hit"] == {"refs": 1, "p_again": 0.0}
+    assert signals["new_without_prefix_hit"] == {"refs": 4, "p_again": 0.5}
+    assert signals["all"] == {"refs": 7, "p_again": round(2 / 7, 3)}
+    # 1 and 2 come back one request and three block references later
+    assert signals["reuse_distance_median"] == {"requests": 1, "block_refs": 3}
+    assert signals["first_reuse_distance_median"] == {"requests": 1, "block_refs": 3}
+
+
+def test_plan_json_has_the_bounds_and_keeps_its_keys(tmp_path, capsys):
+    chains = [(1, 2, 3), (5,), (1, 2, 3), (6, 7), (1, 2, 8)] * 4
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"timestamp": i, "input_length": 512 * len(c), "output_length": 1,
+                                           "hash_ids": list(c)}) for i, c in enumerate(chains)))
+    assert main(["plan", str(trace), "--capacities", "3", "6", "--policies", "lru", "chain",
+                 "--signals", "--min-reuse", "3", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("capacities", "hit_ratio", "opt", "ceiling", "recommend", "refs_per_s"):
+        assert key in record
+    assert record["reuse_oracle"] == [round(reuse_oracle(chains, get_policy_class("chain"), c).hit_ratio, 4)
+                                      for c in (3, 6)]
+    admission = record["admission"]
+    assert admission["min_reuse"] == 3 and admission["cpu_policy"] == "lru"
+    every = simulate_admission(chains, get_policy_class("lru")(3), 3)
+    assert admission["writes_all"][0] == every.writes
+    assert admission["oracle_refusable"][0] == round(every.needless_writes / every.writes, 4)
+    assert record["signals"] == reuse_signals(chains)
+    assert "signals" not in plan(trace, [3], ["lru"])
+
+
+def test_bad_admission_arguments_name_the_flag():
+    with pytest.raises(ConfigError, match="--admission-policy"):
+        plan(None, [10], ["lru"], admission_policy="mru")
+    with pytest.raises(ConfigError, match="min_reuse"):
+        plan(None, [10], ["lru"], min_reuse=0)
