@@ -48,12 +48,15 @@ def simulate_admission(
     CPU tier (already on disk or not: the run is broken). A block leaving the CPU tier is
     written to disk unless it is there already or ``admission`` refuses it (``None``: every
     block is taken, ``admit: all``). As in the manager, the filter counts a key when it is
-    stored (offered) and when it is hit (so every block a request names counts once), and decides when the block would be
-    written: here when the CPU tier evicts it, which is ``write_back`` with the write coming
-    last (the manager writes the coldest dirty blocks a little ahead of their eviction).
+    stored (offered) and when it is hit (so every block a request names counts once), and
+    decides when the block would be written: here when the CPU tier evicts it, which is
+    ``write_back`` with the write coming last (the manager writes the coldest dirty blocks a
+    little ahead of their eviction). Blocks still in the CPU tier when the trace ends are not
+    written (a CPU tier larger than the trace writes nothing).
 
     With a disk that never evicts, ``admit: all`` serves the unbounded ceiling; what a filter
-    refuses and is wanted again shows up as lost hits.
+    refuses and is wanted again shows up as lost hits. Cost: the policy's per block, plus O(1)
+    per block reference.
     """
     last = last_reference(chains)
     contains, touch, insert, evict = policy.contains, policy.touch, policy.insert, policy.evict_unheld
