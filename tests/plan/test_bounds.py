@@ -122,6 +122,12 @@ def test_signals_by_hand():
     # 1 and 2 come back one request and three block references later
     assert signals["reuse_distance_median"] == {"requests": 1, "block_refs": 3}
     assert signals["first_reuse_distance_median"] == {"requests": 1, "block_refs": 3}
+    # Blocks are stored at refs 0, 1, 2 (1, 2, 3), 5 (4) and 6 (5), of 7; 1 and 2 come back 3
+    # refs later. Age 0-2: 4 blocks end the bucket inside the trace (not 5), none reused in it.
+    # Age 2-4: 1, 2, 3 (4 would end past the trace); 1 and 2 reused: 2 of 3 in 2 refs.
+    by_age = reuse_signals([(1, 2, 3), (1, 2, 4), (5,)], age_edges=(0, 2, 4))["first_reuse_by_age"]
+    assert by_age == [{"age_refs": [0, 2], "blocks": 4, "p_per_1k_refs": 0.0},
+                      {"age_refs": [2, 4], "blocks": 3, "p_per_1k_refs": round(1000 * 2 / 3 / 2, 4)}]
 
 
 def test_plan_json_has_the_bounds_and_keeps_its_keys(tmp_path, capsys):

@@ -195,6 +195,11 @@ def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None
         for kind in ("reuse_distance_median", "first_reuse_distance_median"):
             print(f"{kind}: {signals[kind]['requests']} requests, {signals[kind]['block_refs']} block refs",
                   file=out)
+        print("first reuse by age (refs since stored): chance per 1,000 refs, of blocks not reused yet",
+              file=out)
+        print_table([{"age_refs": "-".join(map(str, row["age_refs"])), "blocks": row["blocks"],
+                      "p_per_1k_refs": row["p_per_1k_refs"]} for row in signals["first_reuse_by_age"]],
+                    ["age_refs", "blocks", "p_per_1k_refs"], out)
     rec = record["recommend"]
     for tier, share, key in (("CPU tier ", "cpu_target", "cpu"), ("disk tier", "target", "disk")):
         blocks = rec[f"{key}_blocks"]

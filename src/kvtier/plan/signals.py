@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from statistics import median
 from typing import Any
 
-__all__ = ["SIGNALS", "reuse_signals"]
+__all__ = ["AGE_EDGES", "SIGNALS", "reuse_signals"]
 
 #: the signals reported, in order, with what each one selects (block references)
 SIGNALS = {
@@ -18,13 +18,21 @@ SIGNALS = {
     "new_without_prefix_hit": "new, in a request whose first block is new too",
 }
 
+#: age buckets (block references since a block was stored) of the first-reuse hazard
+AGE_EDGES = (0, 1000, 2000, 4000, 8000, 16000, 32000, 64000)
 
-def reuse_signals(chains: Sequence[Sequence[int]]) -> dict[str, Any]:
+
+def reuse_signals(chains: Sequence[Sequence[int]], age_edges: Sequence[int] = AGE_EDGES) -> dict[str, Any]:
     """For each of :data:`SIGNALS`: how many block references it selects and the share of them
     referenced again later (``p_again``); plus how far apart references to a block come, in
     requests and in block references (medians): between any two in a row
     (``reuse_distance_median``), and between a block's first and second reference
     (``first_reuse_distance_median``, the wait a new block must survive to earn its first hit).
+    ``first_reuse_by_age`` is the age signal: for each bucket of ``age_edges``, the chance
+    per 1,000 block references that a block not referenced again yet is referenced in that
+    bucket (blocks whose bucket ends past the trace's end are left out: their future is not
+    seen). Flat means an unproven block's age tells nothing — no recency order helps;
+    falling means young blocks are the likelier ones, which is what LRU bets on.
 
     All of these are known online when a request's blocks are stored, except whether the block
     is referenced again — the outcome each signal is meant to predict. A signal whose
@@ -40,6 +48,8 @@ def reuse_signals(chains: Sequence[Sequence[int]]) -> dict[str, Any]:
     counts = {name: [0, 0] for name in SIGNALS}  # name -> [references, referenced again]
     last_seen: dict[int, tuple[int, int]] = {}  # block -> (request index, block refs before it)
     first_seen: set[int] = set()  # blocks referenced exactly once so far
+    stored_at: dict[int, int] = {}  # block -> block refs before its first reference
+    first_gap: dict[int, int] = {}  # block -> block refs from its first to its second reference
     distances: dict[str, tuple[list[int], list[int]]] = {  # (in requests, in block refs)
         "reuse_distance_median": ([], []), "first_reuse_distance_median": ([], [])}
     refs = 0
@@ -57,9 +67,12 @@ def reuse_signals(chains: Sequence[Sequence[int]]) -> dict[str, Any]:
                     if kind == "reuse_distance_median" or block in first_seen:
                         distances[kind][0].append(index - seen[0])
                         distances[kind][1].append(refs - seen[1])
+                if block in first_seen:
+                    first_gap[block] = refs - seen[1]
                 first_seen.discard(block)
             if seen is None:
                 first_seen.add(block)
+                stored_at[block] = refs
             for name in names:
                 counts[name][0] += 1
                 counts[name][1] += again[index][position]
@@ -74,4 +87,25 @@ def reuse_signals(chains: Sequence[Sequence[int]]) -> dict[str, Any]:
     for kind, (in_requests, in_refs) in distances.items():
         signals[kind] = {"requests": median(in_requests) if in_requests else None,
                          "block_refs": median(in_refs) if in_refs else None}
+    signals["first_reuse_by_age"] = _hazard(stored_at, first_gap, refs, age_edges)
     return signals
+
+
+def _hazard(stored_at: dict[int, int], first_gap: dict[int, int], refs: int,
+            edges: Sequence[int]) -> list[dict[str, Any]]:
+    """Per age bucket: of the blocks unreferenced at its start whose bucket ends inside the
+    trace, the share first referenced again within it, per 1,000 block references."""
+    rows = []
+    for low, high in zip(edges, edges[1:]):
+        at_risk = reused = 0
+        for block, start in stored_at.items():
+            if start + high > refs:
+                continue
+            gap = first_gap.get(block)
+            if gap is not None and gap < low:
+                continue
+            at_risk += 1
+            reused += gap is not None and gap < high
+        rows.append({"age_refs": [low, high], "blocks": at_risk,
+                     "p_per_1k_refs": round(1000 * reused / at_risk / (high - low), 4) if at_risk else None})
+    return rows
