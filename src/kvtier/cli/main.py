@@ -366,7 +366,9 @@ def _add_plan(commands: Any) -> None:
         description="Simulate a Mooncake-format trace (default: the bundled one) through one pooled "
         "cache at many sizes, bookkeeping only, with the policies the managers use; print the "
         "prefix-hit-ratio table, Belady's offline optimum and the unbounded ceiling, and the "
-        "smallest CPU and disk tier sizes reaching the targets.",
+        "smallest CPU and disk tier sizes reaching the targets. Two bounds from the trace's future "
+        "show what is left to gain: reuse_oracle (the policies told which blocks never come back) "
+        "and the disk-admission table (writes an oracle could skip at no loss vs admit: reuse).",
     )
     plan.add_argument("trace", nargs="?", metavar="TRACE", help="JSONL trace (default: bundled Mooncake trace)")
     plan.add_argument("--capacities", type=int, nargs="+", default=list(DEFAULT_CAPACITIES), metavar="N",
