@@ -93,6 +93,9 @@ def _plan(args: argparse.Namespace) -> int:
             block_bytes=args.block_bytes,
             plot=args.plot,
             out=out,
+            admission_policy=args.admission_policy,
+            min_reuse=args.min_reuse,
+            signals=args.signals,
         ))
     except KvtierError as exc:
         print(f"kvtier plan: {exc}", file=sys.stderr)
@@ -363,7 +366,9 @@ def _add_plan(commands: Any) -> None:
         description="Simulate a Mooncake-format trace (default: the bundled one) through one pooled "
         "cache at many sizes, bookkeeping only, with the policies the managers use; print the "
         "prefix-hit-ratio table, Belady's offline optimum and the unbounded ceiling, and the "
-        "smallest CPU and disk tier sizes reaching the targets.",
+        "smallest CPU and disk tier sizes reaching the targets. Two bounds from the trace's future "
+        "show what is left to gain: reuse_oracle (the policies told which blocks never come back) "
+        "and the disk-admission table (writes an oracle could skip at no loss vs admit: reuse).",
     )
     plan.add_argument("trace", nargs="?", metavar="TRACE", help="JSONL trace (default: bundled Mooncake trace)")
     plan.add_argument("--capacities", type=int, nargs="+", default=list(DEFAULT_CAPACITIES), metavar="N",
@@ -376,6 +381,12 @@ def _add_plan(commands: Any) -> None:
     plan.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES,
                       help="bytes per block, for sizes in bytes (default %(default)s: 512 tokens of Llama-3-8B fp16)")
     plan.add_argument("--plot", metavar="FILE.png", help="draw the hit-ratio curves, Belady's and the ceiling")
+    plan.add_argument("--admission-policy", default="lru", metavar="NAME",
+                      help="CPU tier policy of the disk-admission table (default: lru)")
+    plan.add_argument("--min-reuse", type=int, default=2, metavar="N",
+                      help="admit: reuse threshold compared in the disk-admission table (default: 2)")
+    plan.add_argument("--signals", action="store_true",
+                      help="also report P(referenced again) by what a policy knows at store time")
     plan.add_argument("--json", action="store_true", help="print only the JSON line")
     plan.set_defaults(func=_plan)
 

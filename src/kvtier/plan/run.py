@@ -8,8 +8,12 @@ from typing import Any, TextIO
 
 from kvtier.bench.report import print_json, print_table
 from kvtier.errors import ConfigError
+from kvtier.plan.admission import simulate_admission
 from kvtier.plan.belady import belady
+from kvtier.plan.oracle import reuse_oracle
+from kvtier.plan.signals import SIGNALS, reuse_signals
 from kvtier.plan.simulate import simulate
+from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies import get_policy_class, registered_policies
 from kvtier.replay.trace import bundled_trace_path, ceiling_hit_ratio, load_trace
 
@@ -28,7 +32,9 @@ def smallest_reaching(capacities: Sequence[int], ratios: Sequence[float], goal: 
     return min(reaching) if reaching else None
 
 
-def _check(capacities: Sequence[int], policies: Sequence[str], target: float, cpu_target: float) -> None:
+def _check(capacities: Sequence[int], policies: Sequence[str], target: float, cpu_target: float,
+           admission_policy: str) -> None:
+    get_policy_class(admission_policy, field="--admission-policy")
     if not capacities or any(c < 1 for c in capacities):
         raise ConfigError("--capacities", list(capacities), "one or more positive block counts",
                           "give sizes in blocks, e.g. --capacities 1000 5000 20000")
@@ -48,11 +54,23 @@ def plan(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     plot: str | None = None,
     out: TextIO | None = None,
+    admission_policy: str = "lru",
+    min_reuse: int = 2,
+    signals: bool = False,
 ) -> dict[str, Any]:
     """Hit ratio per policy and size, Belady's bound, the ceiling, and tier sizes; the JSON record.
 
     Each policy is the class the managers use (from the policy registry), driven through
-    :func:`~kvtier.plan.simulate.simulate`. Recommendations use the best policy at each size:
+    :func:`~kvtier.plan.simulate.simulate`. Two bounds say what is left to gain:
+    ``reuse_oracle`` is the best of the simulated policies each told which blocks are never
+    referenced again (:mod:`kvtier.plan.oracle`: a perfect reuse predictor that knows
+    nothing of *when*; the best, because the order among the blocks that do come back still
+    matters at small sizes, and telling one policy can even cost it a little there), and
+    ``admission`` compares, with a CPU tier of each size ordered by ``admission_policy`` over
+    a disk larger than the trace (:mod:`kvtier.plan.admission`), the disk writes an oracle
+    admission could skip without losing a hit with what ``admit: reuse`` at ``min_reuse``
+    skips and loses. ``signals`` adds :func:`~kvtier.plan.signals.reuse_signals`: how well
+    what a policy knows at store time predicts reuse. Recommendations use the best policy at each size:
     the disk tier (which holds everything the stack keeps) is the smallest size reaching
     ``target`` of the ceiling; the CPU tier is the smallest reaching ``cpu_target`` of it (the
     hot part, served without a disk read). ``None`` means no simulated size reaches it:
@@ -60,21 +78,27 @@ def plan(
     """
     policies = list(policies or registered_policies())
     capacities = sorted(set(capacities))
-    _check(capacities, policies, target, cpu_target)
+    _check(capacities, policies, target, cpu_target, admission_policy)
+    AdmissionFilter("reuse", min_reuse)  # a bad min_reuse fails here, named
     path = Path(trace) if trace else bundled_trace_path()
     chains = [request.hash_ids for request in load_trace(path)]
     ceiling, refs = ceiling_hit_ratio(load_trace(path))
 
     hit_ratio: dict[str, list[float]] = {}
+    told: dict[str, list[float]] = {}  # policy -> its reuse-oracle hit ratio per capacity
     seconds: dict[str, float] = {}
     for name in policies:
         cls = get_policy_class(name, field="--policies")
         results = [simulate(chains, cls(c), c) for c in capacities]
         hit_ratio[name] = [round(r.hit_ratio, 4) for r in results]
         seconds[name] = sum(r.seconds for r in results)
+        told[name] = [round(reuse_oracle(chains, cls, c).hit_ratio, 4) for c in capacities]
     opt_results = [belady(chains, c) for c in capacities]
     opt = [round(r.hit_ratio, 4) for r in opt_results]
     opt_s = sum(r.seconds for r in opt_results)
+    oracle_policy = [max(policies, key=lambda name: told[name][i]) for i in range(len(capacities))]
+    reuse_bound = [told[name][i] for i, name in enumerate(oracle_policy)]
+    admission = _admission(chains, capacities, admission_policy, min_reuse)
 
     best = [max(hit_ratio[name][i] for name in policies) for i in range(len(capacities))]
     best_policy = [max(policies, key=lambda name: hit_ratio[name][i]) for i in range(len(capacities))]
@@ -102,12 +126,40 @@ def plan(
         },
         "refs_per_s": {name: round(sim_refs / max(seconds[name], 1e-9)) for name in policies},
         "opt_refs_per_s": round(sim_refs / max(opt_s, 1e-9)),
+        "reuse_oracle": reuse_bound,
+        "reuse_oracle_policy": oracle_policy,
+        "admission": admission,
     }
+    if signals:
+        record["signals"] = reuse_signals(chains)
     if out is not None:
         _print(record, policies, out)
     if plot:
         _plot(record, policies, plot)
     return record
+
+
+def _admission(chains: Sequence[Sequence[int]], capacities: Sequence[int], policy: str,
+               min_reuse: int) -> dict[str, Any]:
+    """Per CPU size: disk writes with ``admit: all``, the share of them an oracle could refuse
+    at no loss, and what ``admit: reuse`` cuts and costs."""
+    cls = get_policy_class(policy)
+    rows: dict[str, list[Any]] = {key: [] for key in (
+        "writes_all", "reads_all", "hit_ratio_all", "oracle_refusable", "writes_reuse",
+        "reuse_writes_cut", "hit_ratio_reuse", "reuse_hit_loss")}
+    for capacity in capacities:
+        every = simulate_admission(chains, cls(capacity), capacity)
+        reuse = simulate_admission(chains, cls(capacity), capacity, AdmissionFilter("reuse", min_reuse))
+        rows["writes_all"].append(every.writes)
+        rows["reads_all"].append(every.reads)
+        rows["hit_ratio_all"].append(round(every.hit_ratio, 4))
+        rows["oracle_refusable"].append(round(every.needless_writes / every.writes, 4) if every.writes else 0.0)
+        rows["writes_reuse"].append(reuse.writes)
+        rows["reuse_writes_cut"].append(round(1 - reuse.writes / every.writes, 4) if every.writes else 0.0)
+        rows["hit_ratio_reuse"].append(round(reuse.hit_ratio, 4))
+        rows["reuse_hit_loss"].append(
+            round(1 - reuse.hit_ratio / every.hit_ratio, 4) if every.hit_ratio else 0.0)
+    return {"cpu_policy": policy, "min_reuse": min_reuse, **rows}
 
 
 def _gib(nbytes: int) -> str:
@@ -119,12 +171,35 @@ def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None
     for i, capacity in enumerate(record["capacities"]):
         row: dict[str, Any] = {"blocks": capacity}
         row.update({name: record["hit_ratio"][name][i] for name in policies})
+        row["reuse_oracle"] = record["reuse_oracle"][i]
         row["opt"] = record["opt"][i]
         row["ceiling"] = record["ceiling"]
         rows.append(row)
     print(f"{record['trace']}: {record['requests']} requests, {record['block_refs']} block refs "
           "(prefix hits, one pooled cache)", file=out)
-    print_table(rows, ["blocks", *policies, "opt", "ceiling"], out)
+    print_table(rows, ["blocks", *policies, "reuse_oracle", "opt", "ceiling"], out)
+    print("reuse_oracle: the best of these policies evicting first the blocks never referenced "
+          f"again (knows whether, not when): {record['reuse_oracle_policy']}", file=out)
+    adm = record["admission"]
+    columns = ["writes_all", "oracle_refusable", "writes_reuse", "reuse_writes_cut", "hit_ratio_all",
+               "hit_ratio_reuse", "reuse_hit_loss"]
+    print(f"disk admission: CPU tier of N blocks ({adm['cpu_policy']}) over an unbounded disk; "
+          f"admit: all vs an oracle vs admit: reuse, min_reuse {adm['min_reuse']}", file=out)
+    print_table([{"cpu_blocks": capacity, **{key: adm[key][i] for key in columns}}
+                 for i, capacity in enumerate(record["capacities"])], ["cpu_blocks", *columns], out)
+    if "signals" in record:
+        signals = record["signals"]
+        print("P(referenced again) by what is known when a block is stored:", file=out)
+        print_table([{"signal": name, "refs": signals[name]["refs"], "p_again": signals[name]["p_again"]}
+                     for name in ("all", *SIGNALS)], ["signal", "refs", "p_again"], out)
+        for kind in ("reuse_distance_median", "first_reuse_distance_median"):
+            print(f"{kind}: {signals[kind]['requests']} requests, {signals[kind]['block_refs']} block refs",
+                  file=out)
+        print("first reuse by age (refs since stored): chance per 1,000 refs, of blocks not reused yet",
+              file=out)
+        print_table([{"age_refs": "-".join(map(str, row["age_refs"])), "blocks": row["blocks"],
+                      "p_per_1k_refs": row["p_per_1k_refs"]} for row in signals["first_reuse_by_age"]],
+                    ["age_refs", "blocks", "p_per_1k_refs"], out)
     rec = record["recommend"]
     for tier, share, key in (("CPU tier ", "cpu_target", "cpu"), ("disk tier", "target", "disk")):
         blocks = rec[f"{key}_blocks"]
@@ -148,6 +223,8 @@ def _plot(record: dict[str, Any], policies: Sequence[str], path: str) -> None:
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for name in policies:
         axes.plot(xs, record["hit_ratio"][name], marker="o", label=name)
+    axes.plot(xs, record["reuse_oracle"], marker="o", color="dimgrey", linestyle=":",
+              label="reuse oracle (knows which blocks come back)")
     axes.plot(xs, record["opt"], marker="o", color="black", label="Belady (offline optimum)")
     axes.axhline(record["ceiling"], color="grey", linestyle="--", label="ceiling (unbounded)")
     axes.set_xscale("log")

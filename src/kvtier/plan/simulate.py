@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.policies.base import EvictionPolicy
@@ -23,7 +23,12 @@ class SimResult:
         return self.hits / self.refs if self.refs else 0.0
 
 
-def simulate(chains: Sequence[Sequence[int]], policy: EvictionPolicy, capacity: int) -> SimResult:
+def simulate(
+    chains: Sequence[Sequence[int]],
+    policy: EvictionPolicy,
+    capacity: int,
+    on_request: Callable[[int], None] | None = None,
+) -> SimResult:
     """Replay ``chains`` (each request's block ids, prefix order) through ``capacity`` slots.
 
     The same calls, in the same order, as the managers make for one request in one step:
@@ -34,6 +39,8 @@ def simulate(chains: Sequence[Sequence[int]], policy: EvictionPolicy, capacity: 
     Keys are the trace's integer block ids — a policy only hashes and compares keys.
 
     A request longer than the cache stores only its first ``capacity`` blocks.
+    ``on_request``, if given, is called with each request's index before its lookups: the
+    planner's oracle (:mod:`kvtier.plan.oracle`) learns the time from it; policies never do.
     """
     import time
 
@@ -42,7 +49,9 @@ def simulate(chains: Sequence[Sequence[int]], policy: EvictionPolicy, capacity: 
     evict = policy.evict_unheld
     free = list(range(capacity))
     hits = refs = 0
-    for chain in chains:
+    for index, chain in enumerate(chains):
+        if on_request is not None:
+            on_request(index)
         refs += len(chain)
         found = 0
         for block in chain:

@@ -1,0 +1,113 @@
+"""Disk admission in the planner: what ``admit: reuse`` refuses and loses, against an oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.plan.oracle import last_reference
+from kvtier.policies.admission import AdmissionFilter
+from kvtier.policies.base import EvictionPolicy
+
+__all__ = ["AdmissionResult", "simulate_admission"]
+
+
+@dataclass(frozen=True)
+class AdmissionResult:
+    """One run of a CPU tier over an unbounded disk tier, counted in blocks."""
+
+    hits: int
+    refs: int
+    #: blocks written to the disk tier
+    writes: int
+    #: blocks read back from it (promotions)
+    reads: int
+    #: blocks the admission filter refused
+    refused: int
+    #: of ``writes``, blocks no request names after they left the CPU tier: an oracle
+    #: admission refuses exactly these, and loses no hit (their disk copy is never read)
+    needless_writes: int
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.refs if self.refs else 0.0
+
+
+def simulate_admission(
+    chains: Sequence[Sequence[int]],
+    policy: EvictionPolicy,
+    capacity: int,
+    admission: AdmissionFilter | None = None,
+) -> AdmissionResult:
+    """Replay ``chains`` through a CPU tier of ``capacity`` blocks (ordered by ``policy``) over
+    a disk tier larger than the trace, writing a block below when it leaves the CPU tier.
+
+    The stack's model, as bookkeeping: a request hits the leading run of its blocks found in
+    either tier; those found only on disk are read up (promoted) into the CPU tier, hits in
+    the CPU tier are ``touch`` ed, and every block after the run is computed and stored in the
+    CPU tier (already on disk or not: the run is broken). A block leaving the CPU tier is
+    written to disk unless it is there already or ``admission`` refuses it (``None``: every
+    block is taken, ``admit: all``). As in the manager, the filter counts a key when it is
+    stored (offered) and when it is hit (so every block a request names counts once), and
+    decides when the block would be written: here when the CPU tier evicts it, which is
+    ``write_back`` with the write coming last (the manager writes the coldest dirty blocks a
+    little ahead of their eviction). Blocks still in the CPU tier when the trace ends are not
+    written (a CPU tier larger than the trace writes nothing).
+
+    With a disk that never evicts, ``admit: all`` serves the unbounded ceiling; what a filter
+    refuses and is wanted again shows up as lost hits. Cost: the policy's per block, plus O(1)
+    per block reference.
+    """
+    last = last_reference(chains)
+    contains, touch, insert, evict = policy.contains, policy.touch, policy.insert, policy.evict_unheld
+    record = admission.record if admission is not None else None
+    admit = admission.admit if admission is not None else None
+    disk: set[int] = set()
+    free = list(range(capacity))
+    hits = refs = writes = reads = refused = needless = 0
+    for index, chain in enumerate(chains):
+        refs += len(chain)
+        found = 0
+        in_cpu: list[int] = []
+        promote: list[int] = []
+        for block in chain:
+            if contains(block):
+                in_cpu.append(block)
+            elif block in disk:
+                promote.append(block)
+            else:
+                break
+            found += 1
+        hits += found
+        reads += len(promote)
+        if in_cpu:
+            touch(in_cpu)
+        store = promote + [b for b in dict.fromkeys(chain[found:]) if not contains(b)]
+        if record is not None:  # every block of a request is either hit or offered
+            for block in chain:
+                record(block)
+        del store[capacity:]
+        if not store:
+            continue
+        shortfall = len(store) - len(free)
+        if shortfall > 0:
+            present = {b for b in chain if contains(b)}
+            victims = evict(shortfall, present) if present else evict(shortfall)
+            if victims is None:
+                victims = evict(shortfall)
+            if victims is None:
+                raise RuntimeError(f"{type(policy).__name__} refused to evict {shortfall} blocks")
+            for block, slot in victims:
+                free.append(slot)
+                if block in disk:
+                    continue
+                if admit is not None and not admit(block):
+                    refused += 1
+                    continue
+                disk.add(block)
+                writes += 1
+                needless += last[block] <= index
+        slots = free[-len(store):]
+        del free[-len(store):]
+        insert(store, slots)
+    return AdmissionResult(hits, refs, writes, reads, refused, needless)
