@@ -93,3 +93,49 @@ def test_held_keys_keep_their_list_and_a_touch_while_held_promotes():
     policy.release(key(3))
     assert list(policy._t2) == [key(0), key(3)] and not policy._t1
     assert policy.remove(key(0)) == 0 and policy.remove(key(0)) is None
+
+
+def test_eviction_without_a_skip_set_chooses_as_the_walk_does():
+    """The counting fast path (nothing to pass over) and the walk (a skip set naming no ready
+    key) must drop the same blocks, in the same order, through ghosts, holds and p moving."""
+    import random
+
+    rng = random.Random(7)
+    fast, walk = ARCPolicy(64), ARCPolicy(64)
+    absent = {key(10**6)}
+    next_id, free = 0, list(range(64))
+    for _ in range(3000):
+        op = rng.random()
+        ready = list(fast)
+        if op < 0.45 or not ready:
+            n = rng.randint(1, 6)
+            keys = [key(rng.randrange(300)) for _ in range(n)]
+            keys = [k for k in dict.fromkeys(keys) if not fast.contains(k)]
+            shortfall = len(keys) - len(free)
+            if shortfall > 0:
+                a, b = fast.evict_unheld(shortfall), walk.evict(shortfall, absent)
+                assert a == b
+                if a is None:
+                    continue
+                free.extend(block_id for _, block_id in a)
+            ids = [free.pop() for _ in keys]
+            fast.insert(keys, ids)
+            walk.insert(keys, ids)
+        elif op < 0.8:
+            picked = rng.sample(ready, min(len(ready), 4))
+            fast.touch(picked)
+            walk.touch(picked)
+        elif op < 0.9:
+            k = rng.choice(ready)
+            if k not in fast._held_t2 and (k in fast._t1 or k in fast._t2):
+                fast.hold(k)
+                walk.hold(k)
+        else:
+            held = [k for k in ready if k not in fast._t1 and k not in fast._t2]
+            if held:
+                k = rng.choice(held)
+                fast.release(k)
+                walk.release(k)
+        assert list(fast._t1) == list(walk._t1) and list(fast._t2) == list(walk._t2)
+        assert list(fast._b1) == list(walk._b1) and fast._p == walk._p
+    assert fast.entries_visited == walk.entries_visited > 0

@@ -102,8 +102,10 @@ class ARCPolicy(TwoQueuePolicy):
         t1, t2 = self._t1, self._t2
         if count > len(t1) + len(t2):
             return None
-        # Choose every victim first (iterators only read), so a failure changes nothing.
         left1, left2 = self._sizes()
+        if not skip:
+            return self._evict_oldest(count, left1, left2)
+        # Choose every victim first (iterators only read), so a failure changes nothing.
         oldest = (iter(t1), iter(t2))
         chosen: tuple[list[OffloadKey], list[OffloadKey]] = ([], [])
         visited = 0
@@ -133,6 +135,33 @@ class ARCPolicy(TwoQueuePolicy):
             del t1[key]
         for key in from_t2:
             del t2[key]
+        victims = [(key, pop(key)) for key in from_t1] + [(key, pop(key)) for key in from_t2]
+        self._b1.update(dict.fromkeys(from_t1))
+        self._b2.update(dict.fromkeys(from_t2))
+        self._trim_ghosts()
+        return victims
+
+    def _evict_oldest(self, count: int, left1: int, left2: int) -> list[tuple[OffloadKey, int]]:
+        """:meth:`evict` with nothing to pass over: the same choice, made by counting (each
+        victim is the oldest of its list), then popped."""
+        t1, t2, p = self._t1, self._t2, self._p
+        room1, room2 = len(t1), len(t2)
+        take1 = take2 = 0
+        for _ in range(count):
+            if left1 > 0 and (left1 > p or left2 == 0):  # ARC prefers t1
+                from_t1 = take1 < room1
+            else:
+                from_t1 = take2 >= room2
+            if from_t1:
+                take1 += 1
+                left1 -= 1
+            else:
+                take2 += 1
+                left2 -= 1
+        self.entries_visited += count
+        pop, pop1, pop2 = self._index.pop, t1.popitem, t2.popitem
+        from_t1 = [pop1(False)[0] for _ in range(take1)]
+        from_t2 = [pop2(False)[0] for _ in range(take2)]
         victims = [(key, pop(key)) for key in from_t1] + [(key, pop(key)) for key in from_t2]
         self._b1.update(dict.fromkeys(from_t1))
         self._b2.update(dict.fromkeys(from_t2))

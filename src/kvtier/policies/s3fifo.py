@@ -93,30 +93,40 @@ class S3FIFOPolicy(TwoQueuePolicy):
         victims: list[tuple[OffloadKey, int]] = []
         dropped_small: list[OffloadKey] = []
         target_small = SMALL_SHARE * len(index)
-        walked = 0
-        while len(victims) < count:
+        pop_small, pop_main, pop_index = small.popitem, main.popitem, index.pop
+        # Queue lengths kept here, not asked of the dicts each turn: this loop is most of the
+        # policy's cost.
+        in_small, in_main = len(small), len(main)
+        wanted, walked = count, 0
+        while wanted:
             walked += 1
-            if small and (len(small) >= target_small or not main):
-                key, _ = small.popitem(last=False)
-                if key in skip:
+            if in_small and (in_small >= target_small or not in_main):
+                key = pop_small(False)[0]
+                in_small -= 1
+                if skip and key in skip:
                     aside_small.append(key)
-                elif freq[key] > 0:
+                elif freq[key]:
                     freq[key] = 0
                     main[key] = None
+                    in_main += 1
                 else:
                     del freq[key]
-                    victims.append((key, index.pop(key)))
+                    victims.append((key, pop_index(key)))
                     dropped_small.append(key)
+                    wanted -= 1
             else:
-                key, _ = main.popitem(last=False)
-                if key in skip:
+                key = pop_main(False)[0]
+                if skip and key in skip:
                     aside_main.append(key)
-                elif freq[key] > 0:
+                    in_main -= 1
+                elif freq[key]:
                     freq[key] -= 1
                     main[key] = None
                 else:
                     del freq[key]
-                    victims.append((key, index.pop(key)))
+                    victims.append((key, pop_index(key)))
+                    in_main -= 1
+                    wanted -= 1
         for queue, aside in ((small, aside_small), (main, aside_main)):
             for key in reversed(aside):
                 queue[key] = None
