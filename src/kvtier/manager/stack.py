@@ -208,6 +208,15 @@ class TierStackManager(SingleTierManager):
         self.misses += 1
         return False
 
+    def is_promoting(self, key: OffloadKey) -> bool:
+        """Whether a read of ``key`` from a lower tier is queued or in flight.
+
+        Such a key looks up ``None`` until the read lands. Any other ``None`` means a tier
+        cannot tell yet whether it holds the block (a remote tier asks its server at the end
+        of the step), which an engine may treat differently: the block may not exist.
+        """
+        return key in self._promoting
+
     def _reserve_rows(self, count: int) -> list[int]:
         """Up to ``count`` CPU rows, evicting clean blocks if need be (end of step only)."""
         backend = self._backend

@@ -6,18 +6,23 @@ the contract revision before 0.33 (``lookup -> True / False / None``, kvtier's o
 event types); :class:`KvtierOffloadingManager` translates each call, and adds what 0.33 asks
 beyond it (load sources, cache-reset fencing, statistics, config info).
 
-The answer to a lookup whose promotion from disk is in flight — kvtier's ``None`` — is
-``HIT_PENDING``, never ``RETRY``. The facts behind it, in vLLM 0.33's
+kvtier's ``None`` has two meanings, and they map to vLLM's two deferred answers. A key whose
+promotion from a lower tier is queued or in flight is ``HIT_PENDING``; a key no tier can
+answer for yet — a remote tier (Valkey) asks its server at the end of the step, and the block
+may not be there — is ``RETRY``. The facts behind it, in vLLM 0.33's
 ``kv_connector/v1/offloading/scheduler.py`` and ``kv_offload/tiering/manager.py``:
 
 * both make the connector defer the request (``get_num_new_matched_tokens`` answers ``None``
   and the scheduler asks again next step), so no unready block is ever loaded either way;
 * the sliding-window lookup counts ``HIT_PENDING`` toward the window it needs and stops once
-  it has one, while ``RETRY`` resets the streak and keeps scanning further back — which, here,
-  would start disk reads of chunks the request will never load;
-* vLLM's own tiering manager answers ``HIT_PENDING`` once it has started a promotion, and keeps
-  ``RETRY`` for "a tier cannot tell yet" (an asynchronous existence check), which kvtier
-  never has: its disk tiers index every block in memory.
+  it has one, while ``RETRY`` resets the streak and keeps scanning further back. For a block
+  being promoted, that scan would start disk reads of chunks the request will never load;
+  for a block whose existence is unknown, counting it as a hit could end the scan on a
+  window that is not there, and the scan further back asks the server about the rest in the
+  same step;
+* vLLM's own tiering manager answers the same way: ``HIT_PENDING`` once it has started a
+  promotion, ``RETRY`` while an asynchronous existence check runs. kvtier's disk tiers index
+  every block in memory and never answer "unknown"; its Valkey tier does.
 
 A promotion that fails verification (a corrupt block) turns into ``MISS`` at the next lookup,
 which the deferred request makes.
@@ -99,8 +104,8 @@ class _RequestWait:
     """Per request, in its ReqContext: what its lookups saw while it waits for promotions.
 
     ``step``: the step of the lookups below; ``hits``: keys found ready in that step before any
-    pending answer (pinned as soon as one comes); ``pending``: keys answered HIT_PENDING in that
-    step (so ``deferred`` is ``bool(pending)``); ``pinned``: keys this manager holds for the
+    pending answer (pinned as soon as one comes); ``pending``: keys answered HIT_PENDING or RETRY
+    in that step (so ``deferred`` is ``bool(pending)``); ``pinned``: keys this manager holds for the
     request; ``promoted``: keys whose lookup started a read from disk (for get_load_source).
     """
 
@@ -157,6 +162,9 @@ class KvtierOffloadingManager(OffloadingManager):
         # meanwhile. Held lookups answer from the CPU tier alone and start nothing.
         self._promotions_held = False
         self._contains_cpu = inner.policy.contains
+        # Tells a promotion (HIT_PENDING) from "a tier cannot tell yet" (RETRY) for a lookup
+        # that answered None; a manager without lower tiers never answers None.
+        self._is_promoting = getattr(inner, "is_promoting", None)
         self._stats_log_interval_s = stats_log_interval_s
         self._next_stats_log = time.monotonic() + stats_log_interval_s
         #: scheduler steps ended so far (on_schedule_end calls)
@@ -192,12 +200,15 @@ class KvtierOffloadingManager(OffloadingManager):
             else:
                 wait.hits.append(key)
             return LookupResult.HIT
-        wait.promoted.add(key)
+        promoting = self._is_promoting is None or self._is_promoting(key)
+        if promoting:
+            wait.promoted.add(key)
         if not wait.deferred:
             self._pin(wait.hits, wait, req_context)
             self._waiting[req_context.req_id] = req_context
         wait.pending.add(key)
-        return LookupResult.HIT_PENDING  # why not RETRY: see the module docstring
+        # which of the two: see the module docstring
+        return LookupResult.HIT_PENDING if promoting else LookupResult.RETRY
 
     def _pin(self, keys: list[OffloadKey], wait: _RequestWait, req_context: ReqContext) -> None:
         """Hold ``keys`` (ready now) for a waiting request, so promotions cannot evict them."""
