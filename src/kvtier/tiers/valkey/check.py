@@ -212,11 +212,13 @@ def check_namespace(
     bad: dict[bytes, str] = {}
     found: list[tuple[bytes, bytes]] = []  # (name, digest) of values that passed on their own
     digests: Counter = Counter()
+    typical = 0  # the length of the last value read
     start = 0
     while start < len(names):
         chunk = names[start : start + batch_keys]
         start += len(chunk)
-        values = conn.get_many(chunk, value_bytes)
+        # most values of a namespace share one length: read them into one array per batch
+        values = conn.get_many(chunk, value_bytes or typical)
         longest = 0
         for name, value in zip(chunk, values):
             if value is None:
@@ -233,6 +235,7 @@ def check_namespace(
             report.blocks_checked += 1
             report.value_bytes += len(value)
             longest = max(longest, len(value))
+            typical = len(value)
             key = _key_of(name, prefix)
             if key is None:
                 bad[name] = "name is not <namespace>:<hex key>"
@@ -303,10 +306,17 @@ def check_valkey(
     (``url``: any URL the valkey tier takes, TLS included) or a cluster (``cluster_nodes``).
 
     Names are listed by :func:`namespace_names` (SCAN, never KEYS). Safe while engines use
-    the tier. Raises
-    :class:`~kvtier.errors.ConfigError` for a bad URL, node or namespace, and
-    :class:`ValkeyCheckError` if the server cannot be reached or answers with an error.
+    the tier. Raises :class:`~kvtier.errors.ConfigError` for a bad URL, node or namespace or
+    a missing client, and :class:`ValkeyCheckError` if the server cannot be reached or
+    answers with an error.
     """
+    import importlib.util
+
+    if importlib.util.find_spec("valkey") is None:
+        raise ConfigError(
+            "check", url or ",".join(cluster_nodes), "the valkey client installed",
+            "pip install 'kvtier[valkey]'",
+        )
     section: dict[str, Any] = {"kind": "valkey", "name": "check", "timeout_s": timeout_s}
     if cluster_nodes:
         section["cluster_nodes"] = list(cluster_nodes)
