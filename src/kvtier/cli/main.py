@@ -107,7 +107,18 @@ def _check(args: argparse.Namespace) -> int:
     import json
 
     from kvtier.tiers.disk import check_store
+    from kvtier.tiers.valkey.check import is_valkey_target
 
+    if args.cluster or (args.path and is_valkey_target(args.path)):
+        return _check_valkey(args)
+    if args.namespace is not None:
+        print(f"kvtier check: --namespace is for a server (valkey://HOST:PORT), not the store {args.path!r}",
+              file=sys.stderr)
+        return 2
+    if args.path is None:
+        print("kvtier check: give a store directory, a server URL (valkey://HOST:PORT[/DB]) or "
+              "--cluster HOST:PORT,...", file=sys.stderr)
+        return 2
     try:
         report = check_store(args.path, fix=args.fix)
     except KvtierError as exc:
@@ -129,6 +140,46 @@ def _check(args: argparse.Namespace) -> int:
             print(f"  problem: {problem}")
         for fixed in report.fixed:
             print(f"  fixed: {fixed}")
+    return 0 if report.healthy else 1
+
+
+def _check_valkey(args: argparse.Namespace) -> int:
+    """``kvtier check valkey://...`` (or ``--cluster``): the shared tier's values, per namespace."""
+    import json
+
+    from kvtier.tiers.valkey.check import ValkeyCheckError, check_valkey
+
+    nodes = [node.strip() for node in args.cluster.split(",") if node.strip()] if args.cluster else []
+    target = args.cluster or args.path
+    if args.cluster and args.path:
+        print(f"kvtier check: give a server URL or --cluster, not both (got {args.path!r} and --cluster)",
+              file=sys.stderr)
+        return 2
+    try:
+        report = check_valkey(args.path, cluster_nodes=nodes, namespace=args.namespace, fix=args.fix)
+    except (KvtierError, ImportError) as exc:
+        if args.json:
+            print(json.dumps({"path": target, "healthy": False, "error": str(exc)}, sort_keys=True))
+        elif isinstance(exc, ValkeyCheckError):  # its message starts with the target already
+            print(f"cannot check {exc}", file=sys.stderr)
+        else:
+            print(f"{target}: cannot check: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report.to_record(), sort_keys=True))
+        return 0 if report.healthy else 1
+    state = "healthy" if report.healthy else f"{len(report.problems)} problems"
+    print(f"{report.target}: {len(report.namespaces)} namespaces, {report.blocks_checked} blocks checked, {state}")
+    for found in report.namespaces:
+        state = "healthy" if found.healthy else f"{len(found.problems)} problems"
+        print(f"  {found.namespace}: {found.blocks_checked} blocks, {found.value_bytes} bytes, "
+              f"layout {found.layout_digest or '-'}, {state}")
+        if len(found.layout_digests) > 1:
+            print("    layouts found: " + ", ".join(f"{d} ({n})" for d, n in found.layout_digests.items()))
+        for problem in found.problems:
+            print(f"    problem: {problem}")
+        for fixed in found.fixed:
+            print(f"    fixed: {fixed}")
     return 0 if report.healthy else 1
 
 
@@ -269,13 +320,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     check_path = commands.add_parser(
         "check",
-        help="verify a disk tier: every block against the index (exit 0 healthy, 1 problems found)",
+        help="verify a disk tier's store, or a shared valkey tier's values (exit 0 healthy, 1 problems found)",
         description="Read and verify every block of the disk-tier store at PATH (its manifest says "
-        "which kind and layout); report what is wrong. Safe while an engine uses the store.",
+        "which kind and layout); report what is wrong. Safe while an engine uses the store. "
+        "Given a server URL (valkey://HOST:PORT[/DB], valkeys:// for TLS, redis://, rediss://, "
+        "unix:///path) or --cluster, read every value of the shared tier's namespaces with SCAN and "
+        "pipelined GETs and verify each against its own header (decodes, names the key in the "
+        "value's name, payload length and checksum hold) and its namespace (one layout digest); "
+        "report per namespace. Safe while engines use the tier.",
     )
-    check_path.add_argument("path", metavar="PATH", help="the store directory (a disk tier's path:)")
-    check_path.add_argument("--fix", action="store_true", help="drop bad blocks and repair the index")
+    check_path.add_argument(
+        "path", nargs="?", metavar="PATH|URL",
+        help="the store directory (a disk tier's path:), or a server URL (valkey://HOST:PORT[/DB])",
+    )
+    check_path.add_argument("--fix", action="store_true", help="drop bad blocks and repair the index (valkey: DEL bad values)")
     check_path.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    check_path.add_argument(
+        "--namespace", metavar="NS",
+        help="valkey: check only the values NS:<key> (default: every kvtier:* namespace, i.e. every tier "
+        "whose namespace was derived from its layout; name a tier's own namespace: to check it)",
+    )
+    check_path.add_argument(
+        "--cluster", metavar="HOST:PORT,...",
+        help="valkey: a cluster, instead of a URL: some of its nodes (the rest are discovered)",
+    )
     check_path.set_defaults(func=_check)
 
     soak = commands.add_parser(

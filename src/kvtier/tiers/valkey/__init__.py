@@ -3,6 +3,7 @@
 - :mod:`~kvtier.tiers.valkey.config`: the section's frozen dataclass and its parser;
 - :mod:`~kvtier.tiers.valkey.tier`: :class:`ValkeyTier`, the :class:`~kvtier.tiers.base.SecondaryTier`;
 - :mod:`~kvtier.tiers.valkey.connection`: pipelined batches against a server or a cluster;
+- :mod:`~kvtier.tiers.valkey.check`: ``kvtier check valkey://...``, the values verified per namespace;
 - :mod:`~kvtier.tiers.valkey.server`: loopback servers for tests, benchmarks and fleet replays.
 
 Importing this package does not import the ``valkey`` client: the tier does, when opened.

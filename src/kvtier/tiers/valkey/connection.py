@@ -211,6 +211,11 @@ class ValkeyConnection:
         self._client = None
         self._lock = threading.Lock()  # guards the lazy creation of _client
 
+    @property
+    def location(self) -> str:
+        """The server's URL, or the cluster's nodes joined by commas (for messages)."""
+        return self._config.location() or ""
+
     # -- the client ---------------------------------------------------------------------------
 
     def _connect(self):
@@ -370,7 +375,8 @@ class ValkeyConnection:
         return figures
 
     def scan_names(self, pattern: bytes, count: int = 1000) -> list[bytes]:
-        """Every key name matching ``pattern`` (blocks; for :meth:`ValkeyTier.check`)."""
+        """Every key name matching ``pattern``, by SCAN (blocks; for the checks in
+        :mod:`kvtier.tiers.valkey.check`). A name may come twice."""
         client = self.client
         if self._config.cluster_nodes:
             names: list[bytes] = []
@@ -380,7 +386,7 @@ class ValkeyConnection:
         return list(client.scan_iter(match=pattern, count=count))
 
     def delete(self, names: Sequence[bytes]) -> None:
-        """DEL ``names`` (blocks; for :meth:`ValkeyTier.check`)."""
+        """DEL ``names`` (blocks; for the checks' ``fix``)."""
         for server, indexes in self._groups(names):
             pipe = server.pipeline(transaction=False)
             for index in indexes:

@@ -54,6 +54,7 @@ from kvtier.tiers.disk.format import (
     encode_header_into,
     verify,
 )
+from kvtier.tiers.valkey.check import ValkeyCheckError, check_namespace, namespace_names
 from kvtier.tiers.valkey.config import ValkeyTierConfig
 from kvtier.tiers.valkey.connection import UNAVAILABLE, ValkeyConnection, is_outage, reason_of
 
@@ -676,29 +677,22 @@ class ValkeyTier(SecondaryTier):
         return figures
 
     def check(self, fix: bool = False) -> CheckReport:
-        """Read every value of the namespace and verify it; with ``fix``, DEL the bad ones. Blocks."""
-        report = CheckReport(self.name)
-        names = self._conn.scan_names(self._prefix + b"*")
-        scratch = np.empty(self.block_bytes, dtype=np.uint8)
-        bad = []
-        for start in range(0, len(names), self._batch_keys):
-            chunk = names[start : start + self._batch_keys]
-            for name, value in zip(chunk, self._conn.get_many(chunk, self._value_bytes)):
-                if value is None or isinstance(value, str):
-                    continue  # evicted or expired since the scan
-                report.blocks_checked += 1
-                try:
-                    key = bytes.fromhex(name[len(self._prefix):].decode())
-                except ValueError:
-                    key = b""
-                reason = self._place(key, scratch, value)
-                if reason is not None:
-                    report.problems.append(f"{name.decode(errors='replace')}: {reason}")
-                    bad.append(name)
-        if fix and bad:
-            self._conn.delete(bad)
-            report.fixed.extend(f"{name.decode(errors='replace')}: deleted" for name in bad)
-        return report
+        """Read every value of the namespace and verify it against this tier's layout; with
+        ``fix``, DEL the bad ones. Blocks. The same code as ``kvtier check valkey://...``
+        (:func:`~kvtier.tiers.valkey.check.check_namespace`), told the layout. Raises
+        :class:`~kvtier.tiers.valkey.check.ValkeyCheckError` if the server does not answer."""
+        try:
+            names = namespace_names(self._conn, self.namespace)[self.namespace]
+        except Exception as error:
+            raise ValkeyCheckError(
+                self._conn.location, f"listing the namespace failed ({reason_of(error)})",
+                "make sure the server is up, then check again",
+            ) from None
+        found = check_namespace(
+            self._conn, self.namespace, names, fix=fix, layout_digest=self._digest,
+            payload_bytes=self.block_bytes, batch_bytes=self.config.max_inflight_bytes,
+        )
+        return CheckReport(self.name, found.blocks_checked, found.problems, found.fixed)
 
     def close(self) -> None:
         self.drain_jobs()
