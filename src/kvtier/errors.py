@@ -9,7 +9,7 @@ broken environment — and every error carries the context needed to fix it.
 
 from __future__ import annotations
 
-__all__ = ["KvtierError", "ConfigError", "BlockStateError", "DiskTierError", "ManifestError"]
+__all__ = ["KvtierError", "ConfigError", "BlockStateError", "DiskTierError", "ManifestError", "ValkeyCheckError"]
 
 
 class KvtierError(Exception):
@@ -50,3 +50,18 @@ class DiskTierError(KvtierError):
 
 class ManifestError(KvtierError):
     """A store manifest exists but cannot be read or understood (damaged, or from a newer kvtier)."""
+
+
+class ValkeyCheckError(KvtierError):
+    """``kvtier check`` of a Valkey store could not run: the server could not be reached, or
+    answered with an error.
+
+    ``target`` is the URL (or cluster nodes) as given; the message says what failed and how to
+    fix it.
+    """
+
+    def __init__(self, target: str, problem: str, fix: str):
+        self.target = target
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{target}: {problem}. Fix: {fix}")

@@ -147,7 +147,8 @@ def _check_valkey(args: argparse.Namespace) -> int:
     """``kvtier check valkey://...`` (or ``--cluster``): the shared tier's values, per namespace."""
     import json
 
-    from kvtier.tiers.valkey.check import ValkeyCheckError, check_valkey
+    from kvtier.errors import ValkeyCheckError
+    from kvtier.tiers.valkey.check import check_valkey
 
     nodes = [node.strip() for node in args.cluster.split(",") if node.strip()] if args.cluster else []
     target = args.cluster or args.path

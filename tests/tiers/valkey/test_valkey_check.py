@@ -12,7 +12,8 @@ from helpers import key, payload
 from kvtier.cli.main import main
 from kvtier.tiers.base import TierJob
 from kvtier.tiers.disk.format import HEADER_BYTES, LayoutFingerprint
-from kvtier.tiers.valkey.check import ValkeyCheckError, check_valkey
+from kvtier.errors import ValkeyCheckError
+from kvtier.tiers.valkey.check import check_valkey
 
 OTHER = LayoutFingerprint("other-model", "bfloat16", 16, (BLOCK_BYTES,), 0, 1, BLOCK_BYTES)
 

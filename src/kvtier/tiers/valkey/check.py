@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.errors import ConfigError, KvtierError
+from kvtier.errors import ConfigError, ValkeyCheckError
 from kvtier.tiers.disk.format import HEADER_BYTES, decode_header, verify
 from kvtier.tiers.valkey.config import URL_SCHEMES, parse
 from kvtier.tiers.valkey.connection import ValkeyConnection, is_outage, reason_of
@@ -32,7 +32,6 @@ from kvtier.tiers.valkey.connection import ValkeyConnection, is_outage, reason_o
 __all__ = [
     "DEFAULT_NAMESPACES",
     "NamespaceReport",
-    "ValkeyCheckError",
     "ValkeyCheckReport",
     "check_namespace",
     "check_valkey",
@@ -51,20 +50,6 @@ CHECK_BATCH_BYTES = 64 << 20
 #: keys in the first batch of reads, before the values' length is known
 _FIRST_BATCH_KEYS = 8
 _DERIVED_RE = re.compile(r"kvtier:([0-9a-f]{16})")
-
-
-class ValkeyCheckError(KvtierError):
-    """The check could not run: the server could not be reached, or answered with an error.
-
-    ``target`` is the URL (or cluster nodes) as given; the message says what failed and how to
-    fix it.
-    """
-
-    def __init__(self, target: str, problem: str, fix: str):
-        self.target = target
-        self.problem = problem
-        self.fix = fix
-        super().__init__(f"{target}: {problem}. Fix: {fix}")
 
 
 @dataclass

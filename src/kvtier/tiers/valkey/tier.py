@@ -46,6 +46,7 @@ import numpy as np
 import xxhash
 
 from kvtier.base import OffloadingEvent, OffloadKey
+from kvtier.errors import ValkeyCheckError
 from kvtier.tiers.base import CheckReport, SecondaryTier, TierJob, TierJobResult
 from kvtier.tiers.disk.format import (
     HEADER_BYTES,
@@ -54,7 +55,7 @@ from kvtier.tiers.disk.format import (
     encode_header_into,
     verify,
 )
-from kvtier.tiers.valkey.check import ValkeyCheckError, check_namespace, namespace_names
+from kvtier.tiers.valkey.check import check_namespace, namespace_names
 from kvtier.tiers.valkey.config import ValkeyTierConfig
 from kvtier.tiers.valkey.connection import UNAVAILABLE, ValkeyConnection, is_outage, reason_of
 
@@ -680,7 +681,7 @@ class ValkeyTier(SecondaryTier):
         """Read every value of the namespace and verify it against this tier's layout; with
         ``fix``, DEL the bad ones. Blocks. The same code as ``kvtier check valkey://...``
         (:func:`~kvtier.tiers.valkey.check.check_namespace`), told the layout. Raises
-        :class:`~kvtier.tiers.valkey.check.ValkeyCheckError` if the server does not answer."""
+        :class:`~kvtier.errors.ValkeyCheckError` if the server does not answer."""
         try:
             names = namespace_names(self._conn, self.namespace)[self.namespace]
         except Exception as error:
