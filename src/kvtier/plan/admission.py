@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.plan.oracle import last_reference
+from kvtier.plan.simulate import SimResult
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.base import EvictionPolicy
 
@@ -13,24 +14,19 @@ __all__ = ["AdmissionResult", "simulate_admission"]
 
 
 @dataclass(frozen=True)
-class AdmissionResult:
-    """One run of a CPU tier over an unbounded disk tier, counted in blocks."""
+class AdmissionResult(SimResult):
+    """One run of a CPU tier over an unbounded disk tier, counted in blocks (``hits`` and
+    ``refs`` as :class:`SimResult`'s, from either tier)."""
 
-    hits: int
-    refs: int
     #: blocks written to the disk tier
-    writes: int
+    writes: int = 0
     #: blocks read back from it (promotions)
-    reads: int
+    reads: int = 0
     #: blocks the admission filter refused
-    refused: int
+    refused: int = 0
     #: of ``writes``, blocks no request names after they left the CPU tier: an oracle
     #: admission refuses exactly these, and loses no hit (their disk copy is never read)
-    needless_writes: int
-
-    @property
-    def hit_ratio(self) -> float:
-        return self.hits / self.refs if self.refs else 0.0
+    needless_writes: int = 0
 
 
 def simulate_admission(
@@ -110,4 +106,6 @@ def simulate_admission(
         slots = free[-len(store):]
         del free[-len(store):]
         insert(store, slots)
-    return AdmissionResult(hits, refs, writes, reads, refused, needless)
+    return AdmissionResult(
+        hits, refs, writes=writes, reads=reads, refused=refused, needless_writes=needless
+    )
