@@ -57,3 +57,10 @@ def test_bench_manager_json_has_every_figure(capsys):
         for figure in ("store_us", "lookup_us", "load_us", "metadata_bytes_per_block"):
             assert row[figure] > 0
         assert row["metadata_bytes_per_block_incl_keys"] > row["metadata_bytes_per_block"]
+
+
+def test_bench_disk_with_a_missing_dir_names_it_and_the_fix(tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    assert main(["bench", "disk", "--backend", "files", "--gib", "0.01", "--dir", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert "--dir" in err and str(missing) in err and "mkdir -p" in err

@@ -56,3 +56,10 @@ def test_without_root_the_filling_fault_is_left_out_with_the_reason(tmp_path, mo
     small = soak_run.SmallFilesystem(str(tmp_path / "disk"), 1 << 20)
     reason = small.mount()
     assert reason is not None and "root" in reason and not small.mounted
+
+
+def test_a_missing_dir_is_a_clear_error_not_a_traceback(tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    assert main(["soak", "--minutes", "0.01", "--dir", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert "--dir" in err and str(missing) in err and "mkdir -p" in err and "Traceback" not in err

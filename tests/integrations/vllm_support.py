@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingParallelConfig,
 )
 
-from kvtier.tiers.disk.format import HEADER_BYTES, decode_header
+from kvtier.tiers.disk.format import HEADER_BYTES
 
 SPEC_MODULE = "kvtier.integrations.vllm"
 TOKENS_PER_BLOCK = 16
@@ -173,30 +173,11 @@ def drain_disk(manager: OffloadingManager) -> None:
         tier.drain_jobs()
 
 
-def blocks_on_disk(path: str, block_bytes: int) -> Iterator[tuple[str, int, bytes]]:
-    """Every block header found under a store directory: (file, offset, key).
-
-    Reads the files the way the format defines them (a header page every on-disk block), so
-    it finds blocks of both kinds (the lmdb slab, the files tree) without their indexes.
-    """
-    from kvtier.tiers.disk.format import on_disk_block_bytes
-
-    slot = on_disk_block_bytes(block_bytes)
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            file = os.path.join(root, name)
-            size = os.path.getsize(file)
-            with open(file, "rb") as stream:
-                for offset in range(0, size - HEADER_BYTES + 1, slot):
-                    stream.seek(offset)
-                    header = decode_header(stream.read(HEADER_BYTES))
-                    if not isinstance(header, str):
-                        yield file, offset, header.key
-
-
 def corrupt_block(path: str, block_bytes: int, k: bytes) -> None:
     """Flip one payload byte of ``k``'s block on disk, as a bad sector would."""
-    for file, offset, found in blocks_on_disk(path, block_bytes):
+    from kvtier.tiers.disk.scan import find_blocks
+
+    for file, offset, found in find_blocks(path, block_bytes):
         if found == k:
             with open(file, "r+b") as stream:
                 stream.seek(offset + HEADER_BYTES + block_bytes // 2)

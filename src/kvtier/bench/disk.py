@@ -51,6 +51,7 @@ import numpy as np
 import xxhash
 
 from kvtier.bench.report import print_json, print_table
+from kvtier.errors import ConfigError
 from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk import open_store
 from kvtier.tiers.base import TierJob
@@ -324,6 +325,11 @@ def run(
     Blocks the caller for the whole run (about a minute with the defaults).
     """
     directory = os.path.abspath(directory or default_directory())
+    if not os.path.isdir(directory):
+        raise ConfigError(
+            "--dir", directory, "an existing directory on the disk to measure",
+            f"create it first (mkdir -p {directory}), or leave --dir out for {default_directory()}",
+        )
     threads = threads or DEFAULT_THREADS
     count = max(JOB_BLOCKS, int(gib * (1 << 30)) // BLOCK_BYTES)
     region = SharedRegion.create(count, BLOCK_BYTES)

@@ -34,6 +34,7 @@ from kvtier.tiers.base import TierJob
 from kvtier.tiers.cpu.region import SharedRegion
 from kvtier.tiers.disk import check_store
 from kvtier.tiers.disk.format import HEADER_BYTES
+from kvtier.tiers.disk.scan import find_blocks
 
 __all__ = ["KillOutcome", "SmallFilesystem", "corrupt_blocks", "kill_writer", "start_sharer", "sharer_outcome"]
 
@@ -180,31 +181,28 @@ class SmallFilesystem:
 
 def corrupt_blocks(tier, keys: list[OffloadKey], rng: random.Random) -> list[OffloadKey]:
     """Flip one payload byte of each of ``keys`` on disk, under the running ``tier``; the keys
-    damaged. Where a block lies is asked of the tier's own index (the slab slot, the file)."""
-    damaged = []
-    for key in keys:
-        if tier.kind == "lmdb":
-            slot = tier._policy.get(key)  # noqa: SLF001 - the soak knows the tier's layout
-            if slot is None:
-                continue
-            path = os.path.join(tier.path, "slab.kvs")
-            offset = slot * tier.slot_bytes + HEADER_BYTES + rng.randrange(tier.block_bytes)
-        else:
-            path = tier._path_of(key)  # noqa: SLF001
-            offset = HEADER_BYTES + rng.randrange(tier.block_bytes)
+    damaged. Blocks are found from outside the tier, by their headers
+    (:func:`~kvtier.tiers.disk.scan.find_blocks`); every copy of a key is damaged, so the live
+    one is whatever stale slots hold."""
+    wanted = set(keys)
+    damaged: dict[OffloadKey, None] = {}
+    for path, offset, key in find_blocks(tier.path, tier.block_bytes):
+        if key not in wanted:
+            continue
+        at = offset + HEADER_BYTES + rng.randrange(tier.block_bytes)
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
-            continue
+            continue  # evicted since the scan
         try:
-            byte = os.pread(fd, 1, offset)
+            byte = os.pread(fd, 1, at)
             if len(byte) != 1:
                 continue
-            os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset)
+            os.pwrite(fd, bytes([byte[0] ^ 0xFF]), at)
         finally:
             os.close(fd)
-        damaged.append(key)
-    return damaged
+        damaged[key] = None
+    return list(damaged)
 
 
 def start_sharer(

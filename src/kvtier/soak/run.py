@@ -194,8 +194,19 @@ def run(
     """Run the soak for ``minutes``; print a table and one JSON line; the JSON record."""
     if kind not in ("lmdb", "files"):
         raise kvtier.ConfigError("--kind", kind, "lmdb or files")
+    if directory is not None and not os.path.isdir(directory):
+        raise kvtier.ConfigError(
+            "--dir", directory, "an existing directory (the soak makes its stores in a new folder inside it)",
+            f"create it first (mkdir -p {directory}) or leave --dir out for the system's temporary folder",
+        )
     rng = random.Random(seed)
-    work = tempfile.mkdtemp(prefix="kvtier-soak-", dir=directory)
+    try:
+        work = tempfile.mkdtemp(prefix="kvtier-soak-", dir=directory)
+    except OSError as exc:
+        raise kvtier.ConfigError(
+            "--dir", directory, "a directory this user can create folders in",
+            f"it refused a new folder ({exc.strerror}): pick another --dir",
+        ) from None
     counts: Counter = Counter()
     injected: Counter = Counter()
     left_out: dict[str, str] = {}
