@@ -63,3 +63,8 @@ def test_a_missing_dir_is_a_clear_error_not_a_traceback(tmp_path, capsys):
     assert main(["soak", "--minutes", "0.01", "--dir", str(missing)]) == 2
     err = capsys.readouterr().err
     assert "--dir" in err and str(missing) in err and "mkdir -p" in err and "Traceback" not in err
+
+
+def test_minutes_must_be_positive(tmp_path, capsys):
+    assert main(["soak", "--minutes", "-1", "--dir", str(tmp_path)]) == 2
+    assert "--minutes" in capsys.readouterr().err

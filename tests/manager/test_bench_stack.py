@@ -59,3 +59,9 @@ def test_floor_driver_evicts_its_oldest_and_every_lookup_hits():
 def test_cli_rejects_bad_sizes(capsys):
     assert main(["bench", "manager", "--stack", "--sizes", "10k,20k"]) == 2
     assert "--sizes" in capsys.readouterr().err
+
+
+def test_cli_rejects_a_tier_too_small_for_the_protocol(capsys):
+    assert main(["bench", "manager", "--stack", "--sizes", "0,10000"]) == 2
+    err = capsys.readouterr().err
+    assert "--sizes" in err and str(manager_stack.MIN_SIZE) in err and "Traceback" not in err

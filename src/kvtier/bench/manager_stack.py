@@ -49,6 +49,7 @@ from statistics import median
 from typing import Any, TextIO
 
 from kvtier.bench.report import print_json, print_table
+from kvtier.errors import ConfigError
 
 __all__ = ["run"]
 
@@ -59,6 +60,9 @@ BLOCK_BYTES = 64
 #: how many steps back the looked-up blocks were stored (well inside the dirty, recent part)
 LOOKBACK_STEPS = 4
 DEFAULT_SIZES = (10_000, 100_000, 1_000_000)
+#: the smallest CPU tier the protocol runs on: the blocks of the last LOOKBACK_STEPS + 1 steps
+#: must all stay while the rest of the tier turns over (twice that is enough)
+MIN_SIZE = 2 * STORES * (LOOKBACK_STEPS + 1)
 #: first key number of the blocks that fill the lower tier (never reached by the steps' keys)
 _FILLER_KEYS = 1 << 40
 
@@ -384,6 +388,15 @@ def run(
     """Run the benchmark; print the table and the JSON line; return the JSON record."""
     out = out or sys.stdout
     sizes = sorted(sizes)
+    smallest = MIN_SIZE
+    if not sizes or sizes[0] < smallest:
+        raise ConfigError(
+            "--sizes", ",".join(map(str, sizes)), f"CPU-tier sizes of at least {smallest} blocks",
+            f"a step looks up the blocks stored {LOOKBACK_STEPS} steps before, which a smaller "
+            "tier has evicted: e.g. --sizes 10000,100000",
+        )
+    if steps < 1 or runs < 1:
+        raise ConfigError("--steps/--runs", (steps, runs), "at least 1 each", "e.g. --steps 1000 --runs 5")
     subjects: list[Callable[[int], _Driver]] = [_KvtierDriver, _FloorDriver]
     if _vllm_available():
         subjects.append(_VllmDriver)

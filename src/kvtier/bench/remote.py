@@ -30,6 +30,7 @@ import numpy as np
 
 from kvtier.base import make_offload_key
 from kvtier.bench.report import print_json, print_table
+from kvtier.errors import KvtierError
 
 __all__ = ["run"]
 
@@ -133,6 +134,13 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
         record["server"] = "local valkey-server" if len(url) and "127.0.0.1" in url else url
         client = valkey.Valkey.from_url(url, socket_timeout=60)
         stack.callback(client.close)
+        try:
+            client.ping()
+        except valkey.exceptions.ValkeyError as exc:
+            raise KvtierError(
+                f"--url {url}: cannot reach the server ({exc}). Fix: start it, or give its "
+                "address as valkey://HOST:PORT[/DB]; leave --url out to start a local one"
+            ) from None
         for size in SIZES:
             count = max(1, (mib << 20) // size)
             rng = np.random.default_rng(size)

@@ -209,9 +209,13 @@ def _bench_manager(args: argparse.Namespace) -> int:
         except ValueError:
             print(f"kvtier bench manager: --sizes {args.sizes!r}: give block counts like 10000,100000", file=sys.stderr)
             return 2
-        record = _report(args, lambda out: manager_stack.run(
-            sizes=sizes, steps=args.steps, runs=args.runs, out=out
-        ))
+        try:
+            record = _report(args, lambda out: manager_stack.run(
+                sizes=sizes, steps=args.steps, runs=args.runs, out=out
+            ))
+        except KvtierError as exc:
+            print(f"kvtier bench manager: {exc}", file=sys.stderr)
+            return 2
         return 0 if record["us_per_step"] else 1
     from kvtier.bench import manager
 

@@ -194,6 +194,8 @@ def run(
     """Run the soak for ``minutes``; print a table and one JSON line; the JSON record."""
     if kind not in ("lmdb", "files"):
         raise kvtier.ConfigError("--kind", kind, "lmdb or files")
+    if not minutes > 0:
+        raise kvtier.ConfigError("--minutes", minutes, "a positive number of minutes", "e.g. --minutes 1 (0.1 for six seconds)")
     if directory is not None and not os.path.isdir(directory):
         raise kvtier.ConfigError(
             "--dir", directory, "an existing directory (the soak makes its stores in a new folder inside it)",
