@@ -75,6 +75,8 @@ class EvictionPolicy(ABC):
         inserts, then holds each.
         """
         self.insert(keys, block_ids)
+        if not isinstance(held, (set, frozenset, dict)):
+            held = set(held)  # a list would make each membership test a scan
         for key in keys:
             if key in held:
                 self.hold(key)
