@@ -260,3 +260,15 @@ def test_reuse_admission_keeps_one_off_blocks_off_the_disk_and_counts_wear():
     figures = manager.stats()
     assert figures["disk.bytes_read_later"] == BLOCK
     assert figures["disk.write_amplification"] == figures["disk.bytes_written"] / BLOCK
+
+
+def test_stats_after_shutdown_count_what_the_shutdown_saved():
+    manager, disk = make(cpu_blocks=8, disk_blocks=16, write_policy="write_back")
+    keys = [key(i) for i in range(3)]
+    store(manager, keys)
+    settle(manager)  # plenty of clean room: write_back saves nothing yet
+    assert manager.stats()["disk.demoted_bytes"] == 0
+    manager.shutdown()
+    figures = manager.stats()  # the tiers are closed; these are the last figures
+    assert figures["disk.demoted_bytes"] == 3 * BLOCK and figures["disk.demotions"] == 3
+    assert all(np.array_equal(disk_bytes(disk, k), payload(k, BLOCK)) for k in keys)

@@ -271,6 +271,18 @@ def _bench_remote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_cascade(args: argparse.Namespace) -> int:
+    from kvtier.bench import cascade
+
+    try:
+        record = _report(args, lambda out: cascade.run(trace=args.trace, limit=args.limit, out=out))
+    except KvtierError as exc:
+        print(f"kvtier bench cascade: {exc}", file=sys.stderr)
+        return 2
+    # a wrong byte served by any stack fails the run, as in kvtier replay
+    return 1 if any(stack["mismatched_blocks"] for stack in record["stacks"].values()) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     disk_kinds = _disk_kinds()
     parser = argparse.ArgumentParser(
@@ -427,6 +439,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench_remote.add_argument("--rounds", type=int, default=5, help="paired rounds; the median is kept (default 5)")
     bench_remote.add_argument("--url", default=None, help="a server (default: a local valkey-server on 127.0.0.1)")
     bench_remote.set_defaults(func=_bench_remote)
+    bench_cascade = bench_commands.add_parser(
+        "cascade",
+        help="a lower tier as a mirror (receives: saved) or a victim tier (receives: evicted): "
+        "bytes written, hits, time, on a trace",
+    )
+    bench_cascade.add_argument("trace", nargs="?", default=None, metavar="TRACE",
+                               help="JSONL trace (default: the bundled Mooncake trace)")
+    bench_cascade.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    bench_cascade.add_argument("--json", action="store_true", help="print only the JSON line")
+    bench_cascade.set_defaults(func=_bench_cascade)
     return parser
 
 

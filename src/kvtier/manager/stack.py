@@ -170,6 +170,8 @@ class TierStackManager(SingleTierManager):
         self.cpu_hits = 0
         self.misses = 0
         self._closed = False
+        #: stats() once shut down (set by shutdown, just before the tiers close)
+        self._final_stats: dict[str, int] | None = None
 
     @property
     def tiers(self) -> list[SecondaryTier]:
@@ -567,9 +569,14 @@ class TierStackManager(SingleTierManager):
             self._drain()
 
     def shutdown(self) -> None:
-        """Save what only the CPU tier holds, then close every tier (blocks)."""
+        """Save what only the CPU tier holds, then close every tier (blocks).
+
+        :meth:`stats` answers with the figures as they were once everything was saved, just
+        before the tiers closed (what the shutdown wrote included).
+        """
         if not self._closed:
             self.flush()
+            self._final_stats = self.stats()
             for tier in self._tiers:
                 tier.close()
         self._closed = True
@@ -583,6 +590,8 @@ class TierStackManager(SingleTierManager):
 
     def stats(self) -> dict[str, int]:
         """The CPU tier's block counts, then per secondary tier ``<name>.<counter>``."""
+        if self._final_stats is not None:
+            return dict(self._final_stats)  # shut down: the tiers are closed
         figures = super().stats()
         figures.update(
             lookups=self.lookups,

@@ -90,6 +90,8 @@ class ReplayCounts:
     engine_s: float = 0.0
     #: seconds closing the stack took (saving what only the CPU tier held), after the run
     shutdown_s: float = 0.0
+    #: bytes that closing the stack wrote to each lower tier (by tier name)
+    shutdown_bytes_written: dict[str, int] = field(default_factory=dict)
     #: (requests done, cumulative hits by tier, cumulative block refs), one per sample
     timeline: list[tuple[int, dict[str, int], int]] = field(default_factory=list)
 

@@ -82,6 +82,12 @@ def _run_one(
         start = time.perf_counter()
         engine.close()  # saves the blocks only the CPU tier holds (write_back keeps them there)
         engine.counts.shutdown_s = time.perf_counter() - start
+    # what the shutdown wrote below: the stack's figures once everything was saved
+    final = engine.manager.stats() if hasattr(engine.manager, "stats") else {}
+    engine.counts.shutdown_bytes_written = {
+        name.removesuffix(".demoted_bytes"): value - stats.get(name, 0)
+        for name, value in final.items() if name.endswith(".demoted_bytes")
+    }
     return engine.counts, stats, elapsed
 
 
@@ -185,6 +191,8 @@ def replay(
         "engine_s": counts.engine_s,
         # not in elapsed_s: closing the stack, which saves what only the CPU tier holds
         "shutdown_s": counts.shutdown_s,
+        # not in bytes_written: what that save wrote to each lower tier
+        "shutdown_bytes_written": counts.shutdown_bytes_written,
         "stack_s": elapsed - counts.engine_s,
         "blocks_per_s": counts.block_refs / elapsed if elapsed else 0.0,
         "skipped_requests": len(skipped),

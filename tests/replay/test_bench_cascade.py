@@ -1,0 +1,36 @@
+"""``kvtier bench cascade``: three stacks over one trace slice, the mirror as the baseline."""
+
+import io
+import json
+
+from kvtier.bench import cascade
+from kvtier.cli.main import main
+
+
+def test_every_stack_writes_each_block_once_and_serves_the_same_hits():
+    out = io.StringIO()
+    record = cascade.run(limit=300, out=out)
+    stacks = record["stacks"]
+    assert list(stacks) == list(cascade.STACKS) and record["baseline"] == "mirror"
+    mirror = stacks["mirror"]
+    assert mirror["total_bytes_written"] > 0
+    for name, figures in stacks.items():
+        assert figures["mismatched_blocks"] == 0
+        assert 0 < figures["hit_ratio"] <= record["ceiling_hit_ratio"] + 1e-9
+        # the disks hold the slice's working set: every distinct block is written once below,
+        # by the run or by the shutdown's save, whichever way the tiers receive it
+        assert figures["total_bytes_written"] == mirror["total_bytes_written"], name
+        assert figures["total_vs_mirror"] == 1.0
+        in_run = sum(figures["bytes_written"].values())
+        assert figures["total_bytes_written"] == in_run + sum(figures["shutdown_bytes_written"].values())
+    split = stacks["nvme+bulk"]
+    assert set(split["bytes_written"]) == {"nvme", "bulk"}
+    # the mirror admits reused blocks only; the victim tier takes what it did not keep
+    assert split["admission"]["nvme"]["refused_blocks"] > 0
+    assert json.loads(out.getvalue().splitlines()[-1]) == json.loads(json.dumps(record))
+
+
+def test_cli_json_line(capsys):
+    assert main(["bench", "cascade", "--limit", "50", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["bench"] == "cascade" and record["requests"] == 50
