@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Container, Iterator, Sequence
+from collections.abc import Collection, Container, Sequence
 
 from kvtier.base import OffloadKey
 from kvtier.policies.base import TwoQueuePolicy
@@ -34,7 +34,6 @@ class ARCPolicy(TwoQueuePolicy):
     def __init__(self, capacity_blocks: int):
         super().__init__(capacity_blocks)
         self._p = 0.0
-        self._index: dict[OffloadKey, int] = {}
         self._t1: OrderedDict[OffloadKey, None] = OrderedDict()
         self._t2: OrderedDict[OffloadKey, None] = OrderedDict()
         self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
@@ -42,17 +41,12 @@ class ARCPolicy(TwoQueuePolicy):
         self._held_t2: set[OffloadKey] = set()
         # the names TwoQueuePolicy's holds work on
         self._first, self._second, self._held_second = self._t1, self._t2, self._held_t2
-        # Bound C methods, as in LRUPolicy: lookup runs once per key per request.
-        self.get = self._index.get  # type: ignore[method-assign]
-        self.contains = self._index.__contains__  # type: ignore[method-assign]
+        self._parts = (self._t1, self._t2, self._b1, self._b2, self._held_t2)
 
     @property
     def target_t1_blocks(self) -> float:
         """The adaptive target size of t1 (``p`` in the paper)."""
         return self._p
-
-    def get(self, key: OffloadKey) -> int | None:  # replaced per instance in __init__
-        return self._index.get(key)
 
     def _sizes(self) -> tuple[int, int]:
         """|t1| and |t2| as ARC counts them: held keys included, in their own list."""
@@ -177,15 +171,7 @@ class ARCPolicy(TwoQueuePolicy):
         while b2 and size1 + size2 + len(b1) + len(b2) > 2 * capacity:
             b2.popitem(last=False)
 
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def __iter__(self) -> Iterator[OffloadKey]:
-        return iter(self._index)
-
     def clear(self) -> list[tuple[OffloadKey, int]]:
-        dropped = list(self._index.items())
-        for part in (self._index, self._t1, self._t2, self._b1, self._b2, self._held_t2):
-            part.clear()
+        dropped = super().clear()
         self._p = 0.0
         return dropped

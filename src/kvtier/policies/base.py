@@ -5,10 +5,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Collection, Container, Iterator, Sequence
+from typing import Any
 
 from kvtier.base import OffloadKey
 
-__all__ = ["EvictionPolicy", "TwoQueuePolicy"]
+__all__ = ["EvictionPolicy", "IndexedPolicy", "TwoQueuePolicy"]
 
 
 class EvictionPolicy(ABC):
@@ -136,7 +137,44 @@ class EvictionPolicy(ABC):
         return dropped  # type: ignore[return-value]
 
 
-class TwoQueuePolicy(EvictionPolicy):
+class IndexedPolicy(EvictionPolicy):
+    """A policy that maps every ready key to its block id in one dict, ``_index``.
+
+    ``get``, ``contains``, the length, iteration and :meth:`clear` all come from it. ``get``
+    and ``contains`` are bound to the dict's own C methods per instance: lookup runs once per
+    key per request, and a Python-level wrapper would double its cost (``_index`` is only ever
+    cleared in place, so they stay valid). A subclass names its other containers in
+    ``_parts`` (set in its ``__init__``), which :meth:`clear` empties too, and extends
+    :meth:`clear` for any other state.
+    """
+
+    _parts: tuple[Any, ...] = ()
+
+    def __init__(self, capacity_blocks: int):
+        super().__init__(capacity_blocks)
+        self._index: dict[OffloadKey, int] = {}
+        self.get = self._index.get  # type: ignore[method-assign]
+        self.contains = self._index.__contains__  # type: ignore[method-assign]
+
+    def get(self, key: OffloadKey) -> int | None:  # replaced per instance in __init__
+        return self._index.get(key)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        return iter(self._index)
+
+    def clear(self) -> list[tuple[OffloadKey, int]]:
+        dropped = list(self._index.items())
+        self._index.clear()
+        for part in self._parts:
+            part.clear()
+        self._held_fallback.clear()
+        return dropped
+
+
+class TwoQueuePolicy(IndexedPolicy):
     """Holds for a policy whose evictable blocks sit in two ordered queues: ``_first`` (blocks
     new to the tier: ARC's t1, S3-FIFO's small queue, chain's probation) and ``_second``
     (blocks used again: t2, main, protected).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Container, Iterator, Sequence
+from collections.abc import Collection, Container, Sequence
 
 from kvtier.base import OffloadKey
 from kvtier.policies.base import TwoQueuePolicy
@@ -57,7 +57,6 @@ class ChainPolicy(TwoQueuePolicy):
 
     def __init__(self, capacity_blocks: int):
         super().__init__(capacity_blocks)
-        self._index: dict[OffloadKey, int] = {}
         self._probation: OrderedDict[OffloadKey, None] = OrderedDict()
         self._protected: OrderedDict[OffloadKey, None] = OrderedDict()
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
@@ -65,11 +64,7 @@ class ChainPolicy(TwoQueuePolicy):
         # the names TwoQueuePolicy's holds work on
         self._first, self._second, self._held_second = self._probation, self._protected, self._held_protected
         self._protected_limit = max(1, int(PROTECTED_SHARE * capacity_blocks))
-        self.get = self._index.get  # type: ignore[method-assign]
-        self.contains = self._index.__contains__  # type: ignore[method-assign]
-
-    def get(self, key: OffloadKey) -> int | None:  # replaced per instance in __init__
-        return self._index.get(key)
+        self._parts = (self._probation, self._protected, self._ghost, self._held_protected)
 
     def insert(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
         self._index.update(zip(keys, block_ids))
@@ -153,14 +148,3 @@ class ChainPolicy(TwoQueuePolicy):
         while len(ghost) > GHOST_FACTOR * self.capacity_blocks:
             ghost.popitem(last=False)
 
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def __iter__(self) -> Iterator[OffloadKey]:
-        return iter(self._index)
-
-    def clear(self) -> list[tuple[OffloadKey, int]]:
-        dropped = list(self._index.items())
-        for part in (self._index, self._probation, self._protected, self._ghost, self._held_protected):
-            part.clear()
-        return dropped

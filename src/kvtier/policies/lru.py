@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Container, Iterator, Sequence
+from collections.abc import Collection, Container, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.base import IndexedPolicy
 
 __all__ = ["LRUPolicy"]
 
 
-class LRUPolicy(EvictionPolicy):
+class LRUPolicy(IndexedPolicy):
     """Drops the block used longest ago.
 
     Two structures: ``_index`` maps every ready key to its block id (``get`` and ``contains``
@@ -28,16 +28,10 @@ class LRUPolicy(EvictionPolicy):
 
     def __init__(self, capacity_blocks: int):
         super().__init__(capacity_blocks)
-        self._index: dict[OffloadKey, int] = {}
         self._order: OrderedDict[OffloadKey, None] = OrderedDict()
-        # Bound C methods: lookup runs once per key per request, and a Python-level wrapper
-        # would double its cost. _index is only ever cleared in place, so they stay valid.
-        self.get = self._index.get  # type: ignore[method-assign]
-        self.contains = self._index.__contains__  # type: ignore[method-assign]
+        self._parts = (self._order,)
+        # a bound C method, like get and contains (see IndexedPolicy)
         self.hold = self._order.__delitem__  # type: ignore[method-assign]
-
-    def get(self, key: OffloadKey) -> int | None:  # replaced per instance in __init__
-        return self._index.get(key)
 
     def insert(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
         self._index.update(zip(keys, block_ids))
@@ -100,14 +94,3 @@ class LRUPolicy(EvictionPolicy):
             del order[key]
         return [(key, pop(key)) for key in victims]
 
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def __iter__(self) -> Iterator[OffloadKey]:
-        return iter(self._index)
-
-    def clear(self) -> list[tuple[OffloadKey, int]]:
-        dropped = list(self._index.items())
-        self._index.clear()
-        self._order.clear()
-        return dropped

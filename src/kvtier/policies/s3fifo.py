@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Container, Iterator, Sequence
+from collections.abc import Collection, Container, Sequence
 
 from kvtier.base import OffloadKey
 from kvtier.policies.base import TwoQueuePolicy
@@ -38,7 +38,6 @@ class S3FIFOPolicy(TwoQueuePolicy):
 
     def __init__(self, capacity_blocks: int):
         super().__init__(capacity_blocks)
-        self._index: dict[OffloadKey, int] = {}
         self._small: OrderedDict[OffloadKey, None] = OrderedDict()
         self._main: OrderedDict[OffloadKey, None] = OrderedDict()
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
@@ -46,11 +45,7 @@ class S3FIFOPolicy(TwoQueuePolicy):
         self._held_main: set[OffloadKey] = set()
         # the names TwoQueuePolicy's holds work on
         self._first, self._second, self._held_second = self._small, self._main, self._held_main
-        self.get = self._index.get  # type: ignore[method-assign]
-        self.contains = self._index.__contains__  # type: ignore[method-assign]
-
-    def get(self, key: OffloadKey) -> int | None:  # replaced per instance in __init__
-        return self._index.get(key)
+        self._parts = (self._small, self._main, self._ghost, self._freq, self._held_main)
 
     def insert(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
         self._index.update(zip(keys, block_ids))
@@ -138,14 +133,3 @@ class S3FIFOPolicy(TwoQueuePolicy):
         self.entries_visited += walked
         return victims
 
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def __iter__(self) -> Iterator[OffloadKey]:
-        return iter(self._index)
-
-    def clear(self) -> list[tuple[OffloadKey, int]]:
-        dropped = list(self._index.items())
-        for part in (self._index, self._small, self._main, self._ghost, self._freq, self._held_main):
-            part.clear()
-        return dropped

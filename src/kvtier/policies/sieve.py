@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Container, Iterator, Sequence
+from collections.abc import Collection, Container, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.base import IndexedPolicy
 
 __all__ = ["SIEVEPolicy"]
 
 
-class SIEVEPolicy(EvictionPolicy):
+class SIEVEPolicy(IndexedPolicy):
     """Keeps blocks in arrival order; a hand walks from the oldest toward the newest.
 
     A hit only sets the block's *visited* bit; nothing moves. To evict, the hand passes over
@@ -31,18 +31,13 @@ class SIEVEPolicy(EvictionPolicy):
 
     def __init__(self, capacity_blocks: int):
         super().__init__(capacity_blocks)
-        self._index: dict[OffloadKey, int] = {}
         self._newer: dict[OffloadKey, OffloadKey | None] = {}
         self._older: dict[OffloadKey, OffloadKey | None] = {}
         self._oldest: OffloadKey | None = None
         self._newest: OffloadKey | None = None
         self._hand: OffloadKey | None = None  # None: start from the oldest
         self._visited: set[OffloadKey] = set()
-        self.get = self._index.get  # type: ignore[method-assign]
-        self.contains = self._index.__contains__  # type: ignore[method-assign]
-
-    def get(self, key: OffloadKey) -> int | None:  # replaced per instance in __init__
-        return self._index.get(key)
+        self._parts = (self._newer, self._older, self._visited)
 
     def _link(self, key: OffloadKey) -> None:
         """Append ``key`` at the newest end."""
@@ -132,15 +127,7 @@ class SIEVEPolicy(EvictionPolicy):
         self.entries_visited += walked
         return victims
 
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def __iter__(self) -> Iterator[OffloadKey]:
-        return iter(self._index)
-
     def clear(self) -> list[tuple[OffloadKey, int]]:
-        dropped = list(self._index.items())
-        for part in (self._index, self._newer, self._older, self._visited):
-            part.clear()
+        dropped = super().clear()
         self._oldest = self._newest = self._hand = None
         return dropped
