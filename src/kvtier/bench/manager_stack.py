@@ -117,7 +117,62 @@ class _Driver:
         raise NotImplementedError
 
 
-class _KvtierDriver(_Driver):
+class _ManagerDriver(_Driver):
+    """A manager driven through the OffloadingManager calls: kvtier's and vLLM's run this one
+    step, so the protocol cannot drift between them. A subclass sets ``manager`` and ``_hit``
+    (what a lookup of a ready block answers) and makes its contexts and step ends."""
+
+    manager: Any
+    _hit: Any = True
+
+    def _context(self, req_id: str) -> Any:
+        raise NotImplementedError
+
+    def _end_step(self, req_ids: tuple[str, ...]) -> None:
+        """End the scheduler step in which the requests ``req_ids`` were new."""
+        raise NotImplementedError
+
+    def _store_batch(self, keys: list[bytes]) -> None:
+        manager = self.manager
+        req_id = f"fill{self.next_key}"
+        ctx = self._context(req_id)
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(keys, ctx)
+        if out is None:
+            raise RuntimeError(f"{self.name}: the CPU tier refused a store while filling")
+        manager.complete_store(out.keys_to_store, ctx)
+        manager.on_request_finished(ctx)
+        self.next_key += len(keys)
+        self._end_step((req_id,))
+
+    def _idle_step(self) -> None:
+        self._end_step(())
+
+    def _step(self, new_keys: list[bytes], lookups: list[bytes], loads: list[bytes]) -> None:
+        manager = self.manager
+        req_id = f"r{self.step_no}"
+        ctx = self._context(req_id)
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(new_keys, ctx)
+        if out is None:
+            raise RuntimeError(f"{self.name}: store refused at step {self.step_no}: not at steady state")
+        manager.complete_store(out.keys_to_store, ctx)
+        lookup, hit = manager.lookup, self._hit
+        for key in lookups:
+            if lookup(key, ctx) is not hit:
+                raise RuntimeError(f"{self.name}: a block stored {LOOKBACK_STEPS} steps ago missed")
+        if loads:
+            manager.prepare_load(loads, ctx)
+            manager.complete_load(loads, ctx)
+            manager.touch(loads, ctx)
+        manager.on_request_finished(ctx)
+        self._end_step((req_id,))
+
+    def close(self) -> None:
+        self.manager.shutdown()
+
+
+class _KvtierDriver(_ManagerDriver):
     name = "kvtier"
 
     def __init__(self, capacity: int):
@@ -128,7 +183,7 @@ class _KvtierDriver(_Driver):
         from kvtier.policies.lru import LRUPolicy
         from kvtier.tiers.memory import MemoryBackend, MemoryTier
 
-        self._context = ReqContext
+        self._make_context = ReqContext
         backend = MemoryBackend(capacity, BLOCK_BYTES)
         # As many blocks below as in the CPU tier, and full from the start (blocks no step
         # names): every size then runs with the lower tier evicting its oldest for each block
@@ -154,44 +209,16 @@ class _KvtierDriver(_Driver):
                 if result.failed:
                     raise RuntimeError(f"kvtier: the lower tier refused filler blocks: {result.failed}")
 
-    def _store_batch(self, keys: list[bytes]) -> None:
-        ctx = self._context("fill")
-        out = self.manager.prepare_store(keys, ctx)
-        if out is None:
-            raise RuntimeError("kvtier: the CPU tier refused a store while filling")
-        self.manager.complete_store(out.keys_to_store, ctx)
-        self.next_key += len(keys)
-        self.manager.on_schedule_end()
+    def _context(self, req_id: str) -> Any:
+        return self._make_context(req_id)
 
-    def _idle_step(self) -> None:
+    def _end_step(self, req_ids: tuple[str, ...]) -> None:
         self.manager.on_schedule_end()
-
-    def _step(self, new_keys: list[bytes], lookups: list[bytes], loads: list[bytes]) -> None:
-        manager = self.manager
-        ctx = self._context(f"r{self.step_no}")
-        manager.on_new_request(ctx)
-        out = manager.prepare_store(new_keys, ctx)
-        if out is None:
-            raise RuntimeError(f"kvtier: store refused at step {self.step_no}: not at steady state")
-        manager.complete_store(out.keys_to_store, ctx)
-        lookup = manager.lookup
-        for key in lookups:
-            if lookup(key, ctx) is not True:
-                raise RuntimeError(f"kvtier: a block stored {LOOKBACK_STEPS} steps ago missed")
-        if loads:
-            manager.prepare_load(loads, ctx)
-            manager.complete_load(loads, ctx)
-            manager.touch(loads, ctx)
-        manager.on_request_finished(ctx)
-        manager.on_schedule_end()
 
     def check_steady(self) -> None:
         stats = self.manager.stats()
         if stats["ready_blocks"] != self.capacity or stats["evictions"] == 0 or stats["lower.evicted"] == 0:
             raise RuntimeError(f"kvtier: not at steady state: {stats}")
-
-    def close(self) -> None:
-        self.manager.shutdown()
 
 
 class _FloorDriver(_Driver):
@@ -245,7 +272,7 @@ class _FloorDriver(_Driver):
         self.index.clear()
 
 
-class _VllmDriver(_Driver):
+class _VllmDriver(_ManagerDriver):
     name = "vllm"
 
     def __init__(self, capacity: int):
@@ -265,7 +292,7 @@ class _VllmDriver(_Driver):
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
         self._hit = LookupResult.HIT
-        self._context = ReqContext
+        self._make_context = ReqContext
         self._end = ScheduleEndContext
         row = TieringOffloadingSpec.BLOCK_SIZE_ALIGNMENT  # vLLM's smallest row: one page
         config = OffloadingConfig(
@@ -289,46 +316,14 @@ class _VllmDriver(_Driver):
         )
         self.manager = TieringOffloadingSpec(config).get_manager()
 
-    def _store_batch(self, keys: list[bytes]) -> None:
-        req_id = f"fill{self.next_key}"
-        ctx = self._context(req_id=req_id)
-        self.manager.on_new_request(ctx)
-        out = self.manager.prepare_store(keys, ctx)
-        if out is None:
-            raise RuntimeError("vllm: the CPU tier refused a store while filling")
-        self.manager.complete_store(out.keys_to_store, ctx)
-        self.manager.on_request_finished(ctx)
-        self.next_key += len(keys)
-        self.manager.on_schedule_end(self._end(new_req_ids=(req_id,), preempted_req_ids=()))
+    def _context(self, req_id: str) -> Any:
+        return self._make_context(req_id=req_id)
 
-    def _idle_step(self) -> None:
-        self.manager.on_schedule_end(self._end(new_req_ids=(), preempted_req_ids=()))
-
-    def _step(self, new_keys: list[bytes], lookups: list[bytes], loads: list[bytes]) -> None:
-        manager = self.manager
-        req_id = f"r{self.step_no}"
-        ctx = self._context(req_id=req_id)
-        manager.on_new_request(ctx)
-        out = manager.prepare_store(new_keys, ctx)
-        if out is None:
-            raise RuntimeError(f"vllm: store refused at step {self.step_no}: not at steady state")
-        manager.complete_store(out.keys_to_store, ctx)
-        lookup, hit = manager.lookup, self._hit
-        for key in lookups:
-            if lookup(key, ctx) is not hit:
-                raise RuntimeError(f"vllm: a block stored {LOOKBACK_STEPS} steps ago missed")
-        if loads:
-            manager.prepare_load(loads, ctx)
-            manager.complete_load(loads, ctx)
-            manager.touch(loads, ctx)
-        manager.on_request_finished(ctx)
-        manager.on_schedule_end(self._end(new_req_ids=(req_id,), preempted_req_ids=()))
+    def _end_step(self, req_ids: tuple[str, ...]) -> None:
+        self.manager.on_schedule_end(self._end(new_req_ids=req_ids, preempted_req_ids=()))
 
     def check_steady(self) -> None:
         pass  # every step's store would have been refused (and raised) without room
-
-    def close(self) -> None:
-        self.manager.shutdown()
 
 
 def _vllm_available() -> bool:
