@@ -51,6 +51,17 @@ def _tier(url: str, rows: np.ndarray, namespace: str):
     return ValkeyTier.open(config, rows, LayoutFingerprint.standalone(rows.shape[1]))
 
 
+def _run_job(tier, job, load: bool) -> None:
+    """Submit ``job`` to ``tier`` (a load, else a store) and wait for it; ``RuntimeError``
+    naming the reasons if a block failed."""
+    (tier.submit_load if load else tier.submit_store)(job)
+    tier.drain_jobs()
+    (result,) = tier.get_finished_jobs()
+    if not result.success:
+        what = "load" if load else "store"
+        raise RuntimeError(f"a {what} failed: {sorted(set(result.failed.values()))}")
+
+
 def _tier_round(url: str, rows: np.ndarray, out_rows: np.ndarray, keys, round_index: int) -> tuple[float, float]:
     from kvtier.tiers.base import TierJob
 
@@ -60,12 +71,8 @@ def _tier_round(url: str, rows: np.ndarray, out_rows: np.ndarray, keys, round_in
     try:
         job_rows = tuple(range(len(keys)))
         start = time.perf_counter()
-        writer.submit_store(TierJob(1, tuple(keys), job_rows))
-        writer.drain_jobs()
-        (stored,) = writer.get_finished_jobs()
+        _run_job(writer, TierJob(1, tuple(keys), job_rows), load=False)
         put = time.perf_counter() - start
-        if not stored.success:
-            raise RuntimeError(f"a store failed: {sorted(set(stored.failed.values()))}")
 
         start = time.perf_counter()
         deadline = start + SETTLE_S
@@ -80,12 +87,8 @@ def _tier_round(url: str, rows: np.ndarray, out_rows: np.ndarray, keys, round_in
             answers = [reader.lookup(key) for key in keys]
         if not all(answer is True for answer in answers):
             raise RuntimeError("a stored block did not look up True")
-        reader.submit_load(TierJob(2, tuple(keys), job_rows))
-        reader.drain_jobs()
-        (loaded,) = reader.get_finished_jobs()
+        _run_job(reader, TierJob(2, tuple(keys), job_rows), load=True)
         get = time.perf_counter() - start
-        if not loaded.success:
-            raise RuntimeError(f"a load failed: {sorted(set(loaded.failed.values()))}")
         if not np.array_equal(out_rows, rows):
             raise RuntimeError("a loaded block differs from the stored one")
         out_rows[:] = 0
