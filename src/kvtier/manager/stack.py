@@ -83,6 +83,20 @@ class _TierCounters:
 
 
 
+def _jobs_done(jobs: dict[OffloadKey, int], keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+    """One job reading each of ``keys`` ended (``jobs``: key -> jobs still reading its row);
+    the keys no job reads any more, which leave ``jobs``."""
+    done = []
+    for key in keys:
+        left = jobs[key] - 1
+        if left:
+            jobs[key] = left
+        else:
+            del jobs[key]
+            done.append(key)
+    return done
+
+
 class TierStackManager(SingleTierManager):
     """The CPU tier (a Backend and its policy) above an ordered list of secondary tiers.
 
@@ -499,13 +513,8 @@ class TierStackManager(SingleTierManager):
         counters.demoted_bytes += result.nbytes
         counters.demote_failures += len(result.failed)
         if self._is_victim[index]:
-            spilling, holds, release = self._spilling, self._holds, self._policy.release
-            for key in job.keys:
-                left = spilling[key] - 1
-                if left:
-                    spilling[key] = left
-                    continue
-                del spilling[key]
+            holds, release = self._holds, self._policy.release
+            for key in _jobs_done(self._spilling, job.keys):
                 if key not in holds:  # saved below, or refused: the CPU tier may drop it
                     release(key)
             return
@@ -514,13 +523,8 @@ class TierStackManager(SingleTierManager):
             for key in result.ok:
                 if index < kept_by.get(key, len(self._tiers)):
                     kept_by[key] = index
-        demoting, saved_done = self._demoting, self._saved_done
-        for key in job.keys:
-            left = demoting[key] - 1
-            if left:
-                demoting[key] = left
-                continue
-            del demoting[key]
+        saved_done = self._saved_done
+        for key in _jobs_done(self._demoting, job.keys):
             # Saved by every tier, or refused by some (a tier that failed the job would not
             # take it now): either way the CPU tier may drop it, once no read pins it — or
             # once a victim tier has it, if no saved tier above that one keeps it.
