@@ -82,7 +82,6 @@ class _TierCounters:
     promote_jobs: int = 0
 
 
-
 def _jobs_done(jobs: dict[OffloadKey, int], keys: Sequence[OffloadKey]) -> list[OffloadKey]:
     """One job reading each of ``keys`` ended (``jobs``: key -> jobs still reading its row);
     the keys no job reads any more, which leave ``jobs``."""
