@@ -383,10 +383,9 @@ def run(
     """Run the benchmark; print the table and the JSON line; return the JSON record."""
     out = out or sys.stdout
     sizes = sorted(sizes)
-    smallest = MIN_SIZE
-    if not sizes or sizes[0] < smallest:
+    if not sizes or sizes[0] < MIN_SIZE:
         raise ConfigError(
-            "--sizes", ",".join(map(str, sizes)), f"CPU-tier sizes of at least {smallest} blocks",
+            "--sizes", ",".join(map(str, sizes)), f"CPU-tier sizes of at least {MIN_SIZE} blocks",
             f"a step looks up the blocks stored {LOOKBACK_STEPS} steps before, which a smaller "
             "tier has evicted: e.g. --sizes 10000,100000",
         )
