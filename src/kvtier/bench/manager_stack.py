@@ -133,29 +133,26 @@ class _ManagerDriver(_Driver):
         raise NotImplementedError
 
     def _store_batch(self, keys: list[bytes]) -> None:
-        manager = self.manager
-        req_id = f"fill{self.next_key}"
-        ctx = self._context(req_id)
-        manager.on_new_request(ctx)
-        out = manager.prepare_store(keys, ctx)
-        if out is None:
-            raise RuntimeError(f"{self.name}: the CPU tier refused a store while filling")
-        manager.complete_store(out.keys_to_store, ctx)
-        manager.on_request_finished(ctx)
+        self._request(f"fill{self.next_key}", keys, [], [], "while filling")
         self.next_key += len(keys)
-        self._end_step((req_id,))
 
     def _idle_step(self) -> None:
         self._end_step(())
 
     def _step(self, new_keys: list[bytes], lookups: list[bytes], loads: list[bytes]) -> None:
+        self._request(f"r{self.step_no}", new_keys, lookups, loads, f"at step {self.step_no} (not at steady state)")
+
+    def _request(
+        self, req_id: str, new_keys: list[bytes], lookups: list[bytes], loads: list[bytes], when: str
+    ) -> None:
+        """One request in a step of its own: store ``new_keys``, look up ``lookups`` (every
+        one must hit), load ``loads``, finish, end the step."""
         manager = self.manager
-        req_id = f"r{self.step_no}"
         ctx = self._context(req_id)
         manager.on_new_request(ctx)
         out = manager.prepare_store(new_keys, ctx)
         if out is None:
-            raise RuntimeError(f"{self.name}: store refused at step {self.step_no}: not at steady state")
+            raise RuntimeError(f"{self.name}: the CPU tier refused a store {when}")
         manager.complete_store(out.keys_to_store, ctx)
         lookup, hit = manager.lookup, self._hit
         for key in lookups:
