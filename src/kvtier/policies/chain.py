@@ -102,6 +102,9 @@ class ChainPolicy(TwoQueuePolicy):
         """How many times the learnt share changed (0 for a fixed one)."""
         return self._tuner.changes if self._tuner is not None else 0
 
+    def describe(self) -> dict[str, float]:
+        return {"protected_share": self._share, "share_changes": self.share_changes}
+
     def _set_share(self, share: float) -> None:
         if not 0.0 <= share < 1.0:
             raise ValueError(f"protected_share must be in [0, 1), got {share}")
