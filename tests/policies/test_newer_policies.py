@@ -68,7 +68,7 @@ def test_s3fifo_main_queue_reinserts_used_blocks_with_one_use_fewer():
 
 
 def test_chain_evicts_a_chain_from_its_tail_and_keeps_hit_prefixes():
-    policy = ChainPolicy(10)
+    policy = ChainPolicy(10, protected_share=0.8)
     policy.insert([key(0), key(1), key(2)], [0, 1, 2])  # one request's chain, head first
     policy.insert([key(3), key(4)], [3, 4])
     # Tail first within a chain, older chains first: 2, 1, 0, then 4.
@@ -80,7 +80,7 @@ def test_chain_evicts_a_chain_from_its_tail_and_keeps_hit_prefixes():
 
 
 def test_chain_protected_share_overflows_back_to_probation_and_ghosts_return_protected():
-    policy = ChainPolicy(5)  # protected may hold 4
+    policy = ChainPolicy(5, protected_share=0.8)  # protected may hold 4
     policy.insert([key(i) for i in range(5)], list(range(5)))
     policy.touch([key(0), key(1), key(2), key(3), key(4)])
     # The fifth protected block pushes the least recent (the chain's tail, 4) to probation.

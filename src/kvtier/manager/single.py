@@ -235,12 +235,16 @@ class SingleTierManager(OffloadingManager):
 
     # -- introspection -------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, int]:
-        """Block counts by state, free slots, and evictions since start."""
-        return {
+    def stats(self) -> dict[str, float]:
+        """Block counts by state, free slots, evictions since start, and what the eviction
+        policy has learnt (``policy_<name>``, e.g. ``chain``'s ``policy_protected_share``)."""
+        figures: dict[str, float] = {
             "ready_blocks": len(self._policy),
             "pending_blocks": len(self._pending),
             "held_blocks": len(self._policy) - self._policy.evictable_blocks(),
             "free_blocks": self._backend.get_num_free_blocks(),
             "evictions": self.evictions,
         }
+        for name, value in self._policy.describe().items():
+            figures["policy_" + name] = value
+        return figures

@@ -591,7 +591,7 @@ class TierStackManager(SingleTierManager):
         """Whether reads or writes are queued or in flight (keep stepping to finish them)."""
         return bool(self._jobs) or any(self._promote_queue)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         """The CPU tier's block counts, then per secondary tier ``<name>.<counter>``."""
         if self._final_stats is not None:
             return dict(self._final_stats)  # shut down: the tiers are closed

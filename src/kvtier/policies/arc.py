@@ -48,6 +48,9 @@ class ARCPolicy(TwoQueuePolicy):
         """The adaptive target size of t1 (``p`` in the paper)."""
         return self._p
 
+    def describe(self) -> dict[str, float]:
+        return {"target_t1_blocks": self._p}
+
     def _sizes(self) -> tuple[int, int]:
         """|t1| and |t2| as ARC counts them: held keys included, in their own list."""
         size2 = len(self._t2) + len(self._held_t2)

@@ -128,6 +128,11 @@ class EvictionPolicy(ABC):
     def __iter__(self) -> Iterator[OffloadKey]:
         """The ready keys, in no promised order."""
 
+    def describe(self) -> dict[str, float]:
+        """What the policy has learnt, for the manager's ``stats()`` (``policy_<name>``): a
+        policy that adapts says where it stands; the default has nothing to say."""
+        return {}
+
     def clear(self) -> list[tuple[OffloadKey, int]]:
         """Forget every block (and any history, and every hold); the ``(key, block id)`` pairs."""
         dropped = [(key, self.get(key)) for key in list(self)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -10,10 +11,16 @@ from pathlib import Path
 
 from kvtier.errors import KvtierError
 
-__all__ = ["Request", "load_trace", "bundled_trace_path", "ceiling_hit_ratio"]
+__all__ = ["BUNDLED_TRACES", "Request", "load_trace", "bundled_trace_path", "ceiling_hit_ratio"]
 
 #: tokens per block of the Mooncake traces' ``hash_ids``
 TRACE_BLOCK_TOKENS = 512
+#: traces shipped with kvtier, by the name a command accepts in place of a path (see
+#: ``kvtier/data/README.md``); ``synthetic`` is the default
+BUNDLED_TRACES = {
+    "synthetic": "mooncake_synthetic.jsonl",
+    "conversation": "mooncake_conversation.jsonl.gz",
+}
 
 
 @dataclass(frozen=True)
@@ -27,46 +34,61 @@ class Request:
     hash_ids: tuple[int, ...]
 
 
-def bundled_trace_path() -> Path:
-    """The Mooncake synthetic trace shipped with kvtier (see ``kvtier/data/README.md``)."""
-    return Path(str(resources.files("kvtier") / "data" / "mooncake_synthetic.jsonl"))
+def bundled_trace_path(name: str = "synthetic") -> Path:
+    """The path of the trace shipped with kvtier as ``name`` (one of :data:`BUNDLED_TRACES`)."""
+    return Path(str(resources.files("kvtier") / "data" / BUNDLED_TRACES[name]))
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[Request]:
     """The first ``limit`` requests (all if ``None``) of the JSONL trace at ``path``.
 
-    A missing file or a malformed line raises :class:`KvtierError` naming the file and line.
+    ``path`` may also be gzip-compressed (``.gz``), or name a bundled trace
+    (:data:`BUNDLED_TRACES`) when no such file exists. A missing file or a malformed line
+    raises :class:`KvtierError` naming the file and line.
     """
     path = Path(path)
+    if str(path) in BUNDLED_TRACES and not path.exists():
+        path = bundled_trace_path(str(path))
     try:
-        handle = path.open("r", encoding="utf-8")
+        if path.suffix == ".gz":
+            handle = gzip.open(path, "rt", encoding="utf-8")
+        else:
+            handle = path.open("r", encoding="utf-8")
     except OSError as exc:
+        names = ", ".join(BUNDLED_TRACES)
         raise KvtierError(
             f"cannot read trace {path}: {exc.strerror}; give a Mooncake-format JSONL file "
-            f"(or no TRACE to replay the bundled one)"
+            f"(.jsonl or .jsonl.gz), a bundled trace's name ({names}), or no TRACE for the "
+            f"bundled synthetic one"
         ) from exc
     requests: list[Request] = []
-    with handle:
-        for number, line in enumerate(handle, start=1):
-            if limit is not None and len(requests) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                requests.append(
-                    Request(
-                        int(record["timestamp"]),
-                        int(record["input_length"]),
-                        int(record["output_length"]),
-                        tuple(int(h) for h in record["hash_ids"]),
+    try:
+        with handle:
+            for number, line in enumerate(handle, start=1):
+                if limit is not None and len(requests) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    requests.append(
+                        Request(
+                            int(record["timestamp"]),
+                            int(record["input_length"]),
+                            int(record["output_length"]),
+                            tuple(int(h) for h in record["hash_ids"]),
+                        )
                     )
-                )
-            except (ValueError, KeyError, TypeError) as exc:
-                raise KvtierError(
-                    f"{path} line {number}: not a trace record ({exc!r}); each line needs "
-                    f"timestamp, input_length, output_length and hash_ids"
-                ) from exc
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise KvtierError(
+                        f"{path} line {number}: not a trace record ({exc!r}); each line needs "
+                        f"timestamp, input_length, output_length and hash_ids"
+                    ) from exc
+    except (OSError, EOFError, UnicodeDecodeError) as exc:  # binary, or a damaged .gz
+        raise KvtierError(
+            f"cannot read trace {path}: {exc}; give a Mooncake-format JSONL text file, or a "
+            f"whole gzip of one ending in .gz"
+        ) from exc
     return requests
 
 
