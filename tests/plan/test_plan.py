@@ -10,6 +10,7 @@ from kvtier.plan.belady import belady
 from kvtier.plan.run import plan, smallest_reaching
 from kvtier.plan.simulate import simulate
 from kvtier.policies import get_policy_class, registered_policies
+from kvtier.policies.chain import SHARES
 from kvtier.policies.lru import LRUPolicy
 
 # Two chains sharing a 2-block prefix, then a third request repeating the first.
@@ -74,6 +75,9 @@ def test_plan_record_and_cli_json_line(tmp_path, capsys):
     assert record["hit_ratio"]["lru"][1] == pytest.approx(record["ceiling"], abs=1e-4)
     assert record["recommend"]["disk_blocks"] == 10 and record["recommend"]["disk_bytes"] == 10 * 1024
     assert plot.stat().st_size > 0
+    # what chain learnt at each size is reported; LRU learns nothing and is not listed
+    assert set(record["learnt"]) == {"chain"} and len(record["learnt"]["chain"]) == 2
+    assert all(state["protected_share"] in SHARES for state in record["learnt"]["chain"])
 
 
 def test_bad_arguments_name_the_flag():

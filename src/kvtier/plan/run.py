@@ -87,9 +87,14 @@ def plan(
     hit_ratio: dict[str, list[float]] = {}
     told: dict[str, list[float]] = {}  # policy -> its reuse-oracle hit ratio per capacity
     seconds: dict[str, float] = {}
+    learnt: dict[str, list[dict[str, float]]] = {}  # policy -> what it learnt, per capacity
     for name in policies:
         cls = get_policy_class(name, field="--policies")
-        results = [simulate(chains, cls(c), c) for c in capacities]
+        instances = [cls(c) for c in capacities]
+        results = [simulate(chains, policy, c) for policy, c in zip(instances, capacities)]
+        described = [policy.describe() for policy in instances]
+        if any(described):
+            learnt[name] = described
         hit_ratio[name] = [round(r.hit_ratio, 4) for r in results]
         seconds[name] = sum(r.seconds for r in results)
         told[name] = [round(reuse_oracle(chains, cls, c).hit_ratio, 4) for c in capacities]
@@ -129,6 +134,7 @@ def plan(
         "reuse_oracle": reuse_bound,
         "reuse_oracle_policy": oracle_policy,
         "admission": admission,
+        "learnt": learnt,
     }
     if signals:
         record["signals"] = reuse_signals(chains)
@@ -180,6 +186,10 @@ def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None
     print_table(rows, ["blocks", *policies, "reuse_oracle", "opt", "ceiling"], out)
     print("reuse_oracle: the best of these policies evicting first the blocks never referenced "
           f"again (knows whether, not when): {record['reuse_oracle_policy']}", file=out)
+    for name, states in record["learnt"].items():
+        print(f"{name} at the end of the trace, per size: "
+              + "; ".join(", ".join(f"{k} {v:g}" for k, v in state.items()) for state in states),
+              file=out)
     adm = record["admission"]
     columns = ["writes_all", "oracle_refusable", "writes_reuse", "reuse_writes_cut", "hit_ratio_all",
                "hit_ratio_reuse", "reuse_hit_loss"]
