@@ -48,8 +48,8 @@ def test_what_the_policy_learnt_is_a_cpu_tier_figure():
     manager = TierStackManager(backend, policy, [MemoryTier("nvme", backend.rows, 8)], CascadeConfig())
     registry = prometheus_client.CollectorRegistry()
     registry.register(StatsCollector(manager.stats))
-    assert manager.stats()["policy_protected_share"] == policy.protected_share == 0.5
-    assert registry.get_sample_value("kvtier_policy_protected_share", {"tier": "cpu"}) == 0.5
+    assert manager.stats()["policy_protected_share"] == policy.protected_share == 0.0
+    assert registry.get_sample_value("kvtier_policy_protected_share", {"tier": "cpu"}) == 0.0
     policy._set_share(0.9)  # what the tuner does when the 0.9 copy leads
     assert registry.get_sample_value("kvtier_policy_protected_share", {"tier": "cpu"}) == 0.9
     assert manager.stats()["policy_share_changes"] == 0

@@ -48,3 +48,33 @@ def test_a_fixed_share_is_what_the_learnt_one_guards_against(chains):
     learnt_policy = ChainPolicy(capacity)
     assert simulate(synthetic, learnt_policy, capacity).hit_ratio > lru + 0.01
     assert learnt_policy.protected_share > 0.0
+
+
+def reused_once(requests=8_000, seed=1):
+    """Each prompt (5-30 new blocks) comes back exactly once, 1-400 requests later, then never:
+    a block that was hit is dead. The worst case for a segmented LRU, whose protected
+    segment fills with the dead."""
+    import random
+
+    rng = random.Random(seed)
+    chains, due, fresh = [], {}, 0
+    for index in range(requests):
+        if index in due:
+            chains.append(due.pop(index))
+            continue
+        chain = list(range(fresh, fresh + rng.randint(5, 30)))
+        fresh += len(chain)
+        chains.append(chain)
+        due.setdefault(index + rng.randint(1, 400), chain)
+    return chains
+
+
+@pytest.mark.parametrize("capacity", [2_000, 5_000])
+def test_where_every_hit_block_is_dead_the_learnt_share_falls_back_to_lru_order(capacity):
+    chains = reused_once()
+    lru = simulate(chains, LRUPolicy(capacity), capacity).hit_ratio
+    fixed = simulate(chains, ChainPolicy(capacity, 0.8), capacity).hit_ratio
+    learnt_policy = ChainPolicy(capacity)
+    learnt = simulate(chains, learnt_policy, capacity).hit_ratio
+    assert fixed < lru / 2  # a fixed protected share keeps the dead
+    assert learnt >= lru - 0.005 and learnt_policy.protected_share == 0.0

@@ -12,9 +12,10 @@ from kvtier.policies.tuner import SettingTuner
 __all__ = ["ChainPolicy"]
 
 #: the shares of the capacity that blocks with a hit may fill (before the oldest of them go
-#: back to probation) which the adaptive policy races, see :class:`ChainPolicy`; it starts
-#: at the middle one. 0 is LRU order with chains leaving tail first, 0.9 a strong
-#: segmented LRU; five shares (0, 0.25, 0.5, 0.8, 0.95) hit no more on the traces measured
+#: back to probation) which the adaptive policy races, see :class:`ChainPolicy`. 0 is LRU
+#: order with chains leaving tail first, where it starts until a copy with a larger share
+#: hits more; 0.9 is a strong segmented LRU. Five shares (0, 0.25, 0.5, 0.8, 0.95) hit no
+#: more on the traces measured
 SHARES = (0.0, 0.5, 0.9)
 #: ghost keys remembered per block of capacity: keys cost ~100 bytes against a block's
 #: megabytes, and reuse distances in KV traces run to several cache sizes
@@ -84,7 +85,7 @@ class ChainPolicy(TwoQueuePolicy):
         self._parts = (self._probation, self._protected, self._ghost, self._held_protected)
         self._tuner: SettingTuner | None = None
         if protected_share is None:
-            start = SHARES[len(SHARES) // 2]
+            start = SHARES[0]  # LRU order until protecting proven blocks is seen to pay
             self._set_share(start)
             self._tuner = SettingTuner(
                 capacity_blocks, SHARES, start, _fixed_share, self._set_share
