@@ -59,7 +59,9 @@ class ChainPolicy(TwoQueuePolicy):
     live ones — a fixed 0.8 fell 0.019 below LRU there at 20,000 blocks. A
     :class:`~kvtier.policies.tuner.SettingTuner` races one small copy of this policy per
     share in ``SHARES`` on a hash sample of the keys, and puts in force the share of the copy
-    with the most recent hits. A lowered share drains protected gradually (at most two blocks
+    with the most recent hits; it starts at 0 (LRU order), so it protects proven blocks only
+    once doing so is seen to pay, and a workload where LRU order is best never pays for the
+    race's lessons in a segment full of the dead. A lowered share drains protected gradually (at most two blocks
     per key named plus eight per call), so a change costs O(1) amortized too.
     ``protected_share=s`` fixes the share at ``s`` (the copies are built that way).
 
@@ -200,7 +202,6 @@ class ChainPolicy(TwoQueuePolicy):
         ghost.update(dict.fromkeys(keys))
         while len(ghost) > GHOST_FACTOR * self.capacity_blocks:
             ghost.popitem(last=False)
-
 
 
 def _fixed_share(share: float, capacity_blocks: int) -> ChainPolicy:
