@@ -31,9 +31,11 @@ def visits(manager) -> int:
     return manager.policy.entries_visited + getattr(manager, "entries_visited", 0)
 
 
-def fill_and_step(policy_cls, capacity: int, stack: bool | str, write_policy: str = "write_back") -> list[int]:
-    """Entries visited by each of 20 steady-state steps over a full tier of ``capacity``
-    (``stack="victim"``: its lower tier has ``receives: evicted``)."""
+def fill_and_step(
+    policy_cls, capacity: int, stack: bool | str, write_policy: str = "write_back", count=visits
+) -> list[int]:
+    """Entries visited (``count``) by each of 20 steady-state steps over a full tier of
+    ``capacity`` (``stack="victim"``: its lower tier has ``receives: evicted``)."""
     backend = MemoryBackend(capacity, BLOCK)
     policy = policy_cls(capacity)
     if stack:
@@ -73,7 +75,7 @@ def fill_and_step(policy_cls, capacity: int, stack: bool | str, write_policy: st
 
     per_step = []
     for _ in range(20):
-        before = visits(manager)
+        before = count(manager)
         stored = store(STORES)
         recent = [key(i) for i in range(next_key - 4 * STORES, next_key - 3 * STORES)]
         hits = [k for k in recent if manager.lookup(k, CTX) is True][:LOADS]
@@ -84,7 +86,7 @@ def fill_and_step(policy_cls, capacity: int, stack: bool | str, write_policy: st
         for k in stored:
             assert manager.lookup(k, CTX) is True
         manager.on_schedule_end()
-        per_step.append(visits(manager) - before)
+        per_step.append(count(manager) - before)
     stats = manager.stats()
     assert stats["ready_blocks"] == capacity  # full throughout: every store evicted
     assert stats["held_blocks"] >= capacity // 4  # the pins (and, in a stack, dirty blocks)
@@ -110,3 +112,19 @@ def test_entries_visited_per_step_do_not_grow_with_capacity(policy_cls, stack, w
     # Sixteen times the blocks, a quarter of them pinned at the cold end: a walk past them
     # would visit thousands of entries a step; only when stale copies are met differs.
     assert sum(large) <= sum(small) + len(small) * LOADS * passes
+
+
+@pytest.mark.parametrize("stack", [False, True])
+def test_the_learnt_share_race_visits_a_bounded_number_of_entries_per_step(stack):
+    """chain's racing copies (kvtier/policies/tuner.py) evict on their own: their visits,
+    counted apart, stay under a constant per key the step names, and thin out as the tier
+    grows (one key in 8 is sampled at 1,024 blocks, one in 32 at 16,384)."""
+    from kvtier.policies.chain import SHARES, ChainPolicy
+
+    def race(manager):
+        return manager.policy.shadow_entries_visited
+
+    small = fill_and_step(ChainPolicy, 1024, stack, count=race)
+    large = fill_and_step(ChainPolicy, 16 * 1024, stack, count=race)
+    bound = len(small) * len(SHARES) * (STORES + LOADS)  # every key named, in every copy
+    assert 0 < sum(small) <= bound // 4 and sum(large) <= sum(small)

@@ -105,6 +105,12 @@ class ChainPolicy(TwoQueuePolicy):
         """How many times the learnt share changed (0 for a fixed one)."""
         return self._tuner.changes if self._tuner is not None else 0
 
+    @property
+    def shadow_entries_visited(self) -> int:
+        """Entries the racing copies' evictions examined (0 for a fixed share); the flat-cost
+        test adds them to ``entries_visited``, so the race is held to the same bound."""
+        return self._tuner.entries_visited if self._tuner is not None else 0
+
     def describe(self) -> dict[str, float]:
         return {"protected_share": self._share, "share_changes": self.share_changes}
 

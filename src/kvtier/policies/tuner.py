@@ -113,6 +113,11 @@ class SettingTuner:
         """The setting in force."""
         return self.settings[self.current]
 
+    @property
+    def entries_visited(self) -> int:
+        """Entries the shadows' evictions examined: the race's share of the owner's cost."""
+        return sum(shadow.policy.entries_visited for shadow in self.shadows)
+
     def observe(self, keys: Iterable[OffloadKey]) -> None:
         """``keys`` were referenced (found and touched, or stored) by the owner."""
         mask, pending = self.sample_mask, self._pending
