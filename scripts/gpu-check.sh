@@ -13,9 +13,9 @@
 # Output: one file per step (and env.txt, summary.txt) under $OUT when it is set, else under a
 # new temporary folder; the JSON lines are also printed at the end.
 #
-# Needs python3 (PYTHON=... overrides) with torch, numpy, xxhash, pyyaml, tqdm, aiofiles, pytest
-# and hypothesis. kvtier itself is not installed: it runs from src/ (PYTHONPATH). Missing
-# packages (lmdb, on the lent GPU machines) come as wheels in .whl/ (KVTIER_WHEELS=dir
+# Needs python3 (PYTHON=... overrides) with torch, numpy, xxhash, pyyaml, tqdm, pytest and
+# hypothesis. kvtier itself is not installed: it runs from src/ (PYTHONPATH). Missing packages
+# (lmdb, on the lent GPU machines) come as wheels in .whl/ (KVTIER_WHEELS=dir
 # overrides), installed into a private folder first; README.md ("Worker side") says how to
 # download them. Without lmdb the replay uses its `files` disk tier and test modules that
 # need lmdb are reported as collection errors but do not stop the run.
@@ -82,7 +82,7 @@ from importlib import import_module, metadata
 
 print("python", sys.version.split()[0])
 for module, dist in (("torch", "torch"), ("numpy", "numpy"), ("xxhash", "xxhash"),
-                     ("yaml", "PyYAML"), ("tqdm", "tqdm"), ("aiofiles", "aiofiles"),
+                     ("yaml", "PyYAML"), ("tqdm", "tqdm"),
                      ("pytest", "pytest"), ("hypothesis", "hypothesis"), ("lmdb", "lmdb")):
     try:
         import_module(module)
@@ -106,7 +106,7 @@ print("kvtier from", kvtier.__file__)
 PY
 } 2>&1 | tee "$LOGS/env.txt"
 
-missing=$(grep -E "^(torch|numpy|xxhash|yaml|tqdm|aiofiles|pytest|hypothesis) MISSING" "$LOGS/env.txt" || true)
+missing=$(grep -E "^(torch|numpy|xxhash|yaml|tqdm|pytest|hypothesis) MISSING" "$LOGS/env.txt" || true)
 if [ -n "$missing" ]; then
   echo "gpu-check: required packages are missing:" >&2
   echo "$missing" >&2
