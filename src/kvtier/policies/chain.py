@@ -206,8 +206,9 @@ class ChainPolicy(TwoQueuePolicy):
         """Keep ``keys`` (just evicted from probation) as ghosts, forgetting the oldest."""
         ghost = self._ghost
         ghost.update(dict.fromkeys(keys))
-        while len(ghost) > GHOST_FACTOR * self.capacity_blocks:
-            ghost.popitem(last=False)
+        forget = ghost.popitem
+        for _ in range(len(ghost) - GHOST_FACTOR * self.capacity_blocks):
+            forget(False)  # the oldest ghost
 
 
 def _fixed_share(share: float, capacity_blocks: int) -> ChainPolicy:
