@@ -128,6 +128,13 @@ def test_signals_by_hand():
     by_age = reuse_signals([(1, 2, 3), (1, 2, 4), (5,)], age_edges=(0, 2, 4))["first_reuse_by_age"]
     assert by_age == [{"age_refs": [0, 2], "blocks": 4, "p_per_1k_refs": 0.0},
                       {"age_refs": [2, 4], "blocks": 3, "p_per_1k_refs": round(1000 * 2 / 3 / 2, 4)}]
+    # By request length: the 3-block requests bring 1, 2, 3 and 4 (1 and 2 come back), the
+    # 1-block one brings 5 (never back); no other bucket has a new block.
+    by_length = {tuple(row["request_blocks"]): (row["refs"], row["p_again"])
+                 for row in signals["new_by_request_blocks"]}
+    assert by_length.pop((1, 1)) == (1, 0.0)
+    assert by_length.pop((2, 3)) == (4, 0.5)
+    assert set(by_length.values()) == {(0, None)} and (128, None) in by_length
 
 
 def test_plan_json_has_the_bounds_and_keeps_its_keys(tmp_path, capsys):

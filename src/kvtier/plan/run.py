@@ -205,6 +205,10 @@ def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None
         for kind in ("reuse_distance_median", "first_reuse_distance_median"):
             print(f"{kind}: {signals[kind]['requests']} requests, {signals[kind]['block_refs']} block refs",
                   file=out)
+        print("new blocks by the length of their request (blocks): P(referenced again)", file=out)
+        print_table([{"request_blocks": f"{row['request_blocks'][0]}-{row['request_blocks'][1] or ''}",
+                      "refs": row["refs"], "p_again": row["p_again"]}
+                     for row in signals["new_by_request_blocks"]], ["request_blocks", "refs", "p_again"], out)
         print("first reuse by age (refs since stored): chance per 1,000 refs, of blocks not reused yet",
               file=out)
         print_table([{"age_refs": "-".join(map(str, row["age_refs"])), "blocks": row["blocks"],

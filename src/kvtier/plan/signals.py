@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from statistics import median
 from typing import Any
 
-__all__ = ["AGE_EDGES", "SIGNALS", "reuse_signals"]
+__all__ = ["AGE_EDGES", "LENGTH_EDGES", "SIGNALS", "reuse_signals"]
 
 #: the signals reported, in order, with what each one selects (block references)
 SIGNALS = {
@@ -20,6 +21,8 @@ SIGNALS = {
 
 #: age buckets (block references since a block was stored) of the first-reuse hazard
 AGE_EDGES = (0, 1000, 2000, 4000, 8000, 16000, 32000, 64000)
+#: request-length buckets (blocks in the request) of the length signal; the last is open
+LENGTH_EDGES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def reuse_signals(chains: Sequence[Sequence[int]], age_edges: Sequence[int] = AGE_EDGES) -> dict[str, Any]:
@@ -33,6 +36,8 @@ def reuse_signals(chains: Sequence[Sequence[int]], age_edges: Sequence[int] = AG
     bucket (blocks whose bucket ends past the trace's end are left out: their future is not
     seen). Flat means an unproven block's age tells nothing — no recency order helps;
     falling means young blocks are the likelier ones, which is what LRU bets on.
+    ``new_by_request_blocks`` is the length signal: new blocks by how many blocks their
+    request has (buckets from ``LENGTH_EDGES``, the last one open), each with ``p_again``.
 
     All of these are known online when a request's blocks are stored, except whether the block
     is referenced again — the outcome each signal is meant to predict. A signal whose
@@ -52,10 +57,12 @@ def reuse_signals(chains: Sequence[Sequence[int]], age_edges: Sequence[int] = AG
     first_gap: dict[int, int] = {}  # block -> block refs from its first to its second reference
     distances: dict[str, tuple[list[int], list[int]]] = {  # (in requests, in block refs)
         "reuse_distance_median": ([], []), "first_reuse_distance_median": ([], [])}
+    by_length = [[0, 0] for _ in LENGTH_EDGES]  # length bucket -> [new blocks, referenced again]
     refs = 0
     for index, chain in enumerate(chains):
         prefix_hit = bool(chain) and chain[0] in last_seen
         end = len(chain) - 1
+        length_bucket = by_length[bisect_right(LENGTH_EDGES, len(chain)) - 1] if chain else None
         for position, block in enumerate(chain):
             seen = last_seen.get(block)
             if seen is None:
@@ -73,6 +80,8 @@ def reuse_signals(chains: Sequence[Sequence[int]], age_edges: Sequence[int] = AG
             if seen is None:
                 first_seen.add(block)
                 stored_at[block] = refs
+                length_bucket[0] += 1  # type: ignore[index]
+                length_bucket[1] += again[index][position]  # type: ignore[index]
             for name in names:
                 counts[name][0] += 1
                 counts[name][1] += again[index][position]
@@ -88,6 +97,10 @@ def reuse_signals(chains: Sequence[Sequence[int]], age_edges: Sequence[int] = AG
         signals[kind] = {"requests": median(in_requests) if in_requests else None,
                          "block_refs": median(in_refs) if in_refs else None}
     signals["first_reuse_by_age"] = _hazard(stored_at, first_gap, refs, age_edges)
+    highs = [*(edge - 1 for edge in LENGTH_EDGES[1:]), None]
+    signals["new_by_request_blocks"] = [
+        {"request_blocks": [low, high], "refs": n, "p_again": round(hit / n, 3) if n else None}
+        for low, high, (n, hit) in zip(LENGTH_EDGES, highs, by_length)]
     return signals
 
 
