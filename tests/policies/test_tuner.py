@@ -8,7 +8,7 @@ from helpers import key
 from kvtier.plan.simulate import simulate
 from kvtier.policies.chain import SHARES, ChainPolicy
 from kvtier.policies.lru import LRUPolicy
-from kvtier.policies.tuner import MAX_SAMPLE_SHIFT, MIN_SHADOW_BLOCKS, SettingTuner, Shadow
+from kvtier.policies.tuner import BATCH_SHARE, MAX_SAMPLE_SHIFT, MIN_SHADOW_BLOCKS, SettingTuner, Shadow
 
 
 def test_shadow_counts_the_keys_it_holds_and_stores_the_rest_evicting_its_own_victims():
@@ -36,7 +36,7 @@ def test_sampling_shrinks_shadows_to_no_less_than_the_floor_and_no_rarer_than_th
     assert [shadow.policy.capacity_blocks for shadow in tuner.shadows] == [tuner.shadow_blocks] * 2
     assert [shadow.policy.protected_share for shadow in tuner.shadows] == [0.0, 0.5]
     # a batch is a small part of a shadow, so feeding one never flushes it
-    assert 1 <= tuner.batch_keys <= max(1, tuner.shadow_blocks // 16)
+    assert BATCH_SHARE <= 1 / 8 and 1 <= tuner.batch_keys <= max(1, int(tuner.shadow_blocks * BATCH_SHARE))
 
 
 def test_the_tuner_applies_whichever_setting_leads_and_counts_the_changes():
@@ -46,7 +46,7 @@ def test_the_tuner_applies_whichever_setting_leads_and_counts_the_changes():
     tuner = SettingTuner(
         64, (1.0, 2.0), 1.0, lambda size, blocks: LRUPolicy(int(size * 20)), told.append
     )
-    assert tuner.sample_mask == 0 and tuner.batch_keys == 4  # 64 blocks: every key sampled
+    assert tuner.sample_mask == 0 and tuner.batch_keys == int(64 * BATCH_SHARE)  # every key sampled
     loop = [key(i) for i in range(30)]
     for _ in range(20):
         tuner.observe(loop)

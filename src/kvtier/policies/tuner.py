@@ -18,7 +18,7 @@ MAX_SAMPLE_SHIFT = 5
 #: sampled references fed to the shadows at once (one eviction round per batch, not per
 #: key), and at most this share of a shadow's blocks, so a batch never flushes a shadow
 BATCH_KEYS = 64
-BATCH_SHARE = 1 / 16
+BATCH_SHARE = 1 / 8
 #: the score forgets with a time constant of this many sampled references, so the choice
 #: follows a workload that changes, and a phase long past does not outvote the present
 SCORE_WINDOW = 4096
