@@ -80,7 +80,27 @@ def test_plan_record_and_cli_json_line(tmp_path, capsys):
     assert all(state["protected_share"] in SHARES for state in record["learnt"]["chain"])
 
 
+def test_worker_processes_give_the_same_record(tmp_path):
+    # Every simulation run in two spawned workers (policies found again there by class path,
+    # a policy named by its path too) instead of here: only the timings and `jobs` differ.
+    trace = tmp_path / "t.jsonl"
+    chains = [(1, 2, 3), (5,), (1, 2, 3), (6, 7), (1, 2, 8)] * 6
+    trace.write_text("\n".join(json.dumps({"timestamp": i, "input_length": 512 * len(c), "output_length": 1,
+                                           "hash_ids": list(c)}) for i, c in enumerate(chains)))
+    names = ["lru", "chain", "kvtier.policies.arc:ARCPolicy"]
+    here = plan(trace, [2, 4, 8], names, admission_policy="chain", jobs=1)
+    apart = plan(trace, [2, 4, 8], names, admission_policy="chain", jobs=2)
+    timings = {"refs_per_s", "opt_refs_per_s", "wall_s", "jobs"}
+    assert {k: v for k, v in here.items() if k not in timings} == {
+        k: v for k, v in apart.items() if k not in timings}
+    assert (here["jobs"], apart["jobs"]) == (1, 2)
+    assert set(apart["refs_per_s"]) == set(names) and all(v > 0 for v in apart["refs_per_s"].values())
+    assert set(apart["learnt"]) == {"chain", names[2]}  # what the workers' policies learnt came back
+
+
 def test_bad_arguments_name_the_flag():
+    with pytest.raises(ConfigError, match="--jobs"):
+        plan(None, [10], ["lru"], jobs=0)
     with pytest.raises(ConfigError, match="--policies"):
         plan(None, [10], ["mru"])
     with pytest.raises(ConfigError, match="--capacities"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
@@ -96,6 +97,7 @@ def _plan(args: argparse.Namespace) -> int:
             admission_policy=args.admission_policy,
             min_reuse=args.min_reuse,
             signals=args.signals,
+            jobs=args.jobs,
         ))
     except KvtierError as exc:
         print(f"kvtier plan: {exc}", file=sys.stderr)
@@ -482,6 +484,9 @@ def _add_plan(commands: Any) -> None:
                       help="admit: reuse threshold compared in the disk-admission table (default: 2)")
     plan.add_argument("--signals", action="store_true",
                       help="also report P(referenced again) by what a policy knows at store time")
+    plan.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
+                      help="simulations run side by side in N processes (default: the CPU count, "
+                      "%(default)s here)")
     plan.add_argument("--json", action="store_true", help="print only the JSON line")
     plan.set_defaults(func=_plan)
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -57,6 +60,7 @@ def plan(
     admission_policy: str = "lru",
     min_reuse: int = 2,
     signals: bool = False,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """Hit ratio per policy and size, Belady's bound, the ceiling, and tier sizes; the JSON record.
 
@@ -75,35 +79,53 @@ def plan(
     ``target`` of the ceiling; the CPU tier is the smallest reaching ``cpu_target`` of it (the
     hot part, served without a disk read). ``None`` means no simulated size reaches it:
     simulate larger ones.
+
+    Every simulation (a policy, its oracle, Belady or the admission pair, at one size) is
+    independent of the others: ``jobs`` > 1 runs them in that many worker processes, each
+    given the trace once. The record is the same either way but for ``wall_s``: each
+    simulation times itself in CPU seconds of the process that ran it (``refs_per_s``). The
+    workers are spawned, not forked, so they import each policy by its class path: a
+    policy class defined in ``__main__`` or inside a function needs ``jobs=1``.
     """
+    started = time.perf_counter()
     policies = list(policies or registered_policies())
     capacities = sorted(set(capacities))
     _check(capacities, policies, target, cpu_target, admission_policy)
     AdmissionFilter("reuse", min_reuse)  # a bad min_reuse fails here, named
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError("--jobs", jobs, "a positive number of processes", "e.g. --jobs 2")
     path = Path(trace) if trace else bundled_trace_path()
     chains = [request.hash_ids for request in load_trace(path)]
     ceiling, refs = ceiling_hit_ratio(load_trace(path))
+
+    classes = {name: _class_path(get_policy_class(name, field="--policies")) for name in policies}
+    admitting = _class_path(get_policy_class(admission_policy, field="--admission-policy"))
+    tasks: list[tuple[str, str | None, int]] = []
+    for name in policies:
+        tasks += [("policy", classes[name], c) for c in capacities]
+        tasks += [("oracle", classes[name], c) for c in capacities]
+    tasks += [("belady", None, c) for c in capacities]
+    tasks += [("admission", admitting, c) for c in capacities]
+    done = dict(zip(tasks, _run_all(tasks, chains, min_reuse, jobs)))
 
     hit_ratio: dict[str, list[float]] = {}
     told: dict[str, list[float]] = {}  # policy -> its reuse-oracle hit ratio per capacity
     seconds: dict[str, float] = {}
     learnt: dict[str, list[dict[str, float]]] = {}  # policy -> what it learnt, per capacity
     for name in policies:
-        cls = get_policy_class(name, field="--policies")
-        instances = [cls(c) for c in capacities]
-        results = [simulate(chains, policy, c) for policy, c in zip(instances, capacities)]
-        described = [policy.describe() for policy in instances]
-        if any(described):
-            learnt[name] = described
-        hit_ratio[name] = [round(r.hit_ratio, 4) for r in results]
-        seconds[name] = sum(r.seconds for r in results)
-        told[name] = [round(reuse_oracle(chains, cls, c).hit_ratio, 4) for c in capacities]
-    opt_results = [belady(chains, c) for c in capacities]
-    opt = [round(r.hit_ratio, 4) for r in opt_results]
-    opt_s = sum(r.seconds for r in opt_results)
+        results = [done["policy", classes[name], c] for c in capacities]
+        hit_ratio[name] = [ratio for ratio, _, _ in results]
+        seconds[name] = sum(spent for _, spent, _ in results)
+        if any(described for _, _, described in results):
+            learnt[name] = [described for _, _, described in results]
+        told[name] = [done["oracle", classes[name], c] for c in capacities]
+    opt = [done["belady", None, c][0] for c in capacities]
+    opt_s = sum(done["belady", None, c][1] for c in capacities)
     oracle_policy = [max(policies, key=lambda name: told[name][i]) for i in range(len(capacities))]
     reuse_bound = [told[name][i] for i, name in enumerate(oracle_policy)]
-    admission = _admission(chains, capacities, admission_policy, min_reuse)
+    rows = [done["admission", admitting, c] for c in capacities]
+    admission = {"cpu_policy": admission_policy, "min_reuse": min_reuse,
+                 **{key: [row[key] for row in rows] for key in _ADMISSION_KEYS}}
 
     best = [max(hit_ratio[name][i] for name in policies) for i in range(len(capacities))]
     best_policy = [max(policies, key=lambda name: hit_ratio[name][i]) for i in range(len(capacities))]
@@ -135,9 +157,11 @@ def plan(
         "reuse_oracle_policy": oracle_policy,
         "admission": admission,
         "learnt": learnt,
+        "jobs": jobs,
     }
     if signals:
         record["signals"] = reuse_signals(chains)
+    record["wall_s"] = round(time.perf_counter() - started, 2)
     if out is not None:
         _print(record, policies, out)
     if plot:
@@ -145,27 +169,86 @@ def plan(
     return record
 
 
-def _admission(chains: Sequence[Sequence[int]], capacities: Sequence[int], policy: str,
-               min_reuse: int) -> dict[str, Any]:
-    """Per CPU size: disk writes with ``admit: all``, the share of them an oracle could refuse
-    at no loss, and what ``admit: reuse`` cuts and costs."""
-    cls = get_policy_class(policy)
-    rows: dict[str, list[Any]] = {key: [] for key in (
-        "writes_all", "reads_all", "hit_ratio_all", "oracle_refusable", "writes_reuse",
-        "reuse_writes_cut", "hit_ratio_reuse", "reuse_hit_loss")}
-    for capacity in capacities:
-        every = simulate_admission(chains, cls(capacity), capacity)
-        reuse = simulate_admission(chains, cls(capacity), capacity, AdmissionFilter("reuse", min_reuse))
-        rows["writes_all"].append(every.writes)
-        rows["reads_all"].append(every.reads)
-        rows["hit_ratio_all"].append(round(every.hit_ratio, 4))
-        rows["oracle_refusable"].append(round(every.needless_writes / every.writes, 4) if every.writes else 0.0)
-        rows["writes_reuse"].append(reuse.writes)
-        rows["reuse_writes_cut"].append(round(1 - reuse.writes / every.writes, 4) if every.writes else 0.0)
-        rows["hit_ratio_reuse"].append(round(reuse.hit_ratio, 4))
-        rows["reuse_hit_loss"].append(
-            round(1 - reuse.hit_ratio / every.hit_ratio, 4) if every.hit_ratio else 0.0)
-    return {"cpu_policy": policy, "min_reuse": min_reuse, **rows}
+#: the admission table's rows, one value per CPU size each
+_ADMISSION_KEYS = ("writes_all", "reads_all", "hit_ratio_all", "oracle_refusable", "writes_reuse",
+                   "reuse_writes_cut", "hit_ratio_reuse", "reuse_hit_loss")
+
+
+def _class_path(cls: type) -> str:
+    """``module:Class`` for ``cls``: how a worker process finds the same class."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _simulate_task(task: tuple[str, str | None, int], chains: Sequence[Sequence[int]],
+                   min_reuse: int) -> Any:
+    """One of :func:`plan`'s simulations: ``(kind, policy class path, capacity)``."""
+    kind, target, capacity = task
+    cls = get_policy_class(target, field="--policies") if target else None
+    if kind == "policy":
+        policy = cls(capacity)
+        result = simulate(chains, policy, capacity)
+        return round(result.hit_ratio, 4), result.seconds, policy.describe()
+    if kind == "oracle":
+        return round(reuse_oracle(chains, cls, capacity).hit_ratio, 4)
+    if kind == "belady":
+        result = belady(chains, capacity)
+        return round(result.hit_ratio, 4), result.seconds
+    return _admission_row(chains, cls, capacity, min_reuse)
+
+
+def _admission_row(chains: Sequence[Sequence[int]], cls: type, capacity: int,
+                   min_reuse: int) -> dict[str, Any]:
+    """For a CPU tier of ``capacity`` blocks: disk writes with ``admit: all``, the share of them
+    an oracle could refuse at no loss, and what ``admit: reuse`` cuts and costs."""
+    every = simulate_admission(chains, cls(capacity), capacity)
+    reuse = simulate_admission(chains, cls(capacity), capacity, AdmissionFilter("reuse", min_reuse))
+    return {
+        "writes_all": every.writes,
+        "reads_all": every.reads,
+        "hit_ratio_all": round(every.hit_ratio, 4),
+        "oracle_refusable": round(every.needless_writes / every.writes, 4) if every.writes else 0.0,
+        "writes_reuse": reuse.writes,
+        "reuse_writes_cut": round(1 - reuse.writes / every.writes, 4) if every.writes else 0.0,
+        "hit_ratio_reuse": round(reuse.hit_ratio, 4),
+        "reuse_hit_loss": round(1 - reuse.hit_ratio / every.hit_ratio, 4) if every.hit_ratio else 0.0,
+    }
+
+
+# A worker process's copy of the trace and settings, set once by _start_worker.
+_WORKER: dict[str, Any] = {}
+
+
+def _start_worker(chains: Sequence[Sequence[int]], min_reuse: int) -> None:
+    _WORKER.update(chains=chains, min_reuse=min_reuse)
+
+
+def _worker_task(task: tuple[str, str | None, int]) -> Any:
+    return _simulate_task(task, _WORKER["chains"], _WORKER["min_reuse"])
+
+
+def _run_all(tasks: list[tuple[str, str | None, int]], chains: Sequence[Sequence[int]],
+             min_reuse: int, jobs: int) -> list[Any]:
+    """Each task's result, in order: here, or in ``jobs`` spawned worker processes."""
+    if jobs == 1 or len(tasks) == 1:
+        return [_simulate_task(task, chains, min_reuse) for task in tasks]
+    # The slowest first (Belady's heap, then the oracles, then the policies), so the last
+    # task to finish is a short one and no worker idles long at the end.
+    order = sorted(range(len(tasks)), key=lambda i: (_COST[tasks[i][0]], tasks[i][2]), reverse=True)
+    with ProcessPoolExecutor(
+        max_workers=min(jobs, len(tasks)),
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_start_worker,
+        initargs=(chains, min_reuse),
+    ) as pool:
+        results = list(pool.map(_worker_task, [tasks[i] for i in order]))
+    ordered: list[Any] = [None] * len(tasks)
+    for i, result in zip(order, results):
+        ordered[i] = result
+    return ordered
+
+
+#: rough relative cost of each kind of task, for the order they are handed out in
+_COST = {"admission": 3, "belady": 2, "oracle": 1, "policy": 0}
 
 
 def _gib(nbytes: int) -> str:
