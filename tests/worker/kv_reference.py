@@ -76,6 +76,7 @@ class Rig:
         num_rows: int = 8,
         region: SharedRegion | None = None,
         seed: int = 0,
+        engine: str = "auto",
     ):
         self.device = device
         self.factor = factor
@@ -90,7 +91,7 @@ class Rig:
         self.block_bytes = factor * sum(entry.page_size_bytes for entry in self.kv.tensors)
         self.region = region or SharedRegion.create(num_rows, self.block_bytes)
         self.region.pin("auto")
-        self.handlers = CpuGpuOffloadingHandlers(self.kv, self.region, factor)
+        self.handlers = CpuGpuOffloadingHandlers(self.kv, self.region, factor, engine=engine)
         self.store_handler = self.handlers.gpu_to_cpu_handler
         self.load_handler = self.handlers.cpu_to_gpu_handler
 

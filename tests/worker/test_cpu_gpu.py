@@ -1,13 +1,15 @@
 """CpuGpuOffloadingHandlers end to end: bytes, untouched neighbours, order, failures, errors.
 
 Every test body runs on the CPU path (CPU tensors standing in for the GPU cache, the thread
-engine) and, under ``@pytest.mark.gpu``, on CUDA with the stream engine.
+engine) and, under ``@pytest.mark.gpu``, on CUDA with the stream engine (batched DMA) and with
+the kernel engine (``cuda+kernel``: the same streams, the bytes moved by a Triton kernel).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from importlib.util import find_spec
 
 import numpy as np
 import pytest
@@ -21,18 +23,30 @@ from kvtier.worker.cpu_gpu import CpuGpuOffloadingHandlers
 from kvtier.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.tiers.cpu.region import SharedRegion
 
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not cuda.cuda_available(), reason="needs CUDA")]
 DEVICES = [
     pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=_CUDA),
+]
+# "device+engine": a rig's tensors on device, its handlers on that copy engine
+ENGINES = DEVICES + [
     pytest.param(
-        "cuda",
-        id="cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not cuda.cuda_available(), reason="needs CUDA")],
+        "cuda+kernel",
+        id="cuda-kernel",
+        marks=[*_CUDA, pytest.mark.skipif(find_spec("triton") is None, reason="needs Triton")],
     ),
 ]
 
 
-@pytest.fixture(params=DEVICES)
+@pytest.fixture(params=ENGINES)
 def device(request):
+    """Where a rig runs (``device`` or ``device+engine``), for the tests that build rigs."""
+    return request.param
+
+
+@pytest.fixture(params=DEVICES)
+def torch_device(request):
+    """A plain torch device, for the tests that build tensors themselves."""
     return request.param
 
 
@@ -40,8 +54,9 @@ def device(request):
 def rigs():
     made = []
 
-    def make(*args, **kwargs):
-        rig = Rig(*args, **kwargs)
+    def make(where, *args, **kwargs):
+        device, _, engine = where.partition("+")
+        rig = Rig(device, *args, engine=engine or "auto", **kwargs)
         made.append(rig)
         return rig
 
@@ -297,8 +312,8 @@ def test_shutdown_drains_then_refuses(device, rigs):
     np.testing.assert_array_equal(rig.region.rows[2], expected)
 
 
-def test_region_is_closed_once_both_handlers_stop_when_owned(device):
-    layers = [torch.zeros((4, 64), dtype=torch.int8, device=device)]
+def test_region_is_closed_once_both_handlers_stop_when_owned(torch_device):
+    layers = [torch.zeros((4, 64), dtype=torch.int8, device=torch_device)]
     region = SharedRegion.create(2, 64)
     handlers = CpuGpuOffloadingHandlers(canonicalize(layers), region, 1, owns_region=True)
     handlers.gpu_to_cpu_handler.shutdown()
@@ -307,8 +322,8 @@ def test_region_is_closed_once_both_handlers_stop_when_owned(device):
     assert region.closed
 
 
-def test_region_row_size_must_match_the_layout(device):
-    layers = [torch.zeros((4, 64), dtype=torch.int8, device=device)]
+def test_region_row_size_must_match_the_layout(torch_device):
+    layers = [torch.zeros((4, 64), dtype=torch.int8, device=torch_device)]
     with (
         SharedRegion.create(2, 100) as region,
         pytest.raises(ConfigError, match="region.row_bytes: got 100; expected 192"),
@@ -316,8 +331,8 @@ def test_region_row_size_must_match_the_layout(device):
         CpuGpuOffloadingHandlers(canonicalize(layers), region, 3)
 
 
-def test_page_size_must_match_the_tensor(device):
-    kv = canonicalize([torch.zeros((4, 64), dtype=torch.int8, device=device)])
+def test_page_size_must_match_the_tensor(torch_device):
+    kv = canonicalize([torch.zeros((4, 64), dtype=torch.int8, device=torch_device)])
     kv.tensors[0].page_size_bytes = 48
     with (
         SharedRegion.create(2, 48) as region,
@@ -326,11 +341,11 @@ def test_page_size_must_match_the_tensor(device):
         CpuGpuOffloadingHandlers(kv, region, 1)
 
 
-def test_engine_must_fit_the_device(device):
-    layers = [torch.zeros((4, 64), dtype=torch.int8, device=device)]
-    wrong = "cuda" if device == "cpu" else "thread"
-    with SharedRegion.create(2, 64) as region, pytest.raises(ValueError, match="engine"):
-        CpuGpuOffloadingHandlers(canonicalize(layers), region, 1, engine=wrong)
+def test_engine_must_fit_the_device(torch_device):
+    layers = [torch.zeros((4, 64), dtype=torch.int8, device=torch_device)]
+    for wrong in ("cuda", "kernel") if torch_device == "cpu" else ("thread",):
+        with SharedRegion.create(2, 64) as region, pytest.raises(ValueError, match="engine"):
+            CpuGpuOffloadingHandlers(canonicalize(layers), region, 1, engine=wrong)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,12 @@ runs of:
 At the end, one store and one load of up to 64 blocks are checked byte for byte
 (``verified`` in the JSON).
 
+On CUDA with Triton importable (PyTorch's CUDA builds bring it), the same jobs also run
+through a second handler pair on the ``kernel`` engine (the bytes moved by a Triton kernel
+instead of the copy engines; :mod:`kvtier.worker.engines.kernel`), in the same rounds:
+``d2h_kernel_gbps``, ``h2d_kernel_gbps`` and their ratios to the same baselines, and its
+round trip is verified too. ``kernel=False`` (``--no-kernel``) leaves it out.
+
 On a machine without CUDA the "GPU" tensors are CPU tensors and the handlers run on the CPU
 path (a background thread of ``memmove`` calls), so the figures measure that path against a
 single ``memcpy`` of the same bytes: useful to see per-copy overhead, not PCIe. Memory used:
@@ -88,7 +94,15 @@ def _run_job(handler: Any, job_id: int, spec: tuple) -> None:
 
 
 def _bench_layout(
-    name: str, page_bytes: int, *, device: str, max_batch: int, runs: int, layers: int, torch: Any
+    name: str,
+    page_bytes: int,
+    *,
+    device: str,
+    max_batch: int,
+    runs: int,
+    layers: int,
+    torch: Any,
+    kernel: bool = False,
 ) -> tuple[list[dict[str, Any]], bool]:
     from kvtier.worker.canonical import canonicalize
     from kvtier.worker.cpu_gpu import CpuGpuOffloadingHandlers
@@ -107,11 +121,13 @@ def _bench_layout(
         _fill(layer, index, torch)
     kv_caches = canonicalize(caches)
     region = SharedRegion.create(max_batch, block_bytes)
-    handlers = None
+    handlers = kernel_handlers = None
     try:
         region.pin("auto")
         handlers = CpuGpuOffloadingHandlers(kv_caches, region, 1, engine="auto")
         store, load = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
+        if kernel:
+            kernel_handlers = CpuGpuOffloadingHandlers(kv_caches, region, 1, engine="kernel")
         host = handlers.buffers.cpu
         device_buffer = torch.empty(max_batch * block_bytes, dtype=torch.int8, device=device)
         rng = np.random.default_rng(0)
@@ -119,16 +135,16 @@ def _bench_layout(
         load_ids = rng.permutation(num_blocks)
         job_ids = iter(range(1 << 62))
 
-        def store_job(count: int) -> None:
+        def store_job(count: int, handler: Any = store) -> None:
             spec = (
                 GPULoadStoreSpec(store_ids[:count], [count]),
                 CPULoadStoreSpec(np.arange(count)),
             )
-            _run_job(store, next(job_ids), spec)
+            _run_job(handler, next(job_ids), spec)
 
-        def load_job(count: int) -> None:
+        def load_job(count: int, handler: Any = load) -> None:
             spec = (CPULoadStoreSpec(np.arange(count)), GPULoadStoreSpec(load_ids[:count], [count]))
-            _run_job(load, next(job_ids), spec)
+            _run_job(handler, next(job_ids), spec)
 
         def baseline(count: int, to_host: bool) -> None:
             nbytes = count * block_bytes
@@ -143,11 +159,15 @@ def _bench_layout(
             else:
                 device_buffer[:nbytes].copy_(host[:nbytes], non_blocking=True)
 
-        # first touch of the shared rows (page faults) and of every code path, untimed
+        # first touch of the shared rows (page faults) and of every code path (the kernel's
+        # compilation too), untimed
         store_job(max_batch)
         load_job(max_batch)
         baseline(max_batch, True)
         baseline(max_batch, False)
+        if kernel_handlers is not None:
+            store_job(max_batch, kernel_handlers.gpu_to_cpu_handler)
+            load_job(max_batch, kernel_handlers.cpu_to_gpu_handler)
 
         rows = []
         batch = 1
@@ -159,32 +179,44 @@ def _bench_layout(
                 "baseline_d2h": lambda count=batch: baseline(count, True),
                 "baseline_h2d": lambda count=batch: baseline(count, False),
             }
+            if kernel_handlers is not None:
+                actions["d2h_kernel"] = lambda count=batch: store_job(
+                    count, kernel_handlers.gpu_to_cpu_handler)
+                actions["h2d_kernel"] = lambda count=batch: load_job(
+                    count, kernel_handlers.cpu_to_gpu_handler)
             figures = {
                 name: median(clock.time(action) for _ in range(runs))
                 for name, action in actions.items()
             }
             gbps = {key: nbytes / seconds / 1e9 for key, seconds in figures.items()}
-            rows.append(
-                {
-                    "layout": name,
-                    "page_bytes": page_bytes,
-                    "batch_blocks": batch,
-                    "d2h_gbps": gbps["d2h"],
-                    "h2d_gbps": gbps["h2d"],
-                    "baseline_d2h_gbps": gbps["baseline_d2h"],
-                    "baseline_h2d_gbps": gbps["baseline_h2d"],
-                    "baseline_gbps": min(gbps["baseline_d2h"], gbps["baseline_h2d"]),
-                    "d2h_ratio": gbps["d2h"] / gbps["baseline_d2h"],
-                    "h2d_ratio": gbps["h2d"] / gbps["baseline_h2d"],
-                }
-            )
+            row = {
+                "layout": name,
+                "page_bytes": page_bytes,
+                "batch_blocks": batch,
+                "d2h_gbps": gbps["d2h"],
+                "h2d_gbps": gbps["h2d"],
+                "baseline_d2h_gbps": gbps["baseline_d2h"],
+                "baseline_h2d_gbps": gbps["baseline_h2d"],
+                "baseline_gbps": min(gbps["baseline_d2h"], gbps["baseline_h2d"]),
+                "d2h_ratio": gbps["d2h"] / gbps["baseline_d2h"],
+                "h2d_ratio": gbps["h2d"] / gbps["baseline_h2d"],
+            }
+            for direction in ("d2h", "h2d") if kernel_handlers is not None else ():
+                row[f"{direction}_kernel_gbps"] = gbps[f"{direction}_kernel"]
+                row[f"{direction}_kernel_ratio"] = gbps[f"{direction}_kernel"] / gbps[f"baseline_{direction}"]
+            rows.append(row)
             batch *= 2
 
         verified = _verify(caches, store, load, min(VERIFY_BLOCKS, max_batch), rng, torch)
+        if kernel_handlers is not None:
+            verified = verified and _verify(
+                caches, kernel_handlers.gpu_to_cpu_handler, kernel_handlers.cpu_to_gpu_handler,
+                min(VERIFY_BLOCKS, max_batch), rng, torch)
         return rows, verified
     finally:
-        if handlers is not None:
-            handlers.shutdown()
+        for pair in (kernel_handlers, handlers):
+            if pair is not None:
+                pair.shutdown()
         region.close()
 
 
@@ -220,8 +252,11 @@ def run(
     runs: int = 5,
     layers: int = 32,
     out: TextIO | None = None,
+    kernel: bool = True,
 ) -> dict[str, Any]:
-    """Run the benchmark; print the table and the JSON line; return the JSON record."""
+    """Run the benchmark; print the table and the JSON line; return the JSON record.
+
+    ``kernel``: on CUDA, also time the kernel engine, where Triton imports."""
     out = out or sys.stdout
     import torch
 
@@ -233,6 +268,9 @@ def run(
         raise SystemExit("kvtier bench transfer: --device cuda, but CUDA is not available here")
     if max_batch < 1 or runs < 1 or layers < 1:
         raise SystemExit("kvtier bench transfer: --max-batch, --runs and --layers must be >= 1")
+    from importlib.util import find_spec
+
+    kernel = kernel and device == "cuda" and find_spec("triton") is not None
     rows: list[dict[str, Any]] = []
     verified = True
     for name, page_bytes in LAYOUTS:
@@ -244,6 +282,7 @@ def run(
             runs=runs,
             layers=layers,
             torch=torch,
+            kernel=kernel,
         )
         rows += layout_rows
         verified = verified and layout_ok
@@ -253,6 +292,7 @@ def run(
         "bench": "transfer",
         "device": device_name,
         "engine": "cuda" if device == "cuda" else "thread",
+        "engines": (["cuda", "kernel"] if kernel else ["cuda"]) if device == "cuda" else ["thread"],
         "layers": layers,
         "runs": runs,
         "verified": verified,
@@ -279,6 +319,8 @@ def run(
         "d2h_ratio",
         "h2d_ratio",
     ]
+    if kernel:
+        columns += ["d2h_kernel_ratio", "h2d_kernel_ratio"]
     print_table(rows, columns, out)
     print_json(record, out)
     return record

@@ -231,7 +231,8 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     from kvtier.bench import transfer
 
     record = _report(args, lambda out: transfer.run(
-        device=args.device, max_batch=args.max_batch, runs=args.runs, layers=args.layers, out=out
+        device=args.device, max_batch=args.max_batch, runs=args.runs, layers=args.layers, out=out,
+        kernel=not args.no_kernel,
     ))
     return 0 if record["rows"] and record["verified"] else 1
 
@@ -410,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_transfer.add_argument("--max-batch", type=int, default=512, help="largest batch in blocks (default 512)")
     bench_transfer.add_argument("--runs", type=int, default=5, help="runs per figure; the median is kept (default 5)")
     bench_transfer.add_argument("--layers", type=int, default=32, help="layers (canonical tensors) (default 32)")
+    bench_transfer.add_argument("--no-kernel", action="store_true",
+                                help="on CUDA, do not also time the kernel engine (Triton)")
     bench_transfer.set_defaults(func=_bench_transfer)
     bench_disk = bench_commands.add_parser(
         "disk", help="a disk tier's write and cold-read GB/s against raw O_DIRECT I/O of the same bytes"

@@ -1,7 +1,8 @@
 """Copy engines: the part of a handler that moves bytes, one implementation per kind of device.
 
 ``make_engine(kind, ...)`` builds one by name; ``auto`` picks ``cuda`` for CUDA tensors and
-``thread`` for CPU tensors. Classes are imported on first use, so naming the registry costs
+``thread`` for CPU tensors; ``kernel`` (CUDA tensors, Triton) copies with a kernel instead of
+the copy engines. Classes are imported on first use, so naming the registry costs
 nothing.
 """
 
@@ -19,6 +20,7 @@ ENGINES: Registry[CopyEngine] = Registry(
     {
         "thread": "kvtier.worker.engines.thread:ThreadCopyEngine",
         "cuda": "kvtier.worker.engines.cuda:CudaCopyEngine",
+        "kernel": "kvtier.worker.engines.kernel:KernelCopyEngine",
     },
     module_key="engine_module_path",
 )
@@ -34,7 +36,7 @@ def resolve_engine_kind(kind: str, device_type: str) -> str:
 
 
 def make_engine(kind: str, buffers: CopyBuffers, gpu_to_cpu: bool, *, priority: int) -> CopyEngine:
-    """A new engine of ``kind`` (``auto``, ``thread`` or ``cuda``) for one direction."""
+    """A new engine of ``kind`` (``auto``, ``thread``, ``cuda`` or ``kernel``) for one direction."""
     name = resolve_engine_kind(kind, buffers.device.type)
     engine_class = ENGINES.resolve(name, field="engine")
     return engine_class(buffers, gpu_to_cpu, priority=priority)

@@ -53,8 +53,8 @@ class _Job:
     stream: torch.cuda.Stream
     start: torch.cuda.Event
     end: torch.cuda.Event
-    # the descriptor arrays, referenced until the job is done: cheap, and nothing then
-    # depends on when the driver stops reading them
+    # the descriptor arrays (and whatever the issue step returned), referenced until the
+    # job is done: cheap, and nothing then depends on when the driver stops reading them
     keepalive: Any
     error: BaseException | None
 
@@ -112,9 +112,11 @@ class CudaCopyEngine(CopyEngine):
             error: BaseException | None = None
             keepalive = None
             try:
-                keepalive = self.buffers.descriptors(segments, self.gpu_to_cpu)
+                descriptors = self.buffers.descriptors(segments, self.gpu_to_cpu)
+                keepalive = descriptors
                 with torch.cuda.stream(stream):
-                    self.issue(keepalive, segments, stream)
+                    # what the issue step returns (a kernel's descriptor table) lives as long
+                    keepalive = (descriptors, self.issue(descriptors, segments, stream))
             except Exception as exc:  # noqa: BLE001 - any failure fails this job only; the chain goes on
                 error = exc
             # Recorded even after a failure, so the next job still waits for whatever of

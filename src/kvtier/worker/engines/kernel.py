@@ -1,0 +1,131 @@
+"""The CUDA path with the copies done by a kernel: SMs read and write the pinned rows directly.
+
+:class:`KernelCopyEngine` is :class:`~kvtier.worker.engines.cuda.CudaCopyEngine` — the same
+streams, priorities, waits on the compute stream, chaining and events — with one step
+replaced: instead of handing each job's ``(dst, src, size)`` descriptors to the copy engines
+(``cuMemcpyBatchAsync``), it launches :func:`copy_segments`, a Triton kernel that walks the
+same descriptors and moves the bytes with loads and stores from the SMs. Host rows are
+reached through their host addresses: memory registered with ``cudaHostRegister`` is mapped
+into the device's address space at the same address on every 64-bit platform with unified
+addressing (every GPU CUDA 12 and later supports).
+
+Why have it: a DMA descriptor has a fixed cost, so many small pages (16 KiB and under) move
+well below the link's rate, while a kernel's cost grows with the bytes only; vLLM measured
+its kernel ahead of batched DMA for pages under about 28 KiB. Why it is not the default:
+it occupies SMs the model could use, and nobody has measured it on kvtier's layouts yet.
+``kvtier bench transfer --device cuda`` times both engines side by side; the engine is
+chosen by name (``engine="kernel"``), so it changes nothing unless asked for.
+
+:func:`copy_segments` is device-agnostic: under ``TRITON_INTERPRET=1`` it runs on the CPU
+over CPU memory, which is how the tests prove on a machine without a GPU that it copies
+exactly what the DMA path and the thread engine copy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.worker.blocks import Segments
+from kvtier.worker.engines.base import CopyBuffers
+from kvtier.worker.engines.cuda import CudaCopyEngine
+
+__all__ = ["KernelCopyEngine", "copy_segments", "element_bytes"]
+
+#: elements one program copies per loop turn (of the widest width every copy allows)
+BLOCK = 1024
+#: most programs sharing one segment: enough to spread a long segment over the SMs, few
+#: enough that short ones (the common case) do not launch idle programs by the thousand
+MAX_PARTS = 8
+
+_kernel = None
+
+
+def _load_kernel() -> Any:
+    """The Triton kernel, compiled lazily per element width; ImportError without Triton."""
+    global _kernel
+    if _kernel is not None:
+        return _kernel
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_kernel(table, count, WIDTH: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
+        # table: int64 [dst addresses..., src addresses..., sizes in bytes...], count each;
+        # program (segment, part) copies every parts-th BLOCK of the segment's WIDTH-byte words
+        segment = tl.program_id(0)
+        part = tl.program_id(1)
+        parts = tl.num_programs(1)
+        dst = tl.load(table + segment).to(tl.pointer_type(KIND))
+        src = tl.load(table + count + segment).to(tl.pointer_type(KIND))
+        n = tl.load(table + 2 * count + segment) // WIDTH
+        for start in range(part * BLOCK, n, parts * BLOCK):
+            offsets = start + tl.arange(0, BLOCK)
+            mask = offsets < n
+            tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
+
+    _kernel = (copy_kernel, {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8})
+    return _kernel
+
+
+def element_bytes(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> int:
+    """The widest of 8, 4, 2, 1 bytes that divides every address and size: the unit each
+    load and store moves, so no copy touches a byte outside its own range."""
+    low_bits = int(np.bitwise_or.reduce(np.concatenate([dsts, srcs, sizes]).astype(np.uint64))) & 7
+    return 8 if low_bits == 0 else low_bits & -low_bits
+
+
+def copy_segments(
+    dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, device: torch.device
+) -> torch.Tensor | None:
+    """Launch the copy kernel for one job's descriptors on ``device``'s current stream.
+
+    ``dsts``, ``srcs``, ``sizes``: uint64 arrays, one entry per copy, as
+    :meth:`~kvtier.worker.engines.base.CopyBuffers.descriptors` returns them; the ranges
+    must not overlap. Returns the descriptor table the kernel reads (keep it alive until
+    the stream has passed the kernel), or ``None`` when there is nothing to copy. Called on
+    the thread that owns the current stream; never waits for the copy.
+    """
+    count = len(sizes)
+    if count == 0:
+        return None
+    kernel, kinds = _load_kernel()
+    width = element_bytes(dsts, srcs, sizes)
+    table_host = np.concatenate([dsts, srcs, sizes]).view(np.int64)
+    # A small host-to-device copy on the current stream, so the kernel after it sees it;
+    # from pageable memory, it is staged before this returns (the array may then go).
+    table = torch.from_numpy(table_host).to(device, non_blocking=True)
+    longest = int(sizes.max()) // width
+    parts = max(1, min(MAX_PARTS, -(-longest // BLOCK)))
+    kernel[(count, parts)](table, count, WIDTH=width, KIND=kinds[width], BLOCK=BLOCK)
+    return table
+
+
+class KernelCopyEngine(CudaCopyEngine):
+    """:class:`CudaCopyEngine` whose jobs are copied by :func:`copy_segments` on their stream.
+
+    Same contract, same stream discipline; only the step that moves the bytes differs. Needs
+    Triton (it comes with PyTorch's CUDA builds on Linux).
+    """
+
+    def __init__(self, buffers: CopyBuffers, gpu_to_cpu: bool, *, priority: int = 0):
+        super().__init__(buffers, gpu_to_cpu, priority=priority)
+        try:
+            _load_kernel()
+        except ImportError as exc:
+            raise ValueError(
+                "the kernel copy engine needs Triton, which PyTorch's CUDA builds bring along; "
+                f"install it (pip install triton) or use engine='cuda' ({exc})"
+            ) from exc
+        self.issue = self._issue_kernel
+
+    def _issue_kernel(
+        self,
+        descriptors: tuple[np.ndarray, np.ndarray, np.ndarray],
+        segments: Segments,
+        stream: torch.cuda.Stream,
+    ) -> torch.Tensor | None:
+        return copy_segments(*descriptors, self._device)
