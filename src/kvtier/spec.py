@@ -89,7 +89,8 @@ class TieredOffloadingSpec(OffloadingSpec):
         kv_replicas: int = 1,
     ):
         """``engine``: the handlers' copy engine, ``auto`` (CUDA tensors: ``cuda``, CPU
-        tensors: ``thread``), ``cuda`` or ``thread``. Raises :class:`ConfigError` for
+        tensors: ``thread``), ``cuda``, ``kernel`` (CUDA, copies by a Triton kernel) or
+        ``thread``. Raises :class:`ConfigError` for
         inconsistent arguments."""
         config = load_config(config)
         gpu_block = positive_int(gpu_block_size_tokens, "gpu_block_size_tokens")

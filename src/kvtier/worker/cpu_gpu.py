@@ -218,7 +218,7 @@ class CpuGpuOffloadingHandlers:
     ):
         """``region``: the CPU tier's rows (attached and, on CUDA, pinned by the caller), one
         row per offloaded block of ``block_size_factor`` GPU blocks. ``engine``: ``auto``,
-        ``cuda`` or ``thread``. ``owns_region``: close the region at :meth:`shutdown`.
+        ``cuda``, ``kernel`` or ``thread`` (:mod:`kvtier.worker.engines`). ``owns_region``: close the region at :meth:`shutdown`.
         ``shard``: this worker's place in the rows under tensor or pipeline parallelism
         (default: a single worker, whose shard is the whole row); a worker that does not
         write its replicated shard gets a store handler that copies nothing.
