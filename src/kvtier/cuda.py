@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 
-__all__ = ["cuda_available", "host_register", "host_unregister"]
+__all__ = ["cuda_available", "device_address_offset", "host_register", "host_unregister"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,3 +123,26 @@ def host_unregister(ptr: int) -> None:
     if code != 0:
         _clear_last_error()
         logger.warning("cudaHostUnregister at 0x%x failed with CUDA error %d", ptr, code)
+
+
+def device_address_offset(ptr: int) -> int | None:
+    """Where registered host memory at ``ptr`` sits in the current device's address space, as
+    an offset from ``ptr`` (0 under unified addressing), or ``None`` if a kernel cannot reach
+    it (not registered, not mapped, no driver).
+
+    Asks the driver (``cuMemHostGetDevicePointer``) in the calling thread's current context:
+    call it after CUDA is initialised on the device the kernels will run on. Never raises.
+    """
+    if not ptr:
+        return None
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        query = driver.cuMemHostGetDevicePointer_v2
+    except (OSError, AttributeError):
+        return None
+    query.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    query.restype = ctypes.c_int
+    device_ptr = ctypes.c_uint64(0)
+    if query(ctypes.byref(device_ptr), ctypes.c_void_p(ptr), 0) != 0:
+        return None
+    return device_ptr.value - ptr

@@ -5,9 +5,10 @@ streams, priorities, waits on the compute stream, chaining and events — with o
 replaced: instead of handing each job's ``(dst, src, size)`` descriptors to the copy engines
 (``cuMemcpyBatchAsync``), it launches :func:`copy_segments`, a Triton kernel that walks the
 same descriptors and moves the bytes with loads and stores from the SMs. Host rows are
-reached through their host addresses: memory registered with ``cudaHostRegister`` is mapped
-into the device's address space at the same address on every 64-bit platform with unified
-addressing (every GPU CUDA 12 and later supports).
+reached through the device's view of them: memory registered with ``cudaHostRegister`` is
+mapped into the device's address space (at the same address on 64-bit platforms with unified
+addressing); the engine asks the driver where, once, and refuses to start if the rows are
+not reachable, since a kernel touching unmapped host memory would poison the CUDA context.
 
 Why have it: a DMA descriptor has a fixed cost, so many small pages (16 KiB and under) move
 well below the link's rate, while a kernel's cost grows with the bytes only; vLLM measured
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.cuda import device_address_offset
 from kvtier.worker.blocks import Segments
 from kvtier.worker.engines.base import CopyBuffers
 from kvtier.worker.engines.cuda import CudaCopyEngine
@@ -120,6 +122,21 @@ class KernelCopyEngine(CudaCopyEngine):
                 "the kernel copy engine needs Triton, which PyTorch's CUDA builds bring along; "
                 f"install it (pip install triton) or use engine='cuda' ({exc})"
             ) from exc
+        with torch.cuda.device(self._device):
+            # a runtime call that binds the device's context to this thread (once, at start),
+            # which the driver's query below runs in
+            torch.cuda.synchronize(self._device)
+            offset = device_address_offset(int(buffers.cpu_base))
+        if offset is None:
+            # A kernel reading host memory the GPU cannot reach would not fail one job: it
+            # would poison the whole CUDA context. Refuse here instead.
+            raise ValueError(
+                "the kernel copy engine reads and writes the CPU rows from the GPU, which needs "
+                "them pinned and mapped (cudaHostRegister); pin the region (pin_memory: on) or "
+                "use engine='cuda'"
+            )
+        #: device address minus host address of the rows (0 under unified addressing)
+        self.host_offset = np.uint64(offset % (1 << 64))
         self.issue = self._issue_kernel
 
     def _issue_kernel(
@@ -128,4 +145,10 @@ class KernelCopyEngine(CudaCopyEngine):
         segments: Segments,
         stream: torch.cuda.Stream,
     ) -> torch.Tensor | None:
-        return copy_segments(*descriptors, self._device)
+        dsts, srcs, sizes = descriptors
+        if self.host_offset:  # the rows' addresses as the GPU sees them (uint64 wraps)
+            if self.gpu_to_cpu:
+                dsts = dsts + self.host_offset
+            else:
+                srcs = srcs + self.host_offset
+        return copy_segments(dsts, srcs, sizes, self._device)
