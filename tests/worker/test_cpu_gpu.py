@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from importlib.util import find_spec
 
 import numpy as np
@@ -41,6 +42,12 @@ ENGINES = DEVICES + [
 @pytest.fixture(params=ENGINES)
 def device(request):
     """Where a rig runs (``device`` or ``device+engine``), for the tests that build rigs."""
+    return request.param
+
+
+@pytest.fixture(params=ENGINES[1:])
+def cuda_engine(request):
+    """The CUDA engines only: ``cuda`` (DMA) and ``cuda+kernel``."""
     return request.param
 
 
@@ -352,10 +359,8 @@ def test_engine_must_fit_the_device(torch_device):
 # CUDA only: the stream dependencies
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not cuda.cuda_available(), reason="needs CUDA")
-def test_cuda_store_waits_for_the_compute_stream(rigs):
-    rig = rigs("cuda")
+def test_cuda_store_waits_for_the_compute_stream(rigs, cuda_engine):
+    rig = rigs(cuda_engine)
     compute = torch.cuda.current_stream()
     torch.cuda._sleep(200_000_000)  # keep the compute stream busy (~0.1 s) ...
     rig.layers[0][5].fill_(3)  # ... then write KV the store must see
@@ -366,6 +371,37 @@ def test_cuda_store_waits_for_the_compute_stream(rigs):
     assert compute.query()
     np.testing.assert_array_equal(rig.region.rows[0][: rig.page(0, 5).size], rig.page(0, 5))
     assert (rig.page(0, 5).view(np.uint8) != 0).any()
+
+
+def test_cuda_a_store_never_stalls_the_compute_stream(rigs, cuda_engine):
+    # A store of 256 MiB (about 10 ms over PCIe) is in flight; work the model enqueues on the
+    # compute stream after it starts must not wait for it.
+    rig = rigs(cuda_engine, layers=4, num_blocks=40, block_shape=(1024, 1024), num_rows=32)
+    compute = torch.cuda.current_stream()
+    assert rig.store_handler.transfer_async(1, rig.specs(list(range(32)), [32], list(range(32))))
+    marker = torch.cuda.Event()
+    marker.record(compute)
+    marker.synchronize()  # the compute stream got past its own work at once ...
+    assert rig.store_handler.get_finished() == []  # ... while the store still runs
+    rig.store_handler.wait({1})
+    assert [(r.job_id, r.success) for r in rig.store_handler.get_finished()] == [(1, True)]
+    np.testing.assert_array_equal(rig.region.rows[31][: rig.page(0, 31).size], rig.page(0, 31))
+
+
+def test_cuda_a_finished_load_is_visible_to_the_next_kernel(rigs, cuda_engine):
+    rig = rigs(cuda_engine, block_shape=(64, 64))
+    rig.transfer(1, [0, 1, 2, 3], [4], [0, 1, 2, 3], store=True)
+    want = [layer[[0, 1, 2, 3]].clone() for layer in rig.layers]
+    for layer in rig.layers:
+        layer[[8, 9, 10, 11]] = 0
+    assert rig.load_handler.transfer_async(2, rig.specs([8, 9, 10, 11], [4], [0, 1, 2, 3], store=False))
+    results, deadline = [], time.monotonic() + 30
+    while not results and time.monotonic() < deadline:
+        results = rig.load_handler.get_finished()  # as a scheduler learns it: polling, no sync
+    assert [(r.job_id, r.success) for r in results] == [(2, True)]
+    # the very next work on the compute stream reads the loaded blocks
+    got = [layer[[8, 9, 10, 11]].clone() for layer in rig.layers]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 @pytest.mark.gpu
