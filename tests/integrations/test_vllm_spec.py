@@ -156,6 +156,20 @@ def test_factory_builds_the_spec_from_inline_keys_and_it_moves_bytes(tmp_path):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("chosen", [None, "auto", "kernel"])
+def test_the_copy_engine_setting_reaches_the_workers_handlers(chosen):
+    extra = kvtier_extra([cpu_tier()])
+    if chosen is not None:
+        extra["kvtier_copy_engine"] = chosen
+    spec = OffloadingSpecFactory.create_spec(offloading_config(extra))
+    assert spec.layout.copy_engine == (chosen or "auto")
+    worker = spec.get_worker(StandInGPU(8).canonical())
+    try:
+        assert worker._standalone.engine == (chosen or "auto")  # what get_handlers builds with
+    finally:
+        worker.shutdown()
+
+
 def test_the_worker_attaches_lazily_because_vllm_builds_workers_first():
     config = offloading_config(kvtier_extra([cpu_tier()]))
     worker_spec = OffloadingSpecFactory.create_spec(config)
@@ -199,6 +213,12 @@ def test_the_worker_attaches_lazily_because_vllm_builds_workers_first():
             {},
             "kv_connector_extra_config.kvtier_stats_log_interval_s",
             "e.g. 60",
+        ),
+        (
+            {"kvtier_copy_engine": "dma"},
+            {},
+            "kv_connector_extra_config.kvtier_copy_engine",
+            "kvtier bench transfer --device cuda",
         ),
     ],
 )

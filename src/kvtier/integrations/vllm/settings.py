@@ -37,6 +37,7 @@ from kvtier.worker.shards import ShardPlacement
 
 __all__ = [
     "CONNECTOR_KEYS",
+    "COPY_ENGINE_KEY",
     "CPU_SPEC_KEYS",
     "INTEGRATION_KEYS",
     "FullStackLayout",
@@ -73,7 +74,10 @@ CPU_SPEC_KEYS = {
 }
 #: keys the integration itself reads (not kvtier's stack configuration)
 STATS_LOG_INTERVAL_KEY = "kvtier_stats_log_interval_s"
-INTEGRATION_KEYS = (STATS_LOG_INTERVAL_KEY,)
+#: the workers' copy engine (``kvtier.worker.engines``): DMA by default, or the Triton kernel
+COPY_ENGINE_KEY = "kvtier_copy_engine"
+COPY_ENGINES = ("auto", "cuda", "kernel")
+INTEGRATION_KEYS = (STATS_LOG_INTERVAL_KEY, COPY_ENGINE_KEY)
 #: seconds between two INFO lines of tier statistics in vLLM's log (0: never)
 DEFAULT_STATS_LOG_INTERVAL_S = 60.0
 
@@ -196,6 +200,8 @@ class FullStackLayout:
     region_path: str
     #: seconds between two INFO lines of statistics (0: never)
     stats_log_interval_s: float
+    #: the workers' copy engine: auto (batched DMA on CUDA), cuda, or kernel (Triton)
+    copy_engine: str = "auto"
 
 
 def _region_path(cpu: CPUTierConfig, config: Any) -> str:
@@ -226,6 +232,19 @@ def _stats_interval(integration: Mapping[str, Any]) -> float:
             f"write e.g. {DEFAULT_STATS_LOG_INTERVAL_S:g}",
         )
     return float(value)
+
+
+def _copy_engine(integration: Mapping[str, Any]) -> str:
+    value = integration.get(COPY_ENGINE_KEY, "auto")
+    if value not in COPY_ENGINES:
+        raise ConfigError(
+            f"kv_connector_extra_config.{COPY_ENGINE_KEY}",
+            value,
+            "one of " + ", ".join(COPY_ENGINES),
+            "auto (batched DMA) unless kvtier bench transfer --device cuda shows the kernel "
+            "faster for your pages",
+        )
+    return value
 
 
 def resolve_full_stack(config: Any) -> FullStackLayout:
@@ -304,4 +323,5 @@ def resolve_full_stack(config: Any) -> FullStackLayout:
         fingerprint=layout_fingerprint(config, block_bytes),
         region_path=cpu.path,
         stats_log_interval_s=_stats_interval(integration_keys),
+        copy_engine=_copy_engine(integration_keys),
     )

@@ -168,6 +168,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                 world_size=layout.shard.world_size,
                 rank=layout.shard.rank,
                 kv_replicas=layout.shard.kv_replicas,
+                engine=layout.copy_engine,
             )
             self._worker = KvtierOffloadingWorker(standalone, caches)
         return self._worker
