@@ -43,6 +43,11 @@ def _replay(args: argparse.Namespace) -> int:
     from kvtier.replay.run import replay
 
     if args.engines is not None:
+        if args.deterministic:
+            print("kvtier replay: --deterministic is for one engine; engine processes sharing a "
+                  "server interleave as the OS schedules them (drop --engines or --deterministic)",
+                  file=sys.stderr)
+            return 2
         return _replay_fleet(args)
     try:
         record = _report(args, lambda out: replay(
@@ -57,6 +62,7 @@ def _replay(args: argparse.Namespace) -> int:
             disk_kind=args.disk,
             out=out,
             device=args.device,
+            deterministic=args.deterministic,
         ))  # the JSON line only with --json (printed by _report): a person gets the table
     except KvtierError as exc:
         print(f"kvtier replay: {exc}", file=sys.stderr)
@@ -312,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--disk", choices=disk_kinds, default="lmdb", help="disk tier kind of the default stack")
     replay.add_argument("--no-baseline", action="store_true", help="skip the CPU-tier-only comparison run")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay.add_argument("--deterministic", action="store_true",
+                        help="each step waits for its copies and tier jobs: the same figures every "
+                        "run (the hits per tier too), a little slower")
     replay.add_argument(
         "--plot", metavar="FILE.png",
         help="draw the hit ratio per tier over time, the ceiling, and the CPU-tier-only run",

@@ -103,7 +103,9 @@ class ReplayEngine:
     handlers (worker side); the engine calls both from its one thread.
     """
 
-    def __init__(self, spec, gpu_blocks: int, device: str = "cpu"):
+    def __init__(self, spec, gpu_blocks: int, device: str = "cpu", *, deterministic: bool = False):
+        """``deterministic``: end every step with every copy and every tier job done (see
+        :meth:`step`), so the same trace and stack give the same figures each run."""
         import torch
 
         from kvtier.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
@@ -111,6 +113,7 @@ class ReplayEngine:
 
         self.block_bytes = spec.block_bytes
         self.gpu_blocks = gpu_blocks
+        self.deterministic = deterministic
         self.manager = spec.get_manager()
         self._gpu = torch.zeros((gpu_blocks, self.block_bytes), dtype=torch.int8, device=device)
         caches = CanonicalKVCaches(
@@ -211,10 +214,22 @@ class ReplayEngine:
     # -- the scheduler side --------------------------------------------------------------------
 
     def step(self) -> None:
-        """End one scheduler step; count CPU-tier drops that no lower tier could have served."""
-        if self._storing:
+        """End one scheduler step; count CPU-tier drops that no lower tier could have served.
+
+        Deterministic, the step first waits for the store copies in flight and ends by
+        waiting for the tier jobs it submitted: what the manager sees at each step no longer
+        depends on how fast threads and disks happened to be. Otherwise (the default, as an
+        engine runs) copies and saves overlap the next requests, and which blocks are clean
+        at a given step, so the split of hits between the CPU tier and the tiers below,
+        changes from run to run; the total does not.
+        """
+        if self.deterministic:
+            self._wait_for_stores()
+        elif self._storing:
             self._collect()
         self.manager.on_schedule_end()
+        if self.deterministic:
+            self._wait_for_tiers()
         self.counts.steps += 1
         for event in self.manager.take_events():
             if event.removed and event.medium == "CPU" and self._lower:

@@ -66,14 +66,14 @@ def _resolve_device(device: str) -> str:
 
 def _run_one(
     config: KvtierConfig, requests, gpu_blocks: int, block_bytes: int, progress: bool, label: str,
-    device: str = "cpu",
+    device: str = "cpu", deterministic: bool = False,
 ):
     from tqdm import tqdm
 
     from kvtier.spec import TieredOffloadingSpec
 
     spec = TieredOffloadingSpec(config, gpu_block_size_tokens=TRACE_BLOCK_TOKENS, page_bytes=[block_bytes])
-    engine = ReplayEngine(spec, gpu_blocks, device)
+    engine = ReplayEngine(spec, gpu_blocks, device, deterministic=deterministic)
     try:
         with tqdm(total=len(requests), desc=label, unit="req", disable=not progress, file=sys.stderr) as bar:
             elapsed = engine.run(requests, progress=bar.update, total=len(requests))
@@ -130,6 +130,7 @@ def replay(
     out: TextIO | None = None,
     device: str = "cpu",
     json_line: bool = False,
+    deterministic: bool = False,
 ) -> dict[str, Any]:
     """Replay ``trace`` (default: the bundled one) through ``config`` (default: CPU + disk in a
     temporary folder); print a summary and a table (and, with ``json_line``, one JSON line);
@@ -139,6 +140,9 @@ def replay(
     so the JSON shows what the lower tiers add (``cpu_only_hit_ratio``). ``device``: where
     the simulated GPU cache lives, ``cpu`` (CPU tensors stand in), ``cuda`` (the real CUDA
     copy path) or ``auto`` (cuda if available); ``KvtierError`` if cuda is asked for and absent.
+    ``deterministic``: every step waits for its copies and tier jobs (see
+    :meth:`~kvtier.replay.engine.ReplayEngine.step`), so every figure but the times repeats
+    exactly from run to run: for comparing policies or stacks tier by tier.
 
     A request with more blocks than ``gpu_blocks`` could never be served whole by the
     simulated engine: such requests are found before the replay starts, reported, counted
@@ -158,10 +162,12 @@ def replay(
             parsed = load_config(default_config(directory, block_bytes, disk_kind))
         else:
             parsed = load_config(config)
-        counts, stats, elapsed = _run_one(parsed, requests, gpu_blocks, block_bytes, progress, "replay", device)
+        counts, stats, elapsed = _run_one(
+            parsed, requests, gpu_blocks, block_bytes, progress, "replay", device, deterministic)
         cpu_only = None
         if baseline and len(parsed.tiers) > 1:
-            cpu_only, _, _ = _run_one(_cpu_only(parsed), requests, gpu_blocks, block_bytes, progress, "cpu only", device)
+            cpu_only, _, _ = _run_one(_cpu_only(parsed), requests, gpu_blocks, block_bytes, progress,
+                                      "cpu only", device, deterministic)
     skipped_refs = sum(len(request.hash_ids) for request in skipped)
 
     lower = [tier.name for tier in parsed.tiers[1:]]
@@ -169,6 +175,7 @@ def replay(
     hit_blocks = sum(counts.hits.values())
     record: dict[str, Any] = {
         "requests": counts.requests,
+        "deterministic": deterministic,
         "block_refs": counts.block_refs,
         "ceiling_hit_ratio": ceiling,
         "hit_ratio": hit_blocks / counts.block_refs if counts.block_refs else 0.0,
