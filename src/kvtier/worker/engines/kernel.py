@@ -24,7 +24,6 @@ exactly what the DMA path and the thread engine copy.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
