@@ -95,8 +95,9 @@ def plan(
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ConfigError("--jobs", jobs, "a positive number of processes", "e.g. --jobs 2")
     path = Path(trace) if trace else bundled_trace_path()
-    chains = [request.hash_ids for request in load_trace(path)]
-    ceiling, refs = ceiling_hit_ratio(load_trace(path))
+    requests = load_trace(path)
+    chains = [request.hash_ids for request in requests]
+    ceiling, refs = ceiling_hit_ratio(requests)
 
     classes = {name: _class_path(get_policy_class(name, field="--policies")) for name in policies}
     admitting = _class_path(get_policy_class(admission_policy, field="--admission-policy"))
@@ -231,20 +232,17 @@ def _run_all(tasks: list[tuple[str, str | None, int]], chains: Sequence[Sequence
     """Each task's result, in order: here, or in ``jobs`` spawned worker processes."""
     if jobs == 1 or len(tasks) == 1:
         return [_simulate_task(task, chains, min_reuse) for task in tasks]
-    # The slowest first (Belady's heap, then the oracles, then the policies), so the last
-    # task to finish is a short one and no worker idles long at the end.
-    order = sorted(range(len(tasks)), key=lambda i: (_COST[tasks[i][0]], tasks[i][2]), reverse=True)
     with ProcessPoolExecutor(
         max_workers=min(jobs, len(tasks)),
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_start_worker,
         initargs=(chains, min_reuse),
     ) as pool:
-        results = list(pool.map(_worker_task, [tasks[i] for i in order]))
-    ordered: list[Any] = [None] * len(tasks)
-    for i, result in zip(order, results):
-        ordered[i] = result
-    return ordered
+        # Handed out slowest first (Belady's heap, then the oracles, then the policies), so
+        # the last task to finish is a short one and no worker idles long at the end.
+        by_cost = sorted(tasks, key=lambda task: (_COST[task[0]], task[2]), reverse=True)
+        futures = {task: pool.submit(_worker_task, task) for task in by_cost}
+        return [futures[task].result() for task in tasks]
 
 
 #: rough relative cost of each kind of task, for the order they are handed out in

@@ -136,9 +136,8 @@ class KernelCopyEngine(CudaCopyEngine):
             )
         #: device address minus host address of the rows (0 under unified addressing)
         self.host_offset = np.uint64(offset % (1 << 64))
-        self.issue = self._issue_kernel
 
-    def _issue_kernel(
+    def _issue(
         self,
         descriptors: tuple[np.ndarray, np.ndarray, np.ndarray],
         segments: Segments,
