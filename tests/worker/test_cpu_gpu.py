@@ -15,7 +15,7 @@ from importlib.util import find_spec
 import numpy as np
 import pytest
 import torch
-from kv_reference import Rig
+from kv_reference import Rig, model_copies
 
 from kvtier import cuda
 from kvtier.errors import ConfigError
@@ -371,6 +371,27 @@ def test_cuda_store_waits_for_the_compute_stream(rigs, cuda_engine):
     assert compute.query()
     np.testing.assert_array_equal(rig.region.rows[0][: rig.page(0, 5).size], rig.page(0, 5))
     assert (rig.page(0, 5).view(np.uint8) != 0).any()
+
+
+def test_cuda_submitting_never_waits_for_the_compute_stream(rigs, cuda_engine):
+    # transfer_async runs on the model's thread: it must enqueue and return, not block until
+    # the model's queued work is done (a pageable staging copy would, or a lazy compile).
+    rig = rigs(cuda_engine)
+    rig.transfer(1, [0, 1], [2], [0, 1], store=True)  # first use: streams, events, caches
+    rig.transfer(2, [2, 3], [2], [0, 1], store=False)
+    copies = model_copies(rig.kv, 1, rig.region.row_stride, [4, 5], [2], None, [2, 3])
+    _, region_after = rig.expected_after(copies, True)
+    compute = torch.cuda.current_stream()
+    torch.cuda._sleep(2_000_000_000)  # about a second of compute-stream work
+    assert rig.store_handler.transfer_async(3, rig.specs([4, 5], [2], [2, 3]))
+    assert rig.load_handler.transfer_async(4, rig.specs([6, 7], [2], [0, 1], store=False))
+    assert not compute.query()  # both submits returned while the model's work still ran
+    rig.store_handler.wait({3})
+    rig.load_handler.wait({4})
+    assert [(r.job_id, r.success) for r in rig.store_handler.get_finished()] == [(3, True)]
+    assert [(r.job_id, r.success) for r in rig.load_handler.get_finished()] == [(4, True)]
+    np.testing.assert_array_equal(rig.region_bytes(), region_after)
+    assert all(torch.equal(layer[6:8], layer[0:2]) for layer in rig.layers)  # rows 0, 1 came back
 
 
 def test_cuda_a_store_never_stalls_the_compute_stream(rigs, cuda_engine):

@@ -53,7 +53,9 @@ def _load_kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # ``count`` changes with every job: specialising on it (Triton compiles separate variants
+    # for 1 and for multiples of 16) would compile up to three kernels per width mid-serving.
+    @triton.jit(do_not_specialize=["count"])
     def copy_kernel(table, count, WIDTH: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
         # table: int64 [dst addresses..., src addresses..., sizes in bytes...], count each;
         # program (segment, part) copies every parts-th BLOCK of the segment's WIDTH-byte words
@@ -95,14 +97,30 @@ def copy_segments(
         return None
     kernel, kinds = _load_kernel()
     width = element_bytes(dsts, srcs, sizes)
-    table_host = np.concatenate([dsts, srcs, sizes]).view(np.int64)
-    # A small host-to-device copy on the current stream, so the kernel after it sees it;
-    # from pageable memory, it is staged before this returns (the array may then go).
-    table = torch.from_numpy(table_host).to(device, non_blocking=True)
+    table = _device_table(dsts, srcs, sizes, device)
     longest = int(sizes.max()) // width
     parts = max(1, min(MAX_PARTS, -(-longest // BLOCK)))
     kernel[(count, parts)](table, count, WIDTH=width, KIND=kinds[width], BLOCK=BLOCK)
     return table
+
+
+def _device_table(
+    dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, device: torch.device
+) -> torch.Tensor:
+    """The descriptors as one int64 tensor on ``device``, copied there on the current stream.
+
+    On CUDA the table is staged in pinned memory: a host-to-device copy from pageable memory
+    first waits for the whole stream (CUDA's rule for pageable sources), and this stream waits
+    for the compute stream, so the submitting thread (the model's) would block until the
+    model's queued work is done. From pinned memory the copy is truly asynchronous; torch's
+    pinned-memory cache records the stream and reuses the buffer only after the copy ran.
+    """
+    count = len(sizes)
+    host = torch.empty(3 * count, dtype=torch.int64, pin_memory=device.type == "cuda")
+    table = host.numpy()
+    for index, column in enumerate((dsts, srcs, sizes)):
+        table[index * count : (index + 1) * count] = column.view(np.int64)
+    return host.to(device, non_blocking=True)
 
 
 class KernelCopyEngine(CudaCopyEngine):
@@ -136,6 +154,18 @@ class KernelCopyEngine(CudaCopyEngine):
             )
         #: device address minus host address of the rows (0 under unified addressing)
         self.host_offset = np.uint64(offset % (1 << 64))
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        # Triton compiles a kernel at its first launch, which takes about a second: done here,
+        # at start-up, for the 8-byte width every aligned layout uses, not inside the first
+        # job's submit on the model's thread. The pinned-memory cache gets its first buffer too.
+        with torch.cuda.device(self._device):
+            scratch = torch.zeros(2, dtype=torch.int64, device=self._device)
+            base = scratch.data_ptr()
+            dst, src, size = np.array([[base + 8], [base], [8]], dtype=np.uint64)
+            copy_segments(dst, src, size, self._device)
+            torch.cuda.synchronize(self._device)  # the scratch and the table are read by now
 
     def _issue(
         self,
