@@ -14,11 +14,18 @@ memory (``pin_memory: on``) turn that into an error themselves.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import sys
 
-__all__ = ["cuda_available", "device_address_offset", "host_register", "host_unregister"]
+__all__ = [
+    "cuda_available",
+    "device_address_offset",
+    "driver_library",
+    "host_register",
+    "host_unregister",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +132,19 @@ def host_unregister(ptr: int) -> None:
         logger.warning("cudaHostUnregister at 0x%x failed with CUDA error %d", ptr, code)
 
 
+@functools.cache
+def driver_library() -> ctypes.CDLL | None:
+    """The CUDA driver library (``libcuda.so.1``), loaded once per process; ``None`` (logged at
+    debug) where there is none. The driver API calls kvtier makes through ctypes go here:
+    torch binds none of them. Safe anywhere; loading the library does not initialise CUDA.
+    """
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        logger.debug("no CUDA driver library: %s", exc)
+        return None
+
+
 def device_address_offset(ptr: int) -> int | None:
     """Where registered host memory at ``ptr`` sits in the current device's address space, as
     an offset from ``ptr`` (0 under unified addressing), or ``None`` if a kernel cannot reach
@@ -133,12 +153,12 @@ def device_address_offset(ptr: int) -> int | None:
     Asks the driver (``cuMemHostGetDevicePointer``) in the calling thread's current context:
     call it after CUDA is initialised on the device the kernels will run on. Never raises.
     """
-    if not ptr:
+    driver = driver_library()
+    if not ptr or driver is None:
         return None
     try:
-        driver = ctypes.CDLL("libcuda.so.1")
         query = driver.cuMemHostGetDevicePointer_v2
-    except (OSError, AttributeError):
+    except AttributeError:
         return None
     query.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
     query.restype = ctypes.c_int

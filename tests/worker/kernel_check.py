@@ -15,58 +15,16 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-from kvtier.tiers.cpu.region import SharedRegion  # noqa: E402
-from kvtier.worker.blocks import TransferLayout  # noqa: E402
-from kvtier.worker.engines.base import CopyBuffers  # noqa: E402
-from kvtier.worker.engines.kernel import BLOCK, MAX_PARTS, copy_segments, element_bytes  # noqa: E402
-from kvtier.worker.engines.thread import memmove_descriptors  # noqa: E402
+from kv_reference import copier_matches_memmove  # noqa: E402
 
-PAGES = (24, 40, 6000)  # multiples of 8: the kernel moves them as 8-byte words
+from kvtier.worker.engines.kernel import BLOCK, MAX_PARTS, copy_segments, element_bytes  # noqa: E402
+
+CPU = torch.device("cpu")
 
 
 def planned_copies() -> int:
-    """Both directions of a real plan (strided and contiguous tensors, a factor of 2)."""
-    generator = torch.Generator().manual_seed(3)
-    base = torch.randint(-128, 128, (6, 3, 40), dtype=torch.int8, generator=generator)
-    gpu = [
-        base[:, 0, :24],  # strided: 24 bytes of each 120-byte block
-        torch.randint(-128, 128, (6, 40), dtype=torch.int8, generator=generator),
-        torch.randint(-128, 128, (6, 6000), dtype=torch.int8, generator=generator),
-    ]
-    compared = 0
-    with SharedRegion.create(5, 2 * sum(PAGES)) as region:
-        region.rows[:] = np.random.default_rng(4).integers(0, 256, region.rows.shape, dtype=np.uint8)
-        layout = TransferLayout(
-            page_bytes=PAGES,
-            block_size_factor=2,
-            group_copy_bytes=[PAGES],
-            gpu_num_blocks=[6, 6, 6],
-            gpu_block_strides=[t.stride(0) for t in gpu],
-            cpu_num_rows=5,
-            cpu_row_stride=region.row_stride,
-        )
-        buffers = CopyBuffers(gpu, region)
-        plans = [
-            (layout.plan(np.array([5, 1, 2, 3]), [4], None, np.array([4, 0]), gpu_to_cpu=True), True),
-            (layout.plan(np.array([5, 1, 2]), [3], [1], np.array([4, 0]), gpu_to_cpu=False), False),
-        ]
-        for segments, gpu_to_cpu in plans:
-            start = ([t.clone() for t in gpu], region.rows.copy())
-            descriptors = buffers.descriptors(segments, gpu_to_cpu)
-            memmove_descriptors(*descriptors)
-            want = ([t.clone() for t in gpu], region.rows.copy())
-            for t, saved in zip(gpu, start[0]):
-                t.copy_(saved)
-            region.rows[:] = start[1]
-            copy_segments(*descriptors, torch.device("cpu"))
-            np.testing.assert_array_equal(region.rows, want[1])
-            for t, expected in zip(gpu, want[0]):
-                assert torch.equal(t, expected)
-            assert (region.rows != start[1]).any() or any(
-                not torch.equal(t, s) for t, s in zip(gpu, start[0])
-            ), "the plan copied nothing"
-            compared += len(descriptors[2])
-    return compared
+    """Both directions of a real plan, against the thread engine's memmove."""
+    return copier_matches_memmove(lambda dsts, srcs, sizes, _: copy_segments(dsts, srcs, sizes, CPU))
 
 
 def odd_copies() -> int:
@@ -86,7 +44,7 @@ def odd_copies() -> int:
     srcs = u64([source.ctypes.data + src for src, _, _ in ranges])
     sizes = u64([size for _, _, size in ranges])
     assert element_bytes(dsts, srcs, sizes) == 1
-    copy_segments(dsts, srcs, sizes, torch.device("cpu"))
+    copy_segments(dsts, srcs, sizes, CPU)
     np.testing.assert_array_equal(target, want)
     return len(ranges)
 

@@ -13,8 +13,11 @@ import numpy as np
 import torch
 
 from kvtier.base import CanonicalKVCaches
+from kvtier.worker.blocks import TransferLayout
 from kvtier.worker.canonical import canonicalize
 from kvtier.worker.cpu_gpu import CpuGpuOffloadingHandlers
+from kvtier.worker.engines.base import CopyBuffers
+from kvtier.worker.engines.thread import memmove_descriptors
 from kvtier.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.tiers.cpu.region import SharedRegion
 
@@ -179,3 +182,56 @@ class Rig:
     def page(self, layer: int, block: int, half: int = 0) -> np.ndarray:
         raw = self.layers[layer][half] if self.kv_first else self.layers[layer]
         return raw[block].detach().cpu().contiguous().view(torch.uint8).numpy().ravel().copy()
+
+
+PAGES = (24, 40, 6000)  # multiples of 8: a kernel moves them as 8-byte words
+
+
+def copier_matches_memmove(copier) -> int:
+    """Run ``copier(dsts, srcs, sizes, gpu_to_cpu)`` over the descriptors of both directions of
+    a real plan (strided and contiguous CPU tensors standing in for the GPU, a factor of 2)
+    and require every byte to match the thread engine's memmove of the same descriptors;
+    returns the number of copies compared. For the copy paths that run elsewhere on a GPU
+    (a Triton kernel under its interpreter, the driver's batched copy through a stand-in).
+    """
+    generator = torch.Generator().manual_seed(3)
+    base = torch.randint(-128, 128, (6, 3, 40), dtype=torch.int8, generator=generator)
+    gpu = [
+        base[:, 0, :24],  # strided: 24 bytes of each 120-byte block
+        torch.randint(-128, 128, (6, 40), dtype=torch.int8, generator=generator),
+        torch.randint(-128, 128, (6, 6000), dtype=torch.int8, generator=generator),
+    ]
+    compared = 0
+    with SharedRegion.create(5, 2 * sum(PAGES)) as region:
+        region.rows[:] = np.random.default_rng(4).integers(0, 256, region.rows.shape, dtype=np.uint8)
+        layout = TransferLayout(
+            page_bytes=PAGES,
+            block_size_factor=2,
+            group_copy_bytes=[PAGES],
+            gpu_num_blocks=[6, 6, 6],
+            gpu_block_strides=[t.stride(0) for t in gpu],
+            cpu_num_rows=5,
+            cpu_row_stride=region.row_stride,
+        )
+        buffers = CopyBuffers(gpu, region)
+        plans = [
+            (layout.plan(np.array([5, 1, 2, 3]), [4], None, np.array([4, 0]), gpu_to_cpu=True), True),
+            (layout.plan(np.array([5, 1, 2]), [3], [1], np.array([4, 0]), gpu_to_cpu=False), False),
+        ]
+        for segments, gpu_to_cpu in plans:
+            start = ([t.clone() for t in gpu], region.rows.copy())
+            descriptors = buffers.descriptors(segments, gpu_to_cpu)
+            memmove_descriptors(*descriptors)
+            want = ([t.clone() for t in gpu], region.rows.copy())
+            for t, saved in zip(gpu, start[0]):
+                t.copy_(saved)
+            region.rows[:] = start[1]
+            copier(*descriptors, gpu_to_cpu)
+            np.testing.assert_array_equal(region.rows, want[1])
+            for t, expected in zip(gpu, want[0]):
+                assert torch.equal(t, expected)
+            assert (region.rows != start[1]).any() or any(
+                not torch.equal(t, s) for t, s in zip(gpu, start[0])
+            ), "the plan copied nothing"
+            compared += len(descriptors[2])
+    return compared

@@ -3,7 +3,7 @@
 Why the driver API through ctypes: torch binds no batched copy, and the runtime's
 ``cudaMemcpyBatchAsync`` lives in whichever ``libcudart`` torch was built with. The driver
 library is one per machine, and it keeps every published signature of a function reachable
-by version: ``cuGetProcAddress(name, &fn, 12080, 0)`` returns the CUDA 12.8 form of
+by version: ``cuGetProcAddress_v2(name, &fn, 12080, 0, NULL)`` returns the CUDA 12.8 form of
 ``cuMemcpyBatchAsync`` (with its ``failIdx`` argument) on a 12.8 driver and on every later
 one, including CUDA 13 drivers whose headers map the name to a ``_v2`` without that
 argument. So the signature below is the one the returned pointer has, whatever the driver.
@@ -19,6 +19,8 @@ import ctypes
 import logging
 
 import numpy as np
+
+from kvtier.cuda import driver_library
 
 __all__ = ["MemcpyBatch", "MemcpyBatchError"]
 
@@ -81,10 +83,8 @@ class MemcpyBatch:
 
         Called once per engine at start-up, from a process that already uses CUDA.
         """
-        try:
-            driver = ctypes.CDLL("libcuda.so.1")
-        except OSError as exc:
-            logger.debug("no CUDA driver library: %s", exc)
+        driver = driver_library()
+        if driver is None:
             return None
         version = ctypes.c_int(0)
         try:
@@ -94,7 +94,9 @@ class MemcpyBatch:
             ):
                 logger.debug("CUDA driver %d has no cuMemcpyBatchAsync", version.value)
                 return None
-            get_proc = driver.cuGetProcAddress
+            # the form every 12.x and 13.x driver exports (the first one, without
+            # symbolStatus, is kept only for programs built before 12.0)
+            get_proc = driver.cuGetProcAddress_v2
         except AttributeError:
             return None
         get_proc.argtypes = [
@@ -102,11 +104,16 @@ class MemcpyBatch:
             ctypes.POINTER(ctypes.c_void_p),
             ctypes.c_int,
             ctypes.c_uint64,
+            ctypes.c_void_p,  # CUdriverProcAddressQueryResult *symbolStatus: optional
         ]
         get_proc.restype = ctypes.c_int
         address = ctypes.c_void_p(0)
         code = get_proc(
-            b"cuMemcpyBatchAsync", ctypes.byref(address), _API_VERSION, _CU_GET_PROC_ADDRESS_DEFAULT
+            b"cuMemcpyBatchAsync",
+            ctypes.byref(address),
+            _API_VERSION,
+            _CU_GET_PROC_ADDRESS_DEFAULT,
+            None,
         )
         if code != 0 or not address.value:
             logger.debug("cuGetProcAddress(cuMemcpyBatchAsync) returned %d", code)
