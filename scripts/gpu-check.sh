@@ -9,10 +9,12 @@
 #   1. python -m pytest -m gpu           (fails if every GPU test skipped: CUDA is not usable)
 #   2. kvtier bench transfer --device cuda --json   (the DMA engine, and the Triton kernel
 #      engine beside it where Triton imports; the goals are reported for each)
-#   3. kvtier replay --device cuda --json  on the bundled trace (every load verified)
+#   3. benchmarks/bench_kernel_programs.py --json   (CUDA only: how many SMs the kernel engine
+#      needs, and how much each engine's copies slow the model's work down)
+#   4. kvtier replay --device cuda --json  on the bundled trace (every load verified)
 #
-# Output: one file per step (and env.txt, summary.txt) under $OUT when it is set, else under a
-# new temporary folder; the JSON lines are also printed at the end.
+# Output: one file per step, stderr.log (every step's), env.txt and summary.txt under $OUT when
+# it is set, else under a new temporary folder; the JSON lines are also printed at the end.
 #
 # Needs python3 (PYTHON=... overrides) with torch, numpy, xxhash, pyyaml, tqdm, pytest and
 # hypothesis. kvtier itself is not installed: it runs from src/ (PYTHONPATH). Missing packages
@@ -37,7 +39,7 @@ while [ $# -gt 0 ]; do
     --device=*) DEVICE=${1#--device=}; shift ;;
     --quick) QUICK=1; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -133,8 +135,10 @@ if grep -q "^lmdb MISSING" "$LOGS/env.txt"; then
   REPLAY_EXTRA+=(--disk files)
 fi
 BENCH_EXTRA=()
+KERNEL_EXTRA=()
 if [ "$QUICK" = 1 ]; then
   BENCH_EXTRA+=(--max-batch 64 --runs 2)
+  KERNEL_EXTRA+=(--programs 4,12,all --runs 2)
   REPLAY_EXTRA+=(--limit 300 --no-baseline)
 fi
 
@@ -149,7 +153,10 @@ run_step() {  # name, output file, command...
     return
   fi
   local started=$SECONDS
-  "$@" >"$LOGS/$file" 2>"$LOGS/$name.stderr"
+  # stderr of every step goes to one file, under a header (what comes back from $OUT is
+  # limited in number of files)
+  echo "=== $name: $*" >>"$LOGS/stderr.log"
+  "$@" >"$LOGS/$file" 2>>"$LOGS/stderr.log"
   RC=$?
   STATUS[$name]="exit $RC, $((SECONDS - started)) s"
   [ $RC -eq 0 ] || FAILED=1
@@ -160,7 +167,6 @@ run_step pytest-gpu pytest-gpu.log \
   "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" tests
 # The GPU tests skip without CUDA; on a CUDA machine a run where none passed proves nothing.
 if [ "$DRY_RUN" = 0 ]; then
-  cat "$LOGS/pytest-gpu.stderr" >>"$LOGS/pytest-gpu.log" && rm -f "$LOGS/pytest-gpu.stderr"
   tail -n 25 "$LOGS/pytest-gpu.log"
   summary_line=$(tail -n 1 "$LOGS/pytest-gpu.log")
   if [ "$NO_LMDB" = 1 ] && [ "$RC" = 1 ] && ! echo "$summary_line" | grep -q " failed" \
@@ -179,13 +185,20 @@ fi
 
 run_step bench-transfer bench-transfer.json \
   "$PY" -m kvtier.cli.main bench transfer --device "$DEVICE" --json "${BENCH_EXTRA[@]}"
+if [ "$DEVICE" = cuda ]; then
+  # how many SMs the kernel engine needs, and what its copies and DMA's cost the model
+  run_step bench-kernel bench-kernel.json \
+    "$PY" benchmarks/bench_kernel_programs.py --json "${KERNEL_EXTRA[@]}"
+else
+  STATUS[bench-kernel]="skipped: times a GPU kernel, needs --device cuda"
+fi
 run_step replay replay.json \
   "$PY" -m kvtier.cli.main replay --device "$DEVICE" --json --no-progress "${REPLAY_EXTRA[@]}"
 
 # -- summary ------------------------------------------------------------------------------------
 {
   echo "gpu-check on device=$DEVICE quick=$QUICK (logs in $LOGS)"
-  for name in pytest-gpu bench-transfer replay; do
+  for name in pytest-gpu bench-transfer bench-kernel replay; do
     echo "$name: ${STATUS[$name]}"
   done
   if [ "$DRY_RUN" = 0 ]; then
@@ -216,7 +229,29 @@ for page, goal in goals.items():
               f"on {record['device']}: worst store {worst['d2h']:.2f}, load {worst['h2d']:.2f}, "
               f"{verdict}")
 PY
-    for file in bench-transfer.json replay.json; do
+    [ -s "$LOGS/bench-kernel.json" ] && "$PY" - "$LOGS/bench-kernel.json" <<'PY'
+import json, sys
+try:
+    with open(sys.argv[1]) as stream:
+        record = json.loads(stream.read().strip().splitlines()[-1])
+except (OSError, ValueError, IndexError) as exc:
+    print(f"kernel programs: no benchmark record ({exc})")
+    sys.exit(0)
+print(f"kernel programs on {record['device']} ({record['sms']} SMs, default "
+      f"{record['default_programs']}): smallest count within 5% of the fastest, and its ratio "
+      "to one contiguous pinned copy (DMA's beside it)")
+for row in record["throughput"]:
+    print(f"  {row['page_bytes'] // 1024} KiB x {row['batch_blocks']} blocks {row['direction']}: "
+          f"{row['best_programs']} programs, {row['best_kernel_ratio']:.2f} (DMA "
+          f"{row['dma_ratio']:.2f})")
+print("compute slowdown with copies beside the model's work (1.00: none)")
+for row in record["interference"]:
+    who = row["engine"] + (f" x{row['programs']}" if row["programs"] else "")
+    print(f"  {row['page_bytes'] // 1024} KiB {row['direction']} {who}: "
+          f"{row['compute_slowdown']:.3f}")
+PY
+    for file in bench-transfer.json bench-kernel.json replay.json; do
+      [ -s "$LOGS/$file" ] || continue
       echo "--- $file"
       tail -n 1 "$LOGS/$file"
     done

@@ -17,14 +17,26 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 from kv_reference import copier_matches_memmove  # noqa: E402
 
-from kvtier.worker.engines.kernel import BLOCK, MAX_PARTS, copy_segments, element_bytes  # noqa: E402
+from kvtier.worker.engines.kernel import (  # noqa: E402
+    BLOCK,
+    MAX_PARTS,
+    PROGRAMS,
+    copy_segments,
+    element_bytes,
+)
 
 CPU = torch.device("cpu")
 
 
 def planned_copies() -> int:
-    """Both directions of a real plan, against the thread engine's memmove."""
-    return copier_matches_memmove(lambda dsts, srcs, sizes, _: copy_segments(dsts, srcs, sizes, CPU))
+    """Both directions of a real plan, against the thread engine's memmove, with as many
+    programs as work items and with fewer (each program then takes several in turn)."""
+    return sum(
+        copier_matches_memmove(
+            lambda dsts, srcs, sizes, _: copy_segments(dsts, srcs, sizes, CPU, programs=programs)
+        )
+        for programs in (PROGRAMS, 1, 3)
+    )
 
 
 def odd_copies() -> int:
@@ -44,8 +56,10 @@ def odd_copies() -> int:
     srcs = u64([source.ctypes.data + src for src, _, _ in ranges])
     sizes = u64([size for _, _, size in ranges])
     assert element_bytes(dsts, srcs, sizes) == 1
-    copy_segments(dsts, srcs, sizes, CPU)
-    np.testing.assert_array_equal(target, want)
+    for programs in (PROGRAMS, 2):
+        target[:] = 0
+        copy_segments(dsts, srcs, sizes, CPU, programs=programs)
+        np.testing.assert_array_equal(target, want)
     return len(ranges)
 
 

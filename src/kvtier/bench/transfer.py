@@ -54,7 +54,7 @@ LAYOUTS = (("llama3-8b", 64 * KiB), ("small-page", 16 * KiB))
 VERIFY_BLOCKS = 64
 
 
-def _fill(layer: Any, layer_index: int, torch: Any) -> None:
+def fill_layer(layer: Any, layer_index: int, torch: Any) -> None:
     """Bytes unique to each (block, layer): a random page plus the block id, and both ids stamped in."""
     num_blocks, page = layer.shape
     generator = torch.Generator(device="cpu").manual_seed(layer_index)
@@ -70,7 +70,7 @@ def _fill(layer: Any, layer_index: int, torch: Any) -> None:
     raw[:, :8] = torch.from_numpy(stamp).to(layer.device)
 
 
-class _Clock:
+class Clock:
     """Wall-clock timing that waits for the device first, so each figure starts idle."""
 
     def __init__(self, torch: Any, cuda: bool):
@@ -84,7 +84,7 @@ class _Clock:
         return time.perf_counter() - started
 
 
-def _run_job(handler: Any, job_id: int, spec: tuple) -> None:
+def run_job(handler: Any, job_id: int, spec: tuple) -> None:
     if not handler.transfer_async(job_id, spec):
         raise RuntimeError(f"job {job_id} was not queued")
     handler.wait({job_id})
@@ -110,7 +110,7 @@ def _bench_layout(
     from kvtier.tiers.cpu.region import SharedRegion
 
     cuda = device == "cuda"
-    clock = _Clock(torch, cuda)
+    clock = Clock(torch, cuda)
     num_blocks = max_batch
     block_bytes = layers * page_bytes
     caches = [
@@ -118,7 +118,7 @@ def _bench_layout(
         for _ in range(layers)
     ]
     for index, layer in enumerate(caches):
-        _fill(layer, index, torch)
+        fill_layer(layer, index, torch)
     kv_caches = canonicalize(caches)
     region = SharedRegion.create(max_batch, block_bytes)
     handlers = kernel_handlers = None
@@ -140,11 +140,11 @@ def _bench_layout(
                 GPULoadStoreSpec(store_ids[:count], [count]),
                 CPULoadStoreSpec(np.arange(count)),
             )
-            _run_job(handler, next(job_ids), spec)
+            run_job(handler, next(job_ids), spec)
 
         def load_job(count: int, handler: Any = load) -> None:
             spec = (CPULoadStoreSpec(np.arange(count)), GPULoadStoreSpec(load_ids[:count], [count]))
-            _run_job(handler, next(job_ids), spec)
+            run_job(handler, next(job_ids), spec)
 
         def baseline(count: int, to_host: bool) -> None:
             nbytes = count * block_bytes
@@ -234,10 +234,10 @@ def _verify(
     index = torch.from_numpy(sources).to(caches[0].device)
     expected = [layer.index_select(0, index).cpu() for layer in caches]
     rows = np.arange(count)
-    _run_job(store, -1, (GPULoadStoreSpec(sources, [count]), CPULoadStoreSpec(rows)))
+    run_job(store, -1, (GPULoadStoreSpec(sources, [count]), CPULoadStoreSpec(rows)))
     for layer in caches:
         layer.index_fill_(0, torch.from_numpy(targets).to(layer.device), 0)
-    _run_job(load, -2, (CPULoadStoreSpec(rows), GPULoadStoreSpec(targets, [count])))
+    run_job(load, -2, (CPULoadStoreSpec(rows), GPULoadStoreSpec(targets, [count])))
     target_index = torch.from_numpy(targets).to(caches[0].device)
     return all(
         torch.equal(layer.index_select(0, target_index).cpu(), want)

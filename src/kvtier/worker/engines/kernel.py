@@ -38,9 +38,13 @@ __all__ = ["KernelCopyEngine", "copy_segments", "element_bytes"]
 
 #: elements one program copies per loop turn (of the widest width every copy allows)
 BLOCK = 1024
-#: most programs sharing one segment: enough to spread a long segment over the SMs, few
-#: enough that short ones (the common case) do not launch idle programs by the thousand
+#: most work items one segment is cut into: enough to spread a long segment over the
+#: programs, few enough that short ones (the common case) make no idle items
 MAX_PARTS = 8
+#: programs (so SMs, at most) one job's kernel occupies. Host memory is read over PCIe, which
+#: a small slice of an H100 saturates: vLLM measured 12 SMs within 5% of the peak for 8-32 KiB
+#: pages; the rest stay with the model. ``benchmarks/bench_kernel_programs.py`` re-measures it.
+PROGRAMS = 12
 
 _kernel = None
 
@@ -53,22 +57,28 @@ def _load_kernel() -> Any:
     import triton
     import triton.language as tl
 
-    # ``count`` changes with every job: specialising on it (Triton compiles separate variants
-    # for 1 and for multiples of 16) would compile up to three kernels per width mid-serving.
-    @triton.jit(do_not_specialize=["count"])
-    def copy_kernel(table, count, WIDTH: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
-        # table: int64 [dst addresses..., src addresses..., sizes in bytes...], count each;
-        # program (segment, part) copies every parts-th BLOCK of the segment's WIDTH-byte words
-        segment = tl.program_id(0)
-        part = tl.program_id(1)
-        parts = tl.num_programs(1)
-        dst = tl.load(table + segment).to(tl.pointer_type(KIND))
-        src = tl.load(table + count + segment).to(tl.pointer_type(KIND))
-        n = tl.load(table + 2 * count + segment) // WIDTH
-        for start in range(part * BLOCK, n, parts * BLOCK):
-            offsets = start + tl.arange(0, BLOCK)
-            mask = offsets < n
-            tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
+    # ``count`` and ``parts`` change from job to job: specialising on them (Triton compiles
+    # separate variants for 1 and for multiples of 16) would compile kernels mid-serving.
+    @triton.jit(do_not_specialize=["count", "parts"])
+    def copy_kernel(
+        table, count, parts, WIDTH: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        # table: int64 [dst addresses..., src addresses..., sizes in bytes...], count each.
+        # Work item (segment, part): every parts-th BLOCK of the segment's WIDTH-byte words,
+        # from the part-th on. The programs take the items in turn (a persistent grid), so a
+        # job occupies as many SMs as it has programs, whatever its size.
+        program = tl.program_id(0)
+        programs = tl.num_programs(0)
+        for item in range(program, count * parts, programs):
+            segment = item // parts
+            part = item % parts
+            dst = tl.load(table + segment).to(tl.pointer_type(KIND))
+            src = tl.load(table + count + segment).to(tl.pointer_type(KIND))
+            n = tl.load(table + 2 * count + segment) // WIDTH
+            for start in range(part * BLOCK, n, parts * BLOCK):
+                offsets = start + tl.arange(0, BLOCK)
+                mask = offsets < n
+                tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
 
     _kernel = (copy_kernel, {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8})
     return _kernel
@@ -82,14 +92,20 @@ def element_bytes(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> int:
 
 
 def copy_segments(
-    dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, device: torch.device
+    dsts: np.ndarray,
+    srcs: np.ndarray,
+    sizes: np.ndarray,
+    device: torch.device,
+    *,
+    programs: int = PROGRAMS,
 ) -> torch.Tensor | None:
     """Launch the copy kernel for one job's descriptors on ``device``'s current stream.
 
     ``dsts``, ``srcs``, ``sizes``: uint64 arrays, one entry per copy, as
     :meth:`~kvtier.worker.engines.base.CopyBuffers.descriptors` returns them; the ranges
-    must not overlap. Returns the descriptor table the kernel reads (keep it alive until
-    the stream has passed the kernel), or ``None`` when there is nothing to copy. Called on
+    must not overlap. ``programs``: how many programs (SMs, at most) share the work. Returns
+    the descriptor table the kernel reads (keep it alive until the stream has passed the
+    kernel), or ``None`` when there is nothing to copy. Called on
     the thread that owns the current stream; never waits for the copy.
     """
     count = len(sizes)
@@ -100,7 +116,8 @@ def copy_segments(
     table = _device_table(dsts, srcs, sizes, device)
     longest = int(sizes.max()) // width
     parts = max(1, min(MAX_PARTS, -(-longest // BLOCK)))
-    kernel[(count, parts)](table, count, WIDTH=width, KIND=kinds[width], BLOCK=BLOCK)
+    grid = (max(1, min(programs, count * parts)),)
+    kernel[grid](table, count, parts, WIDTH=width, KIND=kinds[width], BLOCK=BLOCK)
     return table
 
 
@@ -154,6 +171,8 @@ class KernelCopyEngine(CudaCopyEngine):
             )
         #: device address minus host address of the rows (0 under unified addressing)
         self.host_offset = np.uint64(offset % (1 << 64))
+        #: programs each job's kernel runs (see :data:`PROGRAMS`)
+        self.programs = PROGRAMS
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -179,4 +198,4 @@ class KernelCopyEngine(CudaCopyEngine):
                 dsts = dsts + self.host_offset
             else:
                 srcs = srcs + self.host_offset
-        return copy_segments(dsts, srcs, sizes, self._device)
+        return copy_segments(dsts, srcs, sizes, self._device, programs=self.programs)
