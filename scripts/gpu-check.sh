@@ -3,7 +3,7 @@
 # along, the wheels of packages it lacks): the GPU-marked tests, the transfer benchmark and the
 # trace replay, all on the real CUDA copy path.
 #
-#   scripts/gpu-check.sh [--device cuda|cpu] [--quick] [--dry-run]
+#   scripts/gpu-check.sh [--device cuda|cpu] [--quick] [--dry-run] [--steps a,b,...]
 #
 # Steps, each run even when an earlier one failed (the exit status is 1 if any failed):
 #   1. python -m pytest -m gpu           (fails if every GPU test skipped: CUDA is not usable)
@@ -26,20 +26,25 @@
 # --device cpu runs the same steps with CPU tensors standing in for the GPU (the GPU tests
 # then skip, which is not an error there): a check of this script on a machine without CUDA.
 # --quick: a shorter benchmark and the first 300 requests of the trace. --dry-run: check the
-# environment and print the commands without running them.
+# environment and print the commands without running them. --steps: only these of
+# pytest-gpu, bench-transfer, bench-kernel, replay (to split a run over several calls).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 DEVICE=cuda
 QUICK=0
 DRY_RUN=0
+ALL_STEPS=pytest-gpu,bench-transfer,bench-kernel,replay
+STEPS=$ALL_STEPS
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE=${2:-}; shift 2 ;;
     --device=*) DEVICE=${1#--device=}; shift ;;
     --quick) QUICK=1; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    --steps) STEPS=${2:-}; shift 2 ;;
+    --steps=*) STEPS=${1#--steps=}; shift ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -47,6 +52,13 @@ case "$DEVICE" in
   cuda|cpu) ;;
   *) echo "gpu-check: --device must be cuda or cpu, got '$DEVICE'" >&2; exit 2 ;;
 esac
+for step in ${STEPS//,/ }; do
+  case ",$ALL_STEPS," in
+    *",$step,"*) ;;
+    *) echo "gpu-check: unknown step '$step' in --steps (known: $ALL_STEPS)" >&2; exit 2 ;;
+  esac
+done
+wanted() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 PY=${PYTHON:-python3}
 if [ -n "${OUT:-}" ]; then
@@ -147,6 +159,11 @@ declare -A STATUS
 run_step() {  # name, output file, command...
   local name=$1 file=$2
   shift 2
+  RC=0
+  if ! wanted "$name"; then
+    STATUS[$name]="not asked for (--steps)"
+    return
+  fi
   echo "== $name: $*"
   if [ "$DRY_RUN" = 1 ]; then
     STATUS[$name]="dry run"
@@ -166,7 +183,7 @@ FAILED=0
 run_step pytest-gpu pytest-gpu.log \
   "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${PYTEST_EXTRA[@]}" tests
 # The GPU tests skip without CUDA; on a CUDA machine a run where none passed proves nothing.
-if [ "$DRY_RUN" = 0 ]; then
+if [ "$DRY_RUN" = 0 ] && wanted pytest-gpu; then
   tail -n 25 "$LOGS/pytest-gpu.log"
   summary_line=$(tail -n 1 "$LOGS/pytest-gpu.log")
   if [ "$NO_LMDB" = 1 ] && [ "$RC" = 1 ] && ! echo "$summary_line" | grep -q " failed" \
@@ -185,7 +202,7 @@ fi
 
 run_step bench-transfer bench-transfer.json \
   "$PY" -m kvtier.cli.main bench transfer --device "$DEVICE" --json "${BENCH_EXTRA[@]}"
-if [ "$DEVICE" = cuda ]; then
+if [ "$DEVICE" = cuda ] || ! wanted bench-kernel; then
   # how many SMs the kernel engine needs, and what its copies and DMA's cost the model
   run_step bench-kernel bench-kernel.json \
     "$PY" benchmarks/bench_kernel_programs.py --json "${KERNEL_EXTRA[@]}"
@@ -204,7 +221,7 @@ run_step replay replay.json \
   if [ "$DRY_RUN" = 0 ]; then
     # Issue 13's goals for jobs of 32 blocks and more, both directions, as ratios to one
     # contiguous pinned copy of the same bytes measured in the same run (reported, not enforced)
-    "$PY" - "$LOGS/bench-transfer.json" <<'PY'
+    wanted bench-transfer && "$PY" - "$LOGS/bench-transfer.json" <<'PY'
 import json, sys
 try:
     with open(sys.argv[1]) as stream:

@@ -25,7 +25,13 @@ __all__ = [
     "driver_library",
     "host_register",
     "host_unregister",
+    "stream_create",
+    "stream_destroy",
 ]
+
+# cuStreamCreateWithPriority's flag: no implicit synchronisation with the legacy default
+# stream (torch creates its own streams so too)
+_CU_STREAM_NON_BLOCKING = 0x1
 
 logger = logging.getLogger(__name__)
 
@@ -166,3 +172,45 @@ def device_address_offset(ptr: int) -> int | None:
     if query(ctypes.byref(device_ptr), ctypes.c_void_p(ptr), 0) != 0:
         return None
     return device_ptr.value - ptr
+
+
+def stream_create(priority: int) -> int | None:
+    """A CUDA stream of the caller's own (``cuStreamCreateWithPriority``, non-blocking), as its
+    handle, or ``None`` (logged at debug) where there is no driver or it refuses.
+
+    Why not ``torch.cuda.Stream``: torch hands out one of 32 streams per priority, round-robin,
+    shared with every other ``torch.cuda.Stream()`` in the process, so a copy stream can turn out
+    to be the model's own stream (vLLM computes on one of them) and queue its copies behind the
+    model's work. ``priority``: lower is more urgent; the driver clamps it to the device's
+    range. Call it in a thread whose current context is the device's (any torch CUDA call on
+    the device there makes it so); pass the handle to :func:`stream_destroy` when done.
+    """
+    driver = driver_library()
+    if driver is None:
+        return None
+    try:
+        create = driver.cuStreamCreateWithPriority
+    except AttributeError:
+        return None
+    create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint, ctypes.c_int]
+    create.restype = ctypes.c_int
+    handle = ctypes.c_void_p(0)
+    code = create(ctypes.byref(handle), _CU_STREAM_NON_BLOCKING, priority)
+    if code != 0 or not handle.value:
+        logger.debug("cuStreamCreateWithPriority returned %d", code)
+        return None
+    return handle.value
+
+
+def stream_destroy(handle: int) -> None:
+    """Release a stream from :func:`stream_create` (``cuStreamDestroy_v2``); work queued on it
+    still completes. Never raises: a failure is logged."""
+    driver = driver_library()
+    if driver is None or not handle:
+        return
+    destroy = driver.cuStreamDestroy_v2
+    destroy.argtypes = [ctypes.c_void_p]
+    destroy.restype = ctypes.c_int
+    code = destroy(ctypes.c_void_p(handle))
+    if code != 0:
+        logger.warning("cuStreamDestroy of stream 0x%x failed with CUDA error %d", handle, code)

@@ -26,6 +26,7 @@ def main() -> None:
     assert driver is not None and hasattr(driver, "standin_last_order"), "not the stand-in"
     driver.standin_last_stream.restype = ctypes.c_uint64
     driver.standin_last_count.restype = ctypes.c_size_t
+    driver.standin_last_stream_flags.restype = ctypes.c_uint
 
     batch = MemcpyBatch.load()
     assert batch is not None, "cuMemcpyBatchAsync not found through cuGetProcAddress_v2"
@@ -53,12 +54,21 @@ def main() -> None:
     else:
         raise AssertionError("a refused copy did not raise")
 
+    handles = [cuda.stream_create(0), cuda.stream_create(-1)]
+    assert all(handles) and handles[0] != handles[1], handles
+    assert (driver.standin_last_stream_flags(), driver.standin_last_stream_priority()) == (1, -1)
+    assert driver.standin_live_streams() == 2
+    for handle in handles:
+        cuda.stream_destroy(handle)
+    assert driver.standin_live_streams() == 0
+
     assert cuda.device_address_offset(source.ctypes.data) == MAPPED_AT
     os.environ["STANDIN_UNMAPPED"] = "1"
     assert cuda.device_address_offset(source.ctypes.data) is None
     os.environ["STANDIN_CUDA_VERSION"] = "12060"  # a driver before cuMemcpyBatchAsync
     assert MemcpyBatch.load() is None
-    print(f"ok: {compared} planned copies through the batched call; refusal, mapping, old driver")
+    print(f"ok: {compared} planned copies through the batched call; refusal, streams, mapping, "
+          "old driver")
 
 
 if __name__ == "__main__":

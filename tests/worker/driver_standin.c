@@ -5,6 +5,9 @@
  * types, the CUmemcpyAttributes layout, the version asked of cuGetProcAddress, how a refused
  * copy's index comes back. Each call's arguments are checked and remembered for the test.
  *
+ * Streams are heap cells: cuStreamCreateWithPriority records its flags and priority and
+ * counts live streams, cuStreamDestroy_v2 frees one.
+ *
  * Environment: STANDIN_CUDA_VERSION (default 13000) is what cuDriverGetVersion reports;
  * STANDIN_UNMAPPED=1 makes cuMemHostGetDevicePointer fail as for unregistered memory.
  */
@@ -86,5 +89,33 @@ CUresult cuMemHostGetDevicePointer_v2(uint64_t *device_ptr, void *host_ptr, unsi
     if (device_ptr == NULL || host_ptr == NULL || flags != 0) return CUDA_ERROR_INVALID_VALUE;
     if (getenv("STANDIN_UNMAPPED")) return CUDA_ERROR_INVALID_VALUE;
     *device_ptr = (uint64_t)(uintptr_t)host_ptr + HOST_TO_DEVICE_OFFSET;
+    return CUDA_SUCCESS;
+}
+
+/* streams: a handle is a heap cell holding the priority it was made with */
+static unsigned int last_stream_flags = 0;
+static int last_stream_priority = 0;
+static int live_streams = 0;
+
+unsigned int standin_last_stream_flags(void) { return last_stream_flags; }
+int standin_last_stream_priority(void) { return last_stream_priority; }
+int standin_live_streams(void) { return live_streams; }
+
+CUresult cuStreamCreateWithPriority(void **stream, unsigned int flags, int priority) {
+    if (stream == NULL || (flags & ~1u) != 0) return CUDA_ERROR_INVALID_VALUE;
+    int *cell = malloc(sizeof(int));
+    if (cell == NULL) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+    *cell = priority;
+    *stream = cell;
+    last_stream_flags = flags;
+    last_stream_priority = priority;
+    live_streams++;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamDestroy_v2(void *stream) {
+    if (stream == NULL || live_streams == 0) return CUDA_ERROR_INVALID_VALUE;
+    free(stream);
+    live_streams--;
     return CUDA_SUCCESS;
 }

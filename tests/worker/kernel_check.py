@@ -19,6 +19,7 @@ from kv_reference import copier_matches_memmove  # noqa: E402
 
 from kvtier.worker.engines.kernel import (  # noqa: E402
     BLOCK,
+    DescriptorTable,
     MAX_PARTS,
     PROGRAMS,
     copy_segments,
@@ -30,13 +31,19 @@ CPU = torch.device("cpu")
 
 def planned_copies() -> int:
     """Both directions of a real plan, against the thread engine's memmove, with as many
-    programs as work items and with fewer (each program then takes several in turn)."""
-    return sum(
-        copier_matches_memmove(
-            lambda dsts, srcs, sizes, _: copy_segments(dsts, srcs, sizes, CPU, programs=programs)
+    programs as work items and with fewer (each program then takes several in turn). One
+    descriptor table serves every job, as an engine reuses its tables: it grows at the first
+    and is larger than the later ones need."""
+    table = DescriptorTable(CPU, 1)
+
+    def copier(programs):
+        return lambda dsts, srcs, sizes, _: copy_segments(
+            dsts, srcs, sizes, CPU, programs=programs, table=table
         )
-        for programs in (PROGRAMS, 1, 3)
-    )
+
+    compared = sum(copier_matches_memmove(copier(programs)) for programs in (PROGRAMS, 1, 3))
+    assert table.capacity > 1, "the table never grew"
+    return compared
 
 
 def odd_copies() -> int:

@@ -166,7 +166,8 @@ def test_shared_tensor_groups_copy_their_own_page_sizes(device, rigs):
     for refs in rig.kv.group_data_refs[1]:
         refs.page_size_bytes //= 2
     rig.handlers.shutdown()
-    rig.handlers = CpuGpuOffloadingHandlers(rig.kv, rig.region, 1)
+    engine = device.partition("+")[2] or "auto"  # the same engine as the rig's
+    rig.handlers = CpuGpuOffloadingHandlers(rig.kv, rig.region, 1, engine=engine)
     rig.store_handler, rig.load_handler = (
         rig.handlers.gpu_to_cpu_handler,
         rig.handlers.cpu_to_gpu_handler,
@@ -362,6 +363,7 @@ def test_engine_must_fit_the_device(torch_device):
 def test_cuda_store_waits_for_the_compute_stream(rigs, cuda_engine):
     rig = rigs(cuda_engine)
     compute = torch.cuda.current_stream()
+    rig.layers[0][6].fill_(3)  # the fill kernel's first launch (a module load) comes first
     torch.cuda._sleep(200_000_000)  # keep the compute stream busy (~0.1 s) ...
     rig.layers[0][5].fill_(3)  # ... then write KV the store must see
     assert rig.store_handler.transfer_async(1, rig.specs([5], [1], [0]))
@@ -377,21 +379,38 @@ def test_cuda_submitting_never_waits_for_the_compute_stream(rigs, cuda_engine):
     # transfer_async runs on the model's thread: it must enqueue and return, not block until
     # the model's queued work is done (a pageable staging copy would, or a lazy compile).
     rig = rigs(cuda_engine)
-    rig.transfer(1, [0, 1], [2], [0, 1], store=True)  # first use: streams, events, caches
+    rig.transfer(1, [0, 1], [2], [0, 1], store=True)  # first use of each direction
     rig.transfer(2, [2, 3], [2], [0, 1], store=False)
-    copies = model_copies(rig.kv, 1, rig.region.row_stride, [4, 5], [2], None, [2, 3])
+    # jobs of sizes not seen before, so nothing sized per job can come from a cache
+    copies = model_copies(rig.kv, 1, rig.region.row_stride, [4, 5, 6], [3], None, [2, 3, 4])
     _, region_after = rig.expected_after(copies, True)
     compute = torch.cuda.current_stream()
     torch.cuda._sleep(2_000_000_000)  # about a second of compute-stream work
-    assert rig.store_handler.transfer_async(3, rig.specs([4, 5], [2], [2, 3]))
-    assert rig.load_handler.transfer_async(4, rig.specs([6, 7], [2], [0, 1], store=False))
+    assert rig.store_handler.transfer_async(3, rig.specs([4, 5, 6], [3], [2, 3, 4]))
+    assert rig.load_handler.transfer_async(4, rig.specs([8], [1], [0], store=False))
     assert not compute.query()  # both submits returned while the model's work still ran
     rig.store_handler.wait({3})
     rig.load_handler.wait({4})
     assert [(r.job_id, r.success) for r in rig.store_handler.get_finished()] == [(3, True)]
     assert [(r.job_id, r.success) for r in rig.load_handler.get_finished()] == [(4, True)]
     np.testing.assert_array_equal(rig.region_bytes(), region_after)
-    assert all(torch.equal(layer[6:8], layer[0:2]) for layer in rig.layers)  # rows 0, 1 came back
+    assert all(torch.equal(layer[8], layer[0]) for layer in rig.layers)  # row 0 came back
+
+
+def test_cuda_copies_run_on_streams_of_their_own(rigs, cuda_engine):
+    # torch's streams are a shared pool of 32 per priority, and vLLM computes on one of them:
+    # the engine's copy streams are made through the driver, so none can be the model's
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        rig = rigs(cuda_engine)
+        pool = [torch.cuda.Stream() for _ in range(64)]  # go round torch's pool twice
+        for job in range(1, 5):
+            rig.transfer(job, [job], [1], [job], store=job % 2 == 1)
+    for engine in (rig.store_handler.engine, rig.load_handler.engine):
+        handles = {stream.cuda_stream for stream in engine._streams}
+        assert handles and handles <= set(engine._owned_streams)
+        assert compute.cuda_stream not in handles
+        assert not handles & {stream.cuda_stream for stream in pool}
 
 
 def test_cuda_a_store_never_stalls_the_compute_stream(rigs, cuda_engine):

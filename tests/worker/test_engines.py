@@ -126,6 +126,7 @@ def test_batched_copy_moves_bytes_both_ways():
         host[0] = torch.randint(0, 256, (8192,), dtype=torch.uint8)
         device = torch.zeros((2, 8192), dtype=torch.uint8, device="cuda")
         stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())  # after the zeros are written
         u64 = lambda *v: np.array(v, dtype=np.uint64)
         # H2D: host row 0 in two pieces into device row 1; then D2H device row 1 to host row 1
         batch(

@@ -20,6 +20,13 @@ runs of:
   limit; on the CPU path one ``memmove``). The ratios compare each direction with its own
   baseline; ``baseline_gbps`` is the lower of the two.
 
+On CUDA the rows must pin (``cudaHostRegister``) or the run stops: the baseline is a pinned
+copy, and pageable rows would compare two staged paths. There each row also has
+``d2h_device_gbps`` and ``h2d_device_gbps``: the DMA jobs' bytes over the time between the
+events on their stream, the copies alone; against ``d2h_gbps``/``h2d_gbps`` (from
+``transfer_async`` until ``wait`` returns) it shows what planning and submitting cost on the
+host.
+
 At the end, one store and one load of up to 64 blocks are checked byte for byte
 (``verified`` in the JSON).
 
@@ -27,7 +34,8 @@ On CUDA with Triton importable (PyTorch's CUDA builds bring it), the same jobs a
 through a second handler pair on the ``kernel`` engine (the bytes moved by a Triton kernel
 instead of the copy engines; :mod:`kvtier.worker.engines.kernel`), in the same rounds:
 ``d2h_kernel_gbps``, ``h2d_kernel_gbps`` and their ratios to the same baselines, and its
-round trip is verified too. ``kernel=False`` (``--no-kernel``) leaves it out.
+round trip is verified too. ``kernel=False`` (``--no-kernel``) leaves it out; a kernel engine
+that cannot start is left out too, its reason in ``kernel_error``.
 
 On a machine without CUDA the "GPU" tensors are CPU tensors and the handlers run on the CPU
 path (a background thread of ``memmove`` calls), so the figures measure that path against a
@@ -84,13 +92,16 @@ class Clock:
         return time.perf_counter() - started
 
 
-def run_job(handler: Any, job_id: int, spec: tuple) -> None:
+def run_job(handler: Any, job_id: int, spec: tuple) -> float | None:
+    """Run one job to completion; return the time its copies took as the engine measured it
+    (on CUDA between events on the job's stream: the device's part alone)."""
     if not handler.transfer_async(job_id, spec):
         raise RuntimeError(f"job {job_id} was not queued")
     handler.wait({job_id})
     results = handler.get_finished()
     if [r.job_id for r in results] != [job_id] or not results[0].success:
         raise RuntimeError(f"job {job_id} did not finish cleanly: {results}")
+    return results[0].transfer_time
 
 
 def _bench_layout(
@@ -103,7 +114,11 @@ def _bench_layout(
     layers: int,
     torch: Any,
     kernel: bool = False,
+    kernel_error: list[str] | None = None,
 ) -> tuple[list[dict[str, Any]], bool]:
+    """One layout's rows and whether its round trips were exact. A kernel engine that cannot
+    start is appended to ``kernel_error`` and left out; everything else raises."""
+    kernel_error = [] if kernel_error is None else kernel_error
     from kvtier.worker.canonical import canonicalize
     from kvtier.worker.cpu_gpu import CpuGpuOffloadingHandlers
     from kvtier.mediums import CPULoadStoreSpec, GPULoadStoreSpec
@@ -123,11 +138,16 @@ def _bench_layout(
     region = SharedRegion.create(max_batch, block_bytes)
     handlers = kernel_handlers = None
     try:
-        region.pin("auto")
+        # On CUDA the figures are only meaningful with pinned rows (the baseline is "one
+        # contiguous pinned copy"): refuse rather than compare two pageable paths.
+        region.pin("on" if cuda else "auto")
         handlers = CpuGpuOffloadingHandlers(kv_caches, region, 1, engine="auto")
         store, load = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
         if kernel:
-            kernel_handlers = CpuGpuOffloadingHandlers(kv_caches, region, 1, engine="kernel")
+            try:
+                kernel_handlers = CpuGpuOffloadingHandlers(kv_caches, region, 1, engine="kernel")
+            except Exception as exc:  # noqa: BLE001 - reported; the DMA figures still count
+                kernel_error.append(f"{type(exc).__name__}: {exc}")
         host = handlers.buffers.cpu
         device_buffer = torch.empty(max_batch * block_bytes, dtype=torch.int8, device=device)
         rng = np.random.default_rng(0)
@@ -135,16 +155,23 @@ def _bench_layout(
         load_ids = rng.permutation(num_blocks)
         job_ids = iter(range(1 << 62))
 
+        # the engine's own time of each timed DMA job, by direction and batch
+        device_s: dict[tuple[str, int], list[float]] = {}
+
         def store_job(count: int, handler: Any = store) -> None:
             spec = (
                 GPULoadStoreSpec(store_ids[:count], [count]),
                 CPULoadStoreSpec(np.arange(count)),
             )
-            run_job(handler, next(job_ids), spec)
+            took = run_job(handler, next(job_ids), spec)
+            if handler is store and took is not None:
+                device_s.setdefault(("d2h", count), []).append(took)
 
         def load_job(count: int, handler: Any = load) -> None:
             spec = (CPULoadStoreSpec(np.arange(count)), GPULoadStoreSpec(load_ids[:count], [count]))
-            run_job(handler, next(job_ids), spec)
+            took = run_job(handler, next(job_ids), spec)
+            if handler is load and took is not None:
+                device_s.setdefault(("h2d", count), []).append(took)
 
         def baseline(count: int, to_host: bool) -> None:
             nbytes = count * block_bytes
@@ -201,6 +228,12 @@ def _bench_layout(
                 "d2h_ratio": gbps["d2h"] / gbps["baseline_d2h"],
                 "h2d_ratio": gbps["h2d"] / gbps["baseline_h2d"],
             }
+            if cuda:
+                # the copies alone, from events on the job's stream: against the wall-clock
+                # figure above, what planning and submitting cost on the host
+                for direction in ("d2h", "h2d"):
+                    row[f"{direction}_device_gbps"] = nbytes / median(
+                        device_s[(direction, batch)][-runs:]) / 1e9
             for direction in ("d2h", "h2d") if kernel_handlers is not None else ():
                 row[f"{direction}_kernel_gbps"] = gbps[f"{direction}_kernel"]
                 row[f"{direction}_kernel_ratio"] = gbps[f"{direction}_kernel"] / gbps[f"baseline_{direction}"]
@@ -273,6 +306,7 @@ def run(
     kernel = kernel and device == "cuda" and find_spec("triton") is not None
     rows: list[dict[str, Any]] = []
     verified = True
+    kernel_error: list[str] = []
     for name, page_bytes in LAYOUTS:
         layout_rows, layout_ok = _bench_layout(
             name,
@@ -282,7 +316,8 @@ def run(
             runs=runs,
             layers=layers,
             torch=torch,
-            kernel=kernel,
+            kernel=kernel and not kernel_error,
+            kernel_error=kernel_error,
         )
         rows += layout_rows
         verified = verified and layout_ok
@@ -292,12 +327,18 @@ def run(
         "bench": "transfer",
         "device": device_name,
         "engine": "cuda" if device == "cuda" else "thread",
-        "engines": (["cuda", "kernel"] if kernel else ["cuda"]) if device == "cuda" else ["thread"],
+        "engines": (
+            (["cuda", "kernel"] if kernel and not kernel_error else ["cuda"])
+            if device == "cuda"
+            else ["thread"]
+        ),
         "layers": layers,
         "runs": runs,
         "verified": verified,
         "rows": rows,
     }
+    if kernel_error:
+        record["kernel_error"] = kernel_error[0]
     what = (
         "CUDA streams vs one contiguous pinned copy (PCIe)"
         if device == "cuda"
@@ -319,8 +360,12 @@ def run(
         "d2h_ratio",
         "h2d_ratio",
     ]
-    if kernel:
+    if device == "cuda":
+        columns += ["d2h_device_gbps", "h2d_device_gbps"]
+    if kernel and not kernel_error:
         columns += ["d2h_kernel_ratio", "h2d_kernel_ratio"]
+    if kernel_error:
+        print(f"kernel engine left out: {kernel_error[0]}", file=out)
     print_table(rows, columns, out)
     print_json(record, out)
     return record

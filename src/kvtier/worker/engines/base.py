@@ -60,6 +60,8 @@ class CopyBuffers:
         self.gpu = [_flat_bytes(pages) for pages in gpu_pages]
         self.gpu_bases = np.array([flat.data_ptr() for flat in self.gpu], dtype=np.uint64)
         self.gpu_extents = np.array([flat.numel() for flat in self.gpu], dtype=np.int64)
+        self.gpu_strides = np.array([pages.stride(0) for pages in gpu_pages], dtype=np.int64)
+        self.page_bytes = np.array([pages.shape[1] for pages in gpu_pages], dtype=np.int64)
         self.device = gpu_pages[0].device if gpu_pages else torch.device("cpu")
         # The rows as one flat span, row padding included: segments address the region by
         # byte offset from row 0, and a DMA or memmove needs one base pointer for all rows.
@@ -68,6 +70,7 @@ class CopyBuffers:
         self.cpu = torch.from_numpy(flat).view(torch.int8)
         self.cpu_base = np.uint64(self.cpu.data_ptr())
         self.cpu_extent = extent
+        self.row_stride = region.row_stride
         assert int(self.cpu_base) == region.address, "the flat view must start at row 0"
 
     def descriptors(

@@ -2,9 +2,10 @@
 
 Per job (:meth:`CudaCopyEngine.submit`, on the worker's thread):
 
-1. take a stream from the engine's pool (created with the engine's priority: loads run at a
-   higher priority than stores, so a request waiting for its prefix is not stuck behind
-   offloading traffic);
+1. take a stream from the engine's pool: streams the engine created through the driver, at
+   the engine's priority (loads run at a higher priority than stores, so a request waiting
+   for its prefix is not stuck behind offloading traffic), never shared with the model
+   (torch's own streams are a shared pool, and vLLM computes on one of them);
 2. make it wait for the engine's compute stream (the current stream at submit: a store must
    read finished KV, a load must not overwrite blocks the compute stream still uses) and for
    the previous job's end event (jobs of one direction finish in submission order);
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from kvtier.base import TransferResult
+from kvtier.cuda import device_address_offset, stream_create, stream_destroy
 from kvtier.worker.blocks import Segments
 from kvtier.worker.engines.base import CopyBuffers, CopyEngine, copy_segments_torch
 from kvtier.worker.engines.memcpy_batch import MemcpyBatch, MemcpyBatchError
@@ -53,9 +55,10 @@ class _Job:
     stream: torch.cuda.Stream
     start: torch.cuda.Event
     end: torch.cuda.Event
-    # the descriptor arrays (and whatever the issue step returned), referenced until the
-    # job is done: cheap, and nothing then depends on when the driver stops reading them
-    keepalive: Any
+    # the descriptor arrays and what the issue step returned, referenced until the job is
+    # done: cheap, and nothing then depends on when the driver stops reading them
+    descriptors: Any
+    issued: Any
     error: BaseException | None
 
 
@@ -76,9 +79,23 @@ class CudaCopyEngine(CopyEngine):
         self._device = buffers.device
         self._priority = priority
         self._streams: list[torch.cuda.Stream] = []
+        self._owned_streams: list[int] = []  # driver handles of the streams made here
         self._events: list[torch.cuda.Event] = []
         self._jobs: deque[_Job] = deque()
         self._last_end: torch.cuda.Event | None = None
+        with torch.cuda.device(self._device):
+            # a runtime call that binds the device's context to this thread (once, at start),
+            # which the driver calls below run in
+            torch.cuda.synchronize(self._device)
+            self.rows_mapped_at = device_address_offset(int(buffers.cpu_base))
+            self._streams += [self._new_stream() for _ in range(2)]
+        if self.rows_mapped_at is None:
+            logger.warning(
+                "%s: the CPU rows are not pinned (cudaHostRegister failed or pin_memory is off): "
+                "the driver stages every copy, and transfer_async waits for the model's queued "
+                "GPU work before it returns; pin them (pin_memory: on refuses to start without)",
+                self.direction,
+            )
         self._batch = MemcpyBatch.load()
         if self._batch is None:
             logger.info(
@@ -88,6 +105,24 @@ class CudaCopyEngine(CopyEngine):
             )
         #: the function that issues one job's copies on the current stream (replaceable)
         self.issue = self._issue
+
+    def _new_stream(self) -> torch.cuda.Stream:
+        # A stream of our own, so no copy ever shares a stream with the model (see
+        # kvtier.cuda.stream_create); torch's shared pool only where the driver refuses, and
+        # then never the stream that is current now (the compute stream).
+        handle = stream_create(self._priority)
+        if handle is not None:
+            self._owned_streams.append(handle)
+            return torch.cuda.ExternalStream(handle, device=self._device)
+        compute = torch.cuda.current_stream(self._device).cuda_stream
+        for _ in range(64):  # the pool has 32 streams per priority
+            stream = torch.cuda.Stream(device=self._device, priority=self._priority)
+            if stream.cuda_stream != compute:
+                return stream
+        raise RuntimeError("no CUDA stream other than the compute stream could be had")
+
+    def _release(self, issued: Any) -> None:
+        """Take back what :meth:`_issue` returned for a job that is done (nothing here)."""
 
     def _event(self) -> torch.cuda.Event:
         return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
@@ -99,31 +134,28 @@ class CudaCopyEngine(CopyEngine):
         with ``success=False`` in its turn.
         """
         with torch.cuda.device(self._device):
-            stream = (
-                self._streams.pop()
-                if self._streams
-                else torch.cuda.Stream(device=self._device, priority=self._priority)
-            )
+            stream = self._streams.pop() if self._streams else self._new_stream()
             start, end = self._event(), self._event()
             stream.wait_stream(torch.cuda.current_stream(self._device))
             if self._last_end is not None:
                 stream.wait_event(self._last_end)
             start.record(stream)
             error: BaseException | None = None
-            keepalive = None
+            descriptors = issued = None
             try:
                 descriptors = self.buffers.descriptors(segments, self.gpu_to_cpu)
-                keepalive = descriptors
                 with torch.cuda.stream(stream):
                     # what the issue step returns (a kernel's descriptor table) lives as long
-                    keepalive = (descriptors, self.issue(descriptors, segments, stream))
+                    issued = self.issue(descriptors, segments, stream)
             except Exception as exc:  # noqa: BLE001 - any failure fails this job only; the chain goes on
                 error = exc
             # Recorded even after a failure, so the next job still waits for whatever of
             # this one was enqueued before the error.
             end.record(stream)
         self._last_end = end
-        self._jobs.append(_Job(job_id, segments.nbytes, stream, start, end, keepalive, error))
+        self._jobs.append(
+            _Job(job_id, segments.nbytes, stream, start, end, descriptors, issued, error)
+        )
 
     def _issue(
         self,
@@ -152,6 +184,8 @@ class CudaCopyEngine(CopyEngine):
         if error is None:
             elapsed_s = job.start.elapsed_time(job.end) / 1000.0
             self._events += (job.start, job.end)
+            if job.issued is not None:
+                self._release(job.issued)
             return TransferResult(job.job_id, True, job.nbytes, elapsed_s)
         return self._failed(job.job_id, error)
 
@@ -181,7 +215,8 @@ class CudaCopyEngine(CopyEngine):
                     job.error = job.error or exc
 
     def shutdown(self) -> None:
-        """Wait for every queued job's end event; drop the pools. Idempotent."""
+        """Wait for every queued job's end event; drop the pools, destroy the streams made
+        here. Idempotent."""
         for job in self._jobs:
             try:
                 job.end.synchronize()
@@ -189,3 +224,8 @@ class CudaCopyEngine(CopyEngine):
                 job.error = job.error or exc
         self._streams.clear()
         self._events.clear()
+        self._last_end = None
+        # after the waits above, and once the jobs' stream references are gone (a job still
+        # listed holds its stream object, never used again)
+        while self._owned_streams:
+            stream_destroy(self._owned_streams.pop())

@@ -29,12 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.cuda import device_address_offset
 from kvtier.worker.blocks import Segments
 from kvtier.worker.engines.base import CopyBuffers
 from kvtier.worker.engines.cuda import CudaCopyEngine
 
-__all__ = ["KernelCopyEngine", "copy_segments", "element_bytes"]
+__all__ = ["DescriptorTable", "KernelCopyEngine", "copy_segments", "element_bytes"]
 
 #: elements one program copies per loop turn (of the widest width every copy allows)
 BLOCK = 1024
@@ -45,6 +44,8 @@ MAX_PARTS = 8
 #: a small slice of an H100 saturates: vLLM measured 12 SMs within 5% of the peak for 8-32 KiB
 #: pages; the rest stay with the model. ``benchmarks/bench_kernel_programs.py`` re-measures it.
 PROGRAMS = 12
+#: descriptors the engine's first tables hold (jobs of 256 blocks of 32 layers)
+WARM_DESCRIPTORS = 256 * 32
 
 _kernel = None
 
@@ -84,10 +85,12 @@ def _load_kernel() -> Any:
     return _kernel
 
 
-def element_bytes(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> int:
-    """The widest of 8, 4, 2, 1 bytes that divides every address and size: the unit each
-    load and store moves, so no copy touches a byte outside its own range."""
-    low_bits = int(np.bitwise_or.reduce(np.concatenate([dsts, srcs, sizes]).astype(np.uint64))) & 7
+def element_bytes(*arrays: np.ndarray) -> int:
+    """The widest of 8, 4, 2, 1 bytes that divides every value in ``arrays`` (the addresses and
+    sizes of some copies): the unit each load and store moves, so no copy touches a byte
+    outside its own range."""
+    values = [np.asarray(a, dtype=np.uint64).ravel() for a in arrays]
+    low_bits = int(np.bitwise_or.reduce(np.concatenate(values))) & 7 if values else 0
     return 8 if low_bits == 0 else low_bits & -low_bits
 
 
@@ -98,46 +101,72 @@ def copy_segments(
     device: torch.device,
     *,
     programs: int = PROGRAMS,
-) -> torch.Tensor | None:
+    table: DescriptorTable | None = None,
+) -> DescriptorTable | None:
     """Launch the copy kernel for one job's descriptors on ``device``'s current stream.
 
     ``dsts``, ``srcs``, ``sizes``: uint64 arrays, one entry per copy, as
     :meth:`~kvtier.worker.engines.base.CopyBuffers.descriptors` returns them; the ranges
-    must not overlap. ``programs``: how many programs (SMs, at most) share the work. Returns
-    the descriptor table the kernel reads (keep it alive until the stream has passed the
-    kernel), or ``None`` when there is nothing to copy. Called on
-    the thread that owns the current stream; never waits for the copy.
+    must not overlap. ``programs``: how many programs (SMs, at most) share the work.
+    ``table``: where the descriptors go on their way to the kernel (a new one if omitted).
+    Returns that table, which must not be reused or dropped until the stream has passed the
+    kernel, or ``None`` when there is nothing to copy. Called on the thread that owns the
+    current stream; never waits for the copy.
     """
     count = len(sizes)
     if count == 0:
         return None
     kernel, kinds = _load_kernel()
     width = element_bytes(dsts, srcs, sizes)
-    table = _device_table(dsts, srcs, sizes, device)
+    table = table or DescriptorTable(device, count)
+    descriptors = table.load(dsts, srcs, sizes)
     longest = int(sizes.max()) // width
     parts = max(1, min(MAX_PARTS, -(-longest // BLOCK)))
     grid = (max(1, min(programs, count * parts)),)
-    kernel[grid](table, count, parts, WIDTH=width, KIND=kinds[width], BLOCK=BLOCK)
+    kernel[grid](descriptors, count, parts, WIDTH=width, KIND=kinds[width], BLOCK=BLOCK)
     return table
 
 
-def _device_table(
-    dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, device: torch.device
-) -> torch.Tensor:
-    """The descriptors as one int64 tensor on ``device``, copied there on the current stream.
+class DescriptorTable:
+    """Room for one job's descriptor table on its way to the kernel: a pinned host buffer and
+    a device buffer, reused job after job (by one job at a time), grown when a job needs more.
 
-    On CUDA the table is staged in pinned memory: a host-to-device copy from pageable memory
-    first waits for the whole stream (CUDA's rule for pageable sources), and this stream waits
-    for the compute stream, so the submitting thread (the model's) would block until the
-    model's queued work is done. From pinned memory the copy is truly asynchronous; torch's
-    pinned-memory cache records the stream and reuses the buffer only after the copy ran.
+    Pinned, because a host-to-device copy from pageable memory first waits for everything
+    queued on its stream, and a job's stream waits for the compute stream: the model's thread
+    would block in ``transfer_async`` until the model's queued work is done. Owned, because
+    allocating pinned memory per job (``cudaHostAlloc``, whenever a size is new to torch's
+    cache) can itself stall the submitting thread for milliseconds. On the CPU (the
+    interpreter) one buffer serves as both.
     """
-    count = len(sizes)
-    host = torch.empty(3 * count, dtype=torch.int64, pin_memory=device.type == "cuda")
-    table = host.numpy()
-    for index, column in enumerate((dsts, srcs, sizes)):
-        table[index * count : (index + 1) * count] = column.view(np.int64)
-    return host.to(device, non_blocking=True)
+
+    def __init__(self, device: torch.device, capacity: int = 1):
+        """``capacity``: descriptors it holds before it grows. Allocates on ``device``."""
+        self.device = device
+        self.capacity = 0
+        self._grow(max(1, capacity))
+
+    def _grow(self, capacity: int) -> None:
+        cuda = self.device.type == "cuda"
+        self._host = torch.empty(3 * capacity, dtype=torch.int64, pin_memory=cuda)
+        self._host_view = self._host.numpy()
+        self._on_device = (
+            torch.empty(3 * capacity, dtype=torch.int64, device=self.device) if cuda else self._host
+        )
+        self.capacity = capacity
+
+    def load(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> torch.Tensor:
+        """The descriptors as int64 ``[dsts..., srcs..., sizes...]`` on the device, copied there
+        on the current stream; never waits for the stream. Only while no job uses the table."""
+        count = len(sizes)
+        if count > self.capacity:
+            self._grow(max(count, 2 * self.capacity))
+        for index, column in enumerate((dsts, srcs, sizes)):
+            self._host_view[index * count : (index + 1) * count] = column.view(np.int64)
+        if self._on_device is self._host:
+            return self._host[: 3 * count]
+        on_device = self._on_device[: 3 * count]
+        on_device.copy_(self._host[: 3 * count], non_blocking=True)
+        return on_device
 
 
 class KernelCopyEngine(CudaCopyEngine):
@@ -156,12 +185,7 @@ class KernelCopyEngine(CudaCopyEngine):
                 "the kernel copy engine needs Triton, which PyTorch's CUDA builds bring along; "
                 f"install it (pip install triton) or use engine='cuda' ({exc})"
             ) from exc
-        with torch.cuda.device(self._device):
-            # a runtime call that binds the device's context to this thread (once, at start),
-            # which the driver's query below runs in
-            torch.cuda.synchronize(self._device)
-            offset = device_address_offset(int(buffers.cpu_base))
-        if offset is None:
+        if self.rows_mapped_at is None:
             # A kernel reading host memory the GPU cannot reach would not fail one job: it
             # would poison the whole CUDA context. Refuse here instead.
             raise ValueError(
@@ -170,32 +194,49 @@ class KernelCopyEngine(CudaCopyEngine):
                 "use engine='cuda'"
             )
         #: device address minus host address of the rows (0 under unified addressing)
-        self.host_offset = np.uint64(offset % (1 << 64))
+        self.host_offset = np.uint64(self.rows_mapped_at % (1 << 64))
         #: programs each job's kernel runs (see :data:`PROGRAMS`)
         self.programs = PROGRAMS
+        #: the width every copy of this layout allows (addresses, strides, page sizes)
+        self.layout_width = element_bytes(
+            buffers.gpu_bases, buffers.gpu_strides, buffers.page_bytes,
+            [buffers.cpu_base + self.host_offset, buffers.row_stride],
+        )
+        self._tables: list[DescriptorTable] = []
         self._warm_up()
 
     def _warm_up(self) -> None:
-        # Triton compiles a kernel at its first launch, which takes about a second: done here,
-        # at start-up, for the 8-byte width every aligned layout uses, not inside the first
-        # job's submit on the model's thread. The pinned-memory cache gets its first buffer too.
+        # Triton compiles a kernel at its first launch (about a second): done here, at
+        # start-up, for the width this layout's copies use, not inside the first job's submit
+        # on the model's thread. Two tables, sized for jobs of 256 blocks of 32 layers, are
+        # allocated now for the same reason.
+        width = self.layout_width
         with torch.cuda.device(self._device):
             scratch = torch.zeros(2, dtype=torch.int64, device=self._device)
             base = scratch.data_ptr()
-            dst, src, size = np.array([[base + 8], [base], [8]], dtype=np.uint64)
-            copy_segments(dst, src, size, self._device)
+            dst, src, size = np.array([[base + 8], [base], [width]], dtype=np.uint64)
+            tables = [DescriptorTable(self._device, WARM_DESCRIPTORS) for _ in range(2)]
+            copy_segments(dst, src, size, self._device, table=tables[0])
             torch.cuda.synchronize(self._device)  # the scratch and the table are read by now
+        self._tables += tables
 
     def _issue(
         self,
         descriptors: tuple[np.ndarray, np.ndarray, np.ndarray],
         segments: Segments,
         stream: torch.cuda.Stream,
-    ) -> torch.Tensor | None:
+    ) -> DescriptorTable | None:
         dsts, srcs, sizes = descriptors
         if self.host_offset:  # the rows' addresses as the GPU sees them (uint64 wraps)
             if self.gpu_to_cpu:
                 dsts = dsts + self.host_offset
             else:
                 srcs = srcs + self.host_offset
-        return copy_segments(dsts, srcs, sizes, self._device, programs=self.programs)
+        # A table comes back when its job is reported done; one whose job failed is dropped
+        # (a copy into it may still be queued), and a new one made where none is free.
+        table = self._tables.pop() if self._tables else DescriptorTable(self._device, len(sizes))
+        copy_segments(dsts, srcs, sizes, self._device, programs=self.programs, table=table)
+        return table
+
+    def _release(self, issued: DescriptorTable) -> None:
+        self._tables.append(issued)  # the job that used it is done
