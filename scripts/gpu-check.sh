@@ -219,53 +219,55 @@ run_step replay replay.json \
     echo "$name: ${STATUS[$name]}"
   done
   if [ "$DRY_RUN" = 0 ]; then
-    # Issue 13's goals for jobs of 32 blocks and more, both directions, as ratios to one
-    # contiguous pinned copy of the same bytes measured in the same run (reported, not enforced)
-    wanted bench-transfer && "$PY" - "$LOGS/bench-transfer.json" <<'PY'
+    # the benchmarks' records, read back: a path per step that was asked for
+    args=()
+    wanted bench-transfer && args+=(transfer="$LOGS/bench-transfer.json")
+    [ "$DEVICE" = cuda ] && wanted bench-kernel && args+=(kernel="$LOGS/bench-kernel.json")
+    [ ${#args[@]} -eq 0 ] || "$PY" - "${args[@]}" <<'PY'
 import json, sys
-try:
-    with open(sys.argv[1]) as stream:
-        record = json.loads(stream.read().strip().splitlines()[-1])
-except (OSError, ValueError, IndexError) as exc:
-    print(f"transfer goals: no benchmark record ({exc})")
-    sys.exit(0)
-goals = {65536: 0.9, 16384: 0.7}
-# the engines measured: the copy engines (DMA, "cuda"/"thread") always, the kernel engine
-# where the benchmark had Triton on CUDA (its columns carry a "_kernel" infix)
+
+records = {}
+for arg in sys.argv[1:]:
+    name, path = arg.split("=", 1)
+    try:
+        with open(path) as stream:
+            records[name] = json.loads(stream.read().strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError) as exc:
+        print(f"{name}: no benchmark record ({exc})")
+
+record = records.get("transfer")
+# Issue 13's goals for jobs of 32 blocks and more, both directions, as ratios to one
+# contiguous pinned copy of the same bytes measured in the same run (reported, not enforced).
+# The engines measured: the copy engines (DMA, "cuda"/"thread") always, the kernel engine
+# where the benchmark had Triton on CUDA (its columns carry a "_kernel" infix).
 engines = {"dma": ""}
-if any("d2h_kernel_ratio" in r for r in record["rows"]):
+if record and any("d2h_kernel_ratio" in r for r in record["rows"]):
     engines["kernel"] = "_kernel"
-for page, goal in goals.items():
+for page, goal in {65536: 0.9, 16384: 0.7}.items() if record else ():
     rows = [r for r in record["rows"] if r["page_bytes"] == page and r["batch_blocks"] >= 32]
-    if not rows:
-        continue
-    for engine, infix in engines.items():
+    for engine, infix in engines.items() if rows else ():
         worst = {d: min(r[f"{d}{infix}_ratio"] for r in rows) for d in ("d2h", "h2d")}
         verdict = "met" if min(worst.values()) >= goal else "MISSED"
         print(f"transfer goal {goal} at {page // 1024} KiB pages, >= 32 blocks, {engine} engine "
               f"on {record['device']}: worst store {worst['d2h']:.2f}, load {worst['h2d']:.2f}, "
               f"{verdict}")
-PY
-    [ -s "$LOGS/bench-kernel.json" ] && "$PY" - "$LOGS/bench-kernel.json" <<'PY'
-import json, sys
-try:
-    with open(sys.argv[1]) as stream:
-        record = json.loads(stream.read().strip().splitlines()[-1])
-except (OSError, ValueError, IndexError) as exc:
-    print(f"kernel programs: no benchmark record ({exc})")
-    sys.exit(0)
-print(f"kernel programs on {record['device']} ({record['sms']} SMs, default "
-      f"{record['default_programs']}): smallest count within 5% of the fastest, and its ratio "
-      "to one contiguous pinned copy (DMA's beside it)")
-for row in record["throughput"]:
-    print(f"  {row['page_bytes'] // 1024} KiB x {row['batch_blocks']} blocks {row['direction']}: "
-          f"{row['best_programs']} programs, {row['best_kernel_ratio']:.2f} (DMA "
-          f"{row['dma_ratio']:.2f})")
-print("compute slowdown with copies beside the model's work (1.00: none)")
-for row in record["interference"]:
-    who = row["engine"] + (f" x{row['programs']}" if row["programs"] else "")
-    print(f"  {row['page_bytes'] // 1024} KiB {row['direction']} {who}: "
-          f"{row['compute_slowdown']:.3f}")
+if record and record.get("kernel_error"):
+    print(f"kernel engine left out of the transfer benchmark: {record['kernel_error']}")
+
+record = records.get("kernel")
+if record:
+    print(f"kernel programs on {record['device']} ({record['sms']} SMs, default "
+          f"{record['default_programs']}): smallest count within 5% of the fastest, and its "
+          "ratio to one contiguous pinned copy (DMA's beside it)")
+    for row in record["throughput"]:
+        print(f"  {row['page_bytes'] // 1024} KiB x {row['batch_blocks']} blocks "
+              f"{row['direction']}: {row['best_programs']} programs, "
+              f"{row['best_kernel_ratio']:.2f} (DMA {row['dma_ratio']:.2f})")
+    print("compute slowdown with copies beside the model's work (1.00: none)")
+    for row in record["interference"]:
+        who = row["engine"] + (f" x{row['programs']}" if row["programs"] else "")
+        print(f"  {row['page_bytes'] // 1024} KiB {row['direction']} {who}: "
+              f"{row['compute_slowdown']:.3f}")
 PY
     for file in bench-transfer.json bench-kernel.json replay.json; do
       [ -s "$LOGS/$file" ] || continue

@@ -22,6 +22,7 @@ import sys
 __all__ = [
     "cuda_available",
     "device_address_offset",
+    "driver_function",
     "driver_library",
     "host_register",
     "host_unregister",
@@ -151,6 +152,17 @@ def driver_library() -> ctypes.CDLL | None:
         return None
 
 
+def driver_function(name: str, argtypes: list) -> ctypes._CFuncPtr | None:
+    """The driver entry point ``name`` with its argument types set (returning a CUresult as
+    an int), or ``None`` where there is no driver or no such entry point."""
+    driver = driver_library()
+    function = getattr(driver, name, None) if driver is not None else None
+    if function is not None:
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int
+    return function
+
+
 def device_address_offset(ptr: int) -> int | None:
     """Where registered host memory at ``ptr`` sits in the current device's address space, as
     an offset from ``ptr`` (0 under unified addressing), or ``None`` if a kernel cannot reach
@@ -159,15 +171,12 @@ def device_address_offset(ptr: int) -> int | None:
     Asks the driver (``cuMemHostGetDevicePointer``) in the calling thread's current context:
     call it after CUDA is initialised on the device the kernels will run on. Never raises.
     """
-    driver = driver_library()
-    if not ptr or driver is None:
+    query = driver_function(
+        "cuMemHostGetDevicePointer_v2",
+        [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint],
+    )
+    if not ptr or query is None:
         return None
-    try:
-        query = driver.cuMemHostGetDevicePointer_v2
-    except AttributeError:
-        return None
-    query.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-    query.restype = ctypes.c_int
     device_ptr = ctypes.c_uint64(0)
     if query(ctypes.byref(device_ptr), ctypes.c_void_p(ptr), 0) != 0:
         return None
@@ -185,15 +194,12 @@ def stream_create(priority: int) -> int | None:
     range. Call it in a thread whose current context is the device's (any torch CUDA call on
     the device there makes it so); pass the handle to :func:`stream_destroy` when done.
     """
-    driver = driver_library()
-    if driver is None:
+    create = driver_function(
+        "cuStreamCreateWithPriority",
+        [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint, ctypes.c_int],
+    )
+    if create is None:
         return None
-    try:
-        create = driver.cuStreamCreateWithPriority
-    except AttributeError:
-        return None
-    create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint, ctypes.c_int]
-    create.restype = ctypes.c_int
     handle = ctypes.c_void_p(0)
     code = create(ctypes.byref(handle), _CU_STREAM_NON_BLOCKING, priority)
     if code != 0 or not handle.value:
@@ -205,12 +211,9 @@ def stream_create(priority: int) -> int | None:
 def stream_destroy(handle: int) -> None:
     """Release a stream from :func:`stream_create` (``cuStreamDestroy_v2``); work queued on it
     still completes. Never raises: a failure is logged."""
-    driver = driver_library()
-    if driver is None or not handle:
+    destroy = driver_function("cuStreamDestroy_v2", [ctypes.c_void_p])
+    if destroy is None or not handle:
         return
-    destroy = driver.cuStreamDestroy_v2
-    destroy.argtypes = [ctypes.c_void_p]
-    destroy.restype = ctypes.c_int
     code = destroy(ctypes.c_void_p(handle))
     if code != 0:
         logger.warning("cuStreamDestroy of stream 0x%x failed with CUDA error %d", handle, code)

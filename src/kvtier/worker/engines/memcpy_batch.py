@@ -20,7 +20,7 @@ import logging
 
 import numpy as np
 
-from kvtier.cuda import driver_library
+from kvtier.cuda import driver_function
 
 __all__ = ["MemcpyBatch", "MemcpyBatchError"]
 
@@ -83,30 +83,27 @@ class MemcpyBatch:
 
         Called once per engine at start-up, from a process that already uses CUDA.
         """
-        driver = driver_library()
-        if driver is None:
-            return None
         version = ctypes.c_int(0)
-        try:
-            if (
-                driver.cuDriverGetVersion(ctypes.byref(version)) != 0
-                or version.value < _API_VERSION
-            ):
-                logger.debug("CUDA driver %d has no cuMemcpyBatchAsync", version.value)
-                return None
-            # the form every 12.x and 13.x driver exports (the first one, without
-            # symbolStatus, is kept only for programs built before 12.0)
-            get_proc = driver.cuGetProcAddress_v2
-        except AttributeError:
+        get_version = driver_function("cuDriverGetVersion", [ctypes.POINTER(ctypes.c_int)])
+        if get_version is None or get_version(ctypes.byref(version)) != 0:
+            return None  # no driver (logged by driver_library)
+        if version.value < _API_VERSION:
+            logger.debug("CUDA driver %d has no cuMemcpyBatchAsync", version.value)
             return None
-        get_proc.argtypes = [
-            ctypes.c_char_p,
-            ctypes.POINTER(ctypes.c_void_p),
-            ctypes.c_int,
-            ctypes.c_uint64,
-            ctypes.c_void_p,  # CUdriverProcAddressQueryResult *symbolStatus: optional
-        ]
-        get_proc.restype = ctypes.c_int
+        # the form every 12.x and 13.x driver exports (the first one, without symbolStatus,
+        # is kept only for programs built before 12.0)
+        get_proc = driver_function(
+            "cuGetProcAddress_v2",
+            [
+                ctypes.c_char_p,
+                ctypes.POINTER(ctypes.c_void_p),
+                ctypes.c_int,
+                ctypes.c_uint64,
+                ctypes.c_void_p,  # CUdriverProcAddressQueryResult *symbolStatus: optional
+            ],
+        )
+        if get_proc is None:
+            return None
         address = ctypes.c_void_p(0)
         code = get_proc(
             b"cuMemcpyBatchAsync",
