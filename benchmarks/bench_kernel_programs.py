@@ -12,8 +12,10 @@ is the smallest count within 5% of the fastest, the figure :data:`PROGRAMS` shou
 
 Part two, what the copies take from the model. Matrix products (bf16, 8192 cubed) run on the
 compute stream alone, then again while store or load jobs of 256 blocks run beside them on
-the copy stream; ``compute_slowdown`` is the products' time with copies over their time
-alone (1.0: the copies cost the model nothing). Measured for DMA and for the kernel at
+the copy stream, both released at once by a wait queued on the compute stream first;
+``compute_slowdown`` is the products' time with copies over their time alone (1.0: the
+copies cost the model nothing), and ``copies_outlasted`` says whether the copies were still
+running when the products ended (if not, the figure understates the cost). Measured for DMA and for the kernel at
 :data:`PROGRAMS` and at one program per SM.
 
 Prints a table per part, then one JSON line.
@@ -44,6 +46,7 @@ BATCHES = (32, 256)
 NEAR_BEST = 0.95
 PRODUCTS = 16  # matrix products per interference measurement (about 25 ms on an H100)
 BESIDE_BYTES = 2 << 30  # bytes copied beside them (about 40 ms over PCIe 5)
+GATE_CYCLES = 200_000_000  # a compute-stream wait (about 0.1 s) while the copies are queued
 
 
 class Setup:
@@ -158,10 +161,13 @@ def interference(setup: Setup, sms: int, runs: int) -> list[dict]:
     # jobs of 256 blocks, enough of them to outlast the products at PCIe speed
     copies = max(1, BESIDE_BYTES // (256 * setup.block_bytes))
 
-    def products(beside=None) -> float:
+    def products(beside=None) -> tuple[float, bool]:
+        """The products' time in ms, and whether copies were still running when they ended."""
         torch.cuda.synchronize()
-        # The copies are queued first: a job waits for the compute stream's earlier work, so
-        # products queued after it run beside it rather than before it.
+        # A gate on the compute stream: every job queued now waits for it (a job waits for
+        # the compute stream's earlier work), so copies and products start together when it
+        # opens, however long the host takes to plan and submit the jobs.
+        torch.cuda._sleep(GATE_CYCLES)
         pair, store = beside or (None, True)
         jobs = [setup.submit(pair, 256, store) for _ in range(copies)] if beside else []
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -170,26 +176,36 @@ def interference(setup: Setup, sms: int, runs: int) -> list[dict]:
             torch.mm(a, b)
         end.record(compute)
         end.synchronize()
+        outlasted = False
         if jobs:
-            finish(jobs[0][0], [job_id for _, job_id in jobs])
-        return start.elapsed_time(end)
+            handler = jobs[0][0]
+            done_early = handler.get_finished()  # polls only: what ended before the products
+            outlasted = len(done_early) < len(jobs)
+            if not all(r.success for r in done_early):
+                raise RuntimeError(f"a copy beside the products failed: {done_early}")
+            left = [job_id for _, job_id in jobs if job_id not in {r.job_id for r in done_early}]
+            if left:
+                finish(handler, left)
+        return start.elapsed_time(end), outlasted
 
     products()  # warm-up: cuBLAS picks its kernel
-    alone = median(products() for _ in range(runs))
+    alone = median(products()[0] for _ in range(runs))
     rows = []
     engines = [("dma", setup.dma, None), ("kernel", setup.kernel, PROGRAMS), ("kernel", setup.kernel, sms)]
     for name, pair, programs in engines:
         if programs is not None:
             set_programs(setup, programs)
         for store in (True, False):
-            beside = median(products((pair, store)) for _ in range(runs))
+            measured = [products((pair, store)) for _ in range(runs)]
             rows.append(
                 {
                     "page_bytes": setup.page,
                     "engine": name,
                     "programs": programs,
                     "direction": "d2h" if store else "h2d",
-                    "compute_slowdown": beside / alone,
+                    "compute_slowdown": median(ms for ms, _ in measured) / alone,
+                    # False: the copies ended first, so the slowdown is diluted
+                    "copies_outlasted": all(outlasted for _, outlasted in measured),
                 }
             )
     return rows

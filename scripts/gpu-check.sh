@@ -38,6 +38,10 @@ ALL_STEPS=pytest-gpu,bench-transfer,bench-kernel,replay
 STEPS=$ALL_STEPS
 while [ $# -gt 0 ]; do
   case "$1" in
+    --device|--steps)
+      if [ $# -lt 2 ]; then echo "gpu-check: $1 needs a value (see --help)" >&2; exit 2; fi ;;
+  esac
+  case "$1" in
     --device) DEVICE=${2:-}; shift 2 ;;
     --device=*) DEVICE=${1#--device=}; shift ;;
     --quick) QUICK=1; shift ;;
@@ -266,8 +270,9 @@ if record:
     print("compute slowdown with copies beside the model's work (1.00: none)")
     for row in record["interference"]:
         who = row["engine"] + (f" x{row['programs']}" if row["programs"] else "")
+        diluted = "" if row.get("copies_outlasted", True) else " (copies ended first)"
         print(f"  {row['page_bytes'] // 1024} KiB {row['direction']} {who}: "
-              f"{row['compute_slowdown']:.3f}")
+              f"{row['compute_slowdown']:.3f}{diluted}")
 PY
     for file in bench-transfer.json bench-kernel.json replay.json; do
       [ -s "$LOGS/$file" ] || continue

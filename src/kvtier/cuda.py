@@ -27,7 +27,6 @@ __all__ = [
     "host_register",
     "host_unregister",
     "stream_create",
-    "stream_destroy",
 ]
 
 # cuStreamCreateWithPriority's flag: no implicit synchronisation with the legacy default
@@ -192,7 +191,8 @@ def stream_create(priority: int) -> int | None:
     to be the model's own stream (vLLM computes on one of them) and queue its copies behind the
     model's work. ``priority``: lower is more urgent; the driver clamps it to the device's
     range. Call it in a thread whose current context is the device's (any torch CUDA call on
-    the device there makes it so); pass the handle to :func:`stream_destroy` when done.
+    the device there makes it so). kvtier never destroys these streams: see
+    :mod:`kvtier.worker.engines.cuda`, which pools them.
     """
     create = driver_function(
         "cuStreamCreateWithPriority",
@@ -207,13 +207,3 @@ def stream_create(priority: int) -> int | None:
         return None
     return handle.value
 
-
-def stream_destroy(handle: int) -> None:
-    """Release a stream from :func:`stream_create` (``cuStreamDestroy_v2``); work queued on it
-    still completes. Never raises: a failure is logged."""
-    destroy = driver_function("cuStreamDestroy_v2", [ctypes.c_void_p])
-    if destroy is None or not handle:
-        return
-    code = destroy(ctypes.c_void_p(handle))
-    if code != 0:
-        logger.warning("cuStreamDestroy of stream 0x%x failed with CUDA error %d", handle, code)

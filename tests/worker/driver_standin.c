@@ -6,7 +6,7 @@
  * copy's index comes back. Each call's arguments are checked and remembered for the test.
  *
  * Streams are heap cells: cuStreamCreateWithPriority records its flags and priority and
- * counts live streams, cuStreamDestroy_v2 frees one.
+ * counts the streams made.
  *
  * Environment: STANDIN_CUDA_VERSION (default 13000) is what cuDriverGetVersion reports;
  * STANDIN_UNMAPPED=1 makes cuMemHostGetDevicePointer fail as for unregistered memory.
@@ -92,7 +92,7 @@ CUresult cuMemHostGetDevicePointer_v2(uint64_t *device_ptr, void *host_ptr, unsi
     return CUDA_SUCCESS;
 }
 
-/* streams: a handle is a heap cell holding the priority it was made with */
+/* streams: a handle is a heap cell holding the priority it was made with (never freed) */
 static unsigned int last_stream_flags = 0;
 static int last_stream_priority = 0;
 static int live_streams = 0;
@@ -110,12 +110,5 @@ CUresult cuStreamCreateWithPriority(void **stream, unsigned int flags, int prior
     last_stream_flags = flags;
     last_stream_priority = priority;
     live_streams++;
-    return CUDA_SUCCESS;
-}
-
-CUresult cuStreamDestroy_v2(void *stream) {
-    if (stream == NULL || live_streams == 0) return CUDA_ERROR_INVALID_VALUE;
-    free(stream);
-    live_streams--;
     return CUDA_SUCCESS;
 }

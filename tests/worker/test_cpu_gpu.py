@@ -7,6 +7,7 @@ the kernel engine (``cuda+kernel``: the same streams, the bytes moved by a Trito
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -411,6 +412,27 @@ def test_cuda_copies_run_on_streams_of_their_own(rigs, cuda_engine):
         assert handles and handles <= set(engine._owned_streams)
         assert compute.cuda_stream not in handles
         assert not handles & {stream.cuda_stream for stream in pool}
+
+
+def test_cuda_engines_come_and_go_on_the_same_streams(cuda_engine):
+    # Streams are never destroyed (torch's pinned-memory cache may record events on them
+    # after an engine is gone): an engine that shuts down gives them back to the next one.
+    from kvtier.worker.engines import cuda as cuda_engines
+
+    def pooled() -> set[int]:
+        return {s.cuda_stream for streams in cuda_engines._stream_pool.values() for s in streams}
+
+    Rig(cuda_engine.partition("+")[0], engine=cuda_engine.partition("+")[2] or "auto").close()
+    before = pooled()
+    for round_ in range(3):
+        rig = Rig(cuda_engine.partition("+")[0], engine=cuda_engine.partition("+")[2] or "auto")
+        rig.transfer(1, [round_], [1], [round_], store=True)
+        rig.transfer(2, [round_ + 4], [1], [round_], store=False)
+        rig.close()
+        del rig
+        gc.collect()  # the engines' pinned and device buffers are freed here
+        torch.cuda.synchronize()
+    assert before and pooled() == before
 
 
 def test_cuda_a_store_never_stalls_the_compute_stream(rigs, cuda_engine):

@@ -29,6 +29,7 @@ loads would sit behind the same :class:`~kvtier.worker.engines.base.CopyEngine` 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 from kvtier.base import TransferResult
-from kvtier.cuda import device_address_offset, stream_create, stream_destroy
+from kvtier.cuda import device_address_offset, stream_create
 from kvtier.worker.blocks import Segments
 from kvtier.worker.engines.base import CopyBuffers, CopyEngine, copy_segments_torch
 from kvtier.worker.engines.memcpy_batch import MemcpyBatch, MemcpyBatchError
@@ -55,8 +56,8 @@ class _Job:
     stream: torch.cuda.Stream
     start: torch.cuda.Event
     end: torch.cuda.Event
-    # the descriptor arrays and what the issue step returned, referenced until the job is
-    # done: cheap, and nothing then depends on when the driver stops reading them
+    # the descriptor arrays and what _prepare gave the job, referenced until the job is done:
+    # nothing then depends on when the driver or a queued copy stops reading them
     descriptors: Any
     issued: Any
     error: BaseException | None
@@ -79,7 +80,7 @@ class CudaCopyEngine(CopyEngine):
         self._device = buffers.device
         self._priority = priority
         self._streams: list[torch.cuda.Stream] = []
-        self._owned_streams: list[int] = []  # driver handles of the streams made here
+        self._taken: list[torch.cuda.Stream] = []  # every stream taken from the shared pool
         self._events: list[torch.cuda.Event] = []
         self._jobs: deque[_Job] = deque()
         self._last_end: torch.cuda.Event | None = None
@@ -107,22 +108,18 @@ class CudaCopyEngine(CopyEngine):
         self.issue = self._issue
 
     def _new_stream(self) -> torch.cuda.Stream:
-        # A stream of our own, so no copy ever shares a stream with the model (see
-        # kvtier.cuda.stream_create); torch's shared pool only where the driver refuses, and
-        # then never the stream that is current now (the compute stream).
-        handle = stream_create(self._priority)
-        if handle is not None:
-            self._owned_streams.append(handle)
-            return torch.cuda.ExternalStream(handle, device=self._device)
-        compute = torch.cuda.current_stream(self._device).cuda_stream
-        for _ in range(64):  # the pool has 32 streams per priority
-            stream = torch.cuda.Stream(device=self._device, priority=self._priority)
-            if stream.cuda_stream != compute:
-                return stream
-        raise RuntimeError("no CUDA stream other than the compute stream could be had")
+        stream = _take_stream(self._device, self._priority)
+        self._taken.append(stream)
+        return stream
+
+    def _prepare(self, descriptors: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Any:
+        """What a job needs besides its descriptors, taken before anything is queued for it;
+        kept with the job until its end event passed, then given to :meth:`_release`, even
+        when the job failed (nothing here)."""
+        return None
 
     def _release(self, issued: Any) -> None:
-        """Take back what :meth:`_issue` returned for a job that is done (nothing here)."""
+        """Take back what :meth:`_prepare` gave a job that is done (nothing here)."""
 
     def _event(self) -> torch.cuda.Event:
         return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
@@ -136,19 +133,24 @@ class CudaCopyEngine(CopyEngine):
         with torch.cuda.device(self._device):
             stream = self._streams.pop() if self._streams else self._new_stream()
             start, end = self._event(), self._event()
+            error: BaseException | None = None
+            descriptors = issued = None
+            try:
+                # host work first, so the start event below is close to the copies' start
+                descriptors = self.buffers.descriptors(segments, self.gpu_to_cpu)
+                issued = self._prepare(descriptors)
+            except Exception as exc:  # noqa: BLE001 - any failure fails this job only; the chain goes on
+                error = exc
             stream.wait_stream(torch.cuda.current_stream(self._device))
             if self._last_end is not None:
                 stream.wait_event(self._last_end)
             start.record(stream)
-            error: BaseException | None = None
-            descriptors = issued = None
-            try:
-                descriptors = self.buffers.descriptors(segments, self.gpu_to_cpu)
-                with torch.cuda.stream(stream):
-                    # what the issue step returns (a kernel's descriptor table) lives as long
-                    issued = self.issue(descriptors, segments, stream)
-            except Exception as exc:  # noqa: BLE001 - any failure fails this job only; the chain goes on
-                error = exc
+            if error is None:
+                try:
+                    with torch.cuda.stream(stream):
+                        self.issue(descriptors, segments, stream, issued)
+                except Exception as exc:  # noqa: BLE001 - as above
+                    error = exc
             # Recorded even after a failure, so the next job still waits for whatever of
             # this one was enqueued before the error.
             end.record(stream)
@@ -162,6 +164,7 @@ class CudaCopyEngine(CopyEngine):
         descriptors: tuple[np.ndarray, np.ndarray, np.ndarray],
         segments: Segments,
         stream: torch.cuda.Stream,
+        prepared: Any,
     ) -> None:
         if self._batch is not None:
             try:
@@ -181,11 +184,11 @@ class CudaCopyEngine(CopyEngine):
         if job.end is self._last_end:
             # nothing left to wait for; and the event may now be re-recorded by a later job
             self._last_end = None
+        if job.issued is not None:
+            self._release(job.issued)  # its end event passed: nothing queued reads it any more
         if error is None:
             elapsed_s = job.start.elapsed_time(job.end) / 1000.0
             self._events += (job.start, job.end)
-            if job.issued is not None:
-                self._release(job.issued)
             return TransferResult(job.job_id, True, job.nbytes, elapsed_s)
         return self._failed(job.job_id, error)
 
@@ -215,8 +218,8 @@ class CudaCopyEngine(CopyEngine):
                     job.error = job.error or exc
 
     def shutdown(self) -> None:
-        """Wait for every queued job's end event; drop the pools, destroy the streams made
-        here. Idempotent."""
+        """Wait for every queued job's end event; drop the pools and give the streams back
+        to the process's pool. Idempotent."""
         for job in self._jobs:
             try:
                 job.end.synchronize()
@@ -225,7 +228,44 @@ class CudaCopyEngine(CopyEngine):
         self._streams.clear()
         self._events.clear()
         self._last_end = None
-        # after the waits above, and once the jobs' stream references are gone (a job still
-        # listed holds its stream object, never used again)
-        while self._owned_streams:
-            stream_destroy(self._owned_streams.pop())
+        # every job is done by now, so the streams are idle and another engine may take them
+        _give_back_streams(self._device, self._priority, self._taken)
+        self._taken = []
+
+
+# Copy streams are made through the driver (kvtier.cuda.stream_create), so none is ever the
+# model's: torch's own streams are a shared pool of 32 per priority, and vLLM computes on
+# one of them. They are never destroyed (torch's pinned-memory cache records events on the
+# streams that used a buffer, when the buffer is freed, possibly after the engine is gone);
+# an engine that shuts down gives its streams back for the next engine to take, so a
+# process holds as many as its engines ever used at once.
+_stream_pool: dict[tuple[int, int], list[torch.cuda.Stream]] = {}
+_stream_pool_lock = threading.Lock()
+
+
+def _take_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
+    """An idle copy stream of ``priority`` on ``device``: from the pool, else a new one made
+    through the driver, else (no driver entry point) one of torch's that is not the current
+    stream. Call with the device's context current in this thread."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), priority)
+    with _stream_pool_lock:
+        if _stream_pool.get(key):
+            return _stream_pool[key].pop()
+    handle = stream_create(priority)
+    if handle is not None:
+        return torch.cuda.ExternalStream(handle, device=device)
+    compute = torch.cuda.current_stream(device).cuda_stream
+    for _ in range(64):  # the pool has 32 streams per priority
+        stream = torch.cuda.Stream(device=device, priority=priority)
+        if stream.cuda_stream != compute:
+            return stream
+    raise RuntimeError("no CUDA stream other than the compute stream could be had")
+
+
+def _give_back_streams(
+    device: torch.device, priority: int, streams: list[torch.cuda.Stream]
+) -> None:
+    """Return idle streams from :func:`_take_stream` to the pool."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), priority)
+    with _stream_pool_lock:
+        _stream_pool.setdefault(key, []).extend(streams)

@@ -102,6 +102,7 @@ def copy_segments(
     *,
     programs: int = PROGRAMS,
     table: DescriptorTable | None = None,
+    max_width: int = 8,
 ) -> DescriptorTable | None:
     """Launch the copy kernel for one job's descriptors on ``device``'s current stream.
 
@@ -109,6 +110,8 @@ def copy_segments(
     :meth:`~kvtier.worker.engines.base.CopyBuffers.descriptors` returns them; the ranges
     must not overlap. ``programs``: how many programs (SMs, at most) share the work.
     ``table``: where the descriptors go on their way to the kernel (a new one if omitted).
+    ``max_width``: the widest word to move (an engine caps it at its layout's, so every job
+    runs the kernel compiled at start-up).
     Returns that table, which must not be reused or dropped until the stream has passed the
     kernel, or ``None`` when there is nothing to copy. Called on the thread that owns the
     current stream; never waits for the copy.
@@ -117,7 +120,7 @@ def copy_segments(
     if count == 0:
         return None
     kernel, kinds = _load_kernel()
-    width = element_bytes(dsts, srcs, sizes)
+    width = min(max_width, element_bytes(dsts, srcs, sizes))
     table = table or DescriptorTable(device, count)
     descriptors = table.load(dsts, srcs, sizes)
     longest = int(sizes.max()) // width
@@ -154,12 +157,17 @@ class DescriptorTable:
         )
         self.capacity = capacity
 
+    def reserve(self, count: int) -> None:
+        """Make room for ``count`` descriptors now (allocating on the current stream), not in
+        :meth:`load`. Only while no job uses the table."""
+        if count > self.capacity:
+            self._grow(max(count, 2 * self.capacity))
+
     def load(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> torch.Tensor:
         """The descriptors as int64 ``[dsts..., srcs..., sizes...]`` on the device, copied there
         on the current stream; never waits for the stream. Only while no job uses the table."""
         count = len(sizes)
-        if count > self.capacity:
-            self._grow(max(count, 2 * self.capacity))
+        self.reserve(count)
         for index, column in enumerate((dsts, srcs, sizes)):
             self._host_view[index * count : (index + 1) * count] = column.view(np.int64)
         if self._on_device is self._host:
@@ -179,6 +187,13 @@ class KernelCopyEngine(CudaCopyEngine):
     def __init__(self, buffers: CopyBuffers, gpu_to_cpu: bool, *, priority: int = 0):
         super().__init__(buffers, gpu_to_cpu, priority=priority)
         try:
+            self._start(buffers)
+        except BaseException:
+            self.shutdown()  # give the streams back
+            raise
+
+    def _start(self, buffers: CopyBuffers) -> None:
+        try:
             _load_kernel()
         except ImportError as exc:
             raise ValueError(
@@ -197,18 +212,27 @@ class KernelCopyEngine(CudaCopyEngine):
         self.host_offset = np.uint64(self.rows_mapped_at % (1 << 64))
         #: programs each job's kernel runs (see :data:`PROGRAMS`)
         self.programs = PROGRAMS
-        #: the width every copy of this layout allows (addresses, strides, page sizes)
+        #: the widest word every copy of this layout allows (addresses, strides, page sizes):
+        #: jobs use no wider one, so they all run the kernel compiled below
         self.layout_width = element_bytes(
             buffers.gpu_bases, buffers.gpu_strides, buffers.page_bytes,
             [buffers.cpu_base + self.host_offset, buffers.row_stride],
         )
         self._tables: list[DescriptorTable] = []
-        self._warm_up()
+        try:
+            self._warm_up()
+        except Exception as exc:  # Triton builds a launcher with the C compiler, then the kernel
+            raise ValueError(
+                f"the kernel copy engine could not compile its kernel ({type(exc).__name__}: "
+                f"{exc}); Triton needs a C compiler and Python's headers at run time; or use "
+                "engine='cuda'"
+            ) from exc
 
     def _warm_up(self) -> None:
         # Triton compiles a kernel at its first launch (about a second): done here, at
         # start-up, for the width this layout's copies use, not inside the first job's submit
-        # on the model's thread. Two tables, sized for jobs of 256 blocks of 32 layers, are
+        # on the model's thread (a job narrower than the layout, which no planned job is,
+        # would compile its own). Two tables, sized for jobs of 256 blocks of 32 layers, are
         # allocated now for the same reason.
         width = self.layout_width
         with torch.cuda.device(self._device):
@@ -216,27 +240,36 @@ class KernelCopyEngine(CudaCopyEngine):
             base = scratch.data_ptr()
             dst, src, size = np.array([[base + 8], [base], [width]], dtype=np.uint64)
             tables = [DescriptorTable(self._device, WARM_DESCRIPTORS) for _ in range(2)]
-            copy_segments(dst, src, size, self._device, table=tables[0])
+            copy_segments(dst, src, size, self._device, table=tables[0], max_width=width)
             torch.cuda.synchronize(self._device)  # the scratch and the table are read by now
         self._tables += tables
+
+    def _prepare(self, descriptors: tuple[np.ndarray, np.ndarray, np.ndarray]) -> DescriptorTable:
+        # The job keeps its table until its end event passed, failed or not (a copy into it
+        # may be queued); a new one is made where none is free (allocated outside any copy
+        # stream, on the submitting thread's current stream).
+        count = len(descriptors[2])
+        table = self._tables.pop() if self._tables else DescriptorTable(self._device, count)
+        table.reserve(count)
+        return table
 
     def _issue(
         self,
         descriptors: tuple[np.ndarray, np.ndarray, np.ndarray],
         segments: Segments,
         stream: torch.cuda.Stream,
-    ) -> DescriptorTable | None:
+        prepared: DescriptorTable,
+    ) -> None:
         dsts, srcs, sizes = descriptors
         if self.host_offset:  # the rows' addresses as the GPU sees them (uint64 wraps)
             if self.gpu_to_cpu:
                 dsts = dsts + self.host_offset
             else:
                 srcs = srcs + self.host_offset
-        # A table comes back when its job is reported done; one whose job failed is dropped
-        # (a copy into it may still be queued), and a new one made where none is free.
-        table = self._tables.pop() if self._tables else DescriptorTable(self._device, len(sizes))
-        copy_segments(dsts, srcs, sizes, self._device, programs=self.programs, table=table)
-        return table
+        copy_segments(
+            dsts, srcs, sizes, self._device,
+            programs=self.programs, table=prepared, max_width=self.layout_width,
+        )
 
     def _release(self, issued: DescriptorTable) -> None:
         self._tables.append(issued)  # the job that used it is done
