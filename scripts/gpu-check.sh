@@ -226,6 +226,7 @@ run_step replay replay.json \
     # the benchmarks' records, read back: a path per step that was asked for
     args=()
     wanted bench-transfer && args+=(transfer="$LOGS/bench-transfer.json")
+    wanted replay && args+=(replay="$LOGS/replay.json")
     [ "$DEVICE" = cuda ] && wanted bench-kernel && args+=(kernel="$LOGS/bench-kernel.json")
     [ ${#args[@]} -eq 0 ] || "$PY" - "${args[@]}" <<'PY'
 import json, sys
@@ -257,6 +258,14 @@ for page, goal in {65536: 0.9, 16384: 0.7}.items() if record else ():
               f"{verdict}")
 if record and record.get("kernel_error"):
     print(f"kernel engine left out of the transfer benchmark: {record['kernel_error']}")
+
+record = records.get("replay")
+if record:
+    copies = record.get("copies", {})
+    print(f"replay on {record['device']}: hit ratio {record['hit_ratio']:.4f} of "
+          f"{record['ceiling_hit_ratio']:.4f}, {record['verified_blocks']} loads verified, "
+          f"{record['mismatched_blocks']} mismatched; copies " + ", ".join(
+              f"{d} {c['gbps']:.1f} GB/s over {c['jobs']} jobs" for d, c in copies.items()))
 
 record = records.get("kernel")
 if record:

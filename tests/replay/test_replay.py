@@ -40,6 +40,8 @@ def test_cpu_only_replay_of_a_trace_slice_verifies_every_load(tmp_path, capsys):
     assert 0 < record["engine_s"] < record["elapsed_s"]
     assert record["stack_s"] == record["elapsed_s"] - record["engine_s"]
     assert record["hits"]["cpu"] > 0 and record["verified_blocks"] == record["hits"]["cpu"]
+    assert record["copies"]["load"]["bytes"] == record["verified_blocks"] * BLOCK
+    assert record["copies"]["load"]["gbps"] > 0
     assert record["hit_ratio"] <= record["ceiling_hit_ratio"] + 1e-9
     # every reference is a hit of some tier or computed again
     assert sum(record["hits"].values()) + record["computed_blocks"] == record["block_refs"]
@@ -75,6 +77,11 @@ def test_stack_replay_promotes_from_below_and_serves_right_bytes(tmp_path):
     assert counts.hits["mem"] > 0  # blocks 1-4 left the GPU and the CPU tier, came back from below
     assert counts.verified_blocks == counts.hits["cpu"] + counts.hits["mem"]
     assert counts.dropped_blocks == 0
+    # the worker's copies, as its engine reported them: every stored block went out once,
+    # every block served from below the GPU came in once
+    assert counts.copies["store"]["bytes"] == counts.stored_blocks * BLOCK
+    assert counts.copies["load"]["bytes"] == counts.verified_blocks * BLOCK
+    assert all(counts.copies[d]["jobs"] > 0 and counts.copies[d]["seconds"] > 0 for d in counts.copies)
 
 
 def test_stack_replay_with_rotting_store_is_a_miss_not_wrong_bytes(tmp_path):

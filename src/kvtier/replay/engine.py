@@ -88,6 +88,11 @@ class ReplayCounts:
     steps: int = 0
     #: seconds the engine spent on its own work: making and checking block payloads
     engine_s: float = 0.0
+    #: the worker's finished copy jobs by direction ("store", "load"): jobs, bytes, and the
+    #: seconds the copy engine measured for them (on CUDA between events on the job's stream)
+    copies: dict[str, dict[str, float]] = field(
+        default_factory=lambda: {d: {"jobs": 0, "bytes": 0, "seconds": 0.0} for d in ("store", "load")}
+    )
     #: seconds closing the stack took (saving what only the CPU tier held), after the run
     shutdown_s: float = 0.0
     #: bytes that closing the stack wrote to each lower tier (by tier name)
@@ -193,6 +198,11 @@ class ReplayEngine:
         finished = self._finished
         for result in self.worker.get_finished():
             finished[result.job_id] = result
+            if result.success:
+                copies = self.counts.copies["store" if result.job_id in self._storing else "load"]
+                copies["jobs"] += 1
+                copies["bytes"] += result.transfer_size or 0
+                copies["seconds"] += result.transfer_time or 0.0
         for job_id in [job_id for job_id in self._storing if job_id in finished]:
             self._finish_store(job_id, finished.pop(job_id).success)
 

@@ -196,6 +196,12 @@ def replay(
         "steps": counts.steps,
         "elapsed_s": elapsed,
         "engine_s": counts.engine_s,
+        # the worker's copies between the GPU cache and the CPU tier, as its engine timed them
+        "copies": {
+            direction: {**figures, "gbps": figures["bytes"] / figures["seconds"] / 1e9
+                        if figures["seconds"] else 0.0}
+            for direction, figures in counts.copies.items()
+        },
         # not in elapsed_s: closing the stack, which saves what only the CPU tier holds
         "shutdown_s": counts.shutdown_s,
         # not in bytes_written: what that save wrote to each lower tier
