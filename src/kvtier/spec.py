@@ -22,6 +22,7 @@ Importing this module does not import torch; :meth:`get_handlers` does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -214,7 +215,10 @@ class TieredOffloadingSpec(OffloadingSpec):
 
         region = self._attach_region()
         try:
-            region.pin(self.config.tiers[0].pin_memory)
+            with _on_device_of(kv_caches):
+                # registered in the context of the GPU the copies run on, not whichever is
+                # current (device 0 by default: a context made there for nothing)
+                region.pin(self.config.tiers[0].pin_memory)
             handlers = CpuGpuOffloadingHandlers(
                 kv_caches,
                 region,
@@ -253,3 +257,13 @@ class TieredOffloadingSpec(OffloadingSpec):
         self._handler_sets.clear()
         if self._manager is not None:
             self._manager.shutdown()
+
+
+def _on_device_of(kv_caches: CanonicalKVCaches) -> contextlib.AbstractContextManager:
+    """``torch.cuda.device`` of the caches' first tensor when it is on a GPU, else nothing."""
+    device = kv_caches.tensors[0].tensor.device if kv_caches.tensors else None
+    if device is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.device(device)

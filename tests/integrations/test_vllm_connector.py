@@ -435,7 +435,7 @@ def test_a_store_that_fails_on_one_rank_drops_the_block_on_every_rank(tmp_path):
     engine = EngineLoop(extra, "kvtier-tp2-failure", tp_size=2)
     try:
         broken = engine.workers[1].worker
-        broken._start(only_if_present=False)  # the scheduler exists: attach now
+        broken._started()  # the scheduler exists: attached by now, or now
         copy_engine = broken._store.engine
         original = copy_engine.copy
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.base")
@@ -35,7 +37,7 @@ from vllm_support import (
     run_steps_until,
 )
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KvtierError
 from kvtier.integrations.vllm import TieredOffloadingSpec
 
 BLOCK_BYTES = NUM_LAYERS * PAGE_BYTES
@@ -186,6 +188,38 @@ def test_the_worker_attaches_lazily_because_vllm_builds_workers_first():
         assert worker.started
         worker.wait({7})
         assert [r.success for r in worker.get_finished()] == [True]
+    finally:
+        worker.shutdown()
+        manager.shutdown()
+
+
+def test_the_worker_attaches_in_the_background_once_the_region_exists():
+    # pinning a large region takes about 0.1 s per GB: done off the model's thread, before
+    # the first job, not inside it
+    config = offloading_config(kvtier_extra([cpu_tier()]))
+    worker = OffloadingSpecFactory.create_spec(config).get_worker(StandInGPU(8).canonical())
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    try:
+        deadline = time.monotonic() + 30
+        while not worker.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.started  # no job was submitted
+    finally:
+        worker.shutdown()
+        manager.shutdown()
+
+
+def test_a_background_start_that_failed_raises_at_the_first_job():
+    # pin_memory "on" without CUDA: the region exists, so the failure is the worker's pinning
+    config = offloading_config(kvtier_extra([{**cpu_tier(), "pin_memory": "on"}]))
+    worker = OffloadingSpecFactory.create_spec(config).get_worker(StandInGPU(8).canonical())
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    try:
+        worker._starter.join(30)
+        assert not worker.started
+        out = manager.prepare_store([key(0)], ReqContext("r"))
+        with pytest.raises(KvtierError, match="pin_memory is 'on' but CUDA is not available"):
+            worker.submit_store(1, GPULoadStoreSpec([1], [1], [0]), out.store_spec)
     finally:
         worker.shutdown()
         manager.shutdown()

@@ -234,3 +234,10 @@ def test_cli_refuses_a_deterministic_fleet(capsys):
 
     assert main(["replay", "--engines", "2", "--deterministic", "--no-progress"]) == 2
     assert "--deterministic is for one engine" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_fleet_on_cuda(capsys):
+    from kvtier.cli.main import main
+
+    assert main(["replay", "--engines", "2", "--device", "cuda", "--no-progress"]) == 2
+    assert "--engines runs each engine's cache as CPU tensors" in capsys.readouterr().err

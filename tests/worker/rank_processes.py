@@ -58,6 +58,8 @@ class _Rank:
     ) -> dict:
         import torch
 
+        if device == "cuda":  # a GPU per rank where there are several (one machine: all on 0)
+            device = f"cuda:{rank % torch.cuda.device_count()}"
         self.layers = [
             torch.zeros((NUM_GPU_BLOCKS, page), dtype=torch.int8, device=device) for page in PAGES
         ]
@@ -71,7 +73,12 @@ class _Rank:
             engine="auto",  # CPU tensors: the copy thread; CUDA tensors: CUDA streams
         )
         self._attach()
-        return {"shard": self.spec.shard.shard, "writes": self.spec.shard.writes}
+        (handlers,) = self.spec._handler_sets  # built by the worker above
+        return {
+            "shard": self.spec.shard.shard,
+            "writes": self.spec.shard.writes,
+            "pinned": handlers.region.pinned,
+        }
 
     def _attach(self) -> None:
         from kvtier import TieredOffloadingSpec

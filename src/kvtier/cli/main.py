@@ -48,6 +48,11 @@ def _replay(args: argparse.Namespace) -> int:
                   "server interleave as the OS schedules them (drop --engines or --deterministic)",
                   file=sys.stderr)
             return 2
+        if args.device != "cpu":
+            print("kvtier replay: --engines runs each engine's cache as CPU tensors (the fleet "
+                  "measures the shared tier, not the GPU copies); drop --device or --engines",
+                  file=sys.stderr)
+            return 2
         return _replay_fleet(args)
     try:
         record = _report(args, lambda out: replay(

@@ -12,10 +12,13 @@ import textwrap
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier import cuda
 from kvtier.errors import ConfigError, KvtierError
-from kvtier.tiers.cpu.region import HEADER_BYTES, SharedRegion, row_stride_for
+from kvtier.tiers.cpu import region as region_module
+from kvtier.tiers.cpu.region import HEADER_BYTES, SharedRegion, pin_chunks, row_stride_for
 
 
 @pytest.fixture
@@ -360,6 +363,48 @@ def test_pin_failure(region, monkeypatch):
     assert not region.pinned
 
 
+@given(
+    address=st.integers(1, 1 << 40),
+    nbytes=st.integers(1, 1 << 24),
+    pages=st.integers(1, 64),
+    spare=st.integers(0, 4095),
+)
+def test_pin_chunks_cover_the_range_at_page_boundaries(address, nbytes, pages, spare):
+    limit = pages * 4096 + spare  # any limit: pieces still never share a page
+    chunks = pin_chunks(address, nbytes, limit)
+    assert chunks[0][0] == address and sum(size for _, size in chunks) == nbytes
+    for (start, size), (following, _) in zip(chunks, chunks[1:]):
+        assert start + size == following and following % 4096 == 0
+    assert all(0 < size <= limit for _, size in chunks)
+
+
+def test_a_large_region_is_pinned_in_pieces_all_or_nothing(monkeypatch):
+    # r580 drivers refuse one registration of 512 GiB or more: pieces of PIN_CHUNK_BYTES
+    calls = []
+    monkeypatch.setattr(region_module, "PIN_CHUNK_BYTES", 2 * 8192)
+    monkeypatch.setattr(cuda, "cuda_available", lambda: True)
+    monkeypatch.setattr(cuda, "host_register", lambda ptr, n: calls.append(("reg", ptr, n)) or True)
+    monkeypatch.setattr(cuda, "host_unregister", lambda ptr: calls.append(("unreg", ptr)))
+    with SharedRegion.create(5, 8192) as shared:
+        address = shared.address
+        assert shared.pin("on") is True
+        pieces = [(address, 16384), (address + 16384, 16384), (address + 32768, 8192)]
+        assert calls == [("reg", start, size) for start, size in pieces]
+    assert calls[3:] == [("unreg", start) for start, _ in pieces]  # every piece, at close
+
+    # a piece the driver refuses unpins the ones before it, and the region stays unpinned
+    calls.clear()
+    monkeypatch.setattr(
+        cuda, "host_register", lambda ptr, n: calls.append(("reg", ptr, n)) or len(calls) < 2
+    )
+    with SharedRegion.create(5, 8192) as shared:
+        address = shared.address
+        assert shared.pin("auto") is False and not shared.pinned
+        assert calls == [("reg", address, 16384), ("reg", address + 16384, 16384), ("unreg", address)]
+        with pytest.raises(KvtierError, match="cudaHostRegister"):
+            shared.pin("on")
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 
@@ -386,6 +431,29 @@ def test_gpu_pinned_copies_round_trip(row_bytes):
         stream.synchronize()
         np.testing.assert_array_equal(shared.rows[:4], sent)
         np.testing.assert_array_equal(shared.rows[4:], sent + np.uint8(1))
+        del host
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda.cuda_available(), reason="needs CUDA")
+def test_gpu_a_region_pinned_in_pieces_copies_as_one(monkeypatch):
+    # adjacent registrations, page against page, then one copy across all of them
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(region_module, "PIN_CHUNK_BYTES", 3 * 4096)
+    with SharedRegion.create(8, 8192) as shared:
+        assert shared.pin("on") is True
+        assert len(shared._state.pinned_ptrs) == 6  # 64 KiB in pieces of 12 KiB
+        host = torch.from_numpy(shared.rows)
+        assert host.is_pinned()
+        sent = _pattern(7, (4, 8192))
+        shared.rows[:4] = sent
+        device = torch.empty((4, 8192), dtype=torch.uint8, device="cuda")
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            device.copy_(host[:4], non_blocking=True)
+            host[4:].copy_(device, non_blocking=True)
+        stream.synchronize()
+        np.testing.assert_array_equal(shared.rows[4:], sent)
         del host
 
 

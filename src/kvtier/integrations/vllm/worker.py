@@ -7,12 +7,15 @@ converts vLLM's specs and canonical caches to kvtier's and hands the jobs to
 :class:`kvtier.worker.CpuGpuOffloadingHandlers` (CUDA streams and batched DMA on a GPU, a
 copy thread with CPU tensors).
 
-The CPU region is attached lazily. vLLM initialises the workers' KV caches — and so calls
-``get_worker`` — *before* it builds the scheduler whose ``get_manager`` creates the region, so
-the worker cannot wait for the region at ``get_worker`` (in a single-process engine it would
-wait for itself). It attaches at once if the region already exists, and otherwise at its
-first job: jobs only come from the scheduler's manager, so by then the region exists. The
-first transfer then also pays for pinning the region (``cudaHostRegister``), once.
+The CPU region is attached in the background. vLLM initialises the workers' KV caches — and
+so calls ``get_worker`` — *before* it builds the scheduler whose ``get_manager`` creates the
+region, so the worker cannot wait for the region at ``get_worker`` (in a single-process engine
+it would wait for itself). It attaches at once if the region already exists; otherwise a
+thread waits for the region's file and then attaches, pins it (``cudaHostRegister``: about
+0.1 s per GB) and builds the handlers (CUDA streams; the kernel engine's compile), off the
+model runner's thread. vLLM captures its CUDA graphs before it builds the scheduler, so none
+of this runs during a capture. A first job that comes before the thread is done waits for
+it; one whose start failed raises the start's error.
 
 Failed jobs. vLLM 0.33's connector asserts that every transfer succeeded and completes a job
 once every worker acknowledged it. A failed *store* is therefore acknowledged as a success
@@ -27,6 +30,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -101,8 +106,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
     """The store (GPU->CPU) and load (CPU->GPU) handlers of one worker process.
 
     Who calls it: vLLM's connector worker, from the model runner's thread. ``submit_*`` and
-    :meth:`get_finished` never wait, except that the first ``submit_*`` may attach and pin
-    the CPU region (see the module docstring); :meth:`wait` and :meth:`shutdown` block.
+    :meth:`get_finished` never wait, except that a ``submit_*`` before the background start
+    is done waits for it (see the module docstring); :meth:`wait` and :meth:`shutdown` block.
 
     ``standalone`` is kvtier's own spec for this worker (configuration with the region's
     path, the worker's page sizes); ``kv_caches`` are kvtier's canonical caches.
@@ -117,42 +122,70 @@ class KvtierOffloadingWorker(OffloadingWorker):
         #: CPU rows of each store job in flight, to mark if the job fails
         self._store_rows: dict[int, np.ndarray] = {}
         self._closed = False
-        self._start(only_if_present=True)
-
-    def _start(self, *, only_if_present: bool) -> None:
-        """Attach to the region and build the handlers, once.
-
-        ``only_if_present``: try only if the region's file exists (the eager attempt at
-        construction). Otherwise wait for it up to the spec's attach timeout, then raise
-        :class:`~kvtier.errors.KvtierError` naming the path.
-        """
-        if self._store is not None:
-            return
-        if only_if_present and not os.path.exists(self._standalone.region_path):
-            return
-        if self._failed_rows is None:
-            # the marks first: the scheduler side creates them right after the region
-            self._failed_rows = FailedRowMarks.attach(
-                self._standalone.region_path, self._standalone.attach_timeout_s
+        self._ready = threading.Event()
+        self._start_lock = threading.Lock()
+        self._start_error: BaseException | None = None
+        self._starter: threading.Thread | None = None
+        if os.path.exists(standalone.region_path):
+            self._start()
+        else:
+            self._starter = threading.Thread(
+                target=self._start_when_created, name="kvtier-worker-attach", daemon=True
             )
-        handlers = {
-            (src.medium(), dst.medium()): handler
-            for src, dst, handler in self._standalone.get_handlers(self._kv_caches)
-        }
-        self._store = handlers[("GPU", "CPU")]
-        self._load = handlers[("CPU", "GPU")]
+            self._starter.start()
+
+    def _start(self) -> None:
+        """Attach to the region and build the handlers, once (any thread; a second caller
+        waits for the first). Waits up to the spec's attach timeout for the region, then
+        raises :class:`~kvtier.errors.KvtierError` naming the path."""
+        with self._start_lock:
+            if self._ready.is_set():
+                return
+            if self._failed_rows is None:
+                # the marks first: the scheduler side creates them right after the region
+                self._failed_rows = FailedRowMarks.attach(
+                    self._standalone.region_path, self._standalone.attach_timeout_s
+                )
+            handlers = {
+                (src.medium(), dst.medium()): handler
+                for src, dst, handler in self._standalone.get_handlers(self._kv_caches)
+            }
+            self._store = handlers[("GPU", "CPU")]
+            self._load = handlers[("CPU", "GPU")]
+            self._ready.set()
         logger.info("kvtier worker attached to the CPU tier at %s", self._standalone.region_path)
+
+    def _start_when_created(self) -> None:
+        """The background start: wait for the region's file, then :meth:`_start`."""
+        try:
+            while not os.path.exists(self._standalone.region_path):
+                if self._closed:
+                    return
+                time.sleep(0.05)
+            if not self._closed:
+                self._start()
+        except BaseException as exc:  # noqa: BLE001 - kept for the first job to raise
+            self._start_error = exc
+            logger.error("kvtier worker could not attach to the CPU tier: %s", exc)
+
+    def _started(self) -> None:
+        """Before a job: the handlers, built by the background start or here and now."""
+        if self._ready.is_set():
+            return
+        if self._start_error is not None:
+            raise self._start_error
+        self._start()  # waits for a start under way, or attaches on this thread
 
     @property
     def started(self) -> bool:
         """Whether the region is attached and the handlers built."""
-        return self._store is not None
+        return self._ready.is_set()
 
     def submit_store(self, job_id: int, src_spec: VllmGPUSpec, dst_spec: VllmLoadStoreSpec) -> bool:
         """Queue the copy of GPU blocks ``src_spec`` into CPU rows ``dst_spec``; True if queued."""
         if self._closed:
             return False
-        self._start(only_if_present=False)
+        self._started()
         assert self._store is not None
         cpu = _cpu_spec(dst_spec)
         queued = self._store.transfer_async(job_id, (_gpu_spec(src_spec), cpu))
@@ -175,13 +208,13 @@ class KvtierOffloadingWorker(OffloadingWorker):
         """
         if self._closed:
             return False
-        self._start(only_if_present=False)
+        self._started()
         assert self._load is not None
         return self._load.transfer_async(job_id, (_cpu_spec(src_spec), _gpu_spec(dst_spec)))
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call (stores, then loads); never waits."""
-        if self._store is None or self._load is None:
+        if not self._ready.is_set():
             return []
         results = []
         for result in self._store.get_finished():
@@ -226,7 +259,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until the named jobs have finished (their results still come from get_finished)."""
-        if self._store is None or self._load is None:
+        if not self._ready.is_set():
             return
         ids = set(job_ids)
         self._store.wait(ids)
@@ -235,6 +268,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def shutdown(self) -> None:
         """Wait for queued jobs, stop the handlers, release the region. Idempotent."""
         self._closed = True
+        if self._starter is not None:
+            # a start under way finishes first, so its handlers are shut down below
+            self._starter.join()
         self._standalone.shutdown()
         if self._failed_rows is not None:
             self._failed_rows.close()

@@ -109,10 +109,28 @@ def _reserve(fd: int, path: str, file_bytes: int, field: str) -> None:
         ) from None
 
 
+#: the most one cudaHostRegister call is given: on r580 drivers a single registration of
+#: 512 GiB or more fails whatever memory is free (seen by vLLM and LMCache), so a large
+#: region is registered in pieces
+PIN_CHUNK_BYTES = 64 << 30
+
+
+def pin_chunks(address: int, nbytes: int, limit: int) -> list[tuple[int, int]]:
+    """``(start, size)`` pieces covering ``[address, address + nbytes)`` in order, each at
+    most ``limit`` bytes, cut only at page boundaries (a page registered twice would fail)."""
+    page = mmap.PAGESIZE
+    step = max(page, limit // page * page)
+    end = address + nbytes
+    cuts = [address]
+    while end - cuts[-1] > limit:
+        cuts.append((cuts[-1] + step) // page * page)
+    return [(start, stop - start) for start, stop in zip(cuts, [*cuts[1:], end])]
+
+
 class _Mapping:
     """What must be released for one region; held by the finalizer, so never by ``self``."""
 
-    __slots__ = ("mm", "rows", "path", "owner_pid", "pinned_ptr", "pinned_pid")
+    __slots__ = ("mm", "rows", "path", "owner_pid", "pinned_ptrs", "pinned_pid")
 
     def __init__(self, mm: mmap.mmap, rows: np.ndarray, path: str, owner_pid: int | None):
         self.mm: mmap.mmap | None = mm
@@ -120,23 +138,24 @@ class _Mapping:
         self.path = path
         # pid of the process that must unlink the file (the creator), None for an attacher
         self.owner_pid = owner_pid
-        # address registered with cudaHostRegister (0 when not pinned), and by which process:
-        # a registration belongs to one process's CUDA context and is not inherited by fork
-        self.pinned_ptr = 0
+        # the start of each range registered with cudaHostRegister (none when not pinned),
+        # and by which process: a registration belongs to one process's CUDA context and is
+        # not inherited by fork
+        self.pinned_ptrs: tuple[int, ...] = ()
         self.pinned_pid = 0
 
     def pinned_here(self) -> bool:
-        return bool(self.pinned_ptr) and self.pinned_pid == os.getpid()
+        return bool(self.pinned_ptrs) and self.pinned_pid == os.getpid()
 
 
 def _release(state: _Mapping) -> None:
     # Runs from close(), from garbage collection or at interpreter exit: it must never raise.
-    if state.pinned_ptr:
+    if state.pinned_ptrs:
         pinned_here = state.pinned_here()
-        ptr, state.pinned_ptr = state.pinned_ptr, 0
+        ptrs, state.pinned_ptrs = state.pinned_ptrs, ()
         # A forked child inherits the mapping but not the registration (nor a usable CUDA
         # context): only the process that pinned may unpin.
-        if pinned_here:
+        for ptr in ptrs if pinned_here else ():
             try:
                 _cuda.host_unregister(ptr)
             except Exception:
@@ -434,8 +453,15 @@ class SharedRegion:
                     f"be pinned; use pin_memory 'auto' or 'off' on a machine without a GPU"
                 )
             return False
-        if _cuda.host_register(self._address, self.nbytes):
-            self._state.pinned_ptr = self._address
+        registered: list[int] = []
+        for start, size in pin_chunks(self._address, self.nbytes, PIN_CHUNK_BYTES):
+            if not _cuda.host_register(start, size):
+                for ptr in registered:  # all or nothing
+                    _cuda.host_unregister(ptr)
+                break
+            registered.append(start)
+        else:
+            self._state.pinned_ptrs = tuple(registered)
             self._state.pinned_pid = os.getpid()
             return True
         if mode == "on":
