@@ -28,6 +28,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from kvtier.base import (
     CanonicalKVCaches,
@@ -44,6 +45,9 @@ from kvtier.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.tiers.cpu.region import SharedRegion, default_directory
 from kvtier.tiers.disk.format import LayoutFingerprint
 from kvtier.worker.shards import ShardPlacement
+
+if TYPE_CHECKING:  # imports torch: only where handlers are built
+    from kvtier.worker.cpu_gpu import CpuGpuOffloadingHandlers
 
 __all__ = ["TieredOffloadingSpec"]
 
@@ -195,13 +199,23 @@ class TieredOffloadingSpec(OffloadingSpec):
     def get_handlers(
         self, kv_caches: CanonicalKVCaches
     ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
-        """``(GPU spec, CPU spec, store handler)`` and ``(CPU spec, GPU spec, load handler)``.
+        """``(GPU spec, CPU spec, store handler)`` and ``(CPU spec, GPU spec, load handler)``
+        of :meth:`build_handlers`'s handler set."""
+        handlers = self.build_handlers(kv_caches)
+        yield GPULoadStoreSpec, CPULoadStoreSpec, handlers.gpu_to_cpu_handler
+        yield CPULoadStoreSpec, GPULoadStoreSpec, handlers.cpu_to_gpu_handler
+
+    def build_handlers(
+        self, kv_caches: CanonicalKVCaches, *, expedited_loads: bool = False
+    ) -> CpuGpuOffloadingHandlers:
+        """This worker's handler set (:class:`~kvtier.worker.cpu_gpu.CpuGpuOffloadingHandlers`;
+        ``expedited_loads``: with a second load handler of its own).
 
         Worker process. Checks ``kv_caches`` against ``page_bytes`` (:class:`ConfigError` on
         a mismatch), attaches to the region (waiting up to ``attach_timeout_s`` for the
         scheduler side to create it; :class:`KvtierError` after that) and pins it per the CPU
-        tier's ``pin_memory``. The handlers own the attached region: it is released once both
-        are shut down.
+        tier's ``pin_memory``. The handlers own the attached region: it is released once all
+        are shut down, or at :meth:`shutdown`.
         """
         actual = [entry.page_size_bytes for entry in kv_caches.tensors]
         if actual != list(self.page_bytes):
@@ -226,13 +240,13 @@ class TieredOffloadingSpec(OffloadingSpec):
                 engine=self.engine,
                 owns_region=True,
                 shard=self.shard,
+                expedited_loads=expedited_loads,
             )
         except BaseException:
             region.close()
             raise
         self._handler_sets.append(handlers)
-        yield GPULoadStoreSpec, CPULoadStoreSpec, handlers.gpu_to_cpu_handler
-        yield CPULoadStoreSpec, GPULoadStoreSpec, handlers.cpu_to_gpu_handler
+        return handlers
 
     def _attach_region(self) -> SharedRegion:
         deadline = time.monotonic() + self.attach_timeout_s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -191,6 +192,42 @@ def test_the_worker_attaches_lazily_because_vllm_builds_workers_first():
     finally:
         worker.shutdown()
         manager.shutdown()
+
+
+def test_an_expedited_load_does_not_queue_behind_ordinary_loads():
+    # vLLM waits for an expedited load within the step: it has a handler (an engine, a
+    # stream) of its own, so an ordinary load still running cannot hold it up
+    engine = Engine(kvtier_extra([cpu_tier()]), gpu_blocks=8)
+    try:
+        ctx = ReqContext("r")
+        assert engine.store([key(0), key(1)], ctx, [1, 2]) == [key(0), key(1)]
+        engine.worker._started()
+        ordinary = engine.worker._load.engine
+        held, release = threading.Event(), threading.Event()
+        original = ordinary.copy
+
+        def held_up(*descriptors):
+            held.set()
+            assert release.wait(30)
+            return original(*descriptors)
+
+        ordinary.copy = held_up
+        first = engine.manager.prepare_load([key(0)], ctx)
+        second = engine.manager.prepare_load([key(1)], ctx)
+        assert engine.worker.submit_load(20, first, GPULoadStoreSpec([5], [1], [0]))
+        assert held.wait(30)  # the ordinary load is inside its copy, and stays there
+        assert engine.worker.submit_load(21, second, GPULoadStoreSpec([6], [1], [0]), expedited=True)
+        engine.worker.wait({21})
+        assert [(r.job_id, r.success) for r in engine.worker.get_finished()] == [(21, True)]
+        engine.assert_holds(key(1), 6)
+        release.set()
+        engine.worker.wait({20})
+        assert [(r.job_id, r.success) for r in engine.worker.get_finished()] == [(20, True)]
+        engine.assert_holds(key(0), 5)
+        engine.manager.complete_load([key(0), key(1)], ctx)
+    finally:
+        release.set()
+        engine.shutdown()
 
 
 def test_the_worker_attaches_in_the_background_once_the_region_exists():

@@ -203,7 +203,10 @@ class CpuGpuOffloadingHandlers:
     briefly (it creates CUDA streams lazily, not here); :meth:`shutdown` blocks until queued
     jobs finish.
 
-    Attributes ``gpu_to_cpu_handler`` and ``cpu_to_gpu_handler`` are the two handlers.
+    Attributes ``gpu_to_cpu_handler`` and ``cpu_to_gpu_handler`` are the two handlers;
+    ``expedited_load_handler`` a second load handler on an engine (and streams) of its own,
+    or ``None`` unless asked for: loads a caller waits for within its step do not queue
+    behind the others there (vLLM's ``submit_load(expedited=True)``).
     """
 
     def __init__(
@@ -215,6 +218,7 @@ class CpuGpuOffloadingHandlers:
         engine: str = "auto",
         owns_region: bool = False,
         shard: ShardPlacement | None = None,
+        expedited_loads: bool = False,
     ):
         """``region``: the CPU tier's rows (attached and, on CUDA, pinned by the caller), one
         row per offloaded block of ``block_size_factor`` GPU blocks. ``engine``: ``auto``,
@@ -222,6 +226,7 @@ class CpuGpuOffloadingHandlers:
         ``shard``: this worker's place in the rows under tensor or pipeline parallelism
         (default: a single worker, whose shard is the whole row); a worker that does not
         write its replicated shard gets a store handler that copies nothing.
+        ``expedited_loads``: also build ``expedited_load_handler``.
 
         Raises :class:`~kvtier.errors.ConfigError` when the cache, the shard and the region
         disagree.
@@ -273,14 +278,19 @@ class CpuGpuOffloadingHandlers:
         self.buffers = CopyBuffers(pages, region)
         self._owns_region = owns_region
         store = make_engine(engine, self.buffers, True, priority=STORE_PRIORITY)
-        load = make_engine(engine, self.buffers, False, priority=LOAD_PRIORITY)
-        self._running = 2
         self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
             self.layout, store, on_shutdown=self._handler_stopped, copies=shard.writes
         )
-        self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
-            self.layout, load, on_shutdown=self._handler_stopped
-        )
+
+        def load_handler() -> SingleDirectionOffloadingHandler:
+            load = make_engine(engine, self.buffers, False, priority=LOAD_PRIORITY)
+            return SingleDirectionOffloadingHandler(
+                self.layout, load, on_shutdown=self._handler_stopped
+            )
+
+        self.cpu_to_gpu_handler = load_handler()
+        self.expedited_load_handler = load_handler() if expedited_loads else None
+        self._running = 3 if expedited_loads else 2
 
     def _handler_stopped(self) -> None:
         # The region may only go once neither direction can touch it any more; handlers are
@@ -290,9 +300,11 @@ class CpuGpuOffloadingHandlers:
             self.region.close()
 
     def shutdown(self) -> None:
-        """Drain and stop both handlers, then close the region if this object owns it.
+        """Drain and stop the handlers, then close the region if this object owns it.
 
-        Idempotent. Shutting both handlers down one by one has the same effect.
+        Idempotent. Shutting the handlers down one by one has the same effect.
         """
         self.gpu_to_cpu_handler.shutdown()
         self.cpu_to_gpu_handler.shutdown()
+        if self.expedited_load_handler is not None:
+            self.expedited_load_handler.shutdown()

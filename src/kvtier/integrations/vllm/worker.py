@@ -118,6 +118,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._kv_caches = kv_caches
         self._store: OffloadingHandler | None = None
         self._load: OffloadingHandler | None = None
+        self._expedited: OffloadingHandler | None = None
         self._failed_rows: FailedRowMarks | None = None
         #: CPU rows of each store job in flight, to mark if the job fails
         self._store_rows: dict[int, np.ndarray] = {}
@@ -146,12 +147,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 self._failed_rows = FailedRowMarks.attach(
                     self._standalone.region_path, self._standalone.attach_timeout_s
                 )
-            handlers = {
-                (src.medium(), dst.medium()): handler
-                for src, dst, handler in self._standalone.get_handlers(self._kv_caches)
-            }
-            self._store = handlers[("GPU", "CPU")]
-            self._load = handlers[("CPU", "GPU")]
+            handlers = self._standalone.build_handlers(self._kv_caches, expedited_loads=True)
+            self._store = handlers.gpu_to_cpu_handler
+            self._load = handlers.cpu_to_gpu_handler
+            self._expedited = handlers.expedited_load_handler
             self._ready.set()
         logger.info("kvtier worker attached to the CPU tier at %s", self._standalone.region_path)
 
@@ -202,15 +201,16 @@ class KvtierOffloadingWorker(OffloadingWorker):
     ) -> bool:
         """Queue the copy of CPU rows ``src_spec`` into GPU blocks ``dst_spec``.
 
-        ``expedited`` (a load vLLM waits for within the step) is queued like any load: loads
-        already run ahead of stores, on a higher-priority stream, but in submission order
-        among themselves.
+        Loads run ahead of stores, on higher-priority streams. An ``expedited`` load (one
+        vLLM waits for within the step) goes to a load handler of its own, so it does not
+        queue behind the ordinary loads (which finish in submission order among themselves).
         """
         if self._closed:
             return False
         self._started()
-        assert self._load is not None
-        return self._load.transfer_async(job_id, (_cpu_spec(src_spec), _gpu_spec(dst_spec)))
+        handler = self._expedited if expedited else self._load
+        assert handler is not None
+        return handler.transfer_async(job_id, (_cpu_spec(src_spec), _gpu_spec(dst_spec)))
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call (stores, then loads); never waits."""
@@ -238,7 +238,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     transfer_time=result.transfer_time,
                 )
             )
-        for result in self._load.get_finished():
+        for result in [*self._load.get_finished(), *self._expedited.get_finished()]:
             if not result.success:
                 # vLLM 0.33's connector does not handle failed transfers (it asserts); say
                 # which job and why before it does.
@@ -264,6 +264,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         ids = set(job_ids)
         self._store.wait(ids)
         self._load.wait(ids)
+        self._expedited.wait(ids)
 
     def shutdown(self) -> None:
         """Wait for queued jobs, stop the handlers, release the region. Idempotent."""
