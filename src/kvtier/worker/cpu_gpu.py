@@ -290,7 +290,10 @@ class CpuGpuOffloadingHandlers:
 
         self.cpu_to_gpu_handler = load_handler()
         self.expedited_load_handler = load_handler() if expedited_loads else None
-        self._running = 3 if expedited_loads else 2
+        self._handlers = [self.gpu_to_cpu_handler, self.cpu_to_gpu_handler]
+        if self.expedited_load_handler is not None:
+            self._handlers.append(self.expedited_load_handler)
+        self._running = len(self._handlers)
 
     def _handler_stopped(self) -> None:
         # The region may only go once neither direction can touch it any more; handlers are
@@ -304,7 +307,5 @@ class CpuGpuOffloadingHandlers:
 
         Idempotent. Shutting the handlers down one by one has the same effect.
         """
-        self.gpu_to_cpu_handler.shutdown()
-        self.cpu_to_gpu_handler.shutdown()
-        if self.expedited_load_handler is not None:
-            self.expedited_load_handler.shutdown()
+        for handler in self._handlers:
+            handler.shutdown()

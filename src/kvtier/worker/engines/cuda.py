@@ -84,6 +84,9 @@ class CudaCopyEngine(CopyEngine):
         self._events: list[torch.cuda.Event] = []
         self._jobs: deque[_Job] = deque()
         self._last_end: torch.cuda.Event | None = None
+        # where this engine's streams come from and go back to in the process-wide pool (a
+        # CUDA tensor's device always names its index)
+        self._pool_key = (self._device.index, priority)
         with torch.cuda.device(self._device):
             # a runtime call that binds the device's context to this thread (once, at start),
             # which the driver calls below run in
@@ -108,7 +111,7 @@ class CudaCopyEngine(CopyEngine):
         self.issue = self._issue
 
     def _new_stream(self) -> torch.cuda.Stream:
-        stream = _take_stream(self._device, self._priority)
+        stream = _take_stream(self._pool_key, self._device)
         self._taken.append(stream)
         return stream
 
@@ -229,7 +232,7 @@ class CudaCopyEngine(CopyEngine):
         self._events.clear()
         self._last_end = None
         # every job is done by now, so the streams are idle and another engine may take them
-        _give_back_streams(self._device, self._priority, self._taken)
+        _give_back_streams(self._pool_key, self._taken)
         self._taken = []
 
 
@@ -239,18 +242,18 @@ class CudaCopyEngine(CopyEngine):
 # streams that used a buffer, when the buffer is freed, possibly after the engine is gone);
 # an engine that shuts down gives its streams back for the next engine to take, so a
 # process holds as many as its engines ever used at once.
-_stream_pool: dict[tuple[int, int], list[torch.cuda.Stream]] = {}
+_stream_pool: dict[tuple[int, int], list[torch.cuda.Stream]] = {}  # by (device, priority)
 _stream_pool_lock = threading.Lock()
 
 
-def _take_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
-    """An idle copy stream of ``priority`` on ``device``: from the pool, else a new one made
-    through the driver, else (no driver entry point) one of torch's that is not the current
-    stream. Call with the device's context current in this thread."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), priority)
+def _take_stream(key: tuple[int, int], device: torch.device) -> torch.cuda.Stream:
+    """An idle copy stream of ``key`` = (device index, priority): from the pool, else a new one
+    made through the driver, else (no driver entry point) one of torch's that is not the
+    current stream. Call with the device's context current in this thread."""
     with _stream_pool_lock:
         if _stream_pool.get(key):
             return _stream_pool[key].pop()
+    priority = key[1]
     handle = stream_create(priority)
     if handle is not None:
         return torch.cuda.ExternalStream(handle, device=device)
@@ -262,10 +265,7 @@ def _take_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
     raise RuntimeError("no CUDA stream other than the compute stream could be had")
 
 
-def _give_back_streams(
-    device: torch.device, priority: int, streams: list[torch.cuda.Stream]
-) -> None:
+def _give_back_streams(key: tuple[int, int], streams: list[torch.cuda.Stream]) -> None:
     """Return idle streams from :func:`_take_stream` to the pool."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), priority)
     with _stream_pool_lock:
         _stream_pool.setdefault(key, []).extend(streams)
