@@ -12,7 +12,7 @@ import pytest
 from conftest import BLOCK_BYTES, SETTLE_S, finish, open_tier, settle
 from helpers import key, payload
 
-from kvtier.tiers.base import TierJob
+from kvtier.tiers.base import Failure, FailureKind, TierJob
 from kvtier.tiers.disk.format import HEADER_BYTES, LayoutFingerprint
 
 
@@ -121,7 +121,7 @@ def test_altered_truncated_and_misplaced_values_are_counted_misses(valkey_server
         assert settle(reader, keys) == [True, False, False, False]
         assert reader.stats()["corrupt_values"] == 3
         result = load(reader, keys[:1])
-        assert not result.success and result.failed[keys[0]] == "corrupt: checksum"
+        assert not result.success and result.failed[keys[0]] == Failure.corrupt("checksum")
         assert reader.stats()["corrupt_values"] == 4
         assert reader.lookup(keys[0]) is False  # a corrupt value is remembered as a miss
         assert not reader_rows[1:].any()  # nothing was written where nothing was served
@@ -194,14 +194,14 @@ def test_a_killed_server_fails_jobs_then_the_tier_reconnects_to_an_empty_one(val
         tier.submit_store(TierJob(2, tuple(later), tuple(range(16))))
         tier.submit_load(TierJob(3, (first[0],), (0,)))  # known present, but nobody answers
         results = {r.job_id: r for r in finish(tier)}
-        assert not results[2].success and set(results[2].failed.values()) <= {"unavailable", "timeout"}
+        assert not results[2].success and {r.kind for r in results[2].failed.values()} == {FailureKind.UNAVAILABLE}
         assert not results[3].success
         assert tier.down and tier.stats()["outages"] == 1 and tier.stats()["down"] == 1
         assert sum("unreachable" in r.message for r in caplog.records) == 1
         # While down: answers at once, no waiting on the network.
         assert [tier.lookup(k) for k in first] == [False] * 8
         tier.submit_store(TierJob(4, (later[0],), (0,)))
-        assert [r.failed for r in finish(tier)] == [{later[0]: "unavailable"}]
+        assert [{k: r.kind for k, r in j.failed.items()} for j in finish(tier)] == [{later[0]: FailureKind.UNAVAILABLE}]
         for _ in range(3):
             tier.on_schedule_end()  # reconnect attempts fail quietly
         assert sum("unreachable" in r.message for r in caplog.records) == 1
@@ -229,7 +229,8 @@ def test_a_hung_server_fails_jobs_after_timeout_s(valkey_server):
         assert tier.lookup(key(50)) is None
         tier.on_schedule_end()  # a read for key(50) goes out, and hangs too
         (result,) = finish(tier)
-        assert set(result.failed.values()) == {"timeout"}
+        assert set(result.failed.values()) == {Failure(FailureKind.UNAVAILABLE, detail="timeout")}
+        assert tier.stats()["failed_unavailable_timeout"] >= 4  # and the read, unless it expired first
         assert tier.down
         assert settle(tier, [key(50)]) == [False]
     finally:

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import ConfigError, ValkeyCheckError
+from kvtier.tiers.base import Failure, FailureKind
 from kvtier.tiers.disk.format import HEADER_BYTES, decode_header, verify
-from kvtier.tiers.valkey.config import URL_SCHEMES, parse
-from kvtier.tiers.valkey.connection import ValkeyConnection, is_outage, reason_of
+from kvtier.tiers.valkey.config import URL_SCHEMES, parse, redact_url
+from kvtier.tiers.valkey.connection import ValkeyConnection, reason_of
 
 __all__ = [
     "DEFAULT_NAMESPACES",
@@ -203,16 +204,21 @@ def check_namespace(
         chunk = names[start : start + batch_keys]
         start += len(chunk)
         # most values of a namespace share one length: read them into one array per batch
-        values = conn.get_many(chunk, value_bytes or typical)
+        # a value longer than the layout's (or, unknown, than a batch) is read off and dropped
+        values = conn.get_many(chunk, value_bytes or typical, max_bytes=value_bytes or batch_bytes)
         longest = 0
         for name, value in zip(chunk, values):
             if value is None:
                 continue  # evicted or expired since the scan
-            if isinstance(value, str):
-                if not value.startswith("server: WRONGTYPE"):
+            if isinstance(value, Failure):
+                if value.kind is FailureKind.CORRUPT:  # longer than any value could be: not held
+                    report.blocks_checked += 1
+                    bad[name] = value.detail
+                    continue
+                if value != _WRONGTYPE:
                     raise ValkeyCheckError(
-                        conn.location, f"reading {name.decode(errors='replace')} failed ({value})",
-                        "make sure the server is up and answers GET, then run the check again",
+                        redact_url(conn.location), f"reading {name.decode(errors='replace')} failed ({value})",
+                        _fix_for(value, "make sure the server is up and answers GET, then run the check again"),
                     )
                 report.blocks_checked += 1
                 bad[name] = "not a string value"
@@ -249,7 +255,7 @@ def check_namespace(
                 conn.delete(doomed[at : at + 1000])
             except Exception as error:
                 raise ValkeyCheckError(
-                    conn.location, f"deleting bad values failed ({reason_of(error)})",
+                    redact_url(conn.location), f"deleting bad values failed ({reason_of(error)})",
                     "make sure the server is up and accepts DEL, then run the check with --fix again",
                 ) from None
         report.fixed = [f"{name.decode(errors='replace')}: deleted" for name in doomed]
@@ -310,7 +316,7 @@ def check_valkey(
     if namespace is not None:
         section["namespace"] = namespace
     config = parse(section, "check")
-    target = config.location() or ""
+    target = redact_url(config.location())
     conn = ValkeyConnection(config)
     try:
         try:
@@ -326,18 +332,33 @@ def check_valkey(
         conn.close()
 
 
+#: a GET of a key that holds a list, a hash ...: a bad value, not a failed check
+_WRONGTYPE = Failure(FailureKind.SERVER, detail="WRONGTYPE")
+
+
+def _fix_for(reason: Failure, default: str) -> str:
+    """The fix a message gives for ``reason``: credentials, TLS files, an ACL, or ``default``."""
+    if reason.kind is FailureKind.AUTH:
+        return ("give the user name and password the server's ACL knows: username: and password_file: "
+                "in the tier's config, or KVTIER_VALKEY_PASSWORD in the environment (never on the command line)")
+    if reason.kind is FailureKind.TLS:
+        return ("give the CA that signed the server's certificate (tls: ca_file:, or KVTIER_VALKEY_TLS_CA_FILE), "
+                "and cert_file:/key_file: if the server asks for a client certificate")
+    if reason.kind is FailureKind.DENIED:
+        return f"grant this user {reason.detail.upper()} in the server's ACL (e.g. +@read +@write +@keyspace ~kvtier:*)"
+    if reason.kind is FailureKind.UNAVAILABLE:
+        return ("start the server, or give its address: valkey://HOST:PORT[/DB] (valkeys:// for TLS), "
+                "or --cluster HOST:PORT,... for a cluster")
+    return default
+
+
 def _unreachable(target: str, error: BaseException) -> ValkeyCheckError:
     reason = reason_of(error)
-    if is_outage(reason):
-        detail = str(error).split("\n")[0][:120]
-        return ValkeyCheckError(
-            target, f"cannot reach the server ({reason}: {detail})",
-            "start the server, or give its address: valkey://HOST:PORT[/DB] (valkeys:// for TLS), "
-            "or --cluster HOST:PORT,... for a cluster",
-        )
+    if reason.kind is FailureKind.UNAVAILABLE:
+        return ValkeyCheckError(target, f"cannot reach the server ({reason})", _fix_for(reason, ""))
+    if reason.kind in (FailureKind.AUTH, FailureKind.TLS):
+        what = "refused the credentials" if reason.kind is FailureKind.AUTH else "failed the TLS handshake"
+        return ValkeyCheckError(target, f"the server {what} ({reason})", _fix_for(reason, ""))
     return ValkeyCheckError(
-        target, f"the server answered with an error ({reason})",
-        "give the password in the URL (valkey://:PASSWORD@HOST:PORT/DB) if it asks for one, "
-        "or check the server's log",
+        target, f"the server answered with an error ({reason})", _fix_for(reason, "check the server's log"),
     )
-
