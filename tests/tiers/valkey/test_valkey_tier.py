@@ -300,3 +300,74 @@ def test_wait_loads_returns_while_a_store_waits_on_paused_writes(valkey_server):
         assert result.job_id == 5 and sorted(result.ok) == sorted(later)
     finally:
         tier.close()
+
+
+# -- values of the wrong length are never held (issue #22, item 6) ------------------------------
+
+#: a value planted under a tier's name, far longer than any of its values
+PLANTED_BYTES = 40 << 20
+
+
+@pytest.fixture
+def roomy_server(server_binary):
+    """A server with room for a planted value (the shared fixture's has 64 MiB)."""
+    from kvtier.tiers.valkey.server import LocalValkeyServer
+
+    with LocalValkeyServer(server_binary, maxmemory=512 << 20) as server:
+        yield server
+
+
+def held_at_peak(action) -> int:
+    """The most bytes Python and numpy held at once (tracemalloc) while ``action`` ran."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        action()
+        return tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_planted_long_value_is_read_off_and_dropped_by_a_probe(roomy_server):
+    valkey_server = roomy_server
+    tier = open_tier(valkey_server.url)
+    try:
+        planted, honest = key(1), key(2)
+        raw = valkey_server.client()
+        raw.set(tier._name(planted), b"\0" * PLANTED_BYTES)
+        rows = np.zeros((1, BLOCK_BYTES), dtype=np.uint8)
+        writer = open_tier(valkey_server.url, rows)
+        assert store(writer, [honest], rows).success
+        writer.close()
+        answers: list = []
+        peak = held_at_peak(lambda: answers.extend(settle(tier, [planted, honest])))
+        assert answers == [False, True]
+        assert tier.stats()["corrupt_values"] == 1 and tier.stats()["corrupt_payload_length"] == 1
+        assert peak < PLANTED_BYTES // 4, peak  # the read buffer and one batch, not the value
+        assert tier.stats()["staged_bytes"] <= tier.config.max_inflight_bytes
+    finally:
+        tier.close()
+
+
+def test_a_planted_long_value_fails_a_load_without_being_held(roomy_server):
+    valkey_server = roomy_server
+    rows = np.zeros((2, BLOCK_BYTES), dtype=np.uint8)
+    tier = open_tier(valkey_server.url, rows)
+    try:
+        keys = [key(1), key(2)]
+        assert store(tier, keys, rows).success  # known present: the load reads without a probe
+        valkey_server.client().set(tier._name(keys[0]), b"\1" * PLANTED_BYTES)
+        rows[:] = 0
+        results: list = []
+        peak = held_at_peak(lambda: results.append(load(tier, keys)))
+        (result,) = results
+        assert result.ok == [keys[1]] and np.array_equal(rows[1], payload(keys[1], BLOCK_BYTES))
+        assert result.failed == {keys[0]: Failure.corrupt("payload length")}
+        assert not rows[0].any()  # nothing of it reached the row
+        assert peak < PLANTED_BYTES // 4, peak
+        assert tier.lookup(keys[0]) is False  # remembered as gone
+    finally:
+        tier.close()
