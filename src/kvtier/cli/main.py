@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from kvtier.bench.report import print_json
-from kvtier.errors import KvtierError
+from kvtier.errors import ConfigError, KvtierError
 
 
 def _report(args: argparse.Namespace, run: Callable[[TextIO], dict[str, Any]]) -> dict[str, Any]:
@@ -124,10 +124,11 @@ def _check(args: argparse.Namespace) -> int:
 
     if args.cluster or (args.path and is_valkey_target(args.path)):
         return _check_valkey(args)
-    if args.namespace is not None:
-        print(f"kvtier check: --namespace is for a server (valkey://HOST:PORT), not the store {args.path!r}",
-              file=sys.stderr)
-        return 2
+    for option, value in (("--namespace", args.namespace), ("--layout", args.layout)):
+        if value is not None:
+            print(f"kvtier check: {option} is for a server (valkey://HOST:PORT), not the store {args.path!r}",
+                  file=sys.stderr)
+            return 2
     if args.path is None:
         print("kvtier check: give a store directory, a server URL (valkey://HOST:PORT[/DB]) or "
               "--cluster HOST:PORT,...", file=sys.stderr)
@@ -156,6 +157,22 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if report.healthy else 1
 
 
+def _layout_digest(text: str | None) -> bytes | None:
+    """``--layout``'s digest (32 hex digits, as a check report prints it), or None."""
+    if text is None:
+        return None
+    try:
+        digest = bytes.fromhex(text)
+    except ValueError:
+        digest = b""
+    if len(digest) != 16:
+        raise ConfigError(
+            "--layout", text, "a layout digest: 32 hex digits",
+            "copy it from the report's layout_digests (kvtier check URL --namespace NS --json)",
+        )
+    return digest
+
+
 def _check_valkey(args: argparse.Namespace) -> int:
     """``kvtier check valkey://...`` (or ``--cluster``): the shared tier's values, per namespace."""
     import json
@@ -170,7 +187,10 @@ def _check_valkey(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        report = check_valkey(args.path, cluster_nodes=nodes, namespace=args.namespace, fix=args.fix)
+        layout = _layout_digest(args.layout)
+        report = check_valkey(
+            args.path, cluster_nodes=nodes, namespace=args.namespace, fix=args.fix, layout_digest=layout,
+        )
     except (KvtierError, ImportError) as exc:
         if args.json:
             print(json.dumps({"path": target, "healthy": False, "error": str(exc)}, sort_keys=True))
@@ -373,6 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--namespace", metavar="NS",
         help="valkey: check only the values NS:<key> (default: every kvtier:* namespace, i.e. every tier "
         "whose namespace was derived from its layout; name a tier's own namespace: to check it)",
+    )
+    check_path.add_argument(
+        "--layout", metavar="DIGEST",
+        help="valkey: the layout digest (32 hex digits) every value of the namespace must carry; "
+        "without it a namespace whose values carry several layouts is reported and none of those "
+        "values is deleted, whatever their numbers (default namespaces kvtier:<digest> name theirs)",
     )
     check_path.add_argument(
         "--cluster", metavar="HOST:PORT,...",
