@@ -297,7 +297,9 @@ def _bench_remote(args: argparse.Namespace) -> int:
     from kvtier.bench import remote
 
     try:
-        _report(args, lambda out: remote.run(mib=args.mib, rounds=args.rounds, url=args.url, out=out))
+        _report(args, lambda out: remote.run(
+            mib=args.mib, rounds=args.rounds, url=args.url, out=out, allow_nonempty=args.allow_nonempty,
+        ))
     except (KvtierError, RuntimeError, OSError, ImportError) as exc:
         # no server binary or client, or a block that failed or came back different
         print(f"kvtier bench remote: {exc}", file=sys.stderr)
@@ -482,7 +484,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench_remote.add_argument("--json", action="store_true", help="print only the JSON line")
     bench_remote.add_argument("--mib", type=int, default=128, help="MiB per block size and round (default 128)")
     bench_remote.add_argument("--rounds", type=int, default=5, help="paired rounds; the median is kept (default 5)")
-    bench_remote.add_argument("--url", default=None, help="a server (default: a local valkey-server on 127.0.0.1)")
+    bench_remote.add_argument(
+        "--url", default=None,
+        help="a server of yours (default: a local valkey-server on 127.0.0.1). The bench writes only "
+        "under kvtier-bench:<run id>: and DELs exactly the keys it wrote (never FLUSHDB); it refuses a "
+        "database that holds keys unless --allow-nonempty. A password: KVTIER_VALKEY_PASSWORD in the "
+        "environment, not in the URL",
+    )
+    bench_remote.add_argument(
+        "--allow-nonempty", action="store_true",
+        help="run against a --url database that already holds keys (they are not touched, but the "
+        "bench's values may push them out under maxmemory)",
+    )
     bench_remote.set_defaults(func=_bench_remote)
     bench_cascade = bench_commands.add_parser(
         "cascade",

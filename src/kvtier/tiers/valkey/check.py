@@ -31,7 +31,7 @@ from kvtier.errors import ConfigError, ValkeyCheckError
 from kvtier.tiers.base import Failure, FailureKind
 from kvtier.tiers.disk.format import HEADER_BYTES, decode_header, verify
 from kvtier.tiers.valkey.config import URL_SCHEMES, parse, redact_url
-from kvtier.tiers.valkey.connection import ValkeyConnection, reason_of
+from kvtier.tiers.valkey.connection import ValkeyConnection, fix_for, reason_of
 
 __all__ = [
     "DEFAULT_NAMESPACES",
@@ -224,7 +224,7 @@ def check_namespace(
                 if value != _WRONGTYPE:
                     raise ValkeyCheckError(
                         redact_url(conn.location), f"reading {name.decode(errors='replace')} failed ({value})",
-                        _fix_for(value, "make sure the server is up and answers GET, then run the check again"),
+                        fix_for(value, "make sure the server is up and answers GET, then run the check again"),
                     )
                 report.blocks_checked += 1
                 bad[name] = "not a string value"
@@ -356,29 +356,13 @@ def check_valkey(
 _WRONGTYPE = Failure(FailureKind.SERVER, detail="WRONGTYPE")
 
 
-def _fix_for(reason: Failure, default: str) -> str:
-    """The fix a message gives for ``reason``: credentials, TLS files, an ACL, or ``default``."""
-    if reason.kind is FailureKind.AUTH:
-        return ("give the user name and password the server's ACL knows: username: and password_file: "
-                "in the tier's config, or KVTIER_VALKEY_PASSWORD in the environment (never on the command line)")
-    if reason.kind is FailureKind.TLS:
-        return ("give the CA that signed the server's certificate (tls: ca_file:, or KVTIER_VALKEY_TLS_CA_FILE), "
-                "and cert_file:/key_file: if the server asks for a client certificate")
-    if reason.kind is FailureKind.DENIED:
-        return f"grant this user {reason.detail.upper()} in the server's ACL (e.g. +@read +@write +@keyspace ~kvtier:*)"
-    if reason.kind is FailureKind.UNAVAILABLE:
-        return ("start the server, or give its address: valkey://HOST:PORT[/DB] (valkeys:// for TLS), "
-                "or --cluster HOST:PORT,... for a cluster")
-    return default
-
-
 def _unreachable(target: str, error: BaseException) -> ValkeyCheckError:
     reason = reason_of(error)
     if reason.kind is FailureKind.UNAVAILABLE:
-        return ValkeyCheckError(target, f"cannot reach the server ({reason})", _fix_for(reason, ""))
+        return ValkeyCheckError(target, f"cannot reach the server ({reason})", fix_for(reason, ""))
     if reason.kind in (FailureKind.AUTH, FailureKind.TLS):
         what = "refused the credentials" if reason.kind is FailureKind.AUTH else "failed the TLS handshake"
-        return ValkeyCheckError(target, f"the server {what} ({reason})", _fix_for(reason, ""))
+        return ValkeyCheckError(target, f"the server {what} ({reason})", fix_for(reason, ""))
     return ValkeyCheckError(
-        target, f"the server answered with an error ({reason})", _fix_for(reason, "check the server's log"),
+        target, f"the server answered with an error ({reason})", fix_for(reason, "check the server's log"),
     )

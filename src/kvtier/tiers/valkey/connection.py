@@ -26,7 +26,7 @@ import numpy as np
 from kvtier.tiers.base import Failure, FailureKind
 from kvtier.tiers.valkey.config import ValkeyTierConfig
 
-__all__ = ["ValkeyConnection", "is_outage", "reason_of"]
+__all__ = ["ValkeyConnection", "fix_for", "is_outage", "reason_of"]
 
 #: the failure kinds that mean the server (or a node) could not be used at all: the tier
 #: goes into an outage on them (a wrong password or a bad certificate fails every key alike)
@@ -79,6 +79,23 @@ def reason_of(error: BaseException) -> Failure:
             code = {errors.OutOfMemoryError: "OOM", errors.ReadOnlyError: "READONLY"}.get(type(error), "ERR")
         return Failure(FailureKind.SERVER, detail=code)
     return Failure(FailureKind.UNEXPECTED, detail=type(error).__name__)
+
+
+def fix_for(reason: Failure, default: str) -> str:
+    """The fix a message gives for a failure ``reason`` (:func:`reason_of`): credentials, TLS
+    files, an ACL, a server to start, or ``default``."""
+    if reason.kind is FailureKind.AUTH:
+        return ("give the user name and password the server's ACL knows: username: and password_file: "
+                "in the tier's config, or KVTIER_VALKEY_PASSWORD in the environment (never on the command line)")
+    if reason.kind is FailureKind.TLS:
+        return ("give the CA that signed the server's certificate (tls: ca_file:, or KVTIER_VALKEY_TLS_CA_FILE), "
+                "and cert_file:/key_file: if the server asks for a client certificate")
+    if reason.kind is FailureKind.DENIED:
+        return f"grant this user {reason.detail.upper()} in the server's ACL (e.g. +@read +@write +@keyspace ~kvtier:*)"
+    if reason.kind is FailureKind.UNAVAILABLE:
+        return ("start the server, or give its address: valkey://HOST:PORT[/DB] (valkeys:// for TLS), "
+                "or --cluster HOST:PORT,... for a cluster")
+    return default
 
 
 #: an error reply's code: its first word, in capitals (``ERR``, ``OOM``, ``WRONGTYPE`` ...)
