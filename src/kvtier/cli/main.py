@@ -81,6 +81,7 @@ def _replay_fleet(args: argparse.Namespace) -> int:
     from kvtier.replay.fleet import replay_fleet
 
     nodes = [node.strip() for node in args.valkey_cluster.split(",")] if args.valkey_cluster else None
+    _warn_password_in_url(args.valkey, "replay")
     try:
         record = _report(args, lambda out: replay_fleet(
             args.trace, args.config, engines=args.engines, valkey_url=args.valkey, cluster_nodes=nodes,
@@ -122,9 +123,9 @@ def _check(args: argparse.Namespace) -> int:
     from kvtier.tiers.disk import check_store
     from kvtier.tiers.valkey.check import is_valkey_target
 
-    if args.cluster or (args.path and is_valkey_target(args.path)):
+    if args.cluster or args.config or (args.path and is_valkey_target(args.path)):
         return _check_valkey(args)
-    for option, value in (("--namespace", args.namespace), ("--layout", args.layout)):
+    for option, value in (("--namespace", args.namespace), ("--layout", args.layout), ("--tier", args.tier)):
         if value is not None:
             print(f"kvtier check: {option} is for a server (valkey://HOST:PORT), not the store {args.path!r}",
                   file=sys.stderr)
@@ -157,6 +158,40 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if report.healthy else 1
 
 
+def _warn_password_in_url(url: str | None, command: str) -> None:
+    """Say so when a password came on the command line: every local user sees it in ps."""
+    from urllib.parse import urlsplit
+
+    if not url or "://" not in url:
+        return
+    try:
+        has_password = urlsplit(url).password is not None or "password=" in url.lower()
+    except ValueError:
+        return
+    if has_password:
+        print(f"kvtier {command}: warning: a password in a URL on the command line is visible to every "
+              "local user (ps); put it in KVTIER_VALKEY_PASSWORD, or in a password_file: of the "
+              "tier's config (kvtier check --config FILE)", file=sys.stderr)
+
+
+def _valkey_tier_of(path: str, name: str | None):
+    """The valkey tier named ``name`` (or the only one) of the configuration at ``path``."""
+    from kvtier.config import load_config
+    from kvtier.tiers.valkey.config import ValkeyTierConfig
+
+    config = load_config(path)
+    tiers = [tier for tier in config.tiers if isinstance(tier, ValkeyTierConfig)]
+    if name is not None:
+        tiers = [tier for tier in tiers if tier.name == name]
+    if len(tiers) != 1:
+        names = [tier.name for tier in config.tiers if isinstance(tier, ValkeyTierConfig)]
+        raise ConfigError(
+            "--tier", name, f"the name of one valkey tier of {path} (it has: {', '.join(names) or 'none'})",
+            "give --tier NAME" if names else "give a configuration with a kind: valkey tier",
+        )
+    return tiers[0]
+
+
 def _layout_digest(text: str | None) -> bytes | None:
     """``--layout``'s digest (32 hex digits, as a check report prints it), or None."""
     if text is None:
@@ -179,17 +214,22 @@ def _check_valkey(args: argparse.Namespace) -> int:
 
     from kvtier.errors import ValkeyCheckError
     from kvtier.tiers.valkey.check import check_valkey
+    from kvtier.tiers.valkey.config import redact_url
 
     nodes = [node.strip() for node in args.cluster.split(",") if node.strip()] if args.cluster else []
-    target = args.cluster or args.path
-    if args.cluster and args.path:
-        print(f"kvtier check: give a server URL or --cluster, not both (got {args.path!r} and --cluster)",
-              file=sys.stderr)
+    target = args.cluster or redact_url(args.path) or args.config
+    if sum(map(bool, (args.cluster, args.path, args.config))) > 1:
+        print("kvtier check: give one of a server URL, --cluster and --config", file=sys.stderr)
         return 2
+    _warn_password_in_url(args.path, "check")
     try:
         layout = _layout_digest(args.layout)
+        tier = _valkey_tier_of(args.config, args.tier) if args.config else None
+        if tier is not None:
+            target = tier.location()
         report = check_valkey(
             args.path, cluster_nodes=nodes, namespace=args.namespace, fix=args.fix, layout_digest=layout,
+            config=tier,
         )
     except (KvtierError, ImportError) as exc:
         if args.json:
@@ -296,6 +336,7 @@ def _soak(args: argparse.Namespace) -> int:
 def _bench_remote(args: argparse.Namespace) -> int:
     from kvtier.bench import remote
 
+    _warn_password_in_url(args.url, "bench remote")
     try:
         _report(args, lambda out: remote.run(
             mib=args.mib, rounds=args.rounds, url=args.url, out=out, allow_nonempty=args.allow_nonempty,
@@ -396,6 +437,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="valkey: check only the values NS:<key> (default: every kvtier:* namespace, i.e. every tier "
         "whose namespace was derived from its layout; name a tier's own namespace: to check it)",
     )
+    check_path.add_argument(
+        "--config", metavar="FILE",
+        help="valkey: check the shared tier a kvtier YAML names (its url or cluster_nodes, username, "
+        "password_file, tls and namespace), instead of a URL",
+    )
+    check_path.add_argument("--tier", metavar="NAME", help="valkey: with --config, which valkey tier (if several)")
     check_path.add_argument(
         "--layout", metavar="DIGEST",
         help="valkey: the layout digest (32 hex digits) every value of the namespace must carry; "

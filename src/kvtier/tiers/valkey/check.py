@@ -30,7 +30,7 @@ from typing import Any
 from kvtier.errors import ConfigError, ValkeyCheckError
 from kvtier.tiers.base import Failure, FailureKind
 from kvtier.tiers.disk.format import HEADER_BYTES, decode_header, verify
-from kvtier.tiers.valkey.config import URL_SCHEMES, parse, redact_url
+from kvtier.tiers.valkey.config import URL_SCHEMES, ValkeyTierConfig, parse, redact_url
 from kvtier.tiers.valkey.connection import ValkeyConnection, fix_for, reason_of
 
 __all__ = [
@@ -308,32 +308,41 @@ def check_valkey(
     fix: bool = False,
     timeout_s: float = CHECK_TIMEOUT_S,
     layout_digest: bytes | None = None,
+    config: ValkeyTierConfig | None = None,
 ) -> ValkeyCheckReport:
     """Verify every value of ``namespace`` (default: every ``kvtier:*`` namespace) on a server
-    (``url``: any URL the valkey tier takes, TLS included) or a cluster (``cluster_nodes``).
+    (``url``: any URL the valkey tier takes, TLS included) or a cluster (``cluster_nodes``),
+    or the one a tier's ``config`` names (its credentials, TLS and, unless ``namespace``
+    says otherwise, its namespace). Without a config the password comes from
+    ``KVTIER_VALKEY_PASSWORD`` (or the URL).
 
     ``layout_digest``: the layout the checked namespaces' values must be of (``--layout``);
     without it, see the module docstring. Names are listed by :func:`namespace_names`
-    (SCAN, never KEYS). Safe while engines use
-    the tier. Raises :class:`~kvtier.errors.ConfigError` for a bad URL, node or namespace or
-    a missing client, and :class:`ValkeyCheckError` if the server cannot be reached or
-    answers with an error.
+    (SCAN, never KEYS). Safe while engines use the tier. Raises
+    :class:`~kvtier.errors.ConfigError` for a bad URL, node or namespace or a missing
+    client, and :class:`ValkeyCheckError` if the server cannot be reached or answers with
+    an error (its message says which: unreachable, credentials, TLS, an ACL).
     """
+    import dataclasses
     import importlib.util
 
     if importlib.util.find_spec("valkey") is None:
         raise ConfigError(
-            "check", url or ",".join(cluster_nodes), "the valkey client installed",
+            "check", redact_url(url) or ",".join(cluster_nodes), "the valkey client installed",
             "pip install 'kvtier[valkey]'",
         )
-    section: dict[str, Any] = {"kind": "valkey", "name": "check", "timeout_s": timeout_s}
-    if cluster_nodes:
-        section["cluster_nodes"] = list(cluster_nodes)
+    if config is None:
+        section: dict[str, Any] = {"kind": "valkey", "name": "check", "timeout_s": timeout_s}
+        if cluster_nodes:
+            section["cluster_nodes"] = list(cluster_nodes)
+        else:
+            section["url"] = url
+        if namespace is not None:
+            section["namespace"] = namespace
+        config = parse(section, "check")
     else:
-        section["url"] = url
-    if namespace is not None:
-        section["namespace"] = namespace
-    config = parse(section, "check")
+        namespace = namespace if namespace is not None else config.namespace
+        config = dataclasses.replace(config, timeout_s=max(config.timeout_s, timeout_s))
     target = redact_url(config.location())
     conn = ValkeyConnection(config)
     try:

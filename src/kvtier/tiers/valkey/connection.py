@@ -67,7 +67,9 @@ def reason_of(error: BaseException) -> Failure:
         return Failure(FailureKind.UNAVAILABLE, detail="timeout")
     if isinstance(error, errors.NoPermissionError) or text.startswith("NOPERM"):
         match = re.search(r"run the '([A-Za-z|]+)' command", text)
-        return Failure(FailureKind.DENIED, detail=match.group(1).lower() if match else "command")
+        if match:
+            return Failure(FailureKind.DENIED, detail=match.group(1).lower())
+        return Failure(FailureKind.DENIED, detail="key" if "key" in text else "command")
     if any(isinstance(e, ConnectionRefusedError) for e in chain) or "refused" in text.lower():
         return Failure(FailureKind.UNAVAILABLE, detail="refused")
     if isinstance(error, (errors.ConnectionError, OSError)):
@@ -88,10 +90,13 @@ def fix_for(reason: Failure, default: str) -> str:
         return ("give the user name and password the server's ACL knows: username: and password_file: "
                 "in the tier's config, or KVTIER_VALKEY_PASSWORD in the environment (never on the command line)")
     if reason.kind is FailureKind.TLS:
-        return ("give the CA that signed the server's certificate (tls: ca_file:, or KVTIER_VALKEY_TLS_CA_FILE), "
-                "and cert_file:/key_file: if the server asks for a client certificate")
+        return ("give the CA that signed the server's certificate (the tier's tls: ca_file:; kvtier check "
+                "--config FILE), and cert_file:/key_file: if the server asks for a client certificate")
     if reason.kind is FailureKind.DENIED:
-        return f"grant this user {reason.detail.upper()} in the server's ACL (e.g. +@read +@write +@keyspace ~kvtier:*)"
+        if reason.detail == "key":
+            return "grant this user the tier's keys in the server's ACL (~NAMESPACE:*, e.g. ~kvtier:*)"
+        return (f"grant this user {reason.detail.upper()} in the server's ACL (the tier needs GET SET PING INFO, "
+                "its check SCAN and DEL: +get +set +ping +info +scan +del)")
     if reason.kind is FailureKind.UNAVAILABLE:
         return ("start the server, or give its address: valkey://HOST:PORT[/DB] (valkeys:// for TLS), "
                 "or --cluster HOST:PORT,... for a cluster")
@@ -325,16 +330,30 @@ class ValkeyConnection:
     def _connect(self):
         import valkey
         from valkey.backoff import NoBackoff
+        from valkey.connection import ConnectionPool, SSLConnection, parse_url
         from valkey.retry import Retry
 
         config = self._config
         # No retries inside the client: the tier backs off and reconnects on its own, and a
         # retried batch would hold the thread past timeout_s.
-        options = dict(
+        options: dict = dict(
             socket_timeout=config.timeout_s,
             socket_connect_timeout=config.timeout_s,
             retry=Retry(NoBackoff(), 0),
         )
+        username, password = config.credentials()  # read now: the config holds no secret
+        if username is not None:
+            options["username"] = username
+        if password is not None:
+            options["password"] = password
+        if config.uses_tls:
+            tls = config.tls
+            options.update(ssl_cert_reqs="required")
+            if tls is not None:
+                options.update(
+                    ssl_ca_certs=tls.ca_file, ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file,
+                    ssl_check_hostname=tls.check_hostname,
+                )
         if config.cluster_nodes:
             from valkey.cluster import ClusterNode, ValkeyCluster
 
@@ -342,10 +361,22 @@ class ValkeyConnection:
             for node in config.cluster_nodes:
                 host, _, port = node.rpartition(":")
                 nodes.append(ClusterNode(host.strip("[]"), int(port)))
+            if config.uses_tls:
+                options["ssl"] = True
             # one attempt per call, as for a single server: see above
             return ValkeyCluster(startup_nodes=nodes, cluster_error_retry_attempts=0, **options)
-        url = self._config.url
-        return valkey.Valkey.from_url(url, **options)
+        # The URL's own settings first, then the tier's: a password from the file or the
+        # environment wins over one in the URL (the client's from_url does the opposite).
+        settings = {**parse_url(config.url), **options}
+        if config.uses_tls and settings.get("connection_class") is not SSLConnection:
+            if "path" in settings:
+                from kvtier.errors import ConfigError
+
+                raise ConfigError("url", config.location(), "a TCP URL for TLS", "TLS needs valkeys://host:port")
+            settings["connection_class"] = SSLConnection
+        client = valkey.Valkey(connection_pool=ConnectionPool(**settings))
+        client.auto_close_connection_pool = True
+        return client
 
     @property
     def client(self):

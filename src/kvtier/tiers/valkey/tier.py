@@ -57,7 +57,7 @@ from kvtier.tiers.disk.format import (
 )
 from kvtier.tiers.valkey.check import check_namespace, namespace_names
 from kvtier.tiers.valkey.config import ValkeyTierConfig, redact_url
-from kvtier.tiers.valkey.connection import ValkeyConnection, is_outage, reason_of
+from kvtier.tiers.valkey.connection import ValkeyConnection, fix_for, is_outage, reason_of
 
 __all__ = ["ValkeyTier", "default_namespace"]
 
@@ -224,19 +224,14 @@ class ValkeyTier(SecondaryTier):
         target = redact_url(self._conn.location)
         if reason.kind is FailureKind.AUTH:
             what = f"refused the credentials ({reason.detail})"
-            fix = ("give the tier's username: and password_file: (or KVTIER_VALKEY_PASSWORD), "
-                   "as the server's ACL knows them")
         elif reason.kind is FailureKind.TLS:
-            what = f"TLS handshake failed ({reason.detail})"
-            fix = ("give tls: ca_file: the CA that signed the server's certificate (and cert_file:/key_file: "
-                   "if the server asks for a client certificate)")
+            what = f"failed the TLS handshake ({reason.detail})"
         else:
             what = f"unreachable ({reason.detail or reason})"
-            fix = "start the server or check its address"
         logger.warning(
             "valkey tier %r: server %s %s; its jobs fail and its lookups miss until it answers "
-            "again (retrying with backoff up to %.0f s): %s",
-            self.name, target, what, BACKOFF_MAX_S, fix,
+            "again (retrying with backoff up to %.0f s). Fix: %s",
+            self.name, target, what, BACKOFF_MAX_S, fix_for(reason, "check the server's log"),
         )
 
     def _warn_once(self, reason: Failure) -> None:
@@ -249,9 +244,9 @@ class ValkeyTier(SecondaryTier):
         if reason.kind is FailureKind.DENIED:
             logger.warning(
                 "valkey tier %r: the server's ACL denies %s to this user on %s: those keys fail "
-                "(counted as failed_%s); grant the user +get +set +ping +info +scan +del on the "
-                "tier's namespace (~NAMESPACE:*)",
+                "(counted as failed_%s). Fix: %s",
                 self.name, reason.detail.upper(), redact_url(self._conn.location), reason.counter,
+                fix_for(reason, ""),
             )
         else:
             logger.warning(
@@ -306,8 +301,9 @@ class ValkeyTier(SecondaryTier):
             try:
                 self._conn.drop_idle_connections()
                 self._conn.ping()
-            except Exception:
-                self._ping_done(False)
+            except Exception as error:
+                # an ACL that denies PING still means a server that answers, as this user
+                self._ping_done(not is_outage(reason_of(error)))
             else:
                 self._ping_done(True)
 
