@@ -86,7 +86,7 @@ def _run_job(tier, job, load: bool) -> None:
     (result,) = tier.get_finished_jobs()
     if not result.success:
         what = "load" if load else "store"
-        raise RuntimeError(f"a {what} failed: {sorted(set(result.failed.values()))}")
+        raise RuntimeError(f"a {what} failed: {', '.join(sorted({str(r) for r in result.failed.values()}))}")
 
 
 def _tier_round(url: str, rows: np.ndarray, out_rows: np.ndarray, keys, namespace: str) -> tuple[float, float]:

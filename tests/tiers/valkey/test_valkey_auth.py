@@ -360,3 +360,20 @@ def test_a_fleet_replay_prints_no_password(acl_server, capsys, tmp_path, monkeyp
         assert SECRET not in captured.out and SECRET not in captured.err
     assert json.loads(record.out.strip().splitlines()[-1])["shared_tier"] == redact_url(url)
     assert "kv:***@" in table.out
+
+
+def test_no_credentials_for_a_server_that_wants_them_is_an_auth_failure(valkey_server, tmp_path):
+    valkey_server.client().config_set("requirepass", SECRET)  # the default user needs a password now
+    tier, _ = open_with(section(valkey_server))
+    try:
+        assert tier.down
+        tier.submit_load(TierJob(1, (key(1),), (0,)))
+        (result,) = finish(tier)
+        assert result.failed == {key(1): Failure(FailureKind.AUTH, detail="no credentials")}
+    finally:
+        tier.close()
+    tier, rows = open_with(section(valkey_server, password_file=secret_file(tmp_path)))
+    try:
+        assert not tier.down and round_trip(tier, rows, [key(1)])
+    finally:
+        tier.close()

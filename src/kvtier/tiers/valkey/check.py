@@ -242,7 +242,7 @@ def check_namespace(
                 digests[digest] += 1
             if reason is not None:
                 bad[name] = reason
-            else:
+            elif digest is not None:  # a value that passed has a header, so a digest
                 found.append((name, digest))
         if not value_bytes and longest:
             # the values' length is known now: batches of batch_bytes from here on

@@ -110,7 +110,7 @@ class ValkeyTierConfig(TierConfig):
         has_url, has_nodes = "url" in section, "cluster_nodes" in section
         if has_url == has_nodes:
             raise ConfigError(
-                f"{field}.url", redact_url(section.get("url")) or "<missing>",
+                f"{field}.url", redact_url(str(section["url"])) if has_url else "<missing>",
                 "exactly one of url: (one server) and cluster_nodes: (a cluster)",
                 "write url: valkey://host:6379/0, or cluster_nodes: [host:7000, ...]",
             )

@@ -33,7 +33,7 @@ __all__ = ["ValkeyConnection", "fix_for", "is_outage", "reason_of"]
 OUTAGE_KINDS = frozenset((FailureKind.UNAVAILABLE, FailureKind.AUTH, FailureKind.TLS))
 
 
-def _chain(error: BaseException):
+def _chain(error: BaseException | None):
     """``error`` and the exceptions it was raised from or during (the client wraps OSErrors)."""
     seen = 0
     while error is not None and seen < 8:

@@ -19,11 +19,16 @@ counted miss. The key name is ``<namespace>:<hex of the offload key>``.
 Stores and loads run pipelined on the tier's own threads (one for writes, one for reads, so
 loads never queue behind stores), in batches of at most ``max_inflight_bytes``.
 
-**A slow or dead server** costs failed jobs (``success=False``, reason ``timeout`` or
-``unavailable``) after at most ``timeout_s``, and misses: on the first failure the tier logs one
-warning, forgets what it believed the server held (it may come back empty), answers lookups
-``False`` and fails jobs at once, and pings the server with exponential backoff from the
-step's end; the first answer ends the outage. ``outages`` and ``outage_ms`` count them.
+Every failed key's reason is a :class:`~kvtier.tiers.base.Failure`: ``MISSING``, ``CORRUPT``
+(which check), ``UNAVAILABLE`` (``timeout``, ``refused``, ``closed``), ``AUTH``, ``TLS``,
+``DENIED`` (an ACL's NOPERM, warned once), ``SERVER``; each counted as ``failed_<reason>`` (or
+``corrupt_<check>``) in :meth:`ValkeyTier.stats`.
+
+**A slow or dead server** (or one that refuses the credentials or the TLS handshake) costs
+failed jobs after at most ``timeout_s``, and misses: on the first failure the tier logs one
+warning (with the fix for its reason), forgets what it believed the server held (it may
+come back empty), answers lookups ``False`` and fails jobs at once, and pings the server with
+exponential backoff from the step's end; the first answer ends the outage. ``outages`` and ``outage_ms`` count them.
 
 Threads: the scheduler thread calls every public method; the worker threads (a writer, a
 reader, and a copier to which the reader hands half of a large load) only run ``_run_*``
@@ -639,8 +644,9 @@ class ValkeyTier(SecondaryTier):
                         outcome.found[key] = (value, checked)
                     else:
                         outcome.corrupt[key] = Failure.corrupt(checked)
-            if values and all(is_outage(v) for v in values):
-                self._went_down(values[0])
+            first = values[0] if values else None
+            if isinstance(first, Failure) and all(is_outage(v) for v in values):
+                self._went_down(first)
         except Exception as error:
             failure = _unexpected(self.name, "probe", error)
             for key in keys:
