@@ -371,3 +371,26 @@ def test_a_planted_long_value_fails_a_load_without_being_held(roomy_server):
         assert tier.lookup(keys[0]) is False  # remembered as gone
     finally:
         tier.close()
+
+
+def test_a_probe_with_few_hits_keeps_only_their_values(valkey_server):
+    """A batch's values share one array; held slices of it would keep the whole batch."""
+    import tracemalloc
+
+    value_bytes = HEADER_BYTES + BLOCK_BYTES
+    rows = np.zeros((1, BLOCK_BYTES), dtype=np.uint8)
+    writer = open_tier(valkey_server.url, rows)
+    assert store(writer, [key(0)], rows).success
+    writer.close()
+    tier = open_tier(valkey_server.url, max_inflight_bytes=32 * value_bytes)
+    try:
+        keys = [key(i) for i in range(32)]  # one batch, one hit
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        assert settle(tier, keys) == [True] + [False] * 31
+        held = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert tier.stats()["staged_blocks"] == 1
+        assert held < 8 * value_bytes, held  # the hit, not the 32-value batch
+    finally:
+        tier.close()

@@ -644,6 +644,11 @@ class ValkeyTier(SecondaryTier):
                         outcome.found[key] = (value, checked)
                     else:
                         outcome.corrupt[key] = Failure.corrupt(checked)
+            if len(outcome.found) * 2 < len(keys):
+                # The values are slices of one array for the whole batch, and a held slice
+                # keeps all of it: with few hits, copy them out so the batch can go (the held
+                # bytes then are what the staging budget counts).
+                outcome.found = {key: (value.copy(), checksum) for key, (value, checksum) in outcome.found.items()}
             first = values[0] if values else None
             if isinstance(first, Failure) and all(is_outage(v) for v in values):
                 self._went_down(first)
