@@ -79,7 +79,8 @@ class ValkeyTierConfig(TierConfig):
     reads every tier alike.
     """
 
-    # a standalone server: valkey://[user:password@]host:port/db, or unix:///path/to.sock
+    # a standalone server: valkey://[user@]host:port/db, or unix:///path/to.sock (a password here
+    # is taken but belongs in password_file or KVTIER_VALKEY_PASSWORD; printed as ***)
     url: str | None = None
     # a cluster, instead of url: a few of its nodes as host:port (the rest are discovered)
     cluster_nodes: tuple[str, ...] = ()
