@@ -70,9 +70,9 @@ def reason_of(error: BaseException) -> Failure:
         if match:
             return Failure(FailureKind.DENIED, detail=match.group(1).lower())
         return Failure(FailureKind.DENIED, detail="key" if "key" in text else "command")
-    if any(isinstance(e, ConnectionRefusedError) for e in chain) or "refused" in text.lower():
-        return Failure(FailureKind.UNAVAILABLE, detail="refused")
     if isinstance(error, (errors.ConnectionError, OSError)):
+        if any(isinstance(e, ConnectionRefusedError) for e in chain) or "refused" in text.lower():
+            return Failure(FailureKind.UNAVAILABLE, detail="refused")
         closed = "closed" in text.lower() or any(isinstance(e, (BrokenPipeError, ConnectionResetError)) for e in chain)
         return Failure(FailureKind.UNAVAILABLE, detail="closed" if closed else "connection")
     if isinstance(error, errors.ResponseError):
