@@ -30,6 +30,11 @@ class RemoteTierHarness(Harness):
         self.url = "mem://conformance-" + uuid.uuid4().hex[:12]
         self.exits.callback(remote_tier.BUCKETS.pop, self.url, None)
 
+    def place(self, scenario):
+        super().place(scenario)
+        if scenario == "replay down":
+            self.cannot("down", "its service is a dict in this process, which cannot go away")
+
     def section(self, blocks, block_bytes):
         return {"kind": self.kind, "url": self.url, "capacity": blocks * block_bytes}
 

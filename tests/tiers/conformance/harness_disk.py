@@ -38,6 +38,9 @@ class DiskHarness(Harness):
 
     def place(self, scenario: str) -> None:
         super().place(scenario)
+        if scenario == "replay down":
+            self.cannot("a dead disk under replay", "a stopped filesystem fails the store's open, an error at "
+                        "start (a replay cannot stop it mid-run)")
         if scenario == "full":
             self.root = self.exits.enter_context(tmpfs(self.tmp_path / "mnt", "4m"))
         elif scenario == "down":

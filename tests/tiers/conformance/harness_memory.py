@@ -40,6 +40,9 @@ class MemoryHarness(Harness):
 
     def place(self, scenario):
         super().place(scenario)
+        if scenario == "replay down":
+            self.cannot("a dead medium under replay", "its failures are injected into a tier object the replay "
+                        "builds for itself")
         if scenario == "restart":
             self.cannot("restart", "its blocks live in the tier object, and a reopened tier starts empty")
 
