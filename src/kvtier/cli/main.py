@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from kvtier.bench.report import print_json
-from kvtier.errors import KvtierError
+from kvtier.errors import ConfigError, KvtierError
 
 
 def _report(args: argparse.Namespace, run: Callable[[TextIO], dict[str, Any]]) -> dict[str, Any]:
@@ -124,10 +124,11 @@ def _check(args: argparse.Namespace) -> int:
 
     if args.cluster or (args.path and is_valkey_target(args.path)):
         return _check_valkey(args)
-    if args.namespace is not None:
-        print(f"kvtier check: --namespace is for a server (valkey://HOST:PORT), not the store {args.path!r}",
-              file=sys.stderr)
-        return 2
+    for option, value in (("--namespace", args.namespace), ("--layout", args.layout)):
+        if value is not None:
+            print(f"kvtier check: {option} is for a server (valkey://HOST:PORT), not the store {args.path!r}",
+                  file=sys.stderr)
+            return 2
     if args.path is None:
         print("kvtier check: give a store directory, a server URL (valkey://HOST:PORT[/DB]) or "
               "--cluster HOST:PORT,...", file=sys.stderr)
@@ -156,6 +157,22 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if report.healthy else 1
 
 
+def _layout_digest(text: str | None) -> bytes | None:
+    """``--layout``'s digest (32 hex digits, as a check report prints it), or None."""
+    if text is None:
+        return None
+    try:
+        digest = bytes.fromhex(text)
+    except ValueError:
+        digest = b""
+    if len(digest) != 16:
+        raise ConfigError(
+            "--layout", text, "a layout digest: 32 hex digits",
+            "copy it from the report's layout_digests (kvtier check URL --namespace NS --json)",
+        )
+    return digest
+
+
 def _check_valkey(args: argparse.Namespace) -> int:
     """``kvtier check valkey://...`` (or ``--cluster``): the shared tier's values, per namespace."""
     import json
@@ -170,7 +187,10 @@ def _check_valkey(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        report = check_valkey(args.path, cluster_nodes=nodes, namespace=args.namespace, fix=args.fix)
+        layout = _layout_digest(args.layout)
+        report = check_valkey(
+            args.path, cluster_nodes=nodes, namespace=args.namespace, fix=args.fix, layout_digest=layout,
+        )
     except (KvtierError, ImportError) as exc:
         if args.json:
             print(json.dumps({"path": target, "healthy": False, "error": str(exc)}, sort_keys=True))
@@ -277,7 +297,9 @@ def _bench_remote(args: argparse.Namespace) -> int:
     from kvtier.bench import remote
 
     try:
-        _report(args, lambda out: remote.run(mib=args.mib, rounds=args.rounds, url=args.url, out=out))
+        _report(args, lambda out: remote.run(
+            mib=args.mib, rounds=args.rounds, url=args.url, out=out, allow_nonempty=args.allow_nonempty,
+        ))
     except (KvtierError, RuntimeError, OSError, ImportError) as exc:
         # no server binary or client, or a block that failed or came back different
         print(f"kvtier bench remote: {exc}", file=sys.stderr)
@@ -375,6 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
         "whose namespace was derived from its layout; name a tier's own namespace: to check it)",
     )
     check_path.add_argument(
+        "--layout", metavar="DIGEST",
+        help="valkey: the layout digest (32 hex digits) every value of the namespace must carry; "
+        "without it a namespace whose values carry several layouts is reported and none of those "
+        "values is deleted, whatever their numbers (default namespaces kvtier:<digest> name theirs)",
+    )
+    check_path.add_argument(
         "--cluster", metavar="HOST:PORT,...",
         help="valkey: a cluster, instead of a URL: some of its nodes (the rest are discovered)",
     )
@@ -456,7 +484,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench_remote.add_argument("--json", action="store_true", help="print only the JSON line")
     bench_remote.add_argument("--mib", type=int, default=128, help="MiB per block size and round (default 128)")
     bench_remote.add_argument("--rounds", type=int, default=5, help="paired rounds; the median is kept (default 5)")
-    bench_remote.add_argument("--url", default=None, help="a server (default: a local valkey-server on 127.0.0.1)")
+    bench_remote.add_argument(
+        "--url", default=None,
+        help="a server of yours (default: a local valkey-server on 127.0.0.1). The bench writes only "
+        "under kvtier-bench:<run id>: and DELs exactly the keys it wrote (never FLUSHDB); it refuses a "
+        "database that holds keys unless --allow-nonempty. A password: KVTIER_VALKEY_PASSWORD in the "
+        "environment, not in the URL",
+    )
+    bench_remote.add_argument(
+        "--allow-nonempty", action="store_true",
+        help="run against a --url database that already holds keys (they are not touched, but the "
+        "bench's values may push them out under maxmemory)",
+    )
     bench_remote.set_defaults(func=_bench_remote)
     bench_cascade = bench_commands.add_parser(
         "cascade",

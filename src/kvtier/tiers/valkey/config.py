@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from kvtier.config import TierConfig, parse_size
 from kvtier.errors import ConfigError
 
-__all__ = ["VALKEY_KINDS", "ValkeyTierConfig", "parse"]
+__all__ = ["VALKEY_KINDS", "ValkeyTierConfig", "parse", "redact_url"]
 
 #: the kinds this section serves: Redis speaks the same protocol
 VALKEY_KINDS = ("valkey", "redis")
@@ -109,6 +109,27 @@ class ValkeyTierConfig(TierConfig):
         from kvtier.tiers.valkey import open_valkey
 
         return open_valkey(self, rows, fingerprint, field=field)
+
+
+def redact_url(url: str | None) -> str:
+    """``url`` with its password replaced by ``***`` (the user name kept), in the userinfo
+    and in a ``password=`` query argument: the only form in which a server's URL is printed,
+    logged or written to a report. Anything else comes back unchanged (a cluster's node
+    list; ``None`` as "")."""
+    if not url:
+        return ""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    at = rest.rfind("@")  # the last @: an unquoted password may hold @ or /, a host never does
+    if at >= 0:
+        user, colon, _password = rest[:at].partition(":")
+        rest = (f"{user}:***" if colon else user) + rest[at:]
+    rest = _PASSWORD_ARG_RE.sub(r"\1***", rest)
+    return f"{scheme}://{rest}"
+
+
+_PASSWORD_ARG_RE = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 
 
 def _seconds(value: object, field: str, *, allow_none: bool) -> float | None:
