@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from typing import ClassVar
 
 import remote_tier
 from tier_harness import Harness, register
@@ -20,7 +21,7 @@ from tier_harness import Harness, register
 class RemoteTierHarness(Harness):
     kind = "remote_tier:RemoteTierConfig"
     label = "remote_tier"
-    counters = {
+    counters: ClassVar[dict[str, str | None]] = {
         "stored": "stored", "loaded": "loaded", "missing": "missing", "corrupt": "corrupt",
         "full": None, "down": None,
     }

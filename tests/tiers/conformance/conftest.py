@@ -14,7 +14,7 @@ for folder in (Path(__file__).parent, _TESTS / "faults", _TESTS / "tiers" / "dis
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-import tier_harness  # noqa: E402  (needs the paths above)
+import tier_harness
 
 
 def pytest_generate_tests(metafunc):

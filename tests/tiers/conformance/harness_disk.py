@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import ClassVar
 
 import xxhash
 from fault_fs import ext4, tmpfs
@@ -18,14 +19,19 @@ from test_store_corruption import flip, locate
 from tier_harness import Harness, register
 
 from kvtier.tiers.disk.blockio import aligned_buffer
-from kvtier.tiers.disk.format import HEADER_BYTES, LayoutFingerprint, encode_header_into, on_disk_block_bytes
+from kvtier.tiers.disk.format import (
+    HEADER_BYTES,
+    LayoutFingerprint,
+    encode_header_into,
+    on_disk_block_bytes,
+)
 
 #: how long a held read waits at most for its release (a test that forgets fails, never hangs)
 HOLD_LIMIT_S = 30.0
 
 
 class DiskHarness(Harness):
-    counters = {
+    counters: ClassVar[dict[str, str | None]] = {
         "stored": "stored", "loaded": "loaded", "missing": "missing", "corrupt": "corrupt",
         "full": "failed_ENOSPC", "down": "failed_EIO",
     }

@@ -10,6 +10,7 @@ dict of blocks, damaged directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from tier_harness import Harness, register
 
@@ -32,7 +33,7 @@ class MemoryTierConfig(TierConfig):
 class MemoryHarness(Harness):
     kind = "harness_memory:MemoryTierConfig"
     label = "memory"
-    counters = {
+    counters: ClassVar[dict[str, str | None]] = {
         "stored": "stored", "loaded": "loaded", "missing": "missing", "corrupt": "corrupt",
         "full": "failed_ENOSPC", "down": "failed_EIO",
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import uuid
+from typing import ClassVar
 
 import xxhash
 from tier_harness import Harness, register
@@ -32,7 +33,7 @@ MAXMEMORY = 256 << 20
 
 class ValkeyHarness(Harness):
     kind = "valkey"
-    counters = {
+    counters: ClassVar[dict[str, str | None]] = {
         "stored": "stored_blocks", "loaded": "loaded_blocks", "missing": None, "corrupt": "corrupt_values",
         "full": "failed_keys", "down": "outages",
     }

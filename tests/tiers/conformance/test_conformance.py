@@ -15,16 +15,6 @@ import pytest
 from conformance_stack import Stack
 from helpers import key
 
-#: valkey reports a failed key as a string where the manager expects a ``Failure``, so a
-#: failed read from it raises AttributeError in the manager; fixed on branch valkey
-VALKEY_LABELS = ("valkey", "valkey-cluster", "redis")
-VALKEY_UNTYPED = pytest.mark.xfail(strict=True, raises=AttributeError, reason="valkey typed failures: branch valkey")
-
-
-def expect_untyped_valkey_failures(request, harness) -> None:
-    if harness.label in VALKEY_LABELS:
-        request.applymarker(VALKEY_UNTYPED)
-
 
 def keys(start: int, count: int):
     return [key(i) for i in range(start, start + count)]
@@ -80,7 +70,7 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("scenario", list(DAMAGE))
-def test_a_damaged_block_is_a_counted_miss_never_served(harness, stacks, scenario, request):
+def test_a_damaged_block_is_a_counted_miss_never_served(harness, stacks, scenario):
     damage, corrupt = DAMAGE[scenario]
     stack = build(harness, stacks, scenario)
     blocks = keys(0, 8)
@@ -88,7 +78,6 @@ def test_a_damaged_block_is_a_counted_miss_never_served(harness, stacks, scenari
     assert stack.saved(blocks) == blocks
     victim = harness.victim(stack.tier, blocks)
     getattr(harness, damage)(stack.tier, [victim])
-    expect_untyped_valkey_failures(request, harness)
 
     stack.forget()
     served, wrong = stack.serve(blocks)
@@ -107,14 +96,13 @@ def test_a_damaged_block_is_a_counted_miss_never_served(harness, stacks, scenari
     assert stack.stats()["far.promote_failures"] == 1
 
 
-def test_a_hung_medium_times_out_and_the_tier_recovers(harness, stacks, request):
+def test_a_hung_medium_times_out_and_the_tier_recovers(harness, stacks):
     stack = build(harness, stacks, "timeout")
     before, during, after = keys(0, 8), keys(100, 8), keys(200, 8)
     stack.store(before)
     assert stack.saved(before) == before
     stack.forget()
     harness.hang(stack.tier)
-    expect_untyped_valkey_failures(request, harness)
     try:
         served, wrong = stack.serve(before)  # the reads time out: misses, never bytes
         assert served == [] and wrong == 0
