@@ -112,7 +112,7 @@ class Stack:
         if name is None:
             return None
         stats = self.stats()
-        if name.startswith("failed_"):  # a per-reason counter appears once counted
+        if name.startswith(("failed_", "corrupt_")):  # a per-reason counter appears once counted
             return stats.get(f"{FAR}.{name}", 0)
         return stats[f"{FAR}.{name}"]
 

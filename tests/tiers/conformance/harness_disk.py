@@ -32,7 +32,7 @@ HOLD_LIMIT_S = 30.0
 
 class DiskHarness(Harness):
     counters: ClassVar[dict[str, str | None]] = {
-        "stored": "stored", "loaded": "loaded", "missing": "missing", "corrupt": "corrupt",
+        "stored": "stored", "loaded": "loaded", "missing": "missing", "corrupt": "corrupt", "failed": "failed_keys",
         "full": "failed_ENOSPC", "down": "failed_EIO",
     }
 

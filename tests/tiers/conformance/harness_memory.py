@@ -34,7 +34,7 @@ class MemoryHarness(Harness):
     kind = "harness_memory:MemoryTierConfig"
     label = "memory"
     counters: ClassVar[dict[str, str | None]] = {
-        "stored": "stored", "loaded": "loaded", "missing": "missing", "corrupt": "corrupt",
+        "stored": "stored", "loaded": "loaded", "missing": "missing", "corrupt": "corrupt", "failed": "failed_keys",
         "full": "failed_ENOSPC", "down": "failed_EIO",
     }
     persistent = False

@@ -34,10 +34,11 @@ MAXMEMORY = 256 << 20
 class ValkeyHarness(Harness):
     kind = "valkey"
     counters: ClassVar[dict[str, str | None]] = {
-        "stored": "stored_blocks", "loaded": "loaded_blocks", "missing": None, "corrupt": "corrupt_values",
-        "full": "failed_keys", "down": "outages",
+        "stored": "stored_blocks", "loaded": "loaded_blocks", "missing": "failed_missing", "corrupt": "corrupt_values",
+        "failed": "failed_keys", "full": "failed_server_OOM", "down": "outages",
     }
     cluster = False
+    reads_when_down = "miss"  # its first failure puts it in an outage: lookups answer False
 
     def __init__(self, request, tmp_path):
         super().__init__(request, tmp_path)

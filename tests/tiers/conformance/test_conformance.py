@@ -58,6 +58,7 @@ def test_round_trip(harness, stacks):
     assert stack.far(names["loaded"]) == len(blocks)
     assert stack.far(names["corrupt"]) == 0
     assert stack.far(names["missing"]) in (0, None)
+    assert stack.far(names["failed"]) in (0, None)
 
 
 DAMAGE = {
@@ -90,6 +91,9 @@ def test_a_damaged_block_is_a_counted_miss_never_served(harness, stacks, scenari
     names = harness.counters
     assert stack.far(names["corrupt"]) in (int(corrupt), None)
     assert stack.far(names["missing"]) in (int(not corrupt), None)
+    assert stack.far(names["failed"]) in (1, None)
+    if scenario in harness.checks:  # which check caught it
+        assert stack.far(harness.checks[scenario]) == 1
     # dropped from the tier: asked again, a plain miss
     stack.step()
     assert stack.resolve([victim]) == {victim: False}
@@ -140,11 +144,15 @@ def test_a_medium_gone_down_fails_saves_and_reads_as_counted_misses(harness, sta
     assert served == during and wrong == 0
 
     stack.forget()
+    misses = stack.stats()["misses"]
     served, wrong = stack.serve(before)  # nothing comes back from a dead medium
     assert served == [] and wrong == 0
     stats = stack.stats()
     assert stats["far.promotions"] == 0 and stats["far.corrupt_blocks"] == 0
-    assert stats["far.promote_failures"] in (0, len(before))  # read and failed, or a lookup miss
+    if harness.reads_when_down == "fail":  # sent, failed, counted
+        assert stats["far.promote_failures"] == len(before)
+    else:  # never sent: plain misses
+        assert stats["far.promote_failures"] == 0 and stats["misses"] - misses == len(before)
     name = harness.counters["down"]
     assert name is None or stack.far(name) >= 1
 

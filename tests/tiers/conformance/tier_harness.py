@@ -69,10 +69,17 @@ class Harness:
     label: ClassVar[str] = ""
     #: the tier's own stats names (``<tier>.<name>`` in the manager's stats) for: blocks
     #: stored, blocks loaded, loads that found no block, blocks that failed verification,
-    #: keys refused for lack of room, and outages; None where the kind does not count it
+    #: keys of failed jobs, keys refused for lack of room, and outages; None where the kind
+    #: does not count it
     counters: ClassVar[dict[str, str | None]] = {
-        "stored": "stored", "loaded": "loaded", "missing": "missing", "corrupt": "corrupt",
+        "stored": "stored", "loaded": "loaded", "missing": "missing", "corrupt": "corrupt", "failed": "failed_keys",
         "full": "failed_ENOSPC", "down": None,
+    }
+
+    #: the per-check counter a damaged block adds to, per damage scenario (``corrupt_<check>``
+    #: of a :class:`~kvtier.tiers.base.Failure`); a scenario left out is not checked
+    checks: ClassVar[dict[str, str]] = {
+        "corrupt": "corrupt_checksum", "short": "corrupt_truncated", "other layout": "corrupt_other_layout",
     }
 
     def __init__(self, request: pytest.FixtureRequest, tmp_path: Path):
@@ -159,6 +166,9 @@ class Harness:
 
     #: whether a tier opened again on the same section finds the blocks an earlier one stored
     persistent: ClassVar[bool] = True
+    #: what a read of a stored block does once the medium is down: "fail" (the read is sent
+    #: and fails: a promotion failure) or "miss" (the tier knows it is down: a lookup miss)
+    reads_when_down: ClassVar[str] = "fail"
 
     # -- helpers ---------------------------------------------------------------------------------
 
