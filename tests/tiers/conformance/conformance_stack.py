@@ -28,9 +28,9 @@ SETTLE_S = 20.0
 class Stack:
     """``build_manager`` over a 32-row CPU tier (write_through) and the harness's section."""
 
-    def __init__(self, harness: Harness, cpu_blocks: int = 32, lower_blocks: int = 128):
+    def __init__(self, harness: Harness, cpu_blocks: int = 32, lower_blocks: int = 128, config: dict | None = None):
         self.harness = harness
-        self.config = {
+        self.config = config or {
             "tiers": [
                 {"name": "cpu", "kind": "cpu", "capacity": cpu_blocks * row_stride_for(BLOCK), "pin_memory": "off"},
                 {"name": FAR, **harness.section(lower_blocks, BLOCK)},
@@ -44,11 +44,7 @@ class Stack:
     def reopen(self) -> Stack:
         """Shut this stack down and build the same one again (a restart)."""
         self.shutdown()
-        again = Stack.__new__(Stack)
-        again.harness, again.config, again._closed = self.harness, self.config, False
-        again.manager = kvtier.build_manager(self.config, BLOCK)
-        (again.tier,) = again.manager.tiers
-        return again
+        return Stack(self.harness, config=self.config)
 
     # -- what an engine does ---------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from kvtier.tiers.valkey.server import LocalValkeyCluster
 #: turns a scenario into a timeout
 TIMEOUT_S = 2.0
 #: the timeout scenario's: the server hangs longer than this
-SHORT_TIMEOUT_S = 0.3
+SHORT_TIMEOUT_S = 0.5
 #: the slow-read scenario's: the server is held for far less than this
 LONG_TIMEOUT_S = 30.0
 #: what the suite's servers may hold, restored after the full scenario

@@ -54,9 +54,9 @@ def test_round_trip(harness, stacks):
     assert stats["far.promotions"] == len(blocks) and stats["far.promote_failures"] == 0
     assert stats["far.corrupt_blocks"] == 0
     names = harness.counters
-    assert stack.far(names["stored"]) == len(blocks)
-    assert stack.far(names["loaded"]) == len(blocks)
-    assert stack.far(names["corrupt"]) == 0
+    assert stack.far(names["stored"]) in (len(blocks), None)  # None: the kind does not count it
+    assert stack.far(names["loaded"]) in (len(blocks), None)
+    assert stack.far(names["corrupt"]) in (0, None)
     assert stack.far(names["missing"]) in (0, None)
     assert stack.far(names["failed"]) in (0, None)
 
