@@ -44,8 +44,10 @@ def check_store(path: str, fix: bool = False) -> CheckReport:
     """Verify the store at ``path`` from its manifest alone; with ``fix``, drop what is bad.
 
     Opens the store as one more user (safe while an engine uses it), reads every block, and
-    closes it. Blocks the caller for a full read of the store. Raises :class:`ConfigError`
-    if ``path`` is not a kvtier store.
+    closes it. Blocks the caller for a full read of the store. Without ``fix`` every file is
+    opened read-only and nothing is created or written. Raises :class:`ConfigError` if
+    ``path`` is not a kvtier store. A manifest naming a kind whose files the directory does
+    not hold (or that holds another kind's files) is a problem found, and nothing is opened.
     """
     import numpy as np
 
@@ -64,18 +66,46 @@ def check_store(path: str, fix: bool = False) -> CheckReport:
             "path", path, f"a kvtier store directory (one holding {MANIFEST_NAME})",
             "give the path: of a disk tier from its configuration",
         )
+    mismatch = _kind_mismatch(directory, manifest.kind)
+    if mismatch is not None:
+        return CheckReport(directory, problems=[mismatch])
     config = DiskTierConfig(
         name="check", kind=manifest.kind, capacity_bytes=manifest.capacity_bytes, path=directory,
+        # read-only: the O_DIRECT probe would write a file
+        o_direct="auto" if fix else "off",
     )
     # One CPU row of scratch, page-aligned and padded, as the tier's rows: check() reads into
     # its own buffers, and no job ever runs, but the tier is built over a real row layout.
     block_bytes = manifest.block_bytes
     scratch = aligned_buffer(padded_payload_bytes(block_bytes))
     rows = np.frombuffer(scratch, dtype=np.uint8)[:block_bytes].reshape(1, block_bytes)
-    tier = open_store(config, rows, manifest.fingerprint, field="store", threads=1)
+    tier = open_store(
+        config, rows, manifest.fingerprint, field="store", threads=1, access="fix" if fix else "check"
+    )
     try:
         report = tier.check(fix=fix)
     finally:
         tier.close()
     report.tier = directory
     return report
+
+
+def _kind_mismatch(directory: str, kind: str) -> str | None:
+    """Why the files in ``directory`` are not those of a ``kind`` store, or None if they may be."""
+    if kind not in DISK_MEDIA.names():
+        return f"the manifest names kind {kind!r}, which is not a disk-tier kind ({', '.join(DISK_MEDIA.names())})"
+    own = set(DISK_MEDIA.resolve(kind, field="kind").medium_names)  # type: ignore[attr-defined]
+    for other in DISK_MEDIA.names():
+        if other == kind:
+            continue
+        theirs = [
+            name for name in DISK_MEDIA.resolve(other, field="kind").medium_names  # type: ignore[attr-defined]
+            if name not in own and os.path.lexists(os.path.join(directory, name))
+        ]
+        if theirs:
+            return (
+                f"the manifest names a {kind} store, but the directory holds the files of a {other} "
+                f"store ({', '.join(theirs)}); nothing was opened or written. Fix: if the store is "
+                f"disposable, remove {directory} and let kvtier recreate it"
+            )
+    return None

@@ -35,6 +35,7 @@ from functools import partial
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
+from typing_extensions import Self
 
 from kvtier.base import OffloadKey
 from kvtier.config import format_size
@@ -64,6 +65,8 @@ _Tier = TypeVar("_Tier", bound="DiskTier")
 _TOUCH_BATCH = 4096
 # failures not worth a warning of their own: expected outcomes, or logged where they happen
 _QUIET = (FailureKind.MISSING, FailureKind.FULL, FailureKind.CORRUPT)
+# how a store is opened: by an engine, by `kvtier check` (read-only), by `kvtier check --fix`
+_ACCESS = ("serve", "check", "fix")
 
 
 class DiskTier(IndexedTier):
@@ -91,6 +94,7 @@ class DiskTier(IndexedTier):
         *,
         field: str = "tiers[1]",
         threads: int | None = None,
+        access: str = "serve",
     ) -> DiskTier:
         """Open (creating if need be) the store at ``config.path`` for CPU rows ``rows``.
 
@@ -99,8 +103,17 @@ class DiskTier(IndexedTier):
         the tier stack, on its own thread; blocks for the directory checks, the lock, the
         index scan (~0.1-0.5 s per 100,000 blocks) and, for a new store, its creation.
         Raises :class:`ConfigError` naming ``<field>.<key>`` for anything the configuration
-        or the directory gets wrong, with the fix.
+        or the directory gets wrong, with the fix, and :class:`~kvtier.errors.IndexDamagedError`
+        for an index found damaged.
+
+        ``access`` is ``serve`` (an engine's tier), ``check`` (``kvtier check`` without
+        ``--fix``: every file opened read-only, nothing created or written, a damaged index
+        reported by :meth:`check` rather than raised) or ``fix`` (``kvtier check --fix``:
+        like ``serve``, but a damaged index is left for :meth:`check` to rebuild).
         """
+        if access not in _ACCESS:
+            raise ConfigError("access", access, "one of " + ", ".join(_ACCESS))
+        read_only = access == "check"
         cls._check_config(config, field)
         try:
             rowio = RowIO(rows)
@@ -127,20 +140,26 @@ class DiskTier(IndexedTier):
                 f"4096-byte header)",
                 f"raise the capacity to {slot_bytes} bytes or more",
             )
-        directory = prepare_directory(config.path, field)
+        directory = prepare_directory(config.path, field, read_only=read_only)
         claim_path(directory)
         locks = None
         tier = None
         try:
-            locks = StoreLocks(directory)
+            locks = StoreLocks(directory, read_only=read_only)
             _, created = settle_manifest(
-                directory, cls.kind, cls.medium_names, config, fingerprint, locks.alone, field
+                directory, cls.kind, cls.medium_names, config, fingerprint, locks.alone, field,
+                read_only=read_only,
             )
-            direct, fallback = decide_direct(config, directory, rowio, field)
+            if read_only:
+                direct, fallback = False, None  # the O_DIRECT probe writes a file
+            else:
+                direct, fallback = decide_direct(config, directory, rowio, field)
             tier = cls(
                 config, rowio, fingerprint, capacity_blocks, directory, field, policy_class,
                 threads if threads is not None else config.threads, direct,
             )
+            tier._access = access
+            tier._alone = locks.alone
             if fallback is not None:
                 tier._io.fall_back(fallback)
             started = time.perf_counter()
@@ -218,6 +237,15 @@ class DiskTier(IndexedTier):
         self._mover: Mover | None = None
         self._locks: StoreLocks | None = None
         self._closed = False
+        #: ``serve``, ``check`` or ``fix`` (see :meth:`open`)
+        self._access = "serve"
+        #: no other process had the store open when this one opened it
+        self._alone = False
+
+    @property
+    def read_only(self) -> bool:
+        """Opened by ``kvtier check`` without ``--fix``: nothing on disk is written."""
+        return self._access == "check"
 
     def _start(self) -> None:
         self._mover = Mover(self.name, self._threads)
@@ -323,7 +351,7 @@ class DiskTier(IndexedTier):
                     self._locks.close()
                 release_path(self.path)
 
-    def __enter__(self: _Tier) -> _Tier:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

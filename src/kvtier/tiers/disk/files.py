@@ -189,8 +189,14 @@ class _SharedCount:
     so it does not exclude this process's own threads). Any thread; blocks for a few syscalls.
     """
 
-    def __init__(self, path: str):
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    def __init__(self, path: str, *, read_only: bool = False):
+        if read_only:  # `kvtier check`: read the count, never create or write it
+            try:
+                self._fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                self._fd = os.open(os.devnull, os.O_RDONLY)  # reads as 0
+        else:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
 
     def _update(self, change) -> tuple[int, int]:
@@ -280,18 +286,21 @@ class FilesTier(DiskTier):
         self._log_fd = self._dir_fd = -1
         self._publish_mode = "renameat2" if _renameat2 is not None else "link"
         self._blocks_dir = os.path.join(self.path, _BLOCKS_DIR)
-        os.makedirs(self._blocks_dir, exist_ok=True)
         self._subdirs = [os.path.join(self._blocks_dir, f"{i:02x}") for i in range(_FANOUT)]
-        for subdir in self._subdirs:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(subdir)
-        self._count = _SharedCount(os.path.join(self.path, _USAGE))
+        if not self.read_only:
+            os.makedirs(self._blocks_dir, exist_ok=True)
+            for subdir in self._subdirs:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(subdir)
+        self._count = _SharedCount(os.path.join(self.path, _USAGE), read_only=self.read_only)
         self._dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
         self._group_flush = _GroupFlush(self._syncfs)
-        keys = self._scan(alone)
+        keys = self._scan(alone and not self.read_only)
         recency_path = os.path.join(self.path, _RECENCY)
         stamps, records = _read_recency(recency_path)
         entries = [(key, stamps.get(key, 0), 0) for key in keys]
+        if self.read_only:  # `kvtier check`: nothing is written, not even the recency log
+            return entries
         if alone:
             if len(entries) > self.capacity_blocks:  # the capacity was lowered
                 entries.sort(key=lambda entry: entry[1])
@@ -315,7 +324,11 @@ class FilesTier(DiskTier):
         """Every published block's key; temp files of dead writers (all, when alone) removed."""
         keys: list[OffloadKey] = []
         for subdir in self._subdirs:
-            with os.scandir(subdir) as listing:
+            try:
+                listing = os.scandir(subdir)
+            except FileNotFoundError:  # read-only check of a store missing fan-out directories
+                continue
+            with listing:
                 for entry in listing:
                     name = entry.name
                     if name.endswith(_SUFFIX):
@@ -668,9 +681,14 @@ class FilesTier(DiskTier):
         stray: list[str] = []
         found: set[OffloadKey] = set()
         me = os.getpid()
+        fix = fix and not self.read_only
         for subdir in self._subdirs:
-            with os.scandir(subdir) as listing:
-                names = [(entry.name, entry.path) for entry in listing]
+            try:
+                with os.scandir(subdir) as listing:
+                    names = [(entry.name, entry.path) for entry in listing]
+            except FileNotFoundError:
+                report.problems.append(f"{subdir}: fan-out directory missing")
+                continue
             for name, path in names:
                 if name.endswith(_TEMP_SUFFIX):
                     owner = self._temp_owner(name)

@@ -35,7 +35,12 @@ from kvtier.errors import ConfigError, DiskTierError, ManifestError
 from kvtier.tiers.disk.blockio import RowIO, probe_o_direct
 from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk.format import LayoutFingerprint
-from kvtier.tiers.disk.manifest import MANIFEST_NAME, StoreManifest, read_manifest, write_manifest
+from kvtier.tiers.disk.manifest import (
+    MANIFEST_NAME,
+    StoreManifest,
+    read_manifest,
+    write_manifest,
+)
 
 __all__ = [
     "StoreLocks",
@@ -111,20 +116,35 @@ def _os_fix(exc: OSError, where: str) -> str:
 class StoreLocks:
     """The maintenance and users locks of one store directory (see the module docstring)."""
 
-    def __init__(self, directory: str):
-        self._maintenance = os.open(os.path.join(directory, _MAINTENANCE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    def __init__(self, directory: str, *, read_only: bool = False):
+        self._maintenance = self._users = -1
+        #: no other process has the store open
+        self.alone = True
+        self._maintenance = self._open(directory, _MAINTENANCE_LOCK, read_only)
         try:
-            fcntl.flock(self._maintenance, fcntl.LOCK_EX)  # held for the few ms of an open
-            self._users = os.open(os.path.join(directory, _USERS_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+            if self._maintenance >= 0:
+                fcntl.flock(self._maintenance, fcntl.LOCK_EX)  # held for the few ms of an open
+            self._users = self._open(directory, _USERS_LOCK, read_only)
         except BaseException:
-            os.close(self._maintenance)
+            self.close()
             raise
+        if self._users >= 0:
+            try:
+                fcntl.flock(self._users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.alone = False
+
+    @staticmethod
+    def _open(directory: str, name: str, read_only: bool) -> int:
+        """The lock file's descriptor; read-only (``kvtier check``): never created, and -1 if
+        missing (every process that opens a store creates both, so nobody has it open)."""
+        path = os.path.join(directory, name)
+        if not read_only:
+            return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(self._users, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            #: no other process has the store open
-            self.alone = True
-        except BlockingIOError:
-            self.alone = False
+            return os.open(path, os.O_RDONLY)  # flock needs no write access
+        except FileNotFoundError:
+            return -1
 
     def share(self) -> None:
         """Become an ordinary user and let the next opener in.
@@ -132,19 +152,28 @@ class StoreLocks:
         Converting EX to SH is not atomic in flock, but nobody can observe the gap: every
         opener takes the maintenance lock, which is released only afterwards.
         """
-        fcntl.flock(self._users, fcntl.LOCK_SH)
-        fcntl.flock(self._maintenance, fcntl.LOCK_UN)
+        if self._users >= 0:
+            fcntl.flock(self._users, fcntl.LOCK_SH)
+        if self._maintenance >= 0:
+            fcntl.flock(self._maintenance, fcntl.LOCK_UN)
 
     def close(self) -> None:
         for fd in (self._maintenance, self._users):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._maintenance = self._users = -1
 
 
-def prepare_directory(path: str, field: str) -> str:
-    """The store's absolute path, created if its parent exists and proven writable."""
+def prepare_directory(path: str, field: str, *, read_only: bool = False) -> str:
+    """The store's absolute path, created if its parent exists and proven writable
+    (``read_only``: only proven to be a directory; nothing is created or written)."""
     directory = os.path.abspath(os.path.expanduser(path))
     where = f"{field}.path"
+    if read_only:
+        if not os.path.isdir(directory):
+            raise ConfigError(where, path, "an existing store directory", f"{directory} is not a directory")
+        return os.path.realpath(directory)
     if os.path.lexists(directory) and not os.path.isdir(directory):
         raise ConfigError(
             where, path, "a directory (or where to create one)",
@@ -186,16 +215,26 @@ def settle_manifest(
     fingerprint: LayoutFingerprint,
     alone: bool,
     field: str,
+    *,
+    read_only: bool = False,
 ) -> tuple[StoreManifest, bool]:
     """Read, create or replace the manifest of a ``kind`` store; ``(manifest, created)``.
 
     Under the maintenance lock. ``medium_names`` are the directory entries the medium owns
-    (removed when a store of another layout is wiped).
+    (removed when a store of another layout is wiped). ``read_only``: the manifest must
+    exist and match ``kind`` and ``fingerprint``; nothing is written.
     """
     try:
         manifest = read_manifest(directory)
     except ManifestError as exc:
         raise ConfigError(f"{field}.path", config.path, "a kvtier store or an empty directory", str(exc)) from None
+    if read_only:
+        if manifest is None or manifest.kind != kind or manifest.fingerprint.digest() != fingerprint.digest():
+            raise ConfigError(
+                f"{field}.path", config.path, f"a {kind} store of layout ({fingerprint.describe()})",
+                f"{directory}/{MANIFEST_NAME} is missing or describes another store",
+            )
+        return manifest, False
     if manifest is None:
         foreign = [
             name for name in os.listdir(directory)
