@@ -66,6 +66,10 @@ def check_store(path: str, fix: bool = False) -> CheckReport:
             "path", path, f"a kvtier store directory (one holding {MANIFEST_NAME})",
             "give the path: of a disk tier from its configuration",
         )
+    directory = os.path.realpath(directory)
+    refused, loose, fixed = _access_problems(directory, fix)
+    if refused:  # an engine would refuse to open it too: nothing is opened
+        return CheckReport(directory, problems=refused)
     mismatch = _kind_mismatch(directory, manifest.kind)
     if mismatch is not None:
         return CheckReport(directory, problems=[mismatch])
@@ -87,6 +91,8 @@ def check_store(path: str, fix: bool = False) -> CheckReport:
     finally:
         tier.close()
     report.tier = directory
+    report.problems[:0] = loose
+    report.fixed[:0] = fixed
     return report
 
 
@@ -109,3 +115,52 @@ def _kind_mismatch(directory: str, kind: str) -> str | None:
                 f"disposable, remove {directory} and let kvtier recreate it"
             )
     return None
+
+
+def _access_problems(directory: str, fix: bool) -> tuple[list[str], list[str], list[str]]:
+    """What stands between the store and other users: ``(problems that stop the check,
+    other problems, what fix did)``.
+
+    Stopping (an engine refuses such a store too): a directory another user owns or may
+    write, entries of other users, symlinks, FIFOs and other non-regular files, directories
+    others may write (found with lstat alone: nothing is opened, so nothing can hang). Not
+    stopping: a store directory others may read (made 0700 by ``fix``, as any open does).
+    """
+    import stat
+
+    from kvtier.tiers.disk.store import DIR_MODE, directory_problem
+
+    info = os.stat(directory)
+    problem = directory_problem(info, directory)
+    if problem is not None:
+        return [f"{problem[0]}. Fix: {problem[1]}"], [], []
+    refused: list[str] = []
+    loose: list[str] = []
+    fixed: list[str] = []
+    me = os.geteuid()
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            entry = os.lstat(path)
+            if entry.st_uid != me:
+                refused.append(f"{path} belongs to uid {entry.st_uid}, not this user (uid {me}): another user planted it")
+            elif stat.S_ISLNK(entry.st_mode):
+                refused.append(f"{path} is a symlink: kvtier never follows one inside a store")
+            elif stat.S_ISDIR(entry.st_mode):
+                if entry.st_mode & 0o022:
+                    refused.append(f"{path} is writable by group or others (mode {stat.S_IMODE(entry.st_mode):o})")
+            elif not stat.S_ISREG(entry.st_mode):
+                refused.append(f"{path} is not a regular file (a FIFO, socket or device)")
+    if refused:
+        refused[-1] += f". Fix: remove what you did not create, or remove {directory} and let kvtier recreate it"
+        return refused, [], []
+    mode = stat.S_IMODE(info.st_mode)
+    if mode != DIR_MODE:
+        loose.append(
+            f"{directory} has mode {mode:o}: other users may reach the KV blocks in it "
+            f"(`kvtier check --fix`, or any open by an engine, sets {DIR_MODE:o})"
+        )
+        if fix:
+            os.chmod(directory, DIR_MODE)
+            fixed.append(f"set the mode of {directory} to {DIR_MODE:o} (it was {mode:o})")
+    return refused, loose, fixed

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from abc import abstractmethod
 from collections.abc import Collection, Iterable
@@ -50,6 +51,8 @@ from kvtier.tiers.disk.store import (
     StoreLocks,
     claim_path,
     decide_direct,
+    default_store_path,
+    open_store_directory,
     prepare_directory,
     release_path,
     settle_manifest,
@@ -144,8 +147,11 @@ class DiskTier(IndexedTier):
         claim_path(directory)
         locks = None
         tier = None
+        dir_fd = -1
         try:
-            locks = StoreLocks(directory, read_only=read_only)
+            # every file of the store is opened relative to this descriptor, never through a symlink
+            dir_fd = open_store_directory(directory, field, config.path, read_only=read_only)
+            locks = StoreLocks(dir_fd, directory, timeout_s=config.lock_timeout_s, read_only=read_only)
             _, created = settle_manifest(
                 directory, cls.kind, cls.medium_names, config, fingerprint, locks.alone, field,
                 read_only=read_only,
@@ -160,6 +166,7 @@ class DiskTier(IndexedTier):
             )
             tier._access = access
             tier._alone = locks.alone
+            tier._store_fd, dir_fd = dir_fd, -1  # the tier's now: closed by close()
             if fallback is not None:
                 tier._io.fall_back(fallback)
             started = time.perf_counter()
@@ -183,6 +190,10 @@ class DiskTier(IndexedTier):
                     tier._close_medium()
             if locks is not None:
                 locks.close()
+            if tier is not None and tier._store_fd >= 0:
+                dir_fd, tier._store_fd = tier._store_fd, -1
+            if dir_fd >= 0:
+                os.close(dir_fd)
             release_path(directory)
             raise
 
@@ -200,7 +211,10 @@ class DiskTier(IndexedTier):
         if config.o_direct not in O_DIRECT_CHOICES:
             raise ConfigError(f"{field}.o_direct", config.o_direct, "one of " + ", ".join(O_DIRECT_CHOICES))
         if not config.path:
-            raise ConfigError(f"{field}.path", config.path, "a directory path", "add path: such as /var/tmp/kvtier")
+            raise ConfigError(
+                f"{field}.path", config.path, "a directory path",
+                f"add path: such as {default_store_path(config.name)} (a directory of your own)",
+            )
 
     def __init__(
         self,
@@ -237,6 +251,8 @@ class DiskTier(IndexedTier):
         self._mover: Mover | None = None
         self._locks: StoreLocks | None = None
         self._closed = False
+        #: the store directory's descriptor: every file in it is opened relative to it
+        self._store_fd = -1
         #: ``serve``, ``check`` or ``fix`` (see :meth:`open`)
         self._access = "serve"
         #: no other process had the store open when this one opened it
@@ -349,6 +365,10 @@ class DiskTier(IndexedTier):
             finally:
                 if self._locks is not None:
                     self._locks.close()
+                if self._store_fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(self._store_fd)
+                    self._store_fd = -1
                 release_path(self.path)
 
     def __enter__(self) -> Self:

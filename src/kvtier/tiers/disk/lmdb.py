@@ -72,7 +72,7 @@ from kvtier.tiers.disk.base import DiskTier
 from kvtier.tiers.disk.blockio import O_DIRECT
 from kvtier.tiers.disk.format import HEADER_BYTES, decode_header
 from kvtier.tiers.disk.mover import MoverJob
-from kvtier.tiers.disk.store import pid_alive
+from kvtier.tiers.disk.store import FILE_MODE, open_private, open_private_dir, pid_alive
 
 __all__ = ["LMDBTier"]
 
@@ -233,10 +233,12 @@ class LMDBTier(DiskTier):
         self._snapshot: _Tables | None = None
         self._open_slab(alone)  # first: a capacity the disk cannot hold is the error to report
         index_dir = os.path.join(self.path, _INDEX_DIR)
-        if not self.read_only:
-            os.makedirs(index_dir, exist_ok=True)
+        # LMDB opens its files by path: the directory and both files are checked first (never
+        # a symlink; this user's; 0600, 0700)
+        damage = self._index_files_problem(index_dir)
         # Checked before LMDB maps the file: a truncated data.mdb kills the process (SIGBUS).
-        damage = index_damage(index_dir)
+        if damage is None:
+            damage = index_damage(index_dir)
         if damage is None and self.read_only and not os.path.exists(os.path.join(index_dir, _DATA_FILE)):
             damage = f"{os.path.join(index_dir, _DATA_FILE)} is missing"
         entries: list[tuple[OffloadKey, int, int]] = []
@@ -271,6 +273,32 @@ class LMDBTier(DiskTier):
         self._damage = damage
         return []
 
+    def _index_files_problem(self, index_dir: str) -> str | None:
+        """What is wrong with index/ and its two files (a symlink, a FIFO, another user's
+        file), or None; creates index/ (0700) and makes the files 0600 unless read-only."""
+        try:
+            index_fd = open_private_dir(_INDEX_DIR, dir_fd=self._store_fd, read_only=self.read_only)
+        except FileNotFoundError:
+            return f"{index_dir} is missing"
+        except OSError as exc:
+            raise ConfigError(
+                f"{self._field}.path", self.config.path, "a store whose index directory is this user's",
+                f"{index_dir}: {exc.strerror} (a symlink, or not a directory of this user's): "
+                f"remove {self.path} and let kvtier recreate it",
+            ) from None
+        try:
+            for name in (_DATA_FILE, _LOCK_FILE):
+                try:
+                    fd = open_private(name, os.O_RDONLY if self.read_only else os.O_RDWR, dir_fd=index_fd)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    return f"{os.path.join(index_dir, name)}: {exc.strerror}"
+                os.close(fd)
+        finally:
+            os.close(index_fd)
+        return None
+
     def _open_env(self, index_dir: str, *, lock: bool = True) -> None:
         """Open the LMDB environment (read-only for `kvtier check`) and its four databases."""
         self._env = lmdb.open(
@@ -282,6 +310,7 @@ class LMDBTier(DiskTier):
             metasync=False,
             readahead=False,  # random lookups; readahead would only evict useful pages
             max_readers=512,
+            mode=FILE_MODE,  # LMDB's own default is 0644
             readonly=self.read_only,
             # Read-only and alone (the maintenance lock keeps openers out until the snapshot
             # is taken): no reader slot in lock.mdb, so `kvtier check` writes nothing at all.
@@ -357,11 +386,19 @@ class LMDBTier(DiskTier):
         needed = self.capacity_blocks * self.slot_bytes
         field = f"{self._field}.capacity"
         if self.read_only:  # `kvtier check`: read what is there (a missing slab reads as empty)
-            with contextlib.suppress(FileNotFoundError):
-                self._fd = os.open(path, os.O_RDONLY)
+            try:
+                self._fd = open_private(_SLAB, os.O_RDONLY, dir_fd=self._store_fd)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise ConfigError(
+                    f"{self._field}.path", self.config.path, "a store whose slab is a file of this user's",
+                    f"{path}: {exc.strerror}: remove {self.path} and let kvtier recreate it",
+                ) from None
             return
         try:
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            # never through a symlink, never another user's file; 0600 whatever the umask
+            self._fd = open_private(_SLAB, os.O_RDWR | os.O_CREAT, dir_fd=self._store_fd)
             size = os.fstat(self._fd).st_size
             if size < needed:
                 stats = os.statvfs(self.path)
@@ -384,7 +421,7 @@ class LMDBTier(DiskTier):
             elif size > needed and alone:
                 os.ftruncate(self._fd, needed)
             if self._io.direct:
-                self._fd_direct = os.open(path, os.O_RDWR | O_DIRECT)
+                self._fd_direct = open_private(_SLAB, os.O_RDWR | O_DIRECT, dir_fd=self._store_fd)
         except OSError as exc:
             raise ConfigError(
                 field, format_size(self.config.capacity_bytes),
@@ -722,9 +759,13 @@ class LMDBTier(DiskTier):
             )
             return report
         index_dir = os.path.join(self.path, _INDEX_DIR)
-        for name in (_DATA_FILE, _LOCK_FILE):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(index_dir, name))
+        index_fd = open_private_dir(_INDEX_DIR, dir_fd=self._store_fd)
+        try:
+            for name in (_DATA_FILE, _LOCK_FILE):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=index_fd)  # the entry itself, even a symlink or FIFO
+        finally:
+            os.close(index_fd)
         self._open_env(index_dir)
         next_slot = max(found.values()) + 1 if found else 0
         used = set(found.values())
