@@ -56,7 +56,12 @@ def check_store(path: str, fix: bool = False) -> CheckReport:
     from kvtier.tiers.disk.format import padded_payload_bytes
     from kvtier.tiers.disk.manifest import MANIFEST_NAME, read_manifest
 
-    directory = os.path.abspath(path)
+    directory = os.path.realpath(os.path.abspath(path))
+    if os.path.isdir(directory) and os.path.lexists(os.path.join(directory, MANIFEST_NAME)):
+        # who may reach the store comes first: nothing in it is read before that is known
+        refused, loose, fixed = _access_problems(directory, fix)
+        if refused:  # an engine would refuse to open it too: nothing is opened
+            return CheckReport(directory, problems=refused)
     try:
         manifest = read_manifest(directory) if os.path.isdir(directory) else None
     except ManifestError as exc:
@@ -66,10 +71,6 @@ def check_store(path: str, fix: bool = False) -> CheckReport:
             "path", path, f"a kvtier store directory (one holding {MANIFEST_NAME})",
             "give the path: of a disk tier from its configuration",
         )
-    directory = os.path.realpath(directory)
-    refused, loose, fixed = _access_problems(directory, fix)
-    if refused:  # an engine would refuse to open it too: nothing is opened
-        return CheckReport(directory, problems=refused)
     mismatch = _kind_mismatch(directory, manifest.kind)
     if mismatch is not None:
         return CheckReport(directory, problems=[mismatch])

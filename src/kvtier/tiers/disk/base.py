@@ -56,6 +56,7 @@ from kvtier.tiers.disk.store import (
     prepare_directory,
     release_path,
     settle_manifest,
+    store_os_fix,
 )
 
 __all__ = ["DiskTier"]
@@ -184,7 +185,7 @@ class DiskTier(IndexedTier):
                 config.fsync, tier.open_s, " (new)" if created else "",
             )
             return tier
-        except BaseException:
+        except BaseException as exc:
             if tier is not None:
                 with contextlib.suppress(Exception):
                     tier._close_medium()
@@ -195,6 +196,11 @@ class DiskTier(IndexedTier):
             if dir_fd >= 0:
                 os.close(dir_fd)
             release_path(directory)
+            if isinstance(exc, OSError):
+                raise ConfigError(
+                    f"{field}.path", config.path, "a store directory kvtier can open",
+                    store_os_fix(exc, directory),
+                ) from None
             raise
 
     @classmethod

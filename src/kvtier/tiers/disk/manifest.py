@@ -14,8 +14,8 @@ from __future__ import annotations
 import errno
 import json
 import os
-import stat
 import secrets
+import stat
 import time
 from dataclasses import dataclass
 

@@ -26,8 +26,8 @@ import errno
 import fcntl
 import logging
 import os
-import secrets
 import pwd
+import secrets
 import shutil
 import stat
 import threading
@@ -49,17 +49,18 @@ __all__ = [
     "DIR_MODE",
     "FILE_MODE",
     "StoreLocks",
+    "claim_path",
+    "decide_direct",
     "default_store_path",
     "open_private",
     "open_private_dir",
     "open_store_directory",
-    "user_cache_root",
-    "claim_path",
-    "decide_direct",
     "pid_alive",
     "prepare_directory",
     "release_path",
     "settle_manifest",
+    "store_os_fix",
+    "user_cache_root",
 ]
 
 logger = logging.getLogger(__name__)
@@ -150,19 +151,19 @@ def directory_problem(info: os.stat_result, directory: str) -> tuple[str, str] |
     may write (they could replace or remove its files).
     """
     if info.st_uid != os.geteuid():
-        return (
+        what = (
             f"{directory} is owned by {_owner(info.st_uid)}, not by this user ({_owner(os.geteuid())}): "
-            f"its owner could read, plant or redirect the KV blocks kvtier keeps there",
-            f"use a directory of your own (such as {user_cache_root()}/NAME, which kvtier creates), "
-            f"or remove {directory} if it should not exist",
+            f"its owner could read, plant or redirect the KV blocks kvtier keeps there"
         )
+        fix = (
+            f"use a directory of your own (such as {user_cache_root()}/NAME, which kvtier creates), "
+            f"or remove {directory} if it should not exist"
+        )
+        return what, fix
     mode = stat.S_IMODE(info.st_mode)
     if mode & 0o022:
-        return (
-            f"{directory} has mode {mode:o}: group or others may write in it, so they could "
-            f"replace or remove its files",
-            f"chmod 700 {directory} if every file in it is yours, or remove it and let kvtier recreate it",
-        )
+        what = f"{directory} has mode {mode:o}: group or others may write in it, so they could replace or remove its files"
+        return what, f"chmod 700 {directory} if every file in it is yours, or remove it and let kvtier recreate it"
     return None
 
 
@@ -245,6 +246,22 @@ def _os_fix(exc: OSError, where: str) -> str:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"the filesystem of {where} is full: free space there or choose another disk"
     return f"fix {where} ({exc.strerror})"
+
+
+def store_os_fix(exc: OSError, directory: str) -> str:
+    """What went wrong with a file of the store in ``directory``, and the fix."""
+    name = os.path.join(directory, str(exc.filename)) if exc.filename else directory
+    if exc.errno == errno.ELOOP:
+        return (
+            f"{name} is a symlink, and kvtier never follows one inside a store (it could point "
+            f"anywhere); remove it, or remove {directory} and let kvtier recreate it"
+        )
+    if exc.errno in (errno.ENXIO, errno.EPERM) and exc.filename:
+        return (
+            f"{name}: {exc.strerror}; kvtier keeps only regular files and directories of its "
+            f"own user in a store: remove it, or remove {directory} and let kvtier recreate it"
+        )
+    return _os_fix(exc, name)
 
 
 class StoreLocks:
