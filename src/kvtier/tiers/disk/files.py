@@ -303,7 +303,8 @@ class FilesTier(DiskTier):
         self._count = _SharedCount(_USAGE, dir_fd=self._store_fd, read_only=self.read_only)
         self._dir_fd = os.dup(self._store_fd)
         self._group_flush = _GroupFlush(self._syncfs)
-        keys = self._scan(alone and not self.read_only)
+        # `kvtier check` (with or without --fix) reports stale temp files rather than sweep them
+        keys = self._scan(alone and self._access == "serve")
         stamps, records = _read_recency(_RECENCY, self._store_fd)
         entries = [(key, stamps.get(key, 0), 0) for key in keys]
         if self.read_only:  # `kvtier check`: nothing is written, not even the recency log

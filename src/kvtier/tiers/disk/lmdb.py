@@ -106,6 +106,9 @@ _LOCK_FILE = "lock.mdb"
 # to mm_last_pg: a file shorter than (mm_last_pg + 1) pages is a SIGBUS waiting to happen
 # (the process dies at open, or at the first read of a missing page). LMDB checks the magic
 # and version itself (MDB_INVALID), but not the length, so kvtier checks it before mapping.
+# lock.mdb needs no such check: the first process to open the environment (LMDB knows by an
+# fcntl lock) resizes and reinitialises it, and a truncated or garbled one was found to open
+# cleanly; only its type and owner are checked (_index_files_problem).
 _META_PGNO = struct.Struct("=Q")
 _META_FLAGS = struct.Struct("=H")
 _META_HEAD = struct.Struct("=II8xQI")  # magic, version, (address), mapsize, page size
@@ -246,7 +249,9 @@ class LMDBTier(DiskTier):
             try:
                 self._open_env(index_dir, lock=not (self.read_only and alone))
                 with self._env.begin(write=not self.read_only) as txn:
-                    if alone and not self.read_only:
+                    # `kvtier check --fix` finds, reports and repairs what recovery would
+                    # repair silently
+                    if alone and self._access == "serve":
                         self._recover(txn)
                     entries = self._entries(txn)
                     if self.read_only:
