@@ -9,7 +9,7 @@ broken environment — and every error carries the context needed to fix it.
 
 from __future__ import annotations
 
-__all__ = ["KvtierError", "ConfigError", "BlockStateError", "DiskTierError", "ManifestError", "ValkeyCheckError"]
+__all__ = ["BlockStateError", "ConfigError", "DiskTierError", "IndexDamagedError", "KvtierError", "ManifestError", "ValkeyCheckError"]
 
 
 class KvtierError(Exception):
@@ -46,6 +46,11 @@ class BlockStateError(KvtierError):
 class DiskTierError(KvtierError):
     """A disk tier cannot be used as asked for a reason that is not one configuration value
     (for example its path is already open as a tier in this process)."""
+
+
+class IndexDamagedError(DiskTierError):
+    """A disk tier's on-disk index is damaged (a truncated or garbled LMDB file, say): found
+    before it is used, and named with the fix (``kvtier check PATH --fix``)."""
 
 
 class ManifestError(KvtierError):
