@@ -72,7 +72,7 @@ class DiskHarness(Harness):
                     assert txn.delete(k, db=tier._blocks)
         else:
             for k in keys:
-                os.unlink(tier._path_of(k))
+                os.unlink(tier._shown(tier._path_of(k)))
 
     def corrupt(self, tier, keys):
         for k in keys:
