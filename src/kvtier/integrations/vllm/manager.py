@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 )
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -59,6 +60,7 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
+    TierFilter,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -79,10 +81,15 @@ _CPU_MEDIUM = "CPU"
 
 
 def to_vllm_event(event: kvtier_base.OffloadingEvent, locality: Any = None) -> OffloadingEvent:
-    """One kvtier event as vLLM's: kvtier's CPU tier is ``Medium.CPU``, its disks ``STORAGE``."""
+    """One kvtier event as vLLM's: kvtier's CPU tier is ``Medium.CPU``, its disks ``STORAGE``;
+    a failed store's retraction stays ``metadata_only`` (vLLM publishes no removal for it)."""
     medium = Medium.CPU if event.medium == _CPU_MEDIUM else Medium.STORAGE
     return OffloadingEvent(
-        keys=list(event.keys), medium=medium, removed=event.removed, locality=locality
+        keys=list(event.keys),
+        medium=medium,
+        removed=event.removed,
+        locality=locality,
+        metadata_only=event.metadata_only,
     )
 
 
@@ -183,6 +190,12 @@ class KvtierOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if self._promotions_held:
             return LookupResult.HIT if self._contains_cpu(key) else LookupResult.MISS
+        if (
+            req_context.load_tier_filter is not TierFilter.ALL
+            and self._has_lower_tiers
+            and req_context.get_state(kvtier_base.LoadTiers) is None
+        ):
+            req_context.set_state(self._load_tiers(req_context.load_tier_filter))
         found = self._inner.lookup(key, req_context)
         if found is False:
             return LookupResult.MISS
@@ -209,6 +222,19 @@ class KvtierOffloadingManager(OffloadingManager):
         wait.pending.add(key)
         # which of the two: see the module docstring
         return LookupResult.HIT_PENDING if promoting else LookupResult.RETRY
+
+    def _load_tiers(self, tier_filter: TierFilter) -> kvtier_base.LoadTiers:
+        """vLLM's ``load_tier_filter`` (from the request's ``kv_load_tiers``) in kvtier's terms:
+        the lower tiers it allows, each a ``STORAGE`` medium, ``REMOTE`` if the tier says so
+        (Valkey) else ``LOCAL``. Like vLLM's tiering manager, the CPU tier is not filtered."""
+        allowed = frozenset(
+            tier.name
+            for tier in getattr(self._inner, "tiers", ())
+            if tier_filter.allows(
+                Medium.STORAGE, Locality.REMOTE if tier.remote else Locality.LOCAL
+            )
+        )
+        return kvtier_base.LoadTiers(allowed)
 
     def _pin(self, keys: list[OffloadKey], wait: _RequestWait, req_context: ReqContext) -> None:
         """Hold ``keys`` (ready now) for a waiting request, so promotions cannot evict them."""

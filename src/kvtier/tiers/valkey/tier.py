@@ -112,6 +112,7 @@ class ValkeyTier(SecondaryTier):
     """
 
     medium = "VALKEY"
+    remote = True
 
     def __init__(
         self,
