@@ -27,6 +27,12 @@ may not be there — is ``RETRY``. The facts behind it, in vLLM 0.33's
 A promotion that fails verification (a corrupt block) turns into ``MISS`` at the next lookup,
 which the deferred request makes.
 
+A request's ``kv_load_tiers`` (vLLM's ``ReqContext.load_tier_filter``) becomes kvtier's
+:class:`~kvtier.base.LoadTiers` on its first lookup: every lower tier is a ``STORAGE``
+medium, ``REMOTE`` if it says so (Valkey), else ``LOCAL``. A tier the filter leaves out is
+never asked, so a block only it holds is ``MISS``; the CPU tier answers every request, as
+vLLM's primary tier does.
+
 While a request waits for promotions, the blocks it already found in the CPU tier are pinned
 on its behalf (a hold, as ``prepare_load`` takes), until its lookups resolve or it finishes.
 Without that, a request whose hit is larger than the CPU tier's clean room never resolves:
