@@ -224,3 +224,27 @@ def test_blocks_stored_at_tp2_are_read_at_tp4_when_every_rank_holds_the_same(
             assert tp4.sources == {CacheHitSource.DISK: hit_chunks * connector.BLOCK_TOKENS}
     finally:
         tp4.shutdown()
+
+
+@pytest.mark.parametrize("success", [True, False])
+def test_a_block_being_stored_is_hit_pending_until_its_store_ends(tmp_path, success):
+    """0.33's contract (and its CPU manager): found but not readable yet is HIT_PENDING, so
+    the request waits a step for the block instead of computing it again."""
+    manager = stack(tmp_path)
+    try:
+        writer, reader = request_context("writer"), request_context("reader")
+        manager.on_new_request(reader)
+        out = manager.prepare_store([key(1)], writer)
+        assert out.keys_to_store == [key(1)]
+        assert manager.lookup(key(1), reader) is LookupResult.HIT_PENDING
+        manager.on_schedule_end(STEP_END)
+        assert manager.lookup(key(1), reader) is LookupResult.HIT_PENDING  # still in flight
+        manager.complete_store([key(1)], writer, success=success)
+        manager.on_schedule_end(STEP_END)
+        answer = manager.lookup(key(1), reader)
+        assert answer is (LookupResult.HIT if success else LookupResult.MISS)
+        if success:
+            assert manager.get_load_source(key(1), reader) is CacheHitSource.HOST
+        manager.on_request_finished(reader)
+    finally:
+        manager.shutdown()

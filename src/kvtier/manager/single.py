@@ -72,6 +72,14 @@ class SingleTierManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool:
         return self._contains(key)
 
+    def is_storing(self, key: OffloadKey) -> bool:
+        """Whether ``key`` is being written into this tier (prepared, not yet completed).
+
+        Such a key looks up ``False`` (not readable); an engine whose contract tells "being
+        written" from "absent" (vLLM 0.33's ``HIT_PENDING``) asks this to tell them apart.
+        """
+        return key in self._pending
+
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         get = self._get
         block_ids = []

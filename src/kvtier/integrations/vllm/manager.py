@@ -27,6 +27,11 @@ may not be there — is ``RETRY``. The facts behind it, in vLLM 0.33's
 A promotion that fails verification (a corrupt block) turns into ``MISS`` at the next lookup,
 which the deferred request makes.
 
+A block whose store into the CPU tier is in flight is ``HIT_PENDING`` too, as 0.33's contract
+and its CPU manager say (kvtier's own managers answer ``False``: not readable). The request
+waits for the store, which the worker finishes within a step or two, and loads the block
+instead of computing it again; a store that fails makes it ``MISS`` at the next lookup.
+
 A request's ``kv_load_tiers`` (vLLM's ``ReqContext.load_tier_filter``) becomes kvtier's
 :class:`~kvtier.base.LoadTiers` on its first lookup: every lower tier is a ``STORAGE``
 medium, ``REMOTE`` if it says so (Valkey), else ``LOCAL``. A tier the filter leaves out is
@@ -203,8 +208,12 @@ class KvtierOffloadingManager(OffloadingManager):
         ):
             req_context.set_state(self._load_tiers(req_context.load_tier_filter))
         found = self._inner.lookup(key, req_context)
+        storing = False
         if found is False:
-            return LookupResult.MISS
+            if not self._inner.is_storing(key):
+                return LookupResult.MISS
+            storing = True  # found, not readable yet: HIT_PENDING (see the module docstring)
+            found = None
         wait = req_context.get_state(_RequestWait)
         if wait is None:
             if found is True:
@@ -219,8 +228,8 @@ class KvtierOffloadingManager(OffloadingManager):
             else:
                 wait.hits.append(key)
             return LookupResult.HIT
-        promoting = self._is_promoting is None or self._is_promoting(key)
-        if promoting:
+        promoting = storing or self._is_promoting is None or self._is_promoting(key)
+        if promoting and not storing:
             wait.promoted.add(key)
         if not wait.deferred:
             self._pin(wait.hits, wait, req_context)
