@@ -208,12 +208,11 @@ class KvtierOffloadingManager(OffloadingManager):
         ):
             req_context.set_state(self._load_tiers(req_context.load_tier_filter))
         found = self._inner.lookup(key, req_context)
-        storing = False
         if found is False:
-            if not self._inner.is_storing(key):
-                return LookupResult.MISS
-            storing = True  # found, not readable yet: HIT_PENDING (see the module docstring)
-            found = None
+            # Found but not readable yet: HIT_PENDING (see the module docstring). No pins: they
+            # guard a request's hits against the promotions it waits for, and a store in
+            # flight evicts nothing more.
+            return LookupResult.HIT_PENDING if self._inner.is_storing(key) else LookupResult.MISS
         wait = req_context.get_state(_RequestWait)
         if wait is None:
             if found is True:
@@ -228,8 +227,8 @@ class KvtierOffloadingManager(OffloadingManager):
             else:
                 wait.hits.append(key)
             return LookupResult.HIT
-        promoting = storing or self._is_promoting is None or self._is_promoting(key)
-        if promoting and not storing:
+        promoting = self._is_promoting is None or self._is_promoting(key)
+        if promoting:
             wait.promoted.add(key)
         if not wait.deferred:
             self._pin(wait.hits, wait, req_context)
