@@ -3,8 +3,8 @@ for an offer larger than write_back's usual clean headroom."""
 
 import numpy as np
 import pytest
-
 from helpers import key, payload, read_blocks, store_blocks
+
 from kvtier.base import LoadTiers, ReqContext
 from kvtier.config import CascadeConfig
 from kvtier.manager.stack import REFUSED_OFFER_MEMORY_STEPS, TierStackManager
@@ -57,7 +57,9 @@ def test_a_request_allowed_the_disk_is_served_from_it():
     manager.on_schedule_end()
     manager.on_schedule_end()
     assert manager.lookup(key(0), ctx) is True
-    np.testing.assert_array_equal(read_blocks(manager, [key(0)], ctx)[0], payload(key(0), BLOCK))
+    np.testing.assert_array_equal(
+        read_blocks(manager, [key(0)], ctx)[0], payload(key(0), BLOCK)
+    )
 
 
 def test_the_cpu_tier_answers_whatever_the_limit():
@@ -65,7 +67,9 @@ def test_the_cpu_tier_answers_whatever_the_limit():
     store_blocks(manager, [key(0)], ReqContext("writer"))
     ctx = limited("r")
     assert manager.lookup(key(0), ctx) is True
-    np.testing.assert_array_equal(read_blocks(manager, [key(0)], ctx)[0], payload(key(0), BLOCK))
+    np.testing.assert_array_equal(
+        read_blocks(manager, [key(0)], ctx)[0], payload(key(0), BLOCK)
+    )
 
 
 def test_a_block_another_request_is_promoting_is_pending_for_a_limited_one_too():
@@ -96,7 +100,9 @@ def test_an_offer_larger_than_the_clean_headroom_is_placed_within_a_few_steps(
             break
         manager.on_schedule_end()
     else:
-        raise AssertionError(f"an offer of {offer} into {capacity} rows was never placed")
+        raise AssertionError(
+            f"an offer of {offer} into {capacity} rows was never placed"
+        )
     assert step <= 3
     assert out.keys_to_store == new and all(disk.lookup(k) for k in out.evicted_keys)
     rows = manager.backend.rows
