@@ -238,6 +238,9 @@ class SecondaryTier(ABC):
 
     #: medium name carried by events and specs (``"LMDB"``, ``"FILES"`` ...)
     medium: str = ""
+    #: whether the blocks live off this host (a shared server): how an engine that limits a
+    #: request's tiers by locality (vLLM's ``kv_load_tiers``) tells this tier from a disk
+    remote: bool = False
 
     def __init__(self, name: str, block_bytes: int, capacity_blocks: int):
         #: the tier's name in the stack (from configuration)

@@ -127,6 +127,7 @@ class ValkeyTier(SecondaryTier):
     """
 
     medium = "VALKEY"
+    remote = True
 
     def __init__(
         self,
