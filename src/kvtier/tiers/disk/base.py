@@ -45,6 +45,7 @@ from kvtier.tiers.disk.blockio import BlockIO, RowIO
 from kvtier.tiers.disk.config import FSYNC_CHOICES, O_DIRECT_CHOICES, DiskTierConfig
 from kvtier.tiers.disk.format import LayoutFingerprint, on_disk_block_bytes
 from kvtier.tiers.disk.mover import Mover, MoverJob
+from kvtier.tiers.secret import TierKeys, tier_keys
 from kvtier.tiers.disk.store import (
     StoreLocks,
     claim_path,
@@ -102,6 +103,7 @@ class DiskTier(IndexedTier):
         or the directory gets wrong, with the fix.
         """
         cls._check_config(config, field)
+        keys = tier_keys(config, field)  # before anything is created: a bad secret file changes nothing
         try:
             rowio = RowIO(rows)
         except ValueError as exc:
@@ -139,7 +141,7 @@ class DiskTier(IndexedTier):
             direct, fallback = decide_direct(config, directory, rowio, field)
             tier = cls(
                 config, rowio, fingerprint, capacity_blocks, directory, field, policy_class,
-                threads if threads is not None else config.threads, direct,
+                threads if threads is not None else config.threads, direct, keys=keys,
             )
             if fallback is not None:
                 tier._io.fall_back(fallback)
@@ -194,6 +196,7 @@ class DiskTier(IndexedTier):
         policy_class: type[EvictionPolicy],
         threads: int,
         direct: bool,
+        keys: TierKeys | None = None,
     ):
         """Use :meth:`open`."""
         super().__init__(config.name, rowio.block_bytes, capacity_blocks, policy_class(capacity_blocks))
@@ -208,7 +211,9 @@ class DiskTier(IndexedTier):
         self._field = field
         self._fsync = config.fsync
         self._threads = threads
-        self._io = BlockIO(rowio, fingerprint.digest(), direct, self._counters, f"tier {config.name} at {directory}")
+        self._io = BlockIO(
+            rowio, fingerprint.digest(), direct, self._counters, f"tier {config.name} at {directory}", keys=keys,
+        )
         self._touched: set[OffloadKey] = set()
         # Blocks listed on the medium (mover thread) for this process to adopt (scheduler
         # thread, next poll); see IndexedTier._adopt_blocks. A plain attribute handed over

@@ -18,6 +18,7 @@ from kvtier.policies.admission import ADMIT_MODES
 from kvtier.registry import Registry
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.disk.mover import DEFAULT_THREADS
+from kvtier.tiers.secret import parse_secret_options
 
 __all__ = ["DISK_MEDIA", "FSYNC_CHOICES", "O_DIRECT_CHOICES", "DiskTierConfig"]
 
@@ -51,6 +52,11 @@ class DiskTierConfig(TierConfig):
     min_reuse: int = 2
     # the drive's rated endurance in terabytes written; stats project its life from it
     endurance_tbw: float | None = None
+    # a file of >= 32 random bytes (mode 0600, this user's): blocks carry a keyed MAC and
+    # blocks written without it (or under another) are misses; None: xxh3 checksums only
+    secret_file: str | None = None
+    # none, or aes-gcm: blocks are encrypted at rest under secret_file
+    encrypt: str = "none"
 
     @classmethod
     def parse_options(cls, section: Mapping[str, object], field: str, name: str) -> dict[str, object]:
@@ -89,6 +95,7 @@ class DiskTierConfig(TierConfig):
                     "write the drive's rated endurance, such as 600",
                 )
             options["endurance_tbw"] = float(tbw)
+        options.update(parse_secret_options(section, field))
         return options
 
     def location(self) -> str | None:

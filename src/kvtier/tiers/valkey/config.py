@@ -9,6 +9,8 @@
   ttl_s: 86400                       # optional: values expire after this many seconds
   timeout_s: 1.0                     # a job waits at most this long for the server
   max_inflight_bytes: 256MiB         # bytes of one pipelined batch, and of reads held for loads
+  secret_file: /etc/kvtier/secret    # optional: keyed MACs and names (see README "Security")
+  encrypt: aes-gcm                   # optional, with secret_file: values encrypted at rest
 ```
 
 The server owns capacity and eviction (``maxmemory`` with ``allkeys-lru``): the section takes
@@ -26,6 +28,7 @@ from urllib.parse import urlsplit
 
 from kvtier.config import TierConfig, parse_size
 from kvtier.errors import ConfigError
+from kvtier.tiers.secret import parse_secret_options
 
 __all__ = ["VALKEY_KINDS", "ValkeyTierConfig", "parse"]
 
@@ -65,6 +68,12 @@ class ValkeyTierConfig(TierConfig):
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     # a key the server did not have answers False for this long before it is asked again
     miss_ttl_s: float = DEFAULT_MISS_TTL_S
+    # a file of >= 32 random bytes (mode 0600, this user's), the same on every engine sharing
+    # the tier: values carry a keyed MAC (others are misses), names and the default namespace
+    # are keyed; None: xxh3 checksums and names from the public block hashes
+    secret_file: str | None = None
+    # none, or aes-gcm: values are encrypted under secret_file
+    encrypt: str = "none"
 
     #: the server bounds and evicts the tier: the section takes no capacity or eviction
     bounded_by_server: ClassVar[bool] = True
@@ -100,6 +109,7 @@ class ValkeyTierConfig(TierConfig):
             if size <= 0:
                 raise ConfigError(f"{field}.max_inflight_bytes", size, "a size > 0", "write a size such as 256MiB")
             options["max_inflight_bytes"] = size
+        options.update(parse_secret_options(section, field))
         return options
 
     def location(self) -> str | None:
