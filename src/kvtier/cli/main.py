@@ -133,7 +133,7 @@ def _check(args: argparse.Namespace) -> int:
               "--cluster HOST:PORT,...", file=sys.stderr)
         return 2
     try:
-        report = check_store(args.path, fix=args.fix)
+        report = check_store(args.path, fix=args.fix, secret_file=args.secret_file)
     except KvtierError as exc:
         if args.json:
             print(json.dumps({"path": args.path, "healthy": False, "error": str(exc)}, sort_keys=True))
@@ -170,7 +170,10 @@ def _check_valkey(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        report = check_valkey(args.path, cluster_nodes=nodes, namespace=args.namespace, fix=args.fix)
+        report = check_valkey(
+            args.path, cluster_nodes=nodes, namespace=args.namespace, fix=args.fix,
+            secret_file=args.secret_file,
+        )
     except (KvtierError, ImportError) as exc:
         if args.json:
             print(json.dumps({"path": target, "healthy": False, "error": str(exc)}, sort_keys=True))
@@ -188,6 +191,8 @@ def _check_valkey(args: argparse.Namespace) -> int:
         state = "healthy" if found.healthy else f"{len(found.problems)} problems"
         print(f"  {found.namespace}: {found.blocks_checked} blocks, {found.value_bytes} bytes, "
               f"layout {found.layout_digest or '-'}, {state}")
+        if found.unverified:
+            print(f"    unverified: {found.unverified} keyed values (give --secret-file to verify them)")
         if len(found.layout_digests) > 1:
             print("    layouts found: " + ", ".join(f"{d} ({n})" for d, n in found.layout_digests.items()))
         for problem in found.problems:
@@ -377,6 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
     check_path.add_argument(
         "--cluster", metavar="HOST:PORT,...",
         help="valkey: a cluster, instead of a URL: some of its nodes (the rest are discovered)",
+    )
+    check_path.add_argument(
+        "--secret-file", metavar="FILE",
+        help="the tier's secret_file: verify keyed blocks/values (without it, a store of keyed blocks "
+        "reports them as problems and --fix is refused; keyed values on a server are counted unverified)",
     )
     check_path.set_defaults(func=_check)
 

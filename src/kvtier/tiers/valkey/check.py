@@ -9,6 +9,11 @@ and one that does not is a problem. Which digest is the namespace's: for a defau
 (``kvtier:`` + the first 8 bytes of the digest, in hex) the one its name names; otherwise
 the one most of its values carry (a tie: the smallest digest, so the answer is repeatable).
 
+Values written with a secret (keyed: :mod:`kvtier.tiers.secret`) are verified only by a
+check given the same secret (``--secret-file``); without it they are counted as
+``unverified``, neither healthy nor a problem (and never deleted by ``fix``). With it, an
+unkeyed value, or one whose tag does not hold, is a problem.
+
 :meth:`ValkeyTier.check` runs the same code (:func:`check_namespace`) with its own layout, so
 there is one per-value verification, whoever asks.
 
@@ -26,6 +31,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError, ValkeyCheckError
 from kvtier.tiers.disk.format import HEADER_BYTES, decode_header, verify
+from kvtier.tiers.secret import tier_keys
 from kvtier.tiers.valkey.config import URL_SCHEMES, parse
 from kvtier.tiers.valkey.connection import ValkeyConnection, is_outage, reason_of
 
@@ -69,6 +75,8 @@ class NamespaceReport:
     problems: list[str] = field(default_factory=list)
     #: what ``fix=True`` did about them
     fixed: list[str] = field(default_factory=list)
+    #: keyed values (written with a secret) a check without the secret cannot verify
+    unverified: int = 0
 
     @property
     def healthy(self) -> bool:
@@ -80,6 +88,7 @@ class NamespaceReport:
             "healthy": self.healthy, "blocks_checked": self.blocks_checked, "bytes": self.value_bytes,
             "layout_digest": self.layout_digest, "layout_digests": dict(self.layout_digests),
             "problems": list(self.problems), "fixed": list(self.fixed),
+            "unverified": self.unverified,
         }
 
 
@@ -123,7 +132,7 @@ def is_valkey_target(path: str) -> bool:
 
 
 def verify_value(value, key: bytes, *, layout_digest: bytes | None = None,
-                 payload_bytes: int | None = None) -> tuple[str | None, bytes | None]:
+                 payload_bytes: int | None = None, keys=None) -> tuple[str | None, bytes | None]:
     """Why ``value`` is not ``key``'s block, or ``None``; and the layout digest its header carries.
 
     With ``layout_digest`` and ``payload_bytes`` (a tier that knows its layout) the value must
@@ -139,9 +148,12 @@ def verify_value(value, key: bytes, *, layout_digest: bytes | None = None,
         return header, None
     want_digest = header.layout_digest if layout_digest is None else layout_digest
     want_bytes = header.payload_bytes if payload_bytes is None else payload_bytes
+    payload = view[HEADER_BYTES : HEADER_BYTES + want_bytes]
+    if keys is not None and header.flags and len(payload) == want_bytes:
+        payload = bytearray(payload)  # an encrypted payload is decrypted in place
     reason = verify(
-        view[:HEADER_BYTES], view[HEADER_BYTES : HEADER_BYTES + want_bytes], len(view),
-        key=key, layout_digest=want_digest, payload_bytes=want_bytes,
+        view[:HEADER_BYTES], payload, len(view),
+        key=key, layout_digest=want_digest, payload_bytes=want_bytes, keys=keys,
     )
     if reason is None and len(view) > HEADER_BYTES + want_bytes:
         reason = "payload length"  # trailing bytes: not what any tier wrote
@@ -178,6 +190,7 @@ def check_namespace(
     layout_digest: bytes | None = None,
     payload_bytes: int | None = None,
     batch_bytes: int = CHECK_BATCH_BYTES,
+    keys=None,
 ) -> NamespaceReport:
     """Read and verify the values ``names`` (all ``<namespace>:...``); with ``fix``, DEL the bad ones.
 
@@ -225,7 +238,12 @@ def check_namespace(
             if key is None:
                 bad[name] = "name is not <namespace>:<hex key>"
                 continue
-            reason, digest = verify_value(value, key, layout_digest=layout_digest, payload_bytes=payload_bytes)
+            reason, digest = verify_value(
+                value, key, layout_digest=layout_digest, payload_bytes=payload_bytes, keys=keys
+            )
+            if reason == "keyed (no secret here)":
+                report.unverified += 1  # only the secret can tell a keyed value from a forgery
+                continue
             if digest is not None:
                 digests[digest] += 1
             if reason is not None:
@@ -286,11 +304,13 @@ def check_valkey(
     namespace: str | None = None,
     fix: bool = False,
     timeout_s: float = CHECK_TIMEOUT_S,
+    secret_file: str | None = None,
 ) -> ValkeyCheckReport:
     """Verify every value of ``namespace`` (default: every ``kvtier:*`` namespace) on a server
     (``url``: any URL the valkey tier takes, TLS included) or a cluster (``cluster_nodes``).
 
-    Names are listed by :func:`namespace_names` (SCAN, never KEYS). Safe while engines use
+    ``secret_file``: the tiers' secret, to verify keyed values (without it they are counted
+    as unverified). Names are listed by :func:`namespace_names` (SCAN, never KEYS). Safe while engines use
     the tier. Raises :class:`~kvtier.errors.ConfigError` for a bad URL, node or namespace or
     a missing client, and :class:`ValkeyCheckError` if the server cannot be reached or
     answers with an error.
@@ -309,7 +329,10 @@ def check_valkey(
         section["url"] = url
     if namespace is not None:
         section["namespace"] = namespace
+    if secret_file is not None:
+        section["secret_file"] = secret_file
     config = parse(section, "check")
+    keys = tier_keys(config, "check")
     target = config.location() or ""
     conn = ValkeyConnection(config)
     try:
@@ -320,7 +343,7 @@ def check_valkey(
             raise _unreachable(target, error) from None
         report = ValkeyCheckReport(target)
         for owner in sorted(groups):
-            report.namespaces.append(check_namespace(conn, owner, groups[owner], fix=fix))
+            report.namespaces.append(check_namespace(conn, owner, groups[owner], fix=fix, keys=keys))
         return report
     finally:
         conn.close()
