@@ -16,11 +16,17 @@ Rounds alternate which goes first; the figures are medians, and ``*_ratio`` = ti
 (goal >= 0.8 both ways). The server is a local ``valkey-server`` on 127.0.0.1 unless ``--url``
 names one. Payload GB/s (the tier also moves a 4 KiB header per block: 6% at 64 KiB, 0.2% at
 2 MiB). Cost grows linearly with bytes; per block the tier adds one header encode/verify.
+
+With ``--secrets`` each round also runs the tier with a ``secret_file`` (``keyed``: GMAC per
+value, keyed names) and with ``encrypt: aes-gcm`` (``encrypted``) right after the plain tier;
+``<size>_keyed_store_cost`` etc. are 1 - (that tier's rate / the plain tier's in the same
+round), the median over rounds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import statistics
 import sys
 import time
@@ -42,12 +48,15 @@ def _keys(count: int, salt: int) -> list[bytes]:
     return [make_offload_key(salt.to_bytes(8, "little") + i.to_bytes(24, "little"), 0) for i in range(count)]
 
 
-def _tier(url: str, rows: np.ndarray, namespace: str):
+def _tier(url: str, rows: np.ndarray, namespace: str, **secret_options: Any):
     from kvtier.tiers.disk.format import LayoutFingerprint
     from kvtier.tiers.valkey.config import parse
     from kvtier.tiers.valkey.tier import ValkeyTier
 
-    config = parse({"kind": "valkey", "name": "bench", "url": url, "namespace": namespace, "timeout_s": 30}, "bench")
+    config = parse(
+        {"kind": "valkey", "name": "bench", "url": url, "namespace": namespace, "timeout_s": 30, **secret_options},
+        "bench",
+    )
     return ValkeyTier.open(config, rows, LayoutFingerprint.standalone(rows.shape[1]))
 
 
@@ -62,12 +71,13 @@ def _run_job(tier, job, load: bool) -> None:
         raise RuntimeError(f"a {what} failed: {sorted(set(result.failed.values()))}")
 
 
-def _tier_round(url: str, rows: np.ndarray, out_rows: np.ndarray, keys, round_index: int) -> tuple[float, float]:
+def _tier_round(url: str, rows: np.ndarray, out_rows: np.ndarray, keys, round_index: int,
+                **secret_options: Any) -> tuple[float, float]:
     from kvtier.tiers.base import TierJob
 
     namespace = f"bench-{round_index}"
-    writer = _tier(url, rows, namespace)
-    reader = _tier(url, out_rows, namespace)
+    writer = _tier(url, rows, namespace, **secret_options)
+    reader = _tier(url, out_rows, namespace, **secret_options)
     try:
         job_rows = tuple(range(len(keys)))
         start = time.perf_counter()
@@ -119,8 +129,11 @@ def _raw_round(client, names, values, batch: int) -> tuple[float, float]:
     return put, get
 
 
-def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | None = None) -> dict[str, Any]:
-    """Measure, print a table and one JSON line; the JSON record."""
+def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | None = None,
+        secrets: bool = False) -> dict[str, Any]:
+    """Measure, print a table and one JSON line; the JSON record. ``secrets``: also the keyed
+    and the encrypted tier (module docstring)."""
+    from kvtier.bench.disk import make_bench_secret, secret_variants
     import valkey
 
     from kvtier.tiers.valkey.config import DEFAULT_MAX_INFLIGHT_BYTES
@@ -129,7 +142,14 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
     out = out or sys.stdout
     record: dict[str, Any] = {"mib": mib, "rounds": rounds}
     rows_out = []
+    cost_rows = []
     with contextlib.ExitStack() as stack:
+        secret_file = None
+        if secrets:
+            secret_dir, secret_file = make_bench_secret()
+            stack.callback(shutil.rmtree, secret_dir, True)
+        variants = secret_variants(secret_file)
+        record["secrets"] = [name for name, _ in variants]
         if url is None:
             # room for a round of the tier's and the raw values, and a margin
             server = stack.enter_context(LocalValkeyServer(maxmemory=4 * (mib << 20) + (256 << 20)))
@@ -154,6 +174,7 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
             values = [row.tobytes() for row in rows]
             batch = max(1, DEFAULT_MAX_INFLIGHT_BYTES // size)
             tier_times, raw_times = [], []
+            variant_times: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in variants}
             for round_index in range(rounds):
                 if round_index % 2 == 0:
                     tier_times.append(_tier_round(url, rows, out_rows, keys, round_index))
@@ -164,6 +185,9 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
                     client.flushdb()
                     tier_times.append(_tier_round(url, rows, out_rows, keys, round_index))
                 client.flushdb()
+                for name, options in variants:
+                    variant_times[name].append(_tier_round(url, rows, out_rows, keys, round_index, **options))
+                    client.flushdb()
             total = count * size
             label = f"{size >> 10}k"
             figures = {}
@@ -176,6 +200,19 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
                 record[f"{label}_{name}_gbps"] = value
             record[f"{label}_store_ratio"] = store_ratio
             record[f"{label}_load_ratio"] = load_ratio
+            for name, times in variant_times.items():
+                costs = {}
+                for phase, at in (("store", 0), ("load", 1)):
+                    record[f"{label}_{name}_{phase}_gbps"] = total / statistics.median(t[at] for t in times) / 1e9
+                    # a time ratio per round: plain / variant is the variant's rate over the plain one's
+                    costs[phase] = record[f"{label}_{name}_{phase}_cost"] = 1 - statistics.median(
+                        p[at] / v[at] for p, v in zip(tier_times, times)
+                    )
+                cost_rows.append({
+                    "block": f"{size >> 10} KiB", "tier": name,
+                    "store_GB/s": record[f"{label}_{name}_store_gbps"], "store_cost": costs["store"],
+                    "load_GB/s": record[f"{label}_{name}_load_gbps"], "load_cost": costs["load"],
+                })
             rows_out.append({
                 "block": f"{size >> 10} KiB", "blocks": count,
                 "tier_store_GB/s": figures["tier_store"], "raw_set_GB/s": figures["raw_store"],
@@ -186,5 +223,7 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
     print(f"kvtier bench remote: {mib} MiB per size, median of {rounds} paired rounds", file=out)
     print_table(rows_out, ["block", "blocks", "tier_store_GB/s", "raw_set_GB/s", "store_ratio",
                            "tier_load_GB/s", "raw_get_GB/s", "load_ratio"], out)
+    if cost_rows:
+        print_table(cost_rows, ["block", "tier", "store_GB/s", "store_cost", "load_GB/s", "load_cost"], out)
     print_json(record, out)
     return record

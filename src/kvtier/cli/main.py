@@ -209,7 +209,7 @@ def _bench_disk(args: argparse.Namespace) -> int:
         _report(args, lambda out: disk.run(
             backend=args.backend, gib=args.gib, threads=args.threads, directory=args.dir,
             rounds=args.rounds, open_blocks=args.open_blocks, drop_caches=not args.no_drop_caches,
-            fsync=args.fsync, out=out,
+            fsync=args.fsync, secrets=args.secrets, out=out,
         ))
     except (KvtierError, RuntimeError, OSError) as exc:
         # a block that failed to store or load, or came back different, ends the run
@@ -282,7 +282,9 @@ def _bench_remote(args: argparse.Namespace) -> int:
     from kvtier.bench import remote
 
     try:
-        _report(args, lambda out: remote.run(mib=args.mib, rounds=args.rounds, url=args.url, out=out))
+        _report(args, lambda out: remote.run(
+            mib=args.mib, rounds=args.rounds, url=args.url, out=out, secrets=args.secrets,
+        ))
     except (KvtierError, RuntimeError, OSError, ImportError) as exc:
         # no server binary or client, or a block that failed or came back different
         print(f"kvtier bench remote: {exc}", file=sys.stderr)
@@ -459,6 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-drop-caches", action="store_true",
         help="never empty the machine's page cache (as root it does, for cold reads and opens)",
     )
+    bench_disk.add_argument(
+        "--secrets", action="store_true",
+        help="also measure the tier with a secret_file (keyed MAC) and with encrypt: aes-gcm, "
+        "side by side; *_cost = 1 - rate / the plain tier's (needs the cryptography package)",
+    )
     bench_disk.set_defaults(func=_bench_disk)
     bench_remote = bench_commands.add_parser(
         "remote", help="the valkey tier's store/load GB/s against the raw client's pipelined SET/GET"
@@ -467,6 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_remote.add_argument("--mib", type=int, default=128, help="MiB per block size and round (default 128)")
     bench_remote.add_argument("--rounds", type=int, default=5, help="paired rounds; the median is kept (default 5)")
     bench_remote.add_argument("--url", default=None, help="a server (default: a local valkey-server on 127.0.0.1)")
+    bench_remote.add_argument(
+        "--secrets", action="store_true",
+        help="also measure the tier with a secret_file (keyed MAC and names) and with encrypt: aes-gcm, "
+        "side by side; *_cost = 1 - rate / the plain tier's (needs the cryptography package)",
+    )
     bench_remote.set_defaults(func=_bench_remote)
     bench_cascade = bench_commands.add_parser(
         "cascade",
