@@ -188,10 +188,14 @@ def _kvtier_round(
     try:
         tier = open_store(config, rows, LayoutFingerprint.standalone(BLOCK_BYTES), field="bench", threads=threads)
         try:
+            cpu = time.process_time()
             write_s = _run_jobs(tier, keys, list(range(count)), load=False, job_base=0)
+            write_cpu = time.process_time() - cpu
             rows[:] = 0
             method = "o_direct" if tier.o_direct else _drop_page_cache(_store_files(path), drop_caches)
+            cpu = time.process_time()
             read_s = _run_jobs(tier, keys, list(range(count)), load=True, job_base=1 << 20)
+            read_cpu = time.process_time() - cpu
             o_direct = tier.o_direct
         finally:
             tier.close()
@@ -204,6 +208,10 @@ def _kvtier_round(
     return {
         "write_gbps": nbytes / write_s / 1e9,
         "read_gbps": nbytes / read_s / 1e9,
+        # CPU seconds of this process (every thread) per GB moved: what a secret adds, free
+        # of the disk's drift (the rates swing +-25% here from round to round)
+        "write_cpu_s_per_gb": write_cpu / (nbytes / 1e9),
+        "read_cpu_s_per_gb": read_cpu / (nbytes / 1e9),
         "cold_read_method": method,
         "o_direct": o_direct,
     }
@@ -386,22 +394,28 @@ def run(
                 baseline = _baseline_round(region, directory, threads, drop_caches)
             sample = {**measured, **baseline}
             # the variants in a rotating order, each paired with this round's plain tier
-            for name, options in variants[round_index % max(1, len(variants)):] + variants[: round_index % max(1, len(variants))]:
+            turn = round_index % max(1, len(variants))
+            for name, options in variants[turn:] + variants[:turn]:
                 keyed = _kvtier_round(backend, region, directory, threads, sums, drop_caches, fsync, **options)
                 for phase in ("write", "read"):
                     sample[f"{name}_{phase}_gbps"] = keyed[f"{phase}_gbps"]
                     sample[f"{name}_{phase}_cost"] = 1 - keyed[f"{phase}_gbps"] / measured[f"{phase}_gbps"]
+                    sample[f"{name}_{phase}_extra_cpu_s_per_gb"] = (
+                        keyed[f"{phase}_cpu_s_per_gb"] - measured[f"{phase}_cpu_s_per_gb"]
+                    )
             vllm_fs = _vllm_fs_round(region, directory, drop_caches)
             samples.append({**sample, **(vllm_fs or {})})
     finally:
         region.close()
         if secret_dir is not None:
             shutil.rmtree(secret_dir, ignore_errors=True)
-    names = ["write_gbps", "read_gbps", "baseline_write_gbps", "baseline_read_gbps"]
+    names = ["write_gbps", "read_gbps", "baseline_write_gbps", "baseline_read_gbps",
+             "write_cpu_s_per_gb", "read_cpu_s_per_gb"]
     if "vllm_fs_write_gbps" in samples[0]:
         names += ["vllm_fs_write_gbps", "vllm_fs_read_gbps"]
     for name, _ in variants:
-        names += [f"{name}_{phase}_{what}" for phase in ("write", "read") for what in ("gbps", "cost")]
+        names += [f"{name}_{phase}_{what}" for phase in ("write", "read")
+                  for what in ("gbps", "cost", "extra_cpu_s_per_gb")]
     figures = {name: median(sample[name] for sample in samples) for name in names}
     # Ratios pair each round's kvtier figure with that round's baseline, then take the median:
     # the disk's speed drifts by +-25% over a minute here, and pairing cancels the drift that a
@@ -424,7 +438,7 @@ def run(
         "cold_read_method": samples[-1]["cold_read_method"],
         "dir": directory,
         "filesystem": _filesystem(directory),
-        "samples": [{k: v for k, v in s.items() if k.endswith(("gbps", "ratio", "cost"))} for s in samples],
+        "samples": [{k: v for k, v in s.items() if k.endswith(("gbps", "ratio", "cost", "_gb"))} for s in samples],
         "secrets": [name for name, _ in variants],
         # "measured": vLLM's fs tier ran in this run (vllm_fs_*_gbps); else its reference figures
         "vllm_fs": "measured" if "vllm_fs_write_gbps" in figures else "reference",
@@ -451,9 +465,11 @@ def run(
     if variants:
         print_table(
             [{"tier": name, "phase": phase, "gbps": figures[f"{name}_{phase}_gbps"],
-              "plain_gbps": figures[f"{phase}_gbps"], "cost": figures[f"{name}_{phase}_cost"]}
+              "plain_gbps": figures[f"{phase}_gbps"], "cost": figures[f"{name}_{phase}_cost"],
+              "plain_cpu_s/GB": figures[f"{phase}_cpu_s_per_gb"],
+              "extra_cpu_s/GB": figures[f"{name}_{phase}_extra_cpu_s_per_gb"]}
              for name, _ in variants for phase in ("write", "read")],
-            ["tier", "phase", "gbps", "plain_gbps", "cost"], out,
+            ["tier", "phase", "gbps", "plain_gbps", "cost", "plain_cpu_s/GB", "extra_cpu_s/GB"], out,
         )
     if open_blocks:
         cold = record["open_cold_s"]

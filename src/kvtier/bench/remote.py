@@ -133,9 +133,9 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
         secrets: bool = False) -> dict[str, Any]:
     """Measure, print a table and one JSON line; the JSON record. ``secrets``: also the keyed
     and the encrypted tier (module docstring)."""
-    from kvtier.bench.disk import make_bench_secret, secret_variants
     import valkey
 
+    from kvtier.bench.disk import make_bench_secret, secret_variants
     from kvtier.tiers.valkey.config import DEFAULT_MAX_INFLIGHT_BYTES
     from kvtier.tiers.valkey.server import LocalValkeyServer
 

@@ -129,13 +129,12 @@ def read_secret_file(path: str, field: str) -> bytes:
                 field, path, f"{SECRET_MIN_BYTES} to {SECRET_MAX_BYTES} bytes, not {info.st_size}",
                 _FIX_CREATE,
             )
-        chunks = []
-        while sum(map(len, chunks)) < info.st_size:
-            chunk = os.read(fd, info.st_size)
+        secret = b""
+        while len(secret) < info.st_size:
+            chunk = os.read(fd, info.st_size - len(secret))
             if not chunk:
                 break
-            chunks.append(chunk)
-        secret = b"".join(chunks)
+            secret += chunk
     finally:
         os.close(fd)
     if len(secret) < SECRET_MIN_BYTES:
@@ -144,7 +143,7 @@ def read_secret_file(path: str, field: str) -> bytes:
 
 
 def _crypto() -> Any:
-    """The ``cryptography`` pieces used here, or a ConfigError with the fix."""
+    """The ``cryptography`` pieces used here (Cipher, AES, GCM, InvalidTag), or None."""
     try:
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -105,8 +107,7 @@ def test_encryption_round_trips_and_stores_no_plaintext(kind, tmp_path, shm, sec
     assert store(tier, shm.rows, keys).success
     assert all(holds(shm.rows, i, k) for i, k in enumerate(keys))  # the CPU rows stay plaintext
     on_disk = b"".join(
-        open(os.path.join(root, name), "rb").read()
-        for root, _, names in os.walk(tmp_path / "s") for name in names
+        Path(root, name).read_bytes() for root, _, names in os.walk(tmp_path / "s") for name in names
     )
     for k in keys:
         clear = payload(k, BLOCK).tobytes()
@@ -138,3 +139,22 @@ def test_check_with_the_secret(kind, tmp_path, shm, secrets_dir):
     with pytest.raises(ConfigError, match="0600"):
         os.chmod(secret, 0o644)
         check_store(str(tmp_path / "s"), secret_file=secret)
+
+
+def test_kvtier_check_takes_the_secret_file(kind, tmp_path, shm, secrets_dir, capsys):
+    from kvtier.cli.main import main
+
+    secret = str(secrets_dir / "a")
+    tier = open_tier(kind, tmp_path / "s", shm.rows, 8, secret_file=secret)
+    assert store(tier, shm.rows, [key(i) for i in range(2)]).success
+    tier.close()
+    assert main(["check", str(tmp_path / "s"), "--secret-file", secret, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["healthy"] and record["blocks_checked"] == 2
+    with open(secret, "rb") as stream:
+        secret_bytes = stream.read()
+    assert main(["check", str(tmp_path / "s"), "--secret-file", str(secrets_dir / "b")]) == 1
+    out = capsys.readouterr()
+    assert "MAC" in out.out and secret_bytes.hex() not in out.out + out.err
+    assert main(["check", str(tmp_path / "s"), "--fix"]) == 1
+    assert "--secret-file" in capsys.readouterr().err

@@ -45,7 +45,6 @@ from kvtier.tiers.disk.blockio import BlockIO, RowIO
 from kvtier.tiers.disk.config import FSYNC_CHOICES, O_DIRECT_CHOICES, DiskTierConfig
 from kvtier.tiers.disk.format import LayoutFingerprint, on_disk_block_bytes
 from kvtier.tiers.disk.mover import Mover, MoverJob
-from kvtier.tiers.secret import TierKeys, tier_keys
 from kvtier.tiers.disk.store import (
     StoreLocks,
     claim_path,
@@ -54,6 +53,7 @@ from kvtier.tiers.disk.store import (
     release_path,
     settle_manifest,
 )
+from kvtier.tiers.secret import TierKeys, tier_keys
 
 __all__ = ["DiskTier"]
 

@@ -27,7 +27,6 @@ import xxhash
 
 from kvtier.base import OffloadKey
 from kvtier.tiers.base import Failure, TierCounters
-from kvtier.tiers.secret import TierKeys
 from kvtier.tiers.disk.format import (
     HEADER_BYTES,
     PAGE_BYTES,
@@ -35,6 +34,7 @@ from kvtier.tiers.disk.format import (
     padded_payload_bytes,
     verify,
 )
+from kvtier.tiers.secret import TierKeys
 
 __all__ = [
     "O_DIRECT",

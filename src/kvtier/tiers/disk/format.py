@@ -39,23 +39,23 @@ import numpy as np
 import xxhash
 
 __all__ = [
+    "FLAG_ENCRYPTED",
+    "FLAG_KEYED",
     "FORMAT_VERSION",
     "HEADER_BYTES",
     "MAX_KEY_BYTES",
     "PAGE_BYTES",
-    "BlockHeader",
-    "LayoutFingerprint",
-    "FLAG_ENCRYPTED",
-    "FLAG_KEYED",
     "READ_VERSIONS",
     "SALT_BYTES",
     "TAG_BYTES",
+    "BlockHeader",
+    "LayoutFingerprint",
     "decode_header",
     "encode_header_into",
     "mac_parts",
-    "set_tag",
     "on_disk_block_bytes",
     "padded_payload_bytes",
+    "set_tag",
     "verify",
 ]
 

@@ -53,7 +53,6 @@ import xxhash
 from kvtier.base import OffloadingEvent, OffloadKey
 from kvtier.errors import ValkeyCheckError
 from kvtier.tiers.base import CheckReport, SecondaryTier, TierJob, TierJobResult
-from kvtier.tiers.secret import tier_keys
 from kvtier.tiers.disk.format import (
     HEADER_BYTES,
     LayoutFingerprint,
@@ -61,9 +60,15 @@ from kvtier.tiers.disk.format import (
     encode_header_into,
     verify,
 )
+from kvtier.tiers.secret import tier_keys
 from kvtier.tiers.valkey.check import check_namespace, namespace_names
 from kvtier.tiers.valkey.config import ValkeyTierConfig
-from kvtier.tiers.valkey.connection import UNAVAILABLE, ValkeyConnection, is_outage, reason_of
+from kvtier.tiers.valkey.connection import (
+    UNAVAILABLE,
+    ValkeyConnection,
+    is_outage,
+    reason_of,
+)
 
 __all__ = ["ValkeyTier", "default_namespace"]
 
