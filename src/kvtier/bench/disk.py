@@ -33,7 +33,7 @@ after dropping the page cache, when this process may (root).
 
 With ``--secrets`` each round also runs the kvtier write and read with a ``secret_file``
 (``keyed``: every block tagged with GMAC and verified on read) and with ``encrypt: aes-gcm``
-(``encrypted``), in an order that rotates between rounds with the plain tier's;
+(``encrypted``), the three in an order that rotates between rounds;
 ``keyed_write_cost`` etc. are 1 - (that variant's rate / the plain tier's rate in the same
 round), the median over rounds: what the secret costs in throughput.
 
@@ -179,6 +179,7 @@ def _kvtier_round(
 ) -> dict[str, Any]:
     rows = region.rows
     count = region.num_rows
+    os.sync()  # the previous run's writes and deletions land before this run's clock starts
     path = tempfile.mkdtemp(prefix=f"kvtier-bench-{kind}-", dir=directory)
     config = DiskTierConfig(
         name="bench", kind=kind, capacity_bytes=count * on_disk_block_bytes(BLOCK_BYTES), path=path,
@@ -385,18 +386,23 @@ def run(
         if secrets:
             secret_dir, secret_file = make_bench_secret()
         variants = secret_variants(secret_file)
+        tiers: list[tuple[str, dict[str, Any]]] = [("plain", {}), *variants]
         for round_index in range(rounds):
+            # the plain tier and its variants in an order that rotates between rounds (the
+            # run after another meets the disk busy with the deletion of the last store)
+            turn = round_index % len(tiers)
             if round_index % 2 == 0:
                 baseline = _baseline_round(region, directory, threads, drop_caches)
-                measured = _kvtier_round(backend, region, directory, threads, sums, drop_caches, fsync)
-            else:
-                measured = _kvtier_round(backend, region, directory, threads, sums, drop_caches, fsync)
+            runs = {
+                name: _kvtier_round(backend, region, directory, threads, sums, drop_caches, fsync, **options)
+                for name, options in tiers[turn:] + tiers[:turn]
+            }
+            if round_index % 2 == 1:
                 baseline = _baseline_round(region, directory, threads, drop_caches)
+            measured = runs["plain"]
             sample = {**measured, **baseline}
-            # the variants in a rotating order, each paired with this round's plain tier
-            turn = round_index % max(1, len(variants))
-            for name, options in variants[turn:] + variants[:turn]:
-                keyed = _kvtier_round(backend, region, directory, threads, sums, drop_caches, fsync, **options)
+            for name, _ in variants:
+                keyed = runs[name]
                 for phase in ("write", "read"):
                     sample[f"{name}_{phase}_gbps"] = keyed[f"{phase}_gbps"]
                     sample[f"{name}_{phase}_cost"] = 1 - keyed[f"{phase}_gbps"] / measured[f"{phase}_gbps"]
