@@ -18,7 +18,8 @@ names one. Payload GB/s (the tier also moves a 4 KiB header per block: 6% at 64 
 2 MiB). Cost grows linearly with bytes; per block the tier adds one header encode/verify.
 
 With ``--secrets`` each round also runs the tier with a ``secret_file`` (``keyed``: GMAC per
-value, keyed names) and with ``encrypt: aes-gcm`` (``encrypted``) right after the plain tier;
+value, keyed names) and with ``encrypt: aes-gcm`` (``encrypted``), the three in an order that
+rotates between rounds;
 ``<size>_keyed_store_cost`` etc. are 1 - (that tier's rate / the plain tier's in the same
 round), the median over rounds.
 """
@@ -175,18 +176,19 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
             batch = max(1, DEFAULT_MAX_INFLIGHT_BYTES // size)
             tier_times, raw_times = [], []
             variant_times: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in variants}
+            tiers: list[tuple[str, dict[str, Any]]] = [("plain", {}), *variants]
             for round_index in range(rounds):
+                if round_index % 2 == 1:
+                    raw_times.append(_raw_round(client, names, values, batch))
+                    client.flushdb()
+                # the plain tier and its variants in an order that rotates between rounds
+                turn = round_index % len(tiers)
+                for name, options in tiers[turn:] + tiers[:turn]:
+                    timed = _tier_round(url, rows, out_rows, keys, round_index, **options)
+                    (tier_times if name == "plain" else variant_times[name]).append(timed)
+                    client.flushdb()
                 if round_index % 2 == 0:
-                    tier_times.append(_tier_round(url, rows, out_rows, keys, round_index))
-                    client.flushdb()
                     raw_times.append(_raw_round(client, names, values, batch))
-                else:
-                    raw_times.append(_raw_round(client, names, values, batch))
-                    client.flushdb()
-                    tier_times.append(_tier_round(url, rows, out_rows, keys, round_index))
-                client.flushdb()
-                for name, options in variants:
-                    variant_times[name].append(_tier_round(url, rows, out_rows, keys, round_index, **options))
                     client.flushdb()
             total = count * size
             label = f"{size >> 10}k"
