@@ -94,6 +94,18 @@ def test_the_section_keys_parse_and_encrypt_needs_a_secret(tmp_path):
         parse_tier({"kind": "cpu", "name": "cpu", "capacity": "1GiB", "secret_file": "/s"}, "tiers[0]")
 
 
+def test_a_secret_without_the_cryptography_package_names_the_extra(tmp_path, monkeypatch):
+    from kvtier.tiers import secret
+
+    tier = parse_tier({"kind": "files", "name": "nvme", "capacity": "1GiB", "path": str(tmp_path),
+                       "secret_file": secret_file(tmp_path)}, "tiers[1]")
+    monkeypatch.setattr(secret, "_crypto", lambda: None)  # as where the package is not installed
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.secret_file.*kvtier\[secure\]"):
+        secret.tier_keys(tier, "tiers[1]")
+    assert secret.tier_keys(parse_tier({"kind": "files", "name": "nvme", "capacity": "1GiB",
+                                        "path": str(tmp_path)}, "tiers[1]"), "tiers[1]") is None
+
+
 # -- blocks ------------------------------------------------------------------------------------
 
 crypto = pytest.importorskip  # the block tests need the cryptography package (the secure extra)

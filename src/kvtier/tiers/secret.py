@@ -14,9 +14,8 @@ A tier section may name ``secret_file:`` (a file of at least 32 random bytes, mo
   the block's tag).
 
 The MAC is GMAC: AES-256-GCM over no plaintext, the header and payload as associated data.
-Measured on 2 MiB payloads (benchmarks/secret_macs.py) it runs at ~18 GB/s against keyed
-BLAKE2b's ~0.7 and HMAC-SHA256's ~1.0, so it fits the disk and network paths where those
-would halve them. Each block's key is derived from its salt (keyed BLAKE2b), so a key serves
+Measured on 2 MiB payloads (benchmarks/bench_secret_macs.py) it runs at 12-18 GB/s against keyed
+BLAKE2b's ~0.5 and HMAC-SHA256's ~1.0, which would halve the disk and network paths. Each block's key is derived from its salt (keyed BLAKE2b), so a key serves
 one message and GCM's nonce (fixed at zero) never repeats under a key; a random 96-bit nonce
 under one tier-wide key would cap a secret at ~2**32 blocks. Rejected: a MAC of the header
 and an unkeyed xxh3 of the payload (xxh3 is not second-preimage resistant: a client who can
@@ -183,7 +182,10 @@ class TierKeys:
     def __init__(self, secret: bytes, *, encrypt: bool = False):
         crypto = _crypto()
         if crypto is None:
-            raise ConfigError("secret_file", "<set>", "the cryptography package installed", "pip install 'kvtier[secure]'")
+            raise ConfigError(
+                "secret_file", "(a secret)", "the cryptography package installed (AES-GCM and GMAC)",
+                "pip install 'kvtier[secure]'",
+            )
         self._cipher, self._aes, self._gcm, self._invalid = crypto
         self.encrypt = encrypt
         # Any length of secret becomes one 64-byte BLAKE2b key; each use gets its own subkey,
@@ -193,8 +195,6 @@ class TierKeys:
         self._enc_key = _subkey(master, b"block encryption")
         self._name_key = _subkey(master, b"value names")
         self._namespace_key = _subkey(master, b"namespace")
-        #: a public name of the secret (8 hex digits): equal ids, likely the same secret
-        self.key_id = _subkey(master, b"key id")[:4].hex()
 
     @property
     def flags(self) -> int:

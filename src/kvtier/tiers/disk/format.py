@@ -263,6 +263,8 @@ def decode_header(buffer) -> BlockHeader | str:
             _FIXED.unpack_from(view, 0)
         )
         start = _FIXED.size
+        if flags & ~(FLAG_KEYED | FLAG_ENCRYPTED) or flags == FLAG_ENCRYPTED:
+            return "header checksum"  # no writer sets these: damage (or a reader too old)
     if key_len > MAX_KEY_BYTES:
         return "header checksum"  # a length this large can only be damage
     end = start + key_len
