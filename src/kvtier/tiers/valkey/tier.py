@@ -63,12 +63,7 @@ from kvtier.tiers.disk.format import (
 from kvtier.tiers.secret import tier_keys
 from kvtier.tiers.valkey.check import check_namespace, namespace_names
 from kvtier.tiers.valkey.config import ValkeyTierConfig
-from kvtier.tiers.valkey.connection import (
-    UNAVAILABLE,
-    ValkeyConnection,
-    is_outage,
-    reason_of,
-)
+from kvtier.tiers.valkey.connection import UNAVAILABLE, ValkeyConnection, is_outage, reason_of
 
 __all__ = ["ValkeyTier", "default_namespace"]
 
