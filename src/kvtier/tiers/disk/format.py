@@ -52,6 +52,7 @@ __all__ = [
     "LayoutFingerprint",
     "decode_header",
     "encode_header_into",
+    "header_flags",
     "mac_parts",
     "on_disk_block_bytes",
     "padded_payload_bytes",
@@ -231,6 +232,11 @@ def mac_parts(buffer) -> tuple[memoryview, memoryview]:
     view = memoryview(buffer)
     (key_len,) = struct.unpack_from("<H", view, _FIXED.size - 2)
     return view[:_TAG_AT], view[_TAG_AT + TAG_BYTES : _FIXED.size + key_len]
+
+
+def header_flags(buffer) -> int:
+    """The flags of the version-2 header encoded in ``buffer`` (not checked: for a writer)."""
+    return struct.unpack_from("<I", buffer, 12)[0]
 
 
 def set_tag(buffer, tag: bytes) -> None:
