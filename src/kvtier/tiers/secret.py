@@ -251,21 +251,23 @@ class TierKeys:
         set_tag(view, self._aead(key).encrypt(_GCM_NONCE, b"", payload))
         return payload
 
-    def open(self, header_page, header: BlockHeader, payload) -> str | None:
+    def open(self, header_page, header: BlockHeader, payload, source=None) -> str | None:
         """Check a keyed block's tag (``header`` decoded from ``header_page``); decrypt an
-        encrypted ``payload`` in place (it must be writable). ``None`` if it holds, else
-        ``"MAC"`` (a payload that fails is garbage: the caller must not serve it)."""
+        encrypted payload into ``payload`` (writable), from ``source`` when given (else in
+        place). ``None`` if it holds, else ``"MAC"`` (a payload that fails is garbage: the
+        caller must not serve it)."""
         key = self._block_key(memoryview(header_page), header.flags)
         try:
             if not header.flags & FLAG_ENCRYPTED:
                 self._aead(key).decrypt(_GCM_NONCE, header.tag, payload)
                 return None
             decryptor = self._cipher(self._aes(key), self._gcm(_GCM_NONCE, header.tag)).decryptor()
+            ciphertext = payload if source is None else source
             try:
-                decryptor.update_into(payload, payload)
+                decryptor.update_into(ciphertext, payload)
             except ValueError:
                 # cryptography < 42 wants 15 spare bytes in the output: decrypt beside, copy back
-                memoryview(payload).cast("B")[:] = decryptor.update(payload)
+                memoryview(payload).cast("B")[:] = decryptor.update(ciphertext)
             decryptor.finalize()
         except self._invalid:
             return "MAC"

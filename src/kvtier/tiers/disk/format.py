@@ -291,6 +291,7 @@ def verify(
     layout_digest: bytes,
     payload_bytes: int,
     keys=None,
+    source=None,
 ) -> str | None:
     """Why the block just read is not ``key``'s block of this layout, or ``None`` if it is.
 
@@ -299,7 +300,8 @@ def verify(
     cheapest first; the payload checksum (xxh3-64, ~15 GB/s) runs only when all else holds.
     ``keys`` (a :class:`~kvtier.tiers.secret.TierKeys`, for a tier with a secret): the block
     must be keyed and its tag must hold under them; an encrypted payload is decrypted in
-    place. Without ``keys`` a keyed block is refused (it cannot be verified).
+    place, or from ``source`` (the ciphertext, where it is not already in ``payload``). Without
+    ``keys`` a keyed block is refused (it cannot be verified).
     Reasons: ``truncated``, ``bad magic``, ``format version N``, ``header checksum``,
     ``other layout``, ``other key``, ``payload length``, ``checksum``, ``unkeyed``,
     ``keyed (no secret here)``, ``MAC``.
@@ -321,7 +323,7 @@ def verify(
         # Checked before the payload is trusted: without the secret no one can make a tag hold.
         if keys is None:
             return "keyed (no secret here)"
-        return keys.open(header_page, header, payload)
+        return keys.open(header_page, header, payload, source)
     if keys is not None:
         return "unkeyed"  # written without the secret, or planted: never served with one
     if xxhash.xxh3_64_intdigest(payload) != header.checksum:

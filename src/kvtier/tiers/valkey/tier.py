@@ -54,10 +54,12 @@ from kvtier.base import OffloadingEvent, OffloadKey
 from kvtier.errors import ValkeyCheckError
 from kvtier.tiers.base import CheckReport, SecondaryTier, TierJob, TierJobResult
 from kvtier.tiers.disk.format import (
+    FLAG_ENCRYPTED,
     HEADER_BYTES,
     LayoutFingerprint,
     decode_header,
     encode_header_into,
+    header_flags,
     verify,
 )
 from kvtier.tiers.secret import tier_keys
@@ -523,11 +525,17 @@ class ValkeyTier(SecondaryTier):
             return "corrupt: truncated"
         if len(view) > self._value_bytes:
             return "corrupt: payload length"
-        target[:] = np.frombuffer(view, dtype=np.uint8, offset=HEADER_BYTES)
+        received = np.frombuffer(view, dtype=np.uint8, offset=HEADER_BYTES)
+        source = None
+        if self._keys is not None and header_flags(view) & FLAG_ENCRYPTED:
+            source = received  # decrypted straight into the row: a copy first would cost as much
+        else:
+            target[:] = received
         # Verified where the bytes will be served from, after the copy: nothing else is trusted.
         reason = verify(
             view[:HEADER_BYTES], target, len(view), key=self._header_key(key),
             layout_digest=self._digest, payload_bytes=self.block_bytes, keys=self._keys,
+            source=source,
         )
         return None if reason is None else "corrupt: " + reason
 
