@@ -31,6 +31,12 @@ measured), closed, and reopened; ``open_s`` is the wall time of the whole ``open
 (directory checks, locks, manifest, O_DIRECT probe, index scan). ``open_cold_s`` repeats it
 after dropping the page cache, when this process may (root).
 
+With ``--secrets`` each round also runs the kvtier write and read with a ``secret_file``
+(``keyed``: every block tagged with GMAC and verified on read) and with ``encrypt: aes-gcm``
+(``encrypted``), the three in an order that rotates between rounds;
+``keyed_write_cost`` etc. are 1 - (that variant's rate / the plain tier's rate in the same
+round), the median over rounds: what the secret costs in throughput.
+
 For reference, vLLM 0.33's fs tier measured on this machine kind: 2.6-3.3 GB/s store and
 0.5-1.7 GB/s load (16+16 threads, 1 GiB of 2 MiB chunks).
 """
@@ -122,6 +128,30 @@ def _store_files(directory: str) -> list[str]:
     return found
 
 
+def make_bench_secret() -> tuple[str, str]:
+    """A throwaway secret file (0600, in a private 0700 directory): ``(directory, file)``.
+    The caller removes the directory."""
+    directory = tempfile.mkdtemp(prefix="kvtier-bench-secret-")
+    path = os.path.join(directory, "secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, os.urandom(32))
+    finally:
+        os.close(fd)
+    return directory, path
+
+
+def secret_variants(secret_file: str | None) -> list[tuple[str, dict[str, Any]]]:
+    """The tier settings a bench measures beside the plain tier: none without a secret file,
+    else ``keyed`` (a MAC per block) and ``encrypted`` (AES-GCM)."""
+    if secret_file is None:
+        return []
+    return [
+        ("keyed", {"secret_file": secret_file}),
+        ("encrypted", {"secret_file": secret_file, "encrypt": "aes-gcm"}),
+    ]
+
+
 def _keys(count: int, salt: bytes) -> list[bytes]:
     return [xxhash.xxh3_128_digest(salt + i.to_bytes(8, "little")) + b"\0\0\0\0" for i in range(count)]
 
@@ -145,23 +175,28 @@ def _run_jobs(tier, keys: list[bytes], rows: list[int], load: bool, job_base: in
 
 def _kvtier_round(
     kind: str, region: SharedRegion, directory: str, threads: int, sums: list[int], drop_caches: bool,
-    fsync: str,
+    fsync: str, **secret_options: Any,
 ) -> dict[str, Any]:
     rows = region.rows
     count = region.num_rows
+    os.sync()  # the previous run's writes and deletions land before this run's clock starts
     path = tempfile.mkdtemp(prefix=f"kvtier-bench-{kind}-", dir=directory)
     config = DiskTierConfig(
         name="bench", kind=kind, capacity_bytes=count * on_disk_block_bytes(BLOCK_BYTES), path=path,
-        fsync=fsync,
+        fsync=fsync, **secret_options,
     )
     keys = _keys(count, kind.encode())
     try:
         tier = open_store(config, rows, LayoutFingerprint.standalone(BLOCK_BYTES), field="bench", threads=threads)
         try:
+            cpu = time.process_time()
             write_s = _run_jobs(tier, keys, list(range(count)), load=False, job_base=0)
+            write_cpu = time.process_time() - cpu
             rows[:] = 0
             method = "o_direct" if tier.o_direct else _drop_page_cache(_store_files(path), drop_caches)
+            cpu = time.process_time()
             read_s = _run_jobs(tier, keys, list(range(count)), load=True, job_base=1 << 20)
+            read_cpu = time.process_time() - cpu
             o_direct = tier.o_direct
         finally:
             tier.close()
@@ -174,6 +209,10 @@ def _kvtier_round(
     return {
         "write_gbps": nbytes / write_s / 1e9,
         "read_gbps": nbytes / read_s / 1e9,
+        # CPU seconds of this process (every thread) per GB moved: what a secret adds, free
+        # of the disk's drift (the rates swing +-25% here from round to round)
+        "write_cpu_s_per_gb": write_cpu / (nbytes / 1e9),
+        "read_cpu_s_per_gb": read_cpu / (nbytes / 1e9),
         "cold_read_method": method,
         "o_direct": o_direct,
     }
@@ -314,6 +353,7 @@ def run(
     open_blocks: int = OPEN_BLOCKS,
     drop_caches: bool = True,
     fsync: str = "batch",
+    secrets: bool = False,
     out: TextIO,
 ) -> dict[str, Any]:
     """Run the benchmark for ``backend`` (``lmdb`` or ``files``); print the table and JSON line.
@@ -322,6 +362,7 @@ def run(
     ``drop_caches``: may empty the machine's page cache (root) for cold reads and opens.
     ``fsync``: the tier's policy for the write phase (``batch``, the default, is durable per job;
     vLLM's fs tier never flushes, so ``none`` is its like-for-like).
+    ``secrets``: also the keyed and encrypted tier, side by side (module docstring).
     Blocks the caller for the whole run (about a minute with the defaults).
     """
     directory = os.path.abspath(directory or default_directory())
@@ -341,20 +382,46 @@ def run(
             rows[i, :8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
         sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in range(count)]
         samples: list[dict[str, Any]] = []
+        secret_dir = secret_file = None
+        if secrets:
+            secret_dir, secret_file = make_bench_secret()
+        variants = secret_variants(secret_file)
+        tiers: list[tuple[str, dict[str, Any]]] = [("plain", {}), *variants]
         for round_index in range(rounds):
+            # the plain tier and its variants in an order that rotates between rounds (the
+            # run after another meets the disk busy with the deletion of the last store)
+            turn = round_index % len(tiers)
             if round_index % 2 == 0:
                 baseline = _baseline_round(region, directory, threads, drop_caches)
-                measured = _kvtier_round(backend, region, directory, threads, sums, drop_caches, fsync)
-            else:
-                measured = _kvtier_round(backend, region, directory, threads, sums, drop_caches, fsync)
+            runs = {
+                name: _kvtier_round(backend, region, directory, threads, sums, drop_caches, fsync, **options)
+                for name, options in tiers[turn:] + tiers[:turn]
+            }
+            if round_index % 2 == 1:
                 baseline = _baseline_round(region, directory, threads, drop_caches)
+            measured = runs["plain"]
+            sample = {**measured, **baseline}
+            for name, _ in variants:
+                keyed = runs[name]
+                for phase in ("write", "read"):
+                    sample[f"{name}_{phase}_gbps"] = keyed[f"{phase}_gbps"]
+                    sample[f"{name}_{phase}_cost"] = 1 - keyed[f"{phase}_gbps"] / measured[f"{phase}_gbps"]
+                    sample[f"{name}_{phase}_extra_cpu_s_per_gb"] = (
+                        keyed[f"{phase}_cpu_s_per_gb"] - measured[f"{phase}_cpu_s_per_gb"]
+                    )
             vllm_fs = _vllm_fs_round(region, directory, drop_caches)
-            samples.append({**measured, **baseline, **(vllm_fs or {})})
+            samples.append({**sample, **(vllm_fs or {})})
     finally:
         region.close()
-    names = ["write_gbps", "read_gbps", "baseline_write_gbps", "baseline_read_gbps"]
+        if secret_dir is not None:
+            shutil.rmtree(secret_dir, ignore_errors=True)
+    names = ["write_gbps", "read_gbps", "baseline_write_gbps", "baseline_read_gbps",
+             "write_cpu_s_per_gb", "read_cpu_s_per_gb"]
     if "vllm_fs_write_gbps" in samples[0]:
         names += ["vllm_fs_write_gbps", "vllm_fs_read_gbps"]
+    for name, _ in variants:
+        names += [f"{name}_{phase}_{what}" for phase in ("write", "read")
+                  for what in ("gbps", "cost", "extra_cpu_s_per_gb")]
     figures = {name: median(sample[name] for sample in samples) for name in names}
     # Ratios pair each round's kvtier figure with that round's baseline, then take the median:
     # the disk's speed drifts by +-25% over a minute here, and pairing cancels the drift that a
@@ -377,7 +444,8 @@ def run(
         "cold_read_method": samples[-1]["cold_read_method"],
         "dir": directory,
         "filesystem": _filesystem(directory),
-        "samples": [{k: v for k, v in s.items() if k.endswith(("gbps", "ratio"))} for s in samples],
+        "samples": [{k: v for k, v in s.items() if k.endswith(("gbps", "ratio", "cost", "_gb"))} for s in samples],
+        "secrets": [name for name, _ in variants],
         # "measured": vLLM's fs tier ran in this run (vllm_fs_*_gbps); else its reference figures
         "vllm_fs": "measured" if "vllm_fs_write_gbps" in figures else "reference",
         "vllm_fs_reference": VLLM_FS_REFERENCE,
@@ -400,6 +468,15 @@ def run(
         file=out,
     )
     print_table(table, ["phase", "kvtier_gbps", "baseline_gbps", "ratio", "vllm_fs_gbps"], out)
+    if variants:
+        print_table(
+            [{"tier": name, "phase": phase, "gbps": figures[f"{name}_{phase}_gbps"],
+              "plain_gbps": figures[f"{phase}_gbps"], "cost": figures[f"{name}_{phase}_cost"],
+              "plain_cpu_s/GB": figures[f"{phase}_cpu_s_per_gb"],
+              "extra_cpu_s/GB": figures[f"{name}_{phase}_extra_cpu_s_per_gb"]}
+             for name, _ in variants for phase in ("write", "read")],
+            ["tier", "phase", "gbps", "plain_gbps", "cost", "plain_cpu_s/GB", "extra_cpu_s/GB"], out,
+        )
     if open_blocks:
         cold = record["open_cold_s"]
         print(

@@ -19,11 +19,18 @@ and deletes exactly the keys it wrote (after each round, and on any failure); it
 database that holds any key unless ``allow_nonempty`` (``--allow-nonempty``) says so, and
 never runs FLUSHDB. Payload GB/s (the tier also moves a 4 KiB header per block: 6% at 64 KiB, 0.2% at
 2 MiB). Cost grows linearly with bytes; per block the tier adds one header encode/verify.
+
+With ``--secrets`` each round also runs the tier with a ``secret_file`` (``keyed``: GMAC per
+value, keyed names) and with ``encrypt: aes-gcm`` (``encrypted``), the three in an order that
+rotates between rounds, each tier's writer warmed by one untimed store of other keys;
+``<size>_keyed_store_cost`` etc. are 1 - (that tier's rate / the plain tier's in the same
+round), the median over rounds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import statistics
 import sys
 import time
@@ -45,17 +52,22 @@ def _keys(count: int, salt: int) -> list[bytes]:
     return [make_offload_key(salt.to_bytes(8, "little") + i.to_bytes(24, "little"), 0) for i in range(count)]
 
 
-def _config(url: str, namespace: str):
+def _config(url: str, namespace: str, **secret_options: Any):
     from kvtier.tiers.valkey.config import parse
 
-    return parse({"kind": "valkey", "name": "bench", "url": url, "namespace": namespace, "timeout_s": 30}, "bench")
+    return parse(
+        {"kind": "valkey", "name": "bench", "url": url, "namespace": namespace, "timeout_s": 30, **secret_options},
+        "bench",
+    )
 
 
-def _tier(url: str, rows: np.ndarray, namespace: str):
+def _tier(url: str, rows: np.ndarray, namespace: str, **secret_options: Any):
     from kvtier.tiers.disk.format import LayoutFingerprint
     from kvtier.tiers.valkey.tier import ValkeyTier
 
-    return ValkeyTier.open(_config(url, namespace), rows, LayoutFingerprint.standalone(rows.shape[1]))
+    return ValkeyTier.open(
+        _config(url, namespace, **secret_options), rows, LayoutFingerprint.standalone(rows.shape[1])
+    )
 
 
 def _delete(client, names: list[bytes]) -> None:
@@ -89,12 +101,18 @@ def _run_job(tier, job, load: bool) -> None:
         raise RuntimeError(f"a {what} failed: {', '.join(sorted({str(r) for r in result.failed.values()}))}")
 
 
-def _tier_round(url: str, rows: np.ndarray, out_rows: np.ndarray, keys, namespace: str) -> tuple[float, float]:
+def _tier_round(url: str, rows: np.ndarray, out_rows: np.ndarray, keys, namespace: str,
+                warm: bool = False, **secret_options: Any) -> tuple[float, float]:
     from kvtier.tiers.base import TierJob
 
-    writer = _tier(url, rows, namespace)
-    reader = _tier(url, out_rows, namespace)
+    writer = _tier(url, rows, namespace, **secret_options)
+    reader = _tier(url, out_rows, namespace, **secret_options)
     try:
+        if warm:
+            # an engine's tier runs for hours: store once untimed under other keys, so the
+            # writer's buffers (the ciphertext's, encrypting) are in use, not first touched
+            spare = tuple(key[:-5] + b"w" + key[-4:] for key in keys)
+            _run_job(writer, TierJob(9, spare, tuple(range(len(keys)))), load=False)
         job_rows = tuple(range(len(keys)))
         start = time.perf_counter()
         _run_job(writer, TierJob(1, tuple(keys), job_rows), load=False)
@@ -146,17 +164,19 @@ def _raw_round(client, names, values, batch: int) -> tuple[float, float]:
 
 
 def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | None = None,
-        allow_nonempty: bool = False) -> dict[str, Any]:
+        allow_nonempty: bool = False, secrets: bool = False) -> dict[str, Any]:
     """Measure, print a table and one JSON line; the JSON record.
 
-    ``url``: a server of the user's (default: a local one started for the run). Raises
+    ``url``: a server of the user's (default: a local one started for the run). ``secrets``:
+    also the keyed and the encrypted tier (module docstring). Raises
     :class:`~kvtier.errors.KvtierError` if it cannot be reached, or holds keys and
     ``allow_nonempty`` is not set.
     """
-    import secrets
+    import secrets as tokens
 
     import valkey
 
+    from kvtier.bench.disk import make_bench_secret, secret_variants
     from kvtier.tiers.valkey.config import DEFAULT_MAX_INFLIGHT_BYTES, redact_url
     from kvtier.tiers.base import FailureKind
     from kvtier.tiers.valkey.connection import ValkeyConnection, fix_for, reason_of
@@ -165,14 +185,21 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
     out = out or sys.stdout
     record: dict[str, Any] = {"mib": mib, "rounds": rounds}
     rows_out = []
+    cost_rows = []
     with contextlib.ExitStack() as stack:
+        secret_file = None
+        if secrets:
+            secret_dir, secret_file = make_bench_secret()
+            stack.callback(shutil.rmtree, secret_dir, True)
+        variants = secret_variants(secret_file)
+        record["secrets"] = [name for name, _ in variants]
         if url is None:
             # room for a round of the tier's and the raw values, and a margin
             server = stack.enter_context(LocalValkeyServer(maxmemory=4 * (mib << 20) + (256 << 20)))
             url = server.url
         shown = redact_url(url)
         record["server"] = "local valkey-server" if len(url) and "127.0.0.1" in url else shown
-        run_id = secrets.token_hex(4)
+        run_id = tokens.token_hex(4)
         prefix = f"kvtier-bench:{run_id}:"
         # the raw client is the tier's own, so credentials and TLS are the same
         connection = ValkeyConnection(_config(url, prefix + "raw"))
@@ -205,20 +232,24 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
             values = [row.tobytes() for row in rows]
             batch = max(1, DEFAULT_MAX_INFLIGHT_BYTES // size)
             tier_times, raw_times = [], []
+            variant_times: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in variants}
+            tiers: list[tuple[str, dict[str, Any]]] = [("plain", {}), *variants]
             for round_index in range(rounds):
-                namespace = f"{prefix}{size >> 10}k.{round_index}"
-                tier_names = [f"{namespace}:{key.hex()}".encode() for key in keys]
-                # each side's keys are deleted before the other's run: one round's values in memory
+                # each run's keys are deleted before the next run: one run's values in memory
+                if round_index % 2 == 1:
+                    raw_times.append(_raw_round(client, names, values, batch))
+                    _delete(client, names)
+                # the plain tier and its variants in an order that rotates between rounds
+                turn = round_index % len(tiers)
+                for name, options in tiers[turn:] + tiers[:turn]:
+                    namespace = f"{prefix}{size >> 10}k.{round_index}.{name}"
+                    timed = _tier_round(url, rows, out_rows, keys, namespace, warm=bool(variants), **options)
+                    (tier_times if name == "plain" else variant_times[name]).append(timed)
+                    # keyed names are not the keys' hex: delete what the namespace holds
+                    _delete_run(client, namespace.encode() + b":")
                 if round_index % 2 == 0:
-                    tier_times.append(_tier_round(url, rows, out_rows, keys, namespace))
-                    _delete(client, tier_names)
                     raw_times.append(_raw_round(client, names, values, batch))
                     _delete(client, names)
-                else:
-                    raw_times.append(_raw_round(client, names, values, batch))
-                    _delete(client, names)
-                    tier_times.append(_tier_round(url, rows, out_rows, keys, namespace))
-                    _delete(client, tier_names)
             total = count * size
             label = f"{size >> 10}k"
             figures = {}
@@ -231,6 +262,19 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
                 record[f"{label}_{name}_gbps"] = value
             record[f"{label}_store_ratio"] = store_ratio
             record[f"{label}_load_ratio"] = load_ratio
+            for name, times in variant_times.items():
+                costs = {}
+                for phase, at in (("store", 0), ("load", 1)):
+                    record[f"{label}_{name}_{phase}_gbps"] = total / statistics.median(t[at] for t in times) / 1e9
+                    # a time ratio per round: plain / variant is the variant's rate over the plain one's
+                    costs[phase] = record[f"{label}_{name}_{phase}_cost"] = 1 - statistics.median(
+                        p[at] / v[at] for p, v in zip(tier_times, times)
+                    )
+                cost_rows.append({
+                    "block": f"{size >> 10} KiB", "tier": name,
+                    "store_GB/s": record[f"{label}_{name}_store_gbps"], "store_cost": costs["store"],
+                    "load_GB/s": record[f"{label}_{name}_load_gbps"], "load_cost": costs["load"],
+                })
             rows_out.append({
                 "block": f"{size >> 10} KiB", "blocks": count,
                 "tier_store_GB/s": figures["tier_store"], "raw_set_GB/s": figures["raw_store"],
@@ -241,5 +285,7 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
     print(f"kvtier bench remote: {mib} MiB per size, median of {rounds} paired rounds", file=out)
     print_table(rows_out, ["block", "blocks", "tier_store_GB/s", "raw_set_GB/s", "store_ratio",
                            "tier_load_GB/s", "raw_get_GB/s", "load_ratio"], out)
+    if cost_rows:
+        print_table(cost_rows, ["block", "tier", "store_GB/s", "store_cost", "load_GB/s", "load_cost"], out)
     print_json(record, out)
     return record

@@ -135,7 +135,7 @@ def _check(args: argparse.Namespace) -> int:
               "--cluster HOST:PORT,...", file=sys.stderr)
         return 2
     try:
-        report = check_store(args.path, fix=args.fix)
+        report = check_store(args.path, fix=args.fix, secret_file=args.secret_file)
     except KvtierError as exc:
         if args.json:
             print(json.dumps({"path": args.path, "healthy": False, "error": str(exc)}, sort_keys=True))
@@ -229,7 +229,7 @@ def _check_valkey(args: argparse.Namespace) -> int:
             target = tier.location()
         report = check_valkey(
             args.path, cluster_nodes=nodes, namespace=args.namespace, fix=args.fix, layout_digest=layout,
-            config=tier,
+            config=tier, secret_file=args.secret_file,
         )
     except (KvtierError, ImportError) as exc:
         if args.json:
@@ -248,6 +248,8 @@ def _check_valkey(args: argparse.Namespace) -> int:
         state = "healthy" if found.healthy else f"{len(found.problems)} problems"
         print(f"  {found.namespace}: {found.blocks_checked} blocks, {found.value_bytes} bytes, "
               f"layout {found.layout_digest or '-'}, {state}")
+        if found.unverified:
+            print(f"    unverified: {found.unverified} keyed values (give --secret-file to verify them)")
         if len(found.layout_digests) > 1:
             print("    layouts found: " + ", ".join(f"{d} ({n})" for d, n in found.layout_digests.items()))
         for problem in found.problems:
@@ -264,7 +266,7 @@ def _bench_disk(args: argparse.Namespace) -> int:
         _report(args, lambda out: disk.run(
             backend=args.backend, gib=args.gib, threads=args.threads, directory=args.dir,
             rounds=args.rounds, open_blocks=args.open_blocks, drop_caches=not args.no_drop_caches,
-            fsync=args.fsync, out=out,
+            fsync=args.fsync, secrets=args.secrets, out=out,
         ))
     except (KvtierError, RuntimeError, OSError) as exc:
         # a block that failed to store or load, or came back different, ends the run
@@ -340,6 +342,7 @@ def _bench_remote(args: argparse.Namespace) -> int:
     try:
         _report(args, lambda out: remote.run(
             mib=args.mib, rounds=args.rounds, url=args.url, out=out, allow_nonempty=args.allow_nonempty,
+            secrets=args.secrets,
         ))
     except (KvtierError, RuntimeError, OSError, ImportError) as exc:
         # no server binary or client, or a block that failed or came back different
@@ -453,6 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster", metavar="HOST:PORT,...",
         help="valkey: a cluster, instead of a URL: some of its nodes (the rest are discovered)",
     )
+    check_path.add_argument(
+        "--secret-file", metavar="FILE",
+        help="the tier's secret_file: verify keyed blocks/values (without it, a store of keyed blocks "
+        "reports them as problems and --fix is refused; keyed values on a server are counted unverified)",
+    )
     check_path.set_defaults(func=_check)
 
     soak = commands.add_parser(
@@ -524,6 +532,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-drop-caches", action="store_true",
         help="never empty the machine's page cache (as root it does, for cold reads and opens)",
     )
+    bench_disk.add_argument(
+        "--secrets", action="store_true",
+        help="also measure the tier with a secret_file (keyed MAC) and with encrypt: aes-gcm, "
+        "side by side; *_cost = 1 - rate / the plain tier's (needs the cryptography package)",
+    )
     bench_disk.set_defaults(func=_bench_disk)
     bench_remote = bench_commands.add_parser(
         "remote", help="the valkey tier's store/load GB/s against the raw client's pipelined SET/GET"
@@ -542,6 +555,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-nonempty", action="store_true",
         help="run against a --url database that already holds keys (they are not touched, but the "
         "bench's values may push them out under maxmemory)",
+    )
+    bench_remote.add_argument(
+        "--secrets", action="store_true",
+        help="also measure the tier with a secret_file (keyed MAC and names) and with encrypt: aes-gcm, "
+        "side by side; *_cost = 1 - rate / the plain tier's (needs the cryptography package)",
     )
     bench_remote.set_defaults(func=_bench_remote)
     bench_cascade = bench_commands.add_parser(

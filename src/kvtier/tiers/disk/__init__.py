@@ -40,8 +40,12 @@ def open_store(
     return config.open_lower(rows, fingerprint, field=field, **options)
 
 
-def check_store(path: str, fix: bool = False) -> CheckReport:
+def check_store(path: str, fix: bool = False, secret_file: str | None = None) -> CheckReport:
     """Verify the store at ``path`` from its manifest alone; with ``fix``, drop what is bad.
+
+    ``secret_file``: the tier's secret, to verify keyed blocks. Without it a keyed block is a
+    problem (it cannot be verified), and ``fix`` is refused (ConfigError) when there are
+    such blocks rather than dropping blocks that may be sound.
 
     Opens the store as one more user (safe while an engine uses it), reads every block, and
     closes it. Blocks the caller for a full read of the store. Without ``fix`` every file is
@@ -78,6 +82,7 @@ def check_store(path: str, fix: bool = False) -> CheckReport:
         name="check", kind=manifest.kind, capacity_bytes=manifest.capacity_bytes, path=directory,
         # read-only: the O_DIRECT probe would write a file
         o_direct="auto" if fix else "off",
+        secret_file=secret_file,
     )
     # One CPU row of scratch, page-aligned and padded, as the tier's rows: check() reads into
     # its own buffers, and no job ever runs, but the tier is built over a real row layout.
@@ -88,6 +93,13 @@ def check_store(path: str, fix: bool = False) -> CheckReport:
         config, rows, manifest.fingerprint, field="store", threads=1, access="fix" if fix else "check"
     )
     try:
+        if fix and secret_file is None:
+            found = tier.check()
+            if any("keyed (no secret here)" in problem for problem in found.problems):
+                raise ConfigError(
+                    "secret_file", None, "the store's secret, to fix a store of keyed blocks",
+                    "give --secret-file (the tier's secret_file); without it sound blocks would be dropped",
+                )
         report = tier.check(fix=fix)
     finally:
         tier.close()

@@ -58,6 +58,7 @@ from kvtier.tiers.disk.store import (
     settle_manifest,
     store_os_fix,
 )
+from kvtier.tiers.secret import TierKeys, tier_keys
 
 __all__ = ["DiskTier"]
 
@@ -119,6 +120,7 @@ class DiskTier(IndexedTier):
             raise ConfigError("access", access, "one of " + ", ".join(_ACCESS))
         read_only = access == "check"
         cls._check_config(config, field)
+        keys = tier_keys(config, field)  # before anything is created: a bad secret file changes nothing
         try:
             rowio = RowIO(rows)
         except ValueError as exc:
@@ -163,7 +165,7 @@ class DiskTier(IndexedTier):
                 direct, fallback = decide_direct(config, directory, rowio, field)
             tier = cls(
                 config, rowio, fingerprint, capacity_blocks, directory, field, policy_class,
-                threads if threads is not None else config.threads, direct,
+                threads if threads is not None else config.threads, direct, keys=keys,
             )
             tier._access = access
             tier._alone = locks.alone
@@ -233,6 +235,7 @@ class DiskTier(IndexedTier):
         policy_class: type[EvictionPolicy],
         threads: int,
         direct: bool,
+        keys: TierKeys | None = None,
     ):
         """Use :meth:`open`."""
         super().__init__(config.name, rowio.block_bytes, capacity_blocks, policy_class(capacity_blocks))
@@ -247,7 +250,9 @@ class DiskTier(IndexedTier):
         self._field = field
         self._fsync = config.fsync
         self._threads = threads
-        self._io = BlockIO(rowio, fingerprint.digest(), direct, self._counters, f"tier {config.name} at {directory}")
+        self._io = BlockIO(
+            rowio, fingerprint.digest(), direct, self._counters, f"tier {config.name} at {directory}", keys=keys,
+        )
         self._touched: set[OffloadKey] = set()
         # Blocks listed on the medium (mover thread) for this process to adopt (scheduler
         # thread, next poll); see IndexedTier._adopt_blocks. A plain attribute handed over

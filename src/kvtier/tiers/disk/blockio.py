@@ -34,6 +34,7 @@ from kvtier.tiers.disk.format import (
     padded_payload_bytes,
     verify,
 )
+from kvtier.tiers.secret import TierKeys
 
 __all__ = [
     "O_DIRECT",
@@ -220,9 +221,13 @@ class BlockIO:
     """
 
     def __init__(
-        self, rowio: RowIO, layout_digest: bytes, direct: bool, counters: TierCounters, where: str
+        self, rowio: RowIO, layout_digest: bytes, direct: bool, counters: TierCounters, where: str,
+        keys: TierKeys | None = None,
     ):
         self.rowio = rowio
+        #: the tier's secret keys (keyed MAC, encryption), or None for xxh3 checksums only
+        self.keys = keys
+        self._cipher_pages = threading.local()  # per thread: an encrypted payload on its way out
         self.block_bytes = rowio.block_bytes
         self.direct = direct
         #: why O_DIRECT is not used (empty while it is, or when it was never asked for)
@@ -269,15 +274,37 @@ class BlockIO:
         """
         page = scratch_page()
         rowio = self.rowio
-        encode_header_into(
-            page, layout_digest=self._digest, key=key, payload_bytes=self.block_bytes,
-            checksum=xxhash.xxh3_64_intdigest(rowio.payload(row)),
-        )
-        iov = rowio.iov(row, direct)
+        keys = self.keys
+        if keys is None:
+            encode_header_into(
+                page, layout_digest=self._digest, key=key, payload_bytes=self.block_bytes,
+                checksum=xxhash.xxh3_64_intdigest(rowio.payload(row)),
+            )
+            iov = rowio.iov(row, direct)
+        else:
+            encode_header_into(
+                page, layout_digest=self._digest, key=key, payload_bytes=self.block_bytes,
+                checksum=0, flags=keys.flags, salt=keys.new_salt(),
+            )
+            iov = self._sealed(page, row, direct)
         expected = HEADER_BYTES + len(iov)
         written = os.pwritev(fd, [page, iov], offset)
         if written != expected:
             raise OSError(errno.ENOSPC, f"short write: {written} of {expected} bytes")
+
+    def _sealed(self, page, row: int, direct: bool):
+        """Tag the block (header in ``page``) and return its payload as an I/O buffer: the
+        row itself, or, encrypting, this thread's page-aligned ciphertext buffer (the row is
+        the CPU tier's live copy and must stay plaintext)."""
+        rowio = self.rowio
+        if not self.keys.encrypt:
+            self.keys.seal(page, rowio.payload(row))
+            return rowio.iov(row, direct)
+        out = getattr(self._cipher_pages, "page", None)
+        if out is None:
+            out = self._cipher_pages.page = np.frombuffer(aligned_buffer(rowio.padded_bytes), dtype=np.uint8)
+        self.keys.seal(page, rowio.payload(row), out[: self.block_bytes])
+        return out[: rowio.io_bytes(direct)]
 
     def read(self, fd: int, offset: int, key: OffloadKey, row: int, direct: bool) -> Failure | None:
         """Read the block at ``offset`` of ``fd`` straight into CPU row ``row`` and verify it there.
@@ -289,7 +316,7 @@ class BlockIO:
         nread = os.preadv(fd, [page, rowio.iov(row, direct)], offset)
         problem = verify(
             page, rowio.payload(row), nread, key=key, layout_digest=self._digest,
-            payload_bytes=self.block_bytes,
+            payload_bytes=self.block_bytes, keys=self.keys,
         )
         return None if problem is None else Failure.corrupt(problem)
 
@@ -308,5 +335,5 @@ class BlockIO:
             return str(Failure.from_exception(exc))
         return verify(
             page, payload[: self.block_bytes], nread, key=key, layout_digest=self._digest,
-            payload_bytes=self.block_bytes,
+            payload_bytes=self.block_bytes, keys=self.keys,
         )

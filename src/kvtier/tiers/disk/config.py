@@ -19,6 +19,7 @@ from kvtier.policies.admission import ADMIT_MODES
 from kvtier.registry import Registry
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.disk.mover import DEFAULT_THREADS
+from kvtier.tiers.secret import parse_secret_options
 
 __all__ = [
     "DISK_MEDIA", "FSYNC_CHOICES", "O_DIRECT_CHOICES", "DiskTierConfig", "default_store_path", "user_cache_root",
@@ -72,6 +73,11 @@ class DiskTierConfig(TierConfig):
     # the longest an open waits for the store's maintenance lock (held by another process of
     # this user while it opens the store) before failing with an error naming the lock
     lock_timeout_s: float = 60.0
+    # a file of >= 32 random bytes (mode 0600, this user's): blocks carry a keyed MAC and
+    # blocks written without it (or under another) are misses; None: xxh3 checksums only
+    secret_file: str | None = None
+    # none, or aes-gcm: blocks are encrypted at rest under secret_file
+    encrypt: str = "none"
 
     @classmethod
     def parse_options(cls, section: Mapping[str, object], field: str, name: str) -> dict[str, object]:
@@ -119,6 +125,7 @@ class DiskTierConfig(TierConfig):
                     "such as 60 (the default)",
                 )
             options["lock_timeout_s"] = float(timeout)
+        options.update(parse_secret_options(section, field))
         return options
 
     def location(self) -> str | None:

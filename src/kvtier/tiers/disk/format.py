@@ -2,8 +2,9 @@
 
 Every block a disk tier writes is one 4096-byte header page followed by the payload::
 
-    offset 0     header: magic, format version, layout digest, payload length, payload
-                 xxh3-64, key length, key, then an xxh3-64 of the header bytes before it
+    offset 0     header: magic, format version, flags, layout digest, payload length, payload
+                 xxh3-64, salt, tag, key length, key, then an xxh3-64 of the header bytes
+                 before it
     offset 4096  payload: ``block_bytes`` bytes (one CPU-tier row), padded with whatever the
                  row's padding held up to a multiple of 4096 when written with O_DIRECT
 
@@ -16,6 +17,13 @@ its header first and read as "bad magic" instead of "truncated".)
 Reading a block never trusts anything on disk: :func:`verify` checks the header's own checksum,
 the magic and version, the layout digest, the key and the payload length and checksum, and
 returns the reason for the first mismatch. A block that fails is a miss, never served.
+
+Version 2 (this one) adds ``flags``, ``salt`` and ``tag`` for tiers with a secret
+(:mod:`kvtier.tiers.secret`): a *keyed* block carries a MAC (``tag``, over the header and the
+payload, under a key derived from the secret and the block's random ``salt``) instead of the
+xxh3 payload checksum, and an *encrypted* one holds its payload as AES-GCM ciphertext. A tier
+with a secret serves only keyed blocks whose tag holds; a tier without one serves only
+unkeyed blocks. Version 1 blocks (no flags, salt or tag) are still read, as unkeyed blocks.
 
 Who calls what: the disk tiers' I/O threads encode and verify (every function here is pure and
 thread-safe); :class:`LayoutFingerprint` is built once by whoever opens a tier.
@@ -31,21 +39,31 @@ import numpy as np
 import xxhash
 
 __all__ = [
+    "FLAG_ENCRYPTED",
+    "FLAG_KEYED",
     "FORMAT_VERSION",
     "HEADER_BYTES",
     "MAX_KEY_BYTES",
     "PAGE_BYTES",
+    "READ_VERSIONS",
+    "SALT_BYTES",
+    "TAG_BYTES",
     "BlockHeader",
     "LayoutFingerprint",
     "decode_header",
     "encode_header_into",
+    "header_flags",
+    "mac_parts",
     "on_disk_block_bytes",
     "padded_payload_bytes",
+    "set_tag",
     "verify",
 ]
 
-#: the version of this block layout; a reader refuses blocks of any other version
-FORMAT_VERSION = 1
+#: the version of the block layout written; a reader refuses blocks not in READ_VERSIONS
+FORMAT_VERSION = 2
+#: versions read: 1 (before flags, salt and tag) is read as an unkeyed block
+READ_VERSIONS = (1, 2)
 #: bytes of the header page in front of every payload
 HEADER_BYTES = 4096
 #: O_DIRECT alignment (offsets, lengths and buffer addresses) this format keeps
@@ -53,13 +71,27 @@ PAGE_BYTES = 4096
 #: the longest key a header holds (vLLM keys are 12 to 36 bytes)
 MAX_KEY_BYTES = 1024
 
+#: ``flags``: the block carries a keyed MAC in ``tag`` (no xxh3 payload checksum)
+FLAG_KEYED = 1
+#: ``flags``: the payload is AES-GCM ciphertext (always with FLAG_KEYED; ``tag`` is GCM's)
+FLAG_ENCRYPTED = 2
+#: bytes of a block's random salt (the per-block key is derived from the secret and it)
+SALT_BYTES = 16
+#: bytes of a keyed block's tag
+TAG_BYTES = 16
+
 _MAGIC = b"KVTBLOCK"
-# magic, format version, reserved (0), flags (0), layout digest, payload length,
+# version 1: magic, format version, reserved (0), flags (0), layout digest, payload length,
 # payload xxh3-64, key length; then the key, then the header's own xxh3-64
-_FIXED = struct.Struct("<8sHHI16sQQH")
+_FIXED_V1 = struct.Struct("<8sHHI16sQQH")
+# version 2: the same, with salt and tag between the payload checksum and the key length
+_FIXED = struct.Struct("<8sHHI16sQQ16s16sH")
+_TAG_AT = _FIXED.size - 2 - TAG_BYTES
 _HEADER_SUM = struct.Struct("<Q")
 assert _FIXED.size + MAX_KEY_BYTES + _HEADER_SUM.size <= HEADER_BYTES
 _ZEROS = bytes(HEADER_BYTES)
+_NO_SALT = bytes(SALT_BYTES)
+_NO_TAG = bytes(TAG_BYTES)
 
 
 def padded_payload_bytes(block_bytes: int) -> int:
@@ -159,23 +191,33 @@ class BlockHeader:
     version: int
     layout_digest: bytes
     payload_bytes: int
+    #: xxh3-64 of the payload (0 in a keyed block)
     checksum: int
     key: bytes
+    #: FLAG_KEYED, FLAG_ENCRYPTED (0 in version 1)
+    flags: int = 0
+    #: random per block, from which a keyed block's key is derived (zeros when unkeyed)
+    salt: bytes = _NO_SALT
+    #: a keyed block's MAC or GCM tag (zeros when unkeyed)
+    tag: bytes = _NO_TAG
 
 
 def encode_header_into(
-    buffer, *, layout_digest: bytes, key: bytes, payload_bytes: int, checksum: int
+    buffer, *, layout_digest: bytes, key: bytes, payload_bytes: int, checksum: int,
+    flags: int = 0, salt: bytes = _NO_SALT,
 ) -> None:
     """Write the header of a block into the first :data:`HEADER_BYTES` of ``buffer``.
 
     ``buffer`` is writable (a per-thread page-aligned scratch page); the bytes after the
     header are zeroed so that a block's header page is the same whatever the buffer held.
+    A keyed block (``flags``) is written with a zero tag, then sealed with :func:`set_tag`.
     """
     if len(key) > MAX_KEY_BYTES:
         raise ValueError(f"key of {len(key)} bytes is longer than {MAX_KEY_BYTES}")
     view = memoryview(buffer)
     _FIXED.pack_into(
-        view, 0, _MAGIC, FORMAT_VERSION, 0, 0, layout_digest, payload_bytes, checksum, len(key)
+        view, 0, _MAGIC, FORMAT_VERSION, 0, flags, layout_digest, payload_bytes, checksum,
+        salt, _NO_TAG, len(key),
     )
     end = _FIXED.size + len(key)
     view[_FIXED.size : end] = key
@@ -184,25 +226,60 @@ def encode_header_into(
     view[tail:HEADER_BYTES] = _ZEROS[tail:]
 
 
+def mac_parts(buffer) -> tuple[memoryview, memoryview]:
+    """The bytes of an encoded version-2 header that a keyed block's MAC covers: everything
+    before the header's own checksum except the tag, as two views (before and after it)."""
+    view = memoryview(buffer)
+    (key_len,) = struct.unpack_from("<H", view, _FIXED.size - 2)
+    return view[:_TAG_AT], view[_TAG_AT + TAG_BYTES : _FIXED.size + key_len]
+
+
+def header_flags(buffer) -> int:
+    """The flags of the version-2 header encoded in ``buffer`` (not checked: for a writer)."""
+    return struct.unpack_from("<I", buffer, 12)[0]
+
+
+def set_tag(buffer, tag: bytes) -> None:
+    """Put ``tag`` into the header encoded in ``buffer`` and renew the header's checksum."""
+    view = memoryview(buffer)
+    view[_TAG_AT : _TAG_AT + TAG_BYTES] = tag
+    (key_len,) = struct.unpack_from("<H", view, _FIXED.size - 2)
+    end = _FIXED.size + key_len
+    _HEADER_SUM.pack_into(view, end, xxhash.xxh3_64_intdigest(view[:end]))
+
+
 def decode_header(buffer) -> BlockHeader | str:
     """The header in ``buffer``'s first page, or the reason it is not a valid header."""
     view = memoryview(buffer)
     if len(view) < HEADER_BYTES:
         return "truncated"
-    magic, version, _reserved, _flags, digest, payload_bytes, checksum, key_len = (
-        _FIXED.unpack_from(view, 0)
-    )
+    magic, version = struct.unpack_from("<8sH", view, 0)
     if magic != _MAGIC:
         return "bad magic"
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         return f"format version {version}"
+    salt, tag = _NO_SALT, _NO_TAG
+    if version == 1:
+        _m, _v, _reserved, flags, digest, payload_bytes, checksum, key_len = _FIXED_V1.unpack_from(view, 0)
+        start = _FIXED_V1.size
+        if flags:
+            return "header checksum"  # version 1 never set a flag
+    else:
+        _m, _v, _reserved, flags, digest, payload_bytes, checksum, salt, tag, key_len = (
+            _FIXED.unpack_from(view, 0)
+        )
+        start = _FIXED.size
+        if flags & ~(FLAG_KEYED | FLAG_ENCRYPTED) or flags == FLAG_ENCRYPTED:
+            return "header checksum"  # no writer sets these: damage (or a reader too old)
     if key_len > MAX_KEY_BYTES:
         return "header checksum"  # a length this large can only be damage
-    end = _FIXED.size + key_len
+    end = start + key_len
     (stored_sum,) = _HEADER_SUM.unpack_from(view, end)
     if xxhash.xxh3_64_intdigest(view[:end]) != stored_sum:
         return "header checksum"
-    return BlockHeader(version, digest, payload_bytes, checksum, bytes(view[_FIXED.size : end]))
+    return BlockHeader(
+        version, digest, payload_bytes, checksum, bytes(view[start:end]), flags, salt, tag
+    )
 
 
 def verify(
@@ -213,14 +290,21 @@ def verify(
     key: bytes,
     layout_digest: bytes,
     payload_bytes: int,
+    keys=None,
+    source=None,
 ) -> str | None:
     """Why the block just read is not ``key``'s block of this layout, or ``None`` if it is.
 
     ``nread`` is how many bytes the read returned (header page + payload); ``payload`` is
     where the payload landed (the CPU row), exactly ``payload_bytes`` long. The checks run
     cheapest first; the payload checksum (xxh3-64, ~15 GB/s) runs only when all else holds.
+    ``keys`` (a :class:`~kvtier.tiers.secret.TierKeys`, for a tier with a secret): the block
+    must be keyed and its tag must hold under them; an encrypted payload is decrypted in
+    place, or from ``source`` (the ciphertext, where it is not already in ``payload``). Without
+    ``keys`` a keyed block is refused (it cannot be verified).
     Reasons: ``truncated``, ``bad magic``, ``format version N``, ``header checksum``,
-    ``other layout``, ``other key``, ``payload length``, ``checksum``.
+    ``other layout``, ``other key``, ``payload length``, ``checksum``, ``unkeyed``,
+    ``keyed (no secret here)``, ``MAC``.
     """
     if nread < HEADER_BYTES:
         return "truncated"
@@ -235,6 +319,13 @@ def verify(
         return "payload length"
     if nread < HEADER_BYTES + payload_bytes:
         return "truncated"
+    if header.flags & FLAG_KEYED:
+        # Checked before the payload is trusted: without the secret no one can make a tag hold.
+        if keys is None:
+            return "keyed (no secret here)"
+        return keys.open(header_page, header, payload, source)
+    if keys is not None:
+        return "unkeyed"  # written without the secret, or planted: never served with one
     if xxhash.xxh3_64_intdigest(payload) != header.checksum:
         return "checksum"
     return None

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from kvtier.errors import ManifestError
-from kvtier.tiers.disk.format import FORMAT_VERSION, LayoutFingerprint
+from kvtier.tiers.disk.format import FORMAT_VERSION, READ_VERSIONS, LayoutFingerprint
 
 __all__ = [
     "MANIFEST_NAME",
@@ -115,10 +115,11 @@ def read_manifest(directory: str) -> StoreManifest | None:
             f"{path}: not a valid kvtier store manifest ({exc}); if the store is disposable, "
             f"remove {directory} and let kvtier recreate it"
         ) from exc
-    if manifest.format_version != FORMAT_VERSION:
+    if manifest.format_version not in READ_VERSIONS:
         raise ManifestError(
             f"{path}: store format version {manifest.format_version}, but this kvtier reads "
-            f"version {FORMAT_VERSION}; use the kvtier that wrote it, or remove {directory}"
+            f"versions {', '.join(map(str, READ_VERSIONS))}; use the kvtier that wrote it, or "
+            f"remove {directory}"
         )
     return manifest
 

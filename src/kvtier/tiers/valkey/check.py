@@ -12,6 +12,11 @@ does; in a namespace whose values all carry one digest, that one. Otherwise nobo
 the namespace's mixed layouts are one problem, and ``fix`` deletes none of those values —
 never a vote (whoever can write to the server can plant a majority of well-formed values).
 
+Values written with a secret (keyed: :mod:`kvtier.tiers.secret`) are verified only by a
+check given the same secret (``--secret-file``); without it they are counted as
+``unverified``, neither healthy nor a problem (and never deleted by ``fix``). With it, an
+unkeyed value, or one whose tag does not hold, is a problem.
+
 :meth:`ValkeyTier.check` runs the same code (:func:`check_namespace`) with its own layout, so
 there is one per-value verification, whoever asks.
 
@@ -30,6 +35,7 @@ from typing import Any
 from kvtier.errors import ConfigError, ValkeyCheckError
 from kvtier.tiers.base import Failure, FailureKind
 from kvtier.tiers.disk.format import HEADER_BYTES, decode_header, verify
+from kvtier.tiers.secret import tier_keys
 from kvtier.tiers.valkey.config import URL_SCHEMES, ValkeyTierConfig, parse, redact_url
 from kvtier.tiers.valkey.connection import ValkeyConnection, fix_for, reason_of
 
@@ -73,6 +79,8 @@ class NamespaceReport:
     problems: list[str] = field(default_factory=list)
     #: what ``fix=True`` did about them
     fixed: list[str] = field(default_factory=list)
+    #: keyed values (written with a secret) a check without the secret cannot verify
+    unverified: int = 0
 
     @property
     def healthy(self) -> bool:
@@ -84,6 +92,7 @@ class NamespaceReport:
             "healthy": self.healthy, "blocks_checked": self.blocks_checked, "bytes": self.value_bytes,
             "layout_digest": self.layout_digest, "layout_digests": dict(self.layout_digests),
             "problems": list(self.problems), "fixed": list(self.fixed),
+            "unverified": self.unverified,
         }
 
 
@@ -127,7 +136,7 @@ def is_valkey_target(path: str) -> bool:
 
 
 def verify_value(value, key: bytes, *, layout_digest: bytes | None = None,
-                 payload_bytes: int | None = None) -> tuple[str | None, bytes | None]:
+                 payload_bytes: int | None = None, keys=None) -> tuple[str | None, bytes | None]:
     """Why ``value`` is not ``key``'s block, or ``None``; and the layout digest its header carries.
 
     With ``layout_digest`` and ``payload_bytes`` (a tier that knows its layout) the value must
@@ -143,9 +152,12 @@ def verify_value(value, key: bytes, *, layout_digest: bytes | None = None,
         return header, None
     want_digest = header.layout_digest if layout_digest is None else layout_digest
     want_bytes = header.payload_bytes if payload_bytes is None else payload_bytes
+    payload = view[HEADER_BYTES : HEADER_BYTES + want_bytes]
+    if keys is not None and header.flags and len(payload) == want_bytes:
+        payload = bytearray(payload)  # an encrypted payload is decrypted in place
     reason = verify(
-        view[:HEADER_BYTES], view[HEADER_BYTES : HEADER_BYTES + want_bytes], len(view),
-        key=key, layout_digest=want_digest, payload_bytes=want_bytes,
+        view[:HEADER_BYTES], payload, len(view),
+        key=key, layout_digest=want_digest, payload_bytes=want_bytes, keys=keys,
     )
     if reason is None and len(view) > HEADER_BYTES + want_bytes:
         reason = "payload length"  # trailing bytes: not what any tier wrote
@@ -183,6 +195,7 @@ def check_namespace(
     layout_digest: bytes | None = None,
     payload_bytes: int | None = None,
     batch_bytes: int = CHECK_BATCH_BYTES,
+    keys=None,
 ) -> NamespaceReport:
     """Read and verify the values ``names`` (all ``<namespace>:...``); with ``fix``, DEL the bad ones.
 
@@ -237,7 +250,12 @@ def check_namespace(
             if key is None:
                 bad[name] = "name is not <namespace>:<hex key>"
                 continue
-            reason, digest = verify_value(value, key, layout_digest=layout_digest, payload_bytes=payload_bytes)
+            reason, digest = verify_value(
+                value, key, layout_digest=layout_digest, payload_bytes=payload_bytes, keys=keys
+            )
+            if reason == "keyed (no secret here)":
+                report.unverified += 1  # only the secret can tell a keyed value from a forgery
+                continue
             if digest is not None:
                 digests[digest] += 1
             if reason is not None:
@@ -309,6 +327,7 @@ def check_valkey(
     timeout_s: float = CHECK_TIMEOUT_S,
     layout_digest: bytes | None = None,
     config: ValkeyTierConfig | None = None,
+    secret_file: str | None = None,
 ) -> ValkeyCheckReport:
     """Verify every value of ``namespace`` (default: every ``kvtier:*`` namespace) on a server
     (``url``: any URL the valkey tier takes, TLS included) or a cluster (``cluster_nodes``),
@@ -317,11 +336,13 @@ def check_valkey(
     ``KVTIER_VALKEY_PASSWORD`` (or the URL).
 
     ``layout_digest``: the layout the checked namespaces' values must be of (``--layout``);
-    without it, see the module docstring. Names are listed by :func:`namespace_names`
-    (SCAN, never KEYS). Safe while engines use the tier. Raises
-    :class:`~kvtier.errors.ConfigError` for a bad URL, node or namespace or a missing
-    client, and :class:`ValkeyCheckError` if the server cannot be reached or answers with
-    an error (its message says which: unreachable, credentials, TLS, an ACL).
+    without it, see the module docstring. ``secret_file``: the tiers' secret, to verify keyed
+    values (without it they are counted as unverified; a ``config``'s own secret is used when
+    it has one). Names are listed by :func:`namespace_names` (SCAN, never KEYS). Safe while
+    engines use the tier. Raises :class:`~kvtier.errors.ConfigError` for a bad URL, node or
+    namespace or a missing client, and :class:`ValkeyCheckError` if the server cannot be
+    reached or answers with an error (its message says which: unreachable, credentials, TLS,
+    an ACL).
     """
     import dataclasses
     import importlib.util
@@ -343,6 +364,9 @@ def check_valkey(
     else:
         namespace = namespace if namespace is not None else config.namespace
         config = dataclasses.replace(config, timeout_s=max(config.timeout_s, timeout_s))
+    if secret_file is not None:
+        config = dataclasses.replace(config, secret_file=secret_file)
+    keys = tier_keys(config, "check")
     target = redact_url(config.location())
     conn = ValkeyConnection(config)
     try:
@@ -354,7 +378,7 @@ def check_valkey(
         report = ValkeyCheckReport(target)
         for owner in sorted(groups):
             report.namespaces.append(
-                check_namespace(conn, owner, groups[owner], fix=fix, layout_digest=layout_digest)
+                check_namespace(conn, owner, groups[owner], fix=fix, layout_digest=layout_digest, keys=keys)
             )
         return report
     finally:

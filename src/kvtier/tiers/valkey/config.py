@@ -12,6 +12,8 @@
   username: kvtier                   # the ACL user (default: the URL's, else "default")
   password_file: /etc/kvtier/valkey.pass  # yours alone (chmod 600); or KVTIER_VALKEY_PASSWORD
   tls: {ca_file: /etc/kvtier/ca.pem, cert_file: client.pem, key_file: client.key}
+  secret_file: /etc/kvtier/secret    # optional: keyed MACs and names (see README "Security")
+  encrypt: aes-gcm                   # optional, with secret_file: values encrypted at rest
 ```
 
 The password lives in a file or the environment, never in the configuration: the section
@@ -38,6 +40,7 @@ from urllib.parse import urlsplit
 
 from kvtier.config import TierConfig, parse_size
 from kvtier.errors import ConfigError
+from kvtier.tiers.secret import parse_secret_options
 
 __all__ = ["PASSWORD_ENV", "VALKEY_KINDS", "ValkeyTLS", "ValkeyTierConfig", "parse", "read_password", "redact_url"]
 
@@ -102,6 +105,12 @@ class ValkeyTierConfig(TierConfig):
     password_file: str | None = None
     # TLS to the server or cluster; None: plain TCP (unless the URL is valkeys:// or rediss://)
     tls: ValkeyTLS | None = None
+    # a file of >= 32 random bytes (mode 0600, this user's), the same on every engine sharing
+    # the tier: values carry a keyed MAC (others are misses), names and the default namespace
+    # are keyed; None: xxh3 checksums and names from the public block hashes
+    secret_file: str | None = None
+    # none, or aes-gcm: values are encrypted under secret_file
+    encrypt: str = "none"
 
     #: the server bounds and evicts the tier: the section takes no capacity or eviction
     bounded_by_server: ClassVar[bool] = True
@@ -153,6 +162,7 @@ class ValkeyTierConfig(TierConfig):
             if str(options.get("url", "")).startswith("unix:"):
                 raise ConfigError(f"{field}.tls", "(set)", "TLS over TCP: a valkeys://host:port URL",
                                   "drop tls: for a unix socket, or give the server's TCP address")
+        options.update(parse_secret_options(section, field))
         return options
 
     def location(self) -> str | None:
