@@ -127,6 +127,7 @@ class DiskTier(IndexedTier):
                 f"4096-byte header)",
                 f"raise the capacity to {slot_bytes} bytes or more",
             )
+        assert config.path is not None  # _check_config refused a missing one
         directory = prepare_directory(config.path, field)
         claim_path(directory)
         locks = None
@@ -235,10 +236,12 @@ class DiskTier(IndexedTier):
         self._touched.update(key for key in keys if contains(key))
         if len(self._touched) >= _TOUCH_BATCH:
             keys_now, self._touched = list(self._touched), set()
+            assert self._mover is not None  # open: it is None only before the start and once closed
             self._mover.submit_sequenced(partial(self._persist_stamps, keys_now, time.time_ns()))
 
     def _start_store(self, work: TierWork) -> None:
         touched, self._touched = list(self._touched), set()
+        assert self._mover is not None  # jobs start only while open
         self._mover.submit(
             MoverJob(
                 work.job_id, False, work.keys, work.rows, victims=work.victims,
@@ -249,6 +252,7 @@ class DiskTier(IndexedTier):
         )
 
     def _start_load(self, work: TierWork) -> None:
+        assert self._mover is not None  # jobs start only while open
         self._mover.submit(
             MoverJob(
                 work.job_id, True, work.keys, work.rows, block_ids=work.block_ids,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import MISSING, TierConfig, non_empty_str, parse_choice, positive_int
 from kvtier.errors import ConfigError
@@ -18,6 +18,9 @@ from kvtier.policies.admission import ADMIT_MODES
 from kvtier.registry import Registry
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.disk.mover import DEFAULT_THREADS
+
+if TYPE_CHECKING:
+    from kvtier.tiers.disk.base import DiskTier
 
 __all__ = ["DISK_MEDIA", "FSYNC_CHOICES", "O_DIRECT_CHOICES", "DiskTierConfig"]
 
@@ -105,7 +108,7 @@ class DiskTierConfig(TierConfig):
 
 
 #: disk kind -> the tier class serving it ("module:Class", imported when a tier opens)
-DISK_MEDIA: Registry[SecondaryTier] = Registry(
+DISK_MEDIA: Registry[DiskTier] = Registry(  # classes with DiskTier's open()
     "disk-tier kind",
     SecondaryTier,
     {"lmdb": "kvtier.tiers.disk.lmdb:LMDBTier", "files": "kvtier.tiers.disk.files:FilesTier"},

@@ -276,7 +276,8 @@ class FilesTier(DiskTier):
     # -- open / close (caller's thread) ---------------------------------------------------------
 
     def _open_medium(self, alone: bool, created: bool) -> list[tuple[OffloadKey, int, int]]:
-        self._count = None
+        # typed as always there: it is, from just below until the tier closes
+        self._count: _SharedCount = None  # type: ignore[assignment]
         self._log_fd = self._dir_fd = -1
         self._publish_mode = "renameat2" if _renameat2 is not None else "link"
         self._blocks_dir = os.path.join(self.path, _BLOCKS_DIR)
@@ -360,7 +361,7 @@ class FilesTier(DiskTier):
         count = getattr(self, "_count", None)
         if count is not None:
             count.close()
-            self._count = None
+            self._count = None  # type: ignore[assignment]
         fd = getattr(self, "_log_fd", -1)
         if fd >= 0:
             with contextlib.suppress(OSError):
@@ -440,6 +441,7 @@ class FilesTier(DiskTier):
             self._io.with_fallback("write", lambda direct: self._write_file(temp, key, row, direct))
         except OSError as exc:
             return Failure.from_exception(exc)
+        assert job.state is not None  # _store_before set it for every block it let through
         if self._fsync == "batch" and _syncfs is None:
             job.state.temps[index] = temp  # flushed, then published, by the epilogue
             return None
@@ -465,6 +467,7 @@ class FilesTier(DiskTier):
         final = self._path_of(job.keys[index])
         try:
             if not self._publish(temp, final):
+                assert job.state is not None  # as in _store_block
                 job.state.present.add(index)
                 return None
         except OSError as exc:
@@ -573,6 +576,7 @@ class FilesTier(DiskTier):
     def _publish_batch(self, job: MoverJob[_FilesStoreState], temps: dict[int, str]) -> None:
         """``batch`` without syncfs: flush each file, publish them all, flush each directory once."""
         state = job.state
+        assert state is not None  # called by _store_after with it
         for index, temp in temps.items():
             try:
                 fd = os.open(temp, os.O_RDONLY)
@@ -627,6 +631,7 @@ class FilesTier(DiskTier):
             return Failure.from_exception(exc)
         if reason is None:
             return None
+        assert identity is not None  # _read_file gives one with every reason
         return self._drop(key, path, identity, reason)
 
     def _read_file(
@@ -687,6 +692,7 @@ class FilesTier(DiskTier):
                     stray.append(path)
                     continue
                 report.blocks_checked += 1
+                problem: str | None
                 if self._subdir_of(key) != subdir:
                     problem = "in the wrong fan-out directory"
                 else:

@@ -235,6 +235,6 @@ def verify(
         return "payload length"
     if nread < HEADER_BYTES + payload_bytes:
         return "truncated"
-    if xxhash.xxh3_64_intdigest(payload) != header.checksum:
+    if xxhash.xxh3_64_intdigest(payload) != header.checksum:  # type: ignore[arg-type] # ndarray: a Buffer, in numpy's stubs for 3.12+ only
         return "checksum"
     return None
