@@ -271,11 +271,11 @@ class BlockIO:
         rowio = self.rowio
         encode_header_into(
             page, layout_digest=self._digest, key=key, payload_bytes=self.block_bytes,
-            checksum=xxhash.xxh3_64_intdigest(rowio.payload(row)),  # type: ignore[arg-type] # ndarray: a Buffer, in numpy's stubs for 3.12+ only
+            checksum=xxhash.xxh3_64_intdigest(rowio.payload(row)),  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
         )
         iov = rowio.iov(row, direct)
         expected = HEADER_BYTES + len(iov)
-        written = os.pwritev(fd, [page, iov], offset)  # type: ignore[list-item] # ndarray: a Buffer, in numpy's stubs for 3.12+ only
+        written = os.pwritev(fd, [page, iov], offset)  # type: ignore[list-item]  # numpy stubs: Buffer on 3.12+
         if written != expected:
             raise OSError(errno.ENOSPC, f"short write: {written} of {expected} bytes")
 
@@ -286,7 +286,7 @@ class BlockIO:
         """
         page = scratch_page()
         rowio = self.rowio
-        nread = os.preadv(fd, [page, rowio.iov(row, direct)], offset)  # type: ignore[list-item] # ndarray: a Buffer, in numpy's stubs for 3.12+ only
+        nread = os.preadv(fd, [page, rowio.iov(row, direct)], offset)  # type: ignore[list-item]  # numpy stubs: Buffer on 3.12+
         problem = verify(
             page, rowio.payload(row), nread, key=key, layout_digest=self._digest,
             payload_bytes=self.block_bytes,
@@ -303,7 +303,7 @@ class BlockIO:
     def read_for_check(self, fd: int, offset: int, key: OffloadKey, page, payload: np.ndarray) -> str | None:
         """Read and verify one block into check buffers (caller's thread); the problem or None."""
         try:
-            nread = os.preadv(fd, [page, payload], offset)  # type: ignore[list-item] # ndarray: a Buffer, in numpy's stubs for 3.12+ only
+            nread = os.preadv(fd, [page, payload], offset)  # type: ignore[list-item]  # numpy stubs: Buffer on 3.12+
         except OSError as exc:
             return str(Failure.from_exception(exc))
         return verify(

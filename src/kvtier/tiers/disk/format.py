@@ -235,6 +235,6 @@ def verify(
         return "payload length"
     if nread < HEADER_BYTES + payload_bytes:
         return "truncated"
-    if xxhash.xxh3_64_intdigest(payload) != header.checksum:  # type: ignore[arg-type] # ndarray: a Buffer, in numpy's stubs for 3.12+ only
+    if xxhash.xxh3_64_intdigest(payload) != header.checksum:  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
         return "checksum"
     return None
