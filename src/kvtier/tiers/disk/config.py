@@ -100,7 +100,7 @@ class DiskTierConfig(TierConfig):
     def admission(self) -> tuple[str, int, float | None]:
         return self.admit, self.min_reuse, self.endurance_tbw
 
-    def open_lower(self, rows: Any, fingerprint: Any, *, field: str, **options: Any) -> SecondaryTier:
+    def open_lower(self, rows: Any, fingerprint: Any, *, field: str, **options: Any) -> DiskTier:
         """Open the store at ``path`` (see :meth:`kvtier.tiers.disk.base.DiskTier.open`;
         ``options``: ``threads``, to override the section's I/O threads)."""
         cls = DISK_MEDIA.resolve(self.kind, field=f"{field}.kind")
