@@ -17,7 +17,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import CheckReport, SecondaryTier
+from kvtier.tiers.base import CheckReport
 from kvtier.tiers.disk.config import DISK_MEDIA, DiskTierConfig
 
 if TYPE_CHECKING:

@@ -48,7 +48,7 @@ PROGRAMS = 12
 #: descriptors the engine's first tables hold (jobs of 256 blocks of 32 layers)
 WARM_DESCRIPTORS = 256 * 32
 
-_kernel = None
+_kernel: Any = None
 
 
 def _load_kernel() -> Any:
