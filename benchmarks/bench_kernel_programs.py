@@ -125,11 +125,13 @@ def throughput(setup: Setup, programs: list[int], runs: int, clock: Clock) -> li
         nbytes = count * setup.block_bytes
         for store in (True, False):
             timed = {
-                "baseline": lambda: setup.baseline(count, store),
-                "dma": lambda: setup.job(setup.dma, count, store),
+                "baseline": lambda count=count, store=store: setup.baseline(count, store),
+                "dma": lambda count=count, store=store: setup.job(setup.dma, count, store),
             }
             for p in programs:
-                timed[p] = lambda p=p: (set_programs(setup, p), setup.job(setup.kernel, count, store))
+                timed[p] = lambda p=p, count=count, store=store: (
+                    set_programs(setup, p), setup.job(setup.kernel, count, store)
+                )
             seconds = {key: [] for key in timed}
             for _ in range(runs):  # interleaved rounds: drift hits every variant alike
                 for key, action in timed.items():

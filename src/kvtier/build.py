@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvtier.base import OffloadingManager
 from kvtier.config import KvtierConfig, load_config
 from kvtier.errors import ConfigError
 from kvtier.policies import get_policy_class
 
 if TYPE_CHECKING:
+    from kvtier.manager.single import SingleTierManager
     from kvtier.tiers.disk.format import LayoutFingerprint
 
 __all__ = ["build_manager"]
@@ -21,7 +21,7 @@ def build_manager(
     *,
     enable_events: bool = True,
     fingerprint: LayoutFingerprint | None = None,
-) -> OffloadingManager:
+) -> SingleTierManager:
     """The manager for ``config`` (anything :func:`kvtier.load_config` takes).
 
     ``block_bytes`` is the size of one offloaded block's payload (every layer, K and V, every

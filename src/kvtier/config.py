@@ -10,18 +10,20 @@ import difflib
 import operator
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from decimal import Decimal, InvalidOperation, localcontext
-from typing import Any, ClassVar
-
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import yaml
 
 from kvtier.errors import ConfigError
 from kvtier.policies import POLICIES
 from kvtier.registry import Registry
+
+if TYPE_CHECKING:  # reached lazily at run time (module __getattr__ below)
+    from kvtier.tiers.cpu.config import CPUTierConfig
+    from kvtier.tiers.disk.config import DiskTierConfig
 
 __all__ = [
     "TIER_KINDS",
@@ -426,7 +428,7 @@ def _require_mapping(value: object, path: str, what: str, fix: str) -> Mapping:
 def positive_int(value: object, field: str) -> int:
     """``value`` as an int >= 1 (numpy integers too), or a ConfigError naming ``field``."""
     try:
-        number = operator.index(value)  # refuses floats and strings
+        number = operator.index(value)  # type: ignore[arg-type]  # refuses floats and strings
     except TypeError:
         number = 0
     if isinstance(value, bool) or number < 1:
@@ -538,10 +540,11 @@ def _parse_tier(section: object, path: str) -> TierConfig:
         )
 
     if cls.bounded_by_server:
+        options: dict[str, Any] = cls.parse_options(section, path, name)
         return cls(
             name=name, kind=kind, capacity_bytes=0, eviction="server",
             module_path=section.get("module_path"), receives=receives,
-            **cls.parse_options(section, path, name),
+            **options,
         )
 
     capacity = section.get("capacity", _MISSING)
@@ -681,7 +684,7 @@ def _parse_cascade(value: object) -> CascadeConfig:
         "write cascade: {write_policy: write_back} or leave the key out for defaults",
     )
     _check_keys(section, _CASCADE_KEYS, "cascade", "cascade")
-    settings: dict[str, object] = {}
+    settings: dict[str, Any] = {}
     if "write_policy" in section:
         settings["write_policy"] = parse_choice(
             section["write_policy"], "cascade.write_policy", WRITE_POLICIES

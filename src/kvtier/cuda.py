@@ -18,6 +18,10 @@ import functools
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import _ctypes
 
 __all__ = [
     "cuda_available",
@@ -47,7 +51,7 @@ def cuda_available() -> bool:
     imports torch (slow, about a second) only if torch is already imported or an NVIDIA device
     node exists. Not cached, so a test can change the answer by patching this module.
     """
-    torch = sys.modules.get("torch")
+    torch: Any = sys.modules.get("torch")
     if torch is None:
         if not any(os.path.exists(node) for node in _NVIDIA_DEVICE_NODES):
             return False
@@ -151,7 +155,7 @@ def driver_library() -> ctypes.CDLL | None:
         return None
 
 
-def driver_function(name: str, argtypes: list) -> ctypes._CFuncPtr | None:
+def driver_function(name: str, argtypes: list) -> _ctypes.CFuncPtr | None:
     """The driver entry point ``name`` with its argument types set (returning a CUresult as
     an int), or ``None`` where there is no driver or no such entry point."""
     driver = driver_library()

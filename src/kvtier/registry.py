@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from kvtier.errors import ConfigError
 
@@ -29,7 +29,9 @@ class Registry(Generic[T]):
     :meth:`resolve` imports, so call it where configuration is parsed or objects are built.
     """
 
-    def __init__(self, what: str, base: type[T], entries: Mapping[str, str], module_key: str):
+    # ``base`` is typed ``type`` rather than ``type[T]``: it is usually abstract, and is only
+    # used for the issubclass check (T comes from the annotated registry variable).
+    def __init__(self, what: str, base: type, entries: Mapping[str, str], module_key: str):
         self.what = what
         self.base = base
         self.module_key = module_key
@@ -93,4 +95,4 @@ class Registry(Generic[T]):
                 f"defined in {module_name}",
                 f"subclass {self.base.__qualname__} and name that class here",
             )
-        return cls
+        return cast("type[T]", cls)  # a subclass of base, checked just above

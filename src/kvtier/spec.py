@@ -151,6 +151,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         self.shard = shard
         self.block_bytes = shard.row_bytes
         #: where the CPU tier's shared region lives
+        assert cpu.path is not None  # given, or filled in just above
         self.region_path: str = cpu.path
         self.enable_events = enable_events
         self.attach_timeout_s = float(attach_timeout_s)
@@ -166,7 +167,9 @@ class TieredOffloadingSpec(OffloadingSpec):
         worker pins its own mapping).
         """
         if self._manager is None:
-            cpu = dataclasses.replace(self.config.tiers[0], pin_memory="off")
+            first = self.config.tiers[0]
+            assert isinstance(first, CPUTierConfig)  # checked in __init__
+            cpu = dataclasses.replace(first, pin_memory="off")
             config = dataclasses.replace(self.config, tiers=(cpu, *self.config.tiers[1:]))
             self._manager = build_manager(
                 config,
@@ -234,11 +237,13 @@ class TieredOffloadingSpec(OffloadingSpec):
         from kvtier.worker.cpu_gpu import CpuGpuOffloadingHandlers
 
         region = self._attach_region()
+        first = self.config.tiers[0]
+        assert isinstance(first, CPUTierConfig)  # checked in __init__
         try:
             with _on_device_of(kv_caches):
                 # registered in the context of the GPU the copies run on, not whichever is
                 # current (device 0 by default: a context made there for nothing)
-                region.pin(self.config.tiers[0].pin_memory)
+                region.pin(first.pin_memory)
             handlers = CpuGpuOffloadingHandlers(
                 kv_caches,
                 region,

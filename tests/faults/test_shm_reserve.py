@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 
 import pytest
 from fault_fs import tmpfs

@@ -6,7 +6,6 @@ Imported only by modules that skipped already when vLLM is missing.
 from __future__ import annotations
 
 import hashlib
-import os
 import uuid
 from collections.abc import Sequence
 

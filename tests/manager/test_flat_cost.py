@@ -16,8 +16,6 @@ from kvtier.config import CascadeConfig
 from kvtier.manager.single import SingleTierManager
 from kvtier.manager.stack import TierStackManager
 from kvtier.policies import get_policy_class, registered_policies
-from kvtier.policies.arc import ARCPolicy
-from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.s3fifo import MAX_FREQ, S3FIFOPolicy
 from kvtier.policies.sieve import SIEVEPolicy
 from kvtier.tiers.memory import MemoryBackend, MemoryTier

@@ -103,7 +103,7 @@ def test_eviction_without_a_skip_set_chooses_as_the_walk_does():
     rng = random.Random(7)
     fast, walk = ARCPolicy(64), ARCPolicy(64)
     absent = {key(10**6)}
-    next_id, free = 0, list(range(64))
+    free = list(range(64))
     for _ in range(3000):
         op = rng.random()
         ready = list(fast)

@@ -59,7 +59,9 @@ def test_descriptors_are_base_plus_offset(setup):
 
 def test_descriptors_refuse_a_copy_outside_the_buffers(setup):
     _, _, buffers, _ = setup
-    one = lambda v: np.array([v], dtype=np.int64)
+    def one(v):
+        return np.array([v], dtype=np.int64)
+
     past_gpu = Segments(one(0), one(5 * 120 + 10), one(0), one(24), 24)
     past_cpu = Segments(one(1), one(0), one(5 * 4096 - 8), one(16), 16)
     for segments in (past_gpu, past_cpu):
@@ -127,7 +129,9 @@ def test_batched_copy_moves_bytes_both_ways():
         device = torch.zeros((2, 8192), dtype=torch.uint8, device="cuda")
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())  # after the zeros are written
-        u64 = lambda *v: np.array(v, dtype=np.uint64)
+        def u64(*v):
+            return np.array(v, dtype=np.uint64)
+
         # H2D: host row 0 in two pieces into device row 1; then D2H device row 1 to host row 1
         batch(
             u64(device[1].data_ptr(), device[1].data_ptr() + 4096),

@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import yaml
 
@@ -60,12 +60,13 @@ def run(
     table and one JSON line; the JSON record."""
     out = out or sys.stdout
     results: dict[str, dict[str, Any]] = {}
+    ceiling = block_refs = requests = None  # the trace's, the same for every stack
     for name in STACKS:
         with tempfile.TemporaryDirectory(prefix="kvtier-cascade-", dir=Path.cwd()) as directory:
             config = _config(name, Path(directory), block_bytes)
             record = replay(
                 trace, yaml.safe_dump(config), gpu_blocks=gpu_blocks, block_bytes=block_bytes,
-                limit=limit, baseline=False, progress=progress, out=_Discard(),
+                limit=limit, baseline=False, progress=progress, out=cast(TextIO, _Discard()),
             )
         lower = [tier["name"] for tier in config["tiers"][1:]]
         results[name] = {

@@ -56,6 +56,7 @@ from typing import Any, TextIO
 import numpy as np
 import xxhash
 
+from kvtier.base import OffloadKey
 from kvtier.bench.report import print_json, print_table
 from kvtier.errors import ConfigError
 from kvtier.tiers.disk.config import DiskTierConfig
@@ -122,7 +123,7 @@ def _drop_page_cache(paths: list[str], system_wide: bool = True) -> str:
 
 
 def _store_files(directory: str) -> list[str]:
-    found = []
+    found: list[str] = []
     for root, _, names in os.walk(directory):
         found.extend(os.path.join(root, name) for name in names)
     return found
@@ -152,11 +153,11 @@ def secret_variants(secret_file: str | None) -> list[tuple[str, dict[str, Any]]]
     ]
 
 
-def _keys(count: int, salt: bytes) -> list[bytes]:
-    return [xxhash.xxh3_128_digest(salt + i.to_bytes(8, "little")) + b"\0\0\0\0" for i in range(count)]
+def _keys(count: int, salt: bytes) -> list[OffloadKey]:
+    return [OffloadKey(xxhash.xxh3_128_digest(salt + i.to_bytes(8, "little")) + b"\0\0\0\0") for i in range(count)]
 
 
-def _run_jobs(tier, keys: list[bytes], rows: list[int], load: bool, job_base: int) -> float:
+def _run_jobs(tier, keys: list[OffloadKey], rows: list[int], load: bool, job_base: int) -> float:
     """Submit every block as jobs of JOB_BLOCKS, wait for all; seconds. Raises if any key failed."""
     start = time.perf_counter()
     for job_index, first in enumerate(range(0, len(keys), JOB_BLOCKS)):
@@ -266,7 +267,7 @@ def _vllm_fs_round(region: SharedRegion, directory: str, drop_caches: bool) -> d
     except Exception:  # noqa: BLE001 - vLLM absent or not importable here: no such baseline
         return None
     count = region.num_rows
-    view = memoryview(region.rows)
+    view = memoryview(region.rows)  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
     offsets = [i * region.row_stride for i in range(count)]
     root = tempfile.mkdtemp(prefix="kvtier-bench-vllm-", dir=directory)
     hashes = [xxhash.xxh3_128_hexdigest(b"vllm" + i.to_bytes(8, "little")) for i in range(count)]

@@ -107,6 +107,10 @@ class _Driver:
     def _store_batch(self, keys: list[bytes]) -> None:
         raise NotImplementedError
 
+    def check_steady(self) -> None:
+        """Raise if the manager is not at the steady state the protocol measures."""
+        raise NotImplementedError
+
     def _idle_step(self) -> None:
         raise NotImplementedError
 
@@ -196,12 +200,13 @@ class _KvtierDriver(_ManagerDriver):
     def _fill_lower(self, count: int) -> None:
         """Store ``count`` blocks of a key range no step uses straight into the lower tier
         (before the manager exists, so no job result of its own is taken here)."""
+        from kvtier.base import OffloadKey
         from kvtier.tiers.base import TierJob
 
         batch = 4096
         for job_id, start in enumerate(range(0, count, batch), start=1):
             keys = _keys(_FILLER_KEYS + start, min(batch, count - start))
-            self.lower.submit_store(TierJob(job_id, tuple(keys), tuple(range(len(keys)))))
+            self.lower.submit_store(TierJob(job_id, tuple(map(OffloadKey, keys)), tuple(range(len(keys)))))
             for result in self.lower.get_finished_jobs():
                 if result.failed:
                     raise RuntimeError(f"kvtier: the lower tier refused filler blocks: {result.failed}")

@@ -69,7 +69,7 @@ class SingleTierManager(OffloadingManager):
 
     # -- lookups and loads -------------------------------------------------------------------
 
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool:
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         return self._contains(key)
 
     def is_storing(self, key: OffloadKey) -> bool:
@@ -146,9 +146,10 @@ class SingleTierManager(OffloadingManager):
         evicted_keys: list[OffloadKey] = []
         shortfall = len(to_store) - backend.get_num_free_blocks()
         if shortfall > 0:
-            evicted_keys = self._evict(shortfall, present)
-            if evicted_keys is None:
+            evicted = self._evict(shortfall, present)
+            if evicted is None:
                 return None
+            evicted_keys = evicted
 
         block_ids = backend.allocate_block_ids(len(to_store))
         pending.update(zip(to_store, block_ids))

@@ -45,6 +45,7 @@ import time
 from collections import deque
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from kvtier.base import (
     Backend,
@@ -194,7 +195,7 @@ class TierStackManager(SingleTierManager):
         self.misses = 0
         self._closed = False
         #: stats() once shut down (set by shutdown, just before the tiers close)
-        self._final_stats: dict[str, int] | None = None
+        self._final_stats: dict[str, float] | None = None
 
     @property
     def tiers(self) -> list[SecondaryTier]:
@@ -489,7 +490,8 @@ class TierStackManager(SingleTierManager):
         for index, taken in per_tier:
             if not taken:
                 continue
-            job = TierJob(next(self._job_ids), tuple(taken), tuple(get(key) for key in taken))
+            rows = cast("tuple[int, ...]", tuple(get(key) for key in taken))  # each key is held
+            job = TierJob(next(self._job_ids), tuple(taken), rows)
             self._jobs[job.job_id] = (index, job, False)
             self._counters[index].demote_jobs += 1
             self._tiers[index].submit_store(job)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 from dataclasses import dataclass
 
 from kvtier.plan.oracle import last_reference
@@ -55,7 +56,8 @@ def simulate_admission(
     per block reference.
     """
     last = last_reference(chains)
-    contains, touch, insert, evict = policy.contains, policy.touch, policy.insert, policy.evict_unheld
+    keyed: Any = policy  # keyed by the trace's int block ids (a policy only hashes, compares)
+    contains, touch, insert, evict = keyed.contains, keyed.touch, keyed.insert, keyed.evict_unheld
     record = admission.record if admission is not None else None
     admit = admission.admit if admission is not None else None
     disk: set[int] = set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Container, Iterator, Sequence
+from typing import Any
 
 from kvtier.base import OffloadKey
 from kvtier.plan.simulate import SimResult, simulate
@@ -40,7 +41,7 @@ class ReuseOracle(EvictionPolicy):
         self._inner = inner
         self._dead: dict[OffloadKey, int] = {}
         # ending[i]: the blocks whose last reference is request i
-        self._ending: list[list[int]] = [[] for _ in chains]
+        self._ending: list[list[Any]] = [[] for _ in chains]  # int block ids, used as keys
         for block, index in last_reference(chains).items():
             self._ending[index].append(block)
 

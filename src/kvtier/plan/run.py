@@ -184,16 +184,17 @@ def _simulate_task(task: tuple[str, str | None, int], chains: Sequence[Sequence[
                    min_reuse: int) -> Any:
     """One of :func:`plan`'s simulations: ``(kind, policy class path, capacity)``."""
     kind, target, capacity = task
-    cls = get_policy_class(target, field="--policies") if target else None
+    if kind == "belady":
+        result = belady(chains, capacity)
+        return round(result.hit_ratio, 4), result.seconds
+    assert target is not None  # every other kind names its policy
+    cls = get_policy_class(target, field="--policies")
     if kind == "policy":
         policy = cls(capacity)
         result = simulate(chains, policy, capacity)
         return round(result.hit_ratio, 4), result.seconds, policy.describe()
     if kind == "oracle":
         return round(reuse_oracle(chains, cls, capacity).hit_ratio, 4)
-    if kind == "belady":
-        result = belady(chains, capacity)
-        return round(result.hit_ratio, 4), result.seconds
     return _admission_row(chains, cls, capacity, min_reuse)
 
 

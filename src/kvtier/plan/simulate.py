@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 from kvtier.policies.base import EvictionPolicy
@@ -45,8 +46,9 @@ def simulate(
     import time
 
     start = time.process_time()
-    contains, touch, insert = policy.contains, policy.touch, policy.insert
-    evict = policy.evict_unheld
+    keyed: Any = policy  # keyed by the trace's int block ids (a policy only hashes, compares)
+    contains, touch, insert = keyed.contains, keyed.touch, keyed.insert
+    evict = keyed.evict_unheld
     free = list(range(capacity))
     hits = refs = 0
     for index, chain in enumerate(chains):

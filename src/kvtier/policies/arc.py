@@ -157,11 +157,11 @@ class ARCPolicy(TwoQueuePolicy):
                 left2 -= 1
         self.entries_visited += count
         pop, pop1, pop2 = self._index.pop, t1.popitem, t2.popitem
-        from_t1 = [pop1(False)[0] for _ in range(take1)]
-        from_t2 = [pop2(False)[0] for _ in range(take2)]
-        victims = [(key, pop(key)) for key in from_t1] + [(key, pop(key)) for key in from_t2]
-        self._b1.update(dict.fromkeys(from_t1))
-        self._b2.update(dict.fromkeys(from_t2))
+        keys1 = [pop1(False)[0] for _ in range(take1)]
+        keys2 = [pop2(False)[0] for _ in range(take2)]
+        victims = [(key, pop(key)) for key in keys1] + [(key, pop(key)) for key in keys2]
+        self._b1.update(dict.fromkeys(keys1))
+        self._b2.update(dict.fromkeys(keys2))
         self._trim_ghosts()
         return victims
 

@@ -158,8 +158,8 @@ class IndexedPolicy(EvictionPolicy):
     def __init__(self, capacity_blocks: int):
         super().__init__(capacity_blocks)
         self._index: dict[OffloadKey, int] = {}
-        self.get = self._index.get  # type: ignore[method-assign]
-        self.contains = self._index.__contains__  # type: ignore[method-assign]
+        self.get = self._index.get  # type: ignore[method-assign,assignment]
+        self.contains = self._index.__contains__  # type: ignore[method-assign,assignment]
 
     def get(self, key: OffloadKey) -> int | None:  # replaced per instance in __init__
         return self._index.get(key)

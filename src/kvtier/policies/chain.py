@@ -179,7 +179,7 @@ class ChainPolicy(TwoQueuePolicy):
             chosen += [protected.popitem(last=False)[0] for _ in range(count - from_probation)]
             self._remember(chosen[:from_probation])
             return [(key, pop(key)) for key in chosen]
-        chosen: list[OffloadKey] = []
+        chosen = []
         from_probation = 0
         walked = 0
         # Choose first (iterators only read), so a failure changes nothing.

@@ -31,7 +31,7 @@ class LRUPolicy(IndexedPolicy):
         self._order: OrderedDict[OffloadKey, None] = OrderedDict()
         self._parts = (self._order,)
         # a bound C method, like get and contains (see IndexedPolicy)
-        self.hold = self._order.__delitem__  # type: ignore[method-assign]
+        self.hold = self._order.__delitem__  # type: ignore[method-assign,assignment]
 
     def insert(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
         self._index.update(zip(keys, block_ids))

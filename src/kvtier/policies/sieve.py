@@ -109,6 +109,7 @@ class SIEVEPolicy(IndexedPolicy):
         key = self._hand if self._hand is not None else self._oldest
         walked = 0
         while len(victims) < count:
+            assert key is not None  # the ring holds at least count unskipped keys (checked above)
             walked += 1
             following = newer[key]
             if following is None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.base import OffloadKey, ReqContext, make_offload_key
+from kvtier.base import OffloadKey, ReqContext, TransferResult, make_offload_key
 from kvtier.errors import KvtierError
 from kvtier.mediums import GPULoadStoreSpec
 from kvtier.replay.trace import Request
@@ -137,7 +137,7 @@ class ReplayEngine:
         self._storing: dict[int, tuple[list[OffloadKey], ReqContext]] = {}
         #: keys whose GPU blocks a store copy still reads: never evicted until it finishes
         self._copying: set[OffloadKey] = set()
-        self._finished: dict[int, object] = {}  # handler results not yet taken
+        self._finished: dict[int, TransferResult] = {}  # handler results not yet taken
         self._free_gpu = list(range(gpu_blocks - 1, -1, -1))
         self._job_ids = itertools.count(1)
         self._cpu_name = spec.config.tiers[0].name

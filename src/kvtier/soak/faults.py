@@ -73,6 +73,7 @@ def kill_writer(
         "writer", kind, path, str(capacity_blocks), str(block_bytes), str(first_key), "soak-writer",
         "--shm-dir", shm_dir,
     ])
+    assert writer.stdout is not None and writer.stderr is not None  # pipes (_child)
     committed: list[OffloadKey] = []
     try:
         if writer.stdout.readline().strip() != "ready":
@@ -201,7 +202,7 @@ def corrupt_blocks(tier, keys: list[OffloadKey], rng: random.Random) -> list[Off
             os.pwrite(fd, bytes([byte[0] ^ 0xFF]), at)
         finally:
             os.close(fd)
-        damaged[key] = None
+        damaged[OffloadKey(key)] = None
     return list(damaged)
 
 

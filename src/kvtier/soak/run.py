@@ -43,6 +43,9 @@ from kvtier.base import OffloadKey, ReqContext
 from kvtier.bench.report import print_json, print_table
 from kvtier.soak.blocks import block_key, is_exact, payload
 from kvtier.soak.faults import SmallFilesystem, corrupt_blocks, kill_writer, sharer_outcome, start_sharer
+from kvtier.manager.stack import TierStackManager
+from kvtier.mediums import BlockIDsLoadStoreSpec
+from kvtier.tiers.cpu.backend import CPUBackend
 from kvtier.tiers.cpu.region import row_stride_for
 from kvtier.tiers.disk.format import on_disk_block_bytes
 
@@ -77,7 +80,10 @@ class _Engine:
             ],
             "cascade": {"write_policy": "write_back"},
         }
-        self.manager = kvtier.build_manager(self.config, BLOCK_BYTES)
+        manager = kvtier.build_manager(self.config, BLOCK_BYTES)
+        assert isinstance(manager, TierStackManager) and isinstance(manager.backend, CPUBackend)
+        self.manager = manager  # two tiers: a stack over the cpu tier
+        self.backend = manager.backend
         self.disk = self.manager.tiers[0]
         self.counts = counts
         self.committed = committed  # keys the disk reported stored and has not dropped, in order
@@ -113,7 +119,8 @@ class _Engine:
     def serve(self, keys: list[OffloadKey]) -> None:
         """Load ``keys`` (all looked up True this step) and compare every block."""
         spec = self.manager.prepare_load(keys, CTX)
-        rows = self.manager.backend.rows
+        assert isinstance(spec, BlockIDsLoadStoreSpec)  # the CPU tier's rows
+        rows = self.backend.rows
         for key, row in zip(keys, spec.block_ids):
             self.counts["blocks_loaded"] += 1
             if not is_exact(rows[row], key):
@@ -133,7 +140,8 @@ class _Engine:
             if out is None:  # every CPU row held (being saved below): a miss, as in an engine
                 self.counts["stores_refused"] += 1
             else:
-                rows = self.manager.backend.rows
+                assert isinstance(out.store_spec, BlockIDsLoadStoreSpec)  # the CPU tier's rows
+                rows = self.backend.rows
                 for key, row in zip(out.keys_to_store, out.store_spec.block_ids):
                     rows[row] = payload(key, BLOCK_BYTES)
                 self.manager.complete_store(rest, CTX)
@@ -141,7 +149,7 @@ class _Engine:
         self.counts["requests"] += 1
         self.step()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         return self.manager.stats()
 
     def shutdown(self) -> None:

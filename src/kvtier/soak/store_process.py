@@ -25,6 +25,7 @@ import os
 import random
 import sys
 import time
+from typing import Any
 
 from kvtier.config import DiskTierConfig
 from kvtier.soak.blocks import block_key, is_exact, payload
@@ -74,7 +75,7 @@ def _sharer(tier, rows, seed: int, seconds: float, universe: int, salt: str, min
     rng = random.Random(seed)
     keys = [block_key(n, salt) for n in range(universe)]
     half = rows.shape[0] // 2
-    tally = {"store_ok": 0, "store_failed": 0, "load_ok": 0, "load_failed": 0, "wrong": 0,
+    tally: dict[str, Any] = {"store_ok": 0, "store_failed": 0, "load_ok": 0, "load_failed": 0, "wrong": 0,
              "reasons": {}, "jobs": 0}
     job_id = 0
     deadline = time.monotonic() + seconds

@@ -244,7 +244,9 @@ class TransferLayout:
         # tensor cost ~10 us x 64 tensors, more than the DMA of a small batch).
         self._group_columns = tuple(self._columns(group) for group in self.group_copy_bytes)
 
-    def _columns(self, copy_bytes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    def _columns(
+        self, copy_bytes: tuple[int, ...]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
         tensors = np.array([t for t, copy in enumerate(copy_bytes) if copy], dtype=np.int64)
         # the fewest GPU blocks among them: ids are checked against it, so a plan never
         # addresses past the end of a tensor

@@ -31,7 +31,7 @@ from kvtier.errors import ConfigError
 from kvtier.worker.blocks import TransferLayout
 from kvtier.worker.engines import CopyBuffers, CopyEngine, make_engine
 from kvtier.worker.shards import ShardPlacement
-from kvtier.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtier.mediums import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.tiers.cpu.region import SharedRegion
 
 __all__ = [
@@ -73,6 +73,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self.copies = copies
         #: True for stores (GPU to CPU)
         self.gpu_to_cpu = engine.gpu_to_cpu
+        self.src_type: type[BlockIDsLoadStoreSpec]
+        self.dst_type: type[BlockIDsLoadStoreSpec]
         if self.gpu_to_cpu:
             self.src_type, self.dst_type = GPULoadStoreSpec, CPULoadStoreSpec
         else:
@@ -104,6 +106,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         if job_id in self._in_flight:
             raise ValueError(f"job {job_id} is still in flight on this handler")
         gpu_spec, cpu_spec = (src, dst) if self.gpu_to_cpu else (dst, src)
+        assert isinstance(gpu_spec, GPULoadStoreSpec)  # src_type and dst_type were checked above
         segments = self.layout.plan(
             gpu_spec.block_ids,
             gpu_spec.group_sizes,

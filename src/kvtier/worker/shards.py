@@ -32,7 +32,7 @@ __all__ = ["ShardPlacement"]
 
 def _int_at_least(field: str, value: object, low: int) -> int:
     try:
-        number = operator.index(value)
+        number = operator.index(value)  # type: ignore[arg-type]  # TypeError for a non-integer
     except TypeError:
         number = low - 1
     if isinstance(value, bool) or number < low:

@@ -317,7 +317,7 @@ def test_shutdown_is_idempotent_and_removes_the_file():
     assert not os.path.exists(path)
     tier.shutdown()
     with pytest.raises(KvtierError):
-        tier.rows
+        _ = tier.rows
 
 
 def test_pin_on_without_cuda_fails_and_leaves_no_file(monkeypatch):

@@ -222,7 +222,7 @@ def test_close_unlinks_and_is_idempotent():
     assert shared.closed
     shared.close()
     with pytest.raises(KvtierError, match="closed"):
-        shared.rows
+        _ = shared.rows
     with pytest.raises(KvtierError, match="closed"):
         shared.pin("off")
 

@@ -70,7 +70,7 @@ def _rows_of(primary_kv_view: memoryview) -> np.ndarray:
     array = np.asarray(primary_kv_view)
     rows = array.view(np.uint8)
     if rows.ndim != 2:
-        stride = primary_kv_view.strides[0]
+        stride = primary_kv_view.strides[0]  # type: ignore[index]  # never None on Python 3
         rows = rows.reshape(-1, stride)
     return rows
 

@@ -78,6 +78,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier import base as kvtier_base
 from kvtier.manager.single import SingleTierManager
+from kvtier.mediums import BlockIDsLoadStoreSpec
 from kvtier.worker.failures import FailedRowMarks
 
 __all__ = ["STATS_METRIC", "KvtierOffloadingManager", "stats_to_vllm", "to_vllm_event"]
@@ -273,6 +274,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self._inner.prepare_load(keys, req_context)
+        assert isinstance(spec, BlockIDsLoadStoreSpec)  # the CPU tier's rows
         return CPULoadStoreSpec(spec.block_ids)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -289,6 +291,7 @@ class KvtierOffloadingManager(OffloadingManager):
         out = self._inner.prepare_store(keys, req_context)
         if out is None:
             return None
+        assert isinstance(out.store_spec, BlockIDsLoadStoreSpec)  # the CPU tier's rows
         if self._failed_rows is not None:
             self._storing.update(zip(out.keys_to_store, out.store_spec.block_ids.tolist()))
         return PrepareStoreOutput(
@@ -380,7 +383,7 @@ class KvtierOffloadingManager(OffloadingManager):
             # every fenced job has been reported: no mark of theirs can still be written
             self._failed_rows.clear()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         """kvtier's statistics: CPU tier block counts, then ``<tier>.<figure>`` per disk tier."""
         return self._inner.stats()
 

@@ -313,7 +313,8 @@ def resolve_full_stack(config: Any) -> FullStackLayout:
 
     cpu = parsed.tiers[0]
     assert isinstance(cpu, CPUTierConfig)  # load_config guarantees tiers[0] is the cpu tier
-    cpu = dataclasses.replace(cpu, path=_region_path(cpu, config))
+    region_path = _region_path(cpu, config)
+    cpu = dataclasses.replace(cpu, path=region_path)
     # With mixed group sizes the factor is vLLM's blocks_per_chunk directly: express it as
     # block_size_tokens over the smallest block, which the standalone spec divides back.
     resolved = dataclasses.replace(
@@ -337,7 +338,7 @@ def resolve_full_stack(config: Any) -> FullStackLayout:
         block_bytes=block_bytes,
         shard=shard,
         fingerprint=layout_fingerprint(config, block_bytes),
-        region_path=cpu.path,
+        region_path=region_path,
         stats_log_interval_s=_stats_interval(integration_keys),
         copy_engine=_copy_engine(integration_keys),
     )

@@ -37,6 +37,8 @@ from kvtier.integrations.vllm.manager import STATS_METRIC, KvtierOffloadingManag
 from kvtier.integrations.vllm.settings import FullStackLayout, resolve_full_stack
 from kvtier.integrations.vllm.worker import KvtierOffloadingWorker, to_kvtier_caches
 from kvtier.spec import TieredOffloadingSpec as StandaloneSpec
+from kvtier.tiers.cpu.backend import CPUBackend
+from kvtier.tiers.cpu.config import CPUTierConfig
 from kvtier.worker.failures import FailedRowMarks
 
 __all__ = ["KvtierStackInfo", "TieredOffloadingSpec"]
@@ -110,7 +112,9 @@ class TieredOffloadingSpec(OffloadingSpec):
             layout = self.layout
             # The scheduler never copies to or from the GPU, and pinning is per process:
             # each worker pins its own mapping of the region.
-            cpu = dataclasses.replace(layout.config.tiers[0], pin_memory="off")
+            first = layout.config.tiers[0]
+            assert isinstance(first, CPUTierConfig)  # resolve_full_stack checked it
+            cpu = dataclasses.replace(first, pin_memory="off")
             config = dataclasses.replace(layout.config, tiers=(cpu, *layout.config.tiers[1:]))
             events = self.kv_events_config.enable_kv_cache_events
             inner = build_manager(
@@ -122,9 +126,11 @@ class TieredOffloadingSpec(OffloadingSpec):
                 kvtier_block_size_tokens=layout.config.block_size_tokens or 0,
                 kvtier_write_policy=layout.config.cascade.write_policy,
             )
+            backend = inner.backend
+            assert isinstance(backend, CPUBackend)  # what the cpu tier opens
             try:
                 failed_rows = FailedRowMarks.create(
-                    layout.region_path, inner.backend.num_blocks
+                    layout.region_path, backend.num_blocks
                 )
             except BaseException:
                 inner.shutdown()

@@ -216,6 +216,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         """Jobs finished since the last call (stores, then loads); never waits."""
         if not self._ready.is_set():
             return []
+        assert self._store is not None and self._load is not None and self._expedited is not None
         results = []
         for result in self._store.get_finished():
             rows = self._store_rows.pop(result.job_id, None)
@@ -261,6 +262,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         """Block until the named jobs have finished (their results still come from get_finished)."""
         if not self._ready.is_set():
             return
+        assert self._store is not None and self._load is not None and self._expedited is not None
         ids = set(job_ids)
         self._store.wait(ids)
         self._load.wait(ids)

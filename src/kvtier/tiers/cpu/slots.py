@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -129,7 +130,8 @@ class SlotBackend(Backend):
         """
         if isinstance(blocks, np.ndarray):
             return self.spec_type(blocks)
-        block_list = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
+        # ints or BlockStatus objects, told apart by the first
+        block_list: Sequence[Any] = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
         if block_list and isinstance(block_list[0], BlockStatus):
             block_list = [block.block_id for block in block_list]
         return self.spec_type(block_list)

@@ -14,11 +14,14 @@ imported here, so parsing a configuration does not load LMDB.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import CheckReport, SecondaryTier
+from kvtier.tiers.base import CheckReport
 from kvtier.tiers.disk.config import DISK_MEDIA, DiskTierConfig
+
+if TYPE_CHECKING:
+    from kvtier.tiers.disk.base import DiskTier
 
 __all__ = ["check_store", "get_store_class", "open_store", "registered_stores"]
 
@@ -28,14 +31,14 @@ def registered_stores() -> tuple[str, ...]:
     return DISK_MEDIA.names()
 
 
-def get_store_class(kind: str, *, field: str = "kind") -> type[SecondaryTier]:
+def get_store_class(kind: str, *, field: str = "kind") -> type[DiskTier]:
     """The class of disk tiers of ``kind``; a ConfigError listing the kinds for anything else."""
     return DISK_MEDIA.resolve(kind, field=field)
 
 
 def open_store(
     config: DiskTierConfig, rows: Any, fingerprint: Any, field: str = "tiers[1]", **options: Any
-) -> SecondaryTier:
+) -> DiskTier:
     """Open the disk tier ``config`` describes over CPU rows ``rows`` (see ``DiskTier.open``)."""
     return config.open_lower(rows, fingerprint, field=field, **options)
 

@@ -290,10 +290,12 @@ class DiskTier(IndexedTier):
         self._touched.update(key for key in keys if contains(key))
         if len(self._touched) >= _TOUCH_BATCH:
             keys_now, self._touched = list(self._touched), set()
+            assert self._mover is not None  # open: it is None only before the start and once closed
             self._mover.submit_sequenced(partial(self._persist_stamps, keys_now, time.time_ns()))
 
     def _start_store(self, work: TierWork) -> None:
         touched, self._touched = list(self._touched), set()
+        assert self._mover is not None  # jobs start only while open
         self._mover.submit(
             MoverJob(
                 work.job_id, False, work.keys, work.rows, victims=work.victims,
@@ -304,6 +306,7 @@ class DiskTier(IndexedTier):
         )
 
     def _start_load(self, work: TierWork) -> None:
+        assert self._mover is not None  # jobs start only while open
         self._mover.submit(
             MoverJob(
                 work.job_id, True, work.keys, work.rows, block_ids=work.block_ids,

@@ -288,7 +288,7 @@ class BlockIO:
             )
             iov = self._sealed(page, row, direct)
         expected = HEADER_BYTES + len(iov)
-        written = os.pwritev(fd, [page, iov], offset)
+        written = os.pwritev(fd, [page, iov], offset)  # type: ignore[list-item]  # numpy stubs: Buffer on 3.12+
         if written != expected:
             raise OSError(errno.ENOSPC, f"short write: {written} of {expected} bytes")
 
@@ -313,7 +313,7 @@ class BlockIO:
         """
         page = scratch_page()
         rowio = self.rowio
-        nread = os.preadv(fd, [page, rowio.iov(row, direct)], offset)
+        nread = os.preadv(fd, [page, rowio.iov(row, direct)], offset)  # type: ignore[list-item]  # numpy stubs: Buffer on 3.12+
         problem = verify(
             page, rowio.payload(row), nread, key=key, layout_digest=self._digest,
             payload_bytes=self.block_bytes, keys=self.keys,
@@ -330,7 +330,7 @@ class BlockIO:
     def read_for_check(self, fd: int, offset: int, key: OffloadKey, page, payload: np.ndarray) -> str | None:
         """Read and verify one block into check buffers (caller's thread); the problem or None."""
         try:
-            nread = os.preadv(fd, [page, payload], offset)
+            nread = os.preadv(fd, [page, payload], offset)  # type: ignore[list-item]  # numpy stubs: Buffer on 3.12+
         except OSError as exc:
             return str(Failure.from_exception(exc))
         return verify(

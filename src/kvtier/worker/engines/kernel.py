@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvtier.worker.blocks import Segments
@@ -47,7 +48,7 @@ PROGRAMS = 12
 #: descriptors the engine's first tables hold (jobs of 256 blocks of 32 layers)
 WARM_DESCRIPTORS = 256 * 32
 
-_kernel = None
+_kernel: Any = None
 
 
 def _load_kernel() -> Any:
@@ -85,7 +86,7 @@ def _load_kernel() -> Any:
     return _kernel
 
 
-def element_bytes(*arrays: np.ndarray) -> int:
+def element_bytes(*arrays: npt.ArrayLike) -> int:
     """The widest of 8, 4, 2, 1 bytes that divides every value in ``arrays`` (the addresses and
     sizes of some copies): the unit each load and store moves, so no copy touches a byte
     outside its own range."""

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtier.cuda import driver_function
+
+if TYPE_CHECKING:
+    import _ctypes
 
 __all__ = ["MemcpyBatch", "MemcpyBatchError"]
 
@@ -74,7 +78,7 @@ class MemcpyBatchError(RuntimeError):
 class MemcpyBatch:
     """A callable issuing a batch of copies on a stream with one driver call."""
 
-    def __init__(self, function: ctypes._CFuncPtr):
+    def __init__(self, function: _ctypes.CFuncPtr):
         self._function = function
 
     @classmethod

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# What CI runs after the install (.ci/run), and the README's second command: the linter, the
+# type checker, then the test suite, stopping at the first that fails.
+#
+#   scripts/check.sh [pytest arguments...]
+#
+# Uses .venv/bin/python where there is one, else python3 (PYTHON=... overrides); that Python
+# needs the '.[test]' extra (ruff, mypy, pytest and the test dependencies). The settings of
+# all three live in pyproject.toml.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+echo "== ruff check" >&2
+"$PYTHON" -m ruff check src tests benchmarks
+echo "== mypy" >&2
+"$PYTHON" -m mypy
+echo "== pytest" >&2
+"$PYTHON" -m pytest "$@"
