@@ -388,6 +388,7 @@ def run(
             secret_dir, secret_file = make_bench_secret()
         variants = secret_variants(secret_file)
         tiers: list[tuple[str, dict[str, Any]]] = [("plain", {}), *variants]
+        baseline: dict[str, Any] = {}
         for round_index in range(rounds):
             # the plain tier and its variants in an order that rotates between rounds (the
             # run after another meets the disk busy with the deletion of the last store)

@@ -231,7 +231,8 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
             names = [f"{prefix}raw:".encode() + key.hex().encode() for key in keys]
             values = [row.tobytes() for row in rows]
             batch = max(1, DEFAULT_MAX_INFLIGHT_BYTES // size)
-            tier_times, raw_times = [], []
+            tier_times: list[tuple[float, float]] = []
+            raw_times: list[tuple[float, float]] = []
             variant_times: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in variants}
             tiers: list[tuple[str, dict[str, Any]]] = [("plain", {}), *variants]
             for round_index in range(rounds):

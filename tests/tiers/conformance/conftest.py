@@ -14,7 +14,7 @@ for folder in (Path(__file__).parent, _TESTS / "faults", _TESTS / "tiers" / "dis
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-import tier_harness
+import tier_harness  # noqa: E402  (its folder is put on sys.path just above)
 
 
 def pytest_generate_tests(metafunc):

@@ -5,7 +5,7 @@ import pytest
 from helpers import key
 from store_helpers import dead_pid, holds, load, open_tier, store
 
-from kvtier.errors import ConfigError, IndexDamagedError
+from kvtier.errors import IndexDamagedError
 from kvtier.tiers.disk.lmdb import _ENTRY, _NEXT_SLOT, _OWNER, _slot_key
 
 

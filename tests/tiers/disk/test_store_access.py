@@ -251,7 +251,7 @@ def test_directories_are_0700_and_files_0600_whatever_the_umask(kind, tmp_path, 
 def test_an_older_store_others_could_read_is_made_private_at_open(kind, tmp_path, shm):
     path = tmp_path / "store"
     make_store(kind, path, shm.rows)
-    for root, dirs, files in os.walk(path):
+    for root, _dirs, files in os.walk(path):
         os.chmod(root, 0o755)
         for name in files:
             os.chmod(os.path.join(root, name), 0o644)

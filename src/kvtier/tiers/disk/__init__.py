@@ -64,6 +64,8 @@ def check_store(path: str, fix: bool = False, secret_file: str | None = None) ->
     from kvtier.tiers.disk.manifest import MANIFEST_NAME, read_manifest
 
     directory = os.path.realpath(os.path.abspath(path))
+    loose: list[str] = []
+    fixed: list[str] = []
     if os.path.isdir(directory) and os.path.lexists(os.path.join(directory, MANIFEST_NAME)):
         # who may reach the store comes first: nothing in it is read before that is known
         refused, loose, fixed = _access_problems(directory, fix)
@@ -116,12 +118,12 @@ def _kind_mismatch(directory: str, kind: str) -> str | None:
     """Why the files in ``directory`` are not those of a ``kind`` store, or None if they may be."""
     if kind not in DISK_MEDIA.names():
         return f"the manifest names kind {kind!r}, which is not a disk-tier kind ({', '.join(DISK_MEDIA.names())})"
-    own = set(DISK_MEDIA.resolve(kind, field="kind").medium_names)  # type: ignore[attr-defined]
+    own = set(DISK_MEDIA.resolve(kind, field="kind").medium_names)
     for other in DISK_MEDIA.names():
         if other == kind:
             continue
         theirs = [
-            name for name in DISK_MEDIA.resolve(other, field="kind").medium_names  # type: ignore[attr-defined]
+            name for name in DISK_MEDIA.resolve(other, field="kind").medium_names
             if name not in own and os.path.lexists(os.path.join(directory, name))
         ]
         if theirs:

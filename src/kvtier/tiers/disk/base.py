@@ -146,6 +146,7 @@ class DiskTier(IndexedTier):
                 f"4096-byte header)",
                 f"raise the capacity to {slot_bytes} bytes or more",
             )
+        assert config.path is not None  # _check_config refused a missing one
         directory = prepare_directory(config.path, field, read_only=read_only)
         claim_path(directory)
         locks = None

@@ -278,7 +278,7 @@ class BlockIO:
         if keys is None:
             encode_header_into(
                 page, layout_digest=self._digest, key=key, payload_bytes=self.block_bytes,
-                checksum=xxhash.xxh3_64_intdigest(rowio.payload(row)),
+                checksum=xxhash.xxh3_64_intdigest(rowio.payload(row)),  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
             )
             iov = rowio.iov(row, direct)
         else:
@@ -297,13 +297,15 @@ class BlockIO:
         row itself, or, encrypting, this thread's page-aligned ciphertext buffer (the row is
         the CPU tier's live copy and must stay plaintext)."""
         rowio = self.rowio
-        if not self.keys.encrypt:
-            self.keys.seal(page, rowio.payload(row))
+        keys = self.keys
+        assert keys is not None  # write() calls this only for a keyed tier
+        if not keys.encrypt:
+            keys.seal(page, rowio.payload(row))
             return rowio.iov(row, direct)
         out = getattr(self._cipher_pages, "page", None)
         if out is None:
             out = self._cipher_pages.page = np.frombuffer(aligned_buffer(rowio.padded_bytes), dtype=np.uint8)
-        self.keys.seal(page, rowio.payload(row), out[: self.block_bytes])
+        keys.seal(page, rowio.payload(row), out[: self.block_bytes])
         return out[: rowio.io_bytes(direct)]
 
     def read(self, fd: int, offset: int, key: OffloadKey, row: int, direct: bool) -> Failure | None:

@@ -280,7 +280,8 @@ class FilesTier(DiskTier):
     # -- open / close (caller's thread) ---------------------------------------------------------
 
     def _open_medium(self, alone: bool, created: bool) -> list[tuple[OffloadKey, int, int]]:
-        self._count = None
+        # typed as always there: it is, from just below until the tier closes
+        self._count: _SharedCount = None  # type: ignore[assignment]
         self._log_fd = self._dir_fd = self._bfd = -1
         self._publish_mode = "renameat2" if _renameat2 is not None else "link"
         self._blocks_dir = os.path.join(self.path, _BLOCKS_DIR)

@@ -284,7 +284,7 @@ def decode_header(buffer) -> BlockHeader | str:
 
 def verify(
     header_page,
-    payload: np.ndarray | memoryview,
+    payload: np.ndarray | memoryview | bytearray,
     nread: int,
     *,
     key: bytes,
@@ -326,6 +326,6 @@ def verify(
         return keys.open(header_page, header, payload, source)
     if keys is not None:
         return "unkeyed"  # written without the secret, or planted: never served with one
-    if xxhash.xxh3_64_intdigest(payload) != header.checksum:
+    if xxhash.xxh3_64_intdigest(payload) != header.checksum:  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
         return "checksum"
     return None

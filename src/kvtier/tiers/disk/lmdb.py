@@ -188,7 +188,7 @@ _DAMAGE_ERRORS = (
 
 @dataclass
 class _Tables:
-    entries: list[tuple[bytes, bytes]]
+    entries: list[tuple[OffloadKey, bytes]]
     free: set[int]
     reserved: dict[int, int]
     next_slot: int
@@ -337,15 +337,15 @@ class LMDBTier(DiskTier):
         self._meta = self._env.open_db(b"meta", create=create)
 
     def _close_env(self) -> None:
-        env, self._env = self._env, None
+        env, self._env = self._env, None  # type: ignore[assignment]  # None once closed
         if env is not None:
             with contextlib.suppress(lmdb.Error):
                 env.close()
 
-    def _tables(self, txn: lmdb.Transaction) -> _Tables:
+    def _tables(self, txn: lmdb.Transaction[bytes]) -> _Tables:
         """The index as check reads it: entries, free slots, reservations (slot -> pid), next slot."""
         return _Tables(
-            list(txn.cursor(db=self._blocks)),
+            list(_keyed(txn.cursor(db=self._blocks))),
             {int.from_bytes(k, "big") for k, _ in txn.cursor(db=self._free)},
             {int.from_bytes(k, "big"): _OWNER.unpack(v)[0] for k, v in txn.cursor(db=self._reserved)},
             self._next_slot(txn),

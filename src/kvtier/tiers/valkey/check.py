@@ -152,7 +152,7 @@ def verify_value(value, key: bytes, *, layout_digest: bytes | None = None,
         return header, None
     want_digest = header.layout_digest if layout_digest is None else layout_digest
     want_bytes = header.payload_bytes if payload_bytes is None else payload_bytes
-    payload = view[HEADER_BYTES : HEADER_BYTES + want_bytes]
+    payload: memoryview | bytearray = view[HEADER_BYTES : HEADER_BYTES + want_bytes]
     if keys is not None and header.flags and len(payload) == want_bytes:
         payload = bytearray(payload)  # an encrypted payload is decrypted in place
     reason = verify(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -168,7 +169,6 @@ def _read_values(connection, count: int, expect_bytes: int = 0, max_bytes: int |
     are read this way (bulk strings, or nulls, or errors), and only on a connection whose
     parser has nothing buffered: every round trip reads all of its replies.
     """
-    import socket
 
     from valkey.exceptions import ConnectionError as ClientConnectionError
     from valkey.exceptions import TimeoutError as ClientTimeoutError
@@ -233,7 +233,7 @@ def _read_values(connection, count: int, expect_bytes: int = 0, max_bytes: int |
                     value = batch[index * expect_bytes : index * expect_bytes + length]
                 else:
                     value = np.empty(length, dtype=np.uint8)
-                target = memoryview(value)
+                target = memoryview(value)  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
                 have = min(length, end - start)
                 target[:have] = view[start : start + have]
                 start += have
@@ -252,7 +252,7 @@ def _read_values(connection, count: int, expect_bytes: int = 0, max_bytes: int |
                 replies.append(_reply_error(head[1:]))
             else:
                 raise ClientConnectionError(f"unexpected reply to GET: {head[:40]!r}")
-    except socket.timeout:
+    except TimeoutError:
         raise ClientTimeoutError("timeout reading from the server") from None
     except OSError as error:
         raise ClientConnectionError(f"reading from the server: {error}") from None
@@ -317,7 +317,7 @@ class ValkeyConnection:
 
     def __init__(self, config: ValkeyTierConfig):
         self._config = config
-        self._client = None
+        self._client: Any = None  # Valkey or ValkeyCluster once connected
         self._lock = threading.Lock()  # guards the lazy creation of _client
 
     @property
@@ -367,6 +367,7 @@ class ValkeyConnection:
             return ValkeyCluster(startup_nodes=nodes, cluster_error_retry_attempts=0, **options)
         # The URL's own settings first, then the tier's: a password from the file or the
         # environment wins over one in the URL (the client's from_url does the opposite).
+        assert config.url is not None  # the section has a url or cluster_nodes
         settings = {**parse_url(config.url), **options}
         if config.uses_tls and settings.get("connection_class") is not SSLConnection:
             if "path" in settings:
@@ -386,7 +387,7 @@ class ValkeyConnection:
                 self._client = self._connect()
             return self._client
 
-    def _groups(self, names: Sequence[bytes]) -> list[tuple[object, list[int]]]:
+    def _groups(self, names: Sequence[bytes]) -> list[tuple[Any, list[int]]]:
         """``(client, indexes of names)`` per server the names live on."""
         client = self.client
         if not self._config.cluster_nodes:

@@ -119,7 +119,7 @@ class _ProbeOutcome:
 
     batch: int
     #: key -> (value whose header passed, its payload checksum, checked on load)
-    found: dict[OffloadKey, tuple[bytes, int]] = field(default_factory=dict)
+    found: dict[OffloadKey, tuple[np.ndarray, int]] = field(default_factory=dict)
     missing: list[OffloadKey] = field(default_factory=list)
     #: key -> why its value is not this key's block of this layout (a ``CORRUPT`` failure)
     corrupt: dict[OffloadKey, Failure] = field(default_factory=dict)
@@ -171,7 +171,7 @@ class ValkeyTier(SecondaryTier):
         self._present: OrderedDict[OffloadKey, None] = OrderedDict()
         self._missing: OrderedDict[OffloadKey, float] = OrderedDict()  # key -> answer False until
         # key -> (value, its payload checksum from the checked header, drop at)
-        self._staged: OrderedDict[OffloadKey, tuple[bytes, int, float]] = OrderedDict()
+        self._staged: OrderedDict[OffloadKey, tuple[np.ndarray, int, float]] = OrderedDict()
         self._staged_bytes = 0
         self._wanted: dict[OffloadKey, None] = {}
         self._probing: dict[OffloadKey, int] = {}  # key -> batch
@@ -469,7 +469,7 @@ class ValkeyTier(SecondaryTier):
         self.counters["load_jobs"] += 1
         for key in job.keys:
             self._reading[key] = self._reading.get(key, 0) + 1
-        staged: dict[OffloadKey, tuple[bytes, int]] = {}
+        staged: dict[OffloadKey, tuple[np.ndarray, int]] = {}
         for key in job.keys:
             entry = self._staged.pop(key, None)
             if entry is not None:
@@ -583,10 +583,11 @@ class ValkeyTier(SecondaryTier):
             return value
         if not isinstance(value, (bytes, bytearray, memoryview, np.ndarray)):
             return Failure.MISSING
-        view = memoryview(value)
+        view = memoryview(value)  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
         if checksum is not None and self._keys is None and len(view) == self._value_bytes:
             target[:] = np.frombuffer(view, dtype=np.uint8, offset=HEADER_BYTES)
-            return None if xxhash.xxh3_64_intdigest(target) == checksum else Failure.corrupt("checksum")
+            digest = xxhash.xxh3_64_intdigest(target)  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
+            return None if digest == checksum else Failure.corrupt("checksum")
         if len(view) < self._value_bytes:
             return Failure.corrupt("truncated")
         if len(view) > self._value_bytes:
@@ -605,13 +606,13 @@ class ValkeyTier(SecondaryTier):
         )
         return None if reason is None else Failure.corrupt(reason)
 
-    def _place_all(self, pairs: list[tuple[OffloadKey, int]], values: dict[OffloadKey, tuple[bytes, int]]) -> dict:
+    def _place_all(self, pairs: list[tuple[OffloadKey, int]], values: dict[OffloadKey, tuple[np.ndarray, int]]) -> dict:
         """:meth:`_place` each key's read value (and checksum) into its row: key -> why not, or None."""
         rows = self._rows
         return {key: self._place(key, rows[row], *values[key]) for key, row in pairs}
 
     def _run_load(self, result: TierJobResult, pairs: list[tuple[OffloadKey, int]],
-                  staged: dict[OffloadKey, tuple[bytes, int]]) -> None:
+                  staged: dict[OffloadKey, tuple[np.ndarray, int]]) -> None:
         try:
             fetch = [(key, row) for key, row in pairs if key not in staged and key not in result.failed]
             local = [(key, row) for key, row in pairs if key in staged]
@@ -628,7 +629,7 @@ class ValkeyTier(SecondaryTier):
                     result.ok.append(key)
                 else:
                     result.failed[key] = reasons[key]
-            outage = None
+            outage: Failure | None = None
             for start in range(0, len(fetch), self._batch_keys):
                 chunk = fetch[start : start + self._batch_keys]
                 if outage is not None:
@@ -642,8 +643,9 @@ class ValkeyTier(SecondaryTier):
                         result.ok.append(key)
                     else:
                         result.failed[key] = reason
-                if values and all(is_outage(v) for v in values):
-                    outage = values[0]
+                first = values[0] if values else None
+                if isinstance(first, Failure) and all(is_outage(v) for v in values):
+                    outage = first
             if outage is not None:
                 self._went_down(outage)
         except Exception as error:
@@ -654,12 +656,12 @@ class ValkeyTier(SecondaryTier):
         result.nbytes = len(result.ok) * self.block_bytes
         self._done.append(("load", result, None))
 
-    def _check_header(self, key: OffloadKey, value: bytes) -> str | int:
+    def _check_header(self, key: OffloadKey, value: np.ndarray) -> str | int:
         """The cheap checks of a read value (all but the payload checksum, left to the load):
         why it is not this key's block of this layout, or its payload checksum."""
         if len(value) < HEADER_BYTES:
             return "truncated"
-        header = decode_header(memoryview(value)[:HEADER_BYTES])
+        header = decode_header(memoryview(value)[:HEADER_BYTES])  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
         if isinstance(header, str):
             return header
         if header.layout_digest != self._digest:
