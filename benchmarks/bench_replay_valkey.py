@@ -21,7 +21,12 @@ import tempfile
 from pathlib import Path
 
 from kvtier.bench.report import print_json, print_table
-from kvtier.replay.run import DEFAULT_CPU_BLOCKS, DEFAULT_DISK_BLOCKS, default_config, replay
+from kvtier.replay.run import (
+    DEFAULT_CPU_BLOCKS,
+    DEFAULT_DISK_BLOCKS,
+    default_config,
+    replay,
+)
 from kvtier.tiers.cpu.region import row_stride_for
 from kvtier.tiers.disk.format import HEADER_BYTES
 from kvtier.tiers.valkey.server import LocalValkeyServer, find_server_binary

@@ -38,7 +38,7 @@ def test_nested_aliases_through_the_cli_exit_1_without_a_traceback(tmp_path):
     path = tmp_path / "laughs.yaml"
     path.write_text(BILLION_LAUGHS)
     done = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "config", "check", str(path)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1
     assert "line 4" in done.stderr and "Traceback" not in done.stderr
 
@@ -98,6 +98,6 @@ def test_a_41_digit_capacity_through_config_check_exits_1_without_a_traceback(tm
     path = tmp_path / "big.yaml"
     path.write_text("tiers:\n  - {name: cpu, kind: cpu, capacity: " + "1" * 41 + "}\n")
     done = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "config", "check", str(path)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1
     assert "tiers[0].capacity" in done.stderr and "Traceback" not in done.stderr

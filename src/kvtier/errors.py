@@ -13,7 +13,7 @@ import reprlib
 
 __all__ = [
     "KvtierError", "ConfigError", "BlockStateError", "DiskTierError", "ManifestError", "ValkeyCheckError",
-    "shown_value",
+    "TraceError", "shown_value",
 ]
 
 #: the longest text :func:`shown_value` gives for one value
@@ -71,6 +71,10 @@ class ConfigError(KvtierError, ValueError):
         if fix:
             message += f". Fix: {fix}"
         super().__init__(message)
+
+
+class TraceError(KvtierError):
+    """A request trace cannot be read: the message names the file, the line and the field."""
 
 
 class BlockStateError(KvtierError):
