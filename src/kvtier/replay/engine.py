@@ -18,10 +18,12 @@ It owns a "GPU" KV cache (a CUDA tensor, or a CPU tensor standing in without CUD
 
 It never looks at the trace's timestamps: requests run back to back, one at a time, so the
 figures are about what the tiers hold and move, not about queueing. When it has nothing to
-do but wait for the tiers, it blocks on them rather than sleeping and polling (on their
-``wait_loads`` for a promotion, on their ``drain_jobs`` for room to store): on a busy
-machine a short sleep lasts far longer than asked, and a replay would measure the
-scheduler's naps.
+do but wait, it blocks, as a request waits in an engine's queue, rather than sleeping,
+polling or stepping empty: on the tiers' ``wait_loads`` for a promotion or a remote tier's
+answer (on ``drain_jobs`` if a round of reads moved no answer), on ``drain_jobs`` for room
+to store, and on the store copies in flight for free GPU blocks. On a busy machine a short
+sleep lasts far longer than asked, and a replay would measure the scheduler's naps; empty
+steps over a remote tier were 800 per request.
 
 The engine's own work — making each computed block's bytes and checking each loaded one —
 is timed apart (``ReplayCounts.engine_s``), so what is left of the elapsed time is the
@@ -299,6 +301,7 @@ class ReplayEngine:
         deadline = time.monotonic() + MAX_WAIT_S
         promoted: set[OffloadKey] = set()
         before: tuple | None = None
+        is_promoting = getattr(manager, "is_promoting", lambda key: False)
         while True:
             found = 0
             waiting = []
@@ -319,7 +322,8 @@ class ReplayEngine:
             # The request blocks on the tiers until an answer changes, as an engine's request
             # waits in its queue: never an empty step that finds the same None again (a remote
             # tier's answers take a round trip, and stepping through it is millions of steps).
-            now = (found, len(waiting), waiting[0])
+            # (a key going from "unknown" to "being promoted" is progress, though both are None)
+            now = (found, len(waiting), waiting[0], sum(map(is_promoting, waiting)))
             if now == before:
                 self._wait_for_tiers()  # the reads are done, no answer moved: wait for the rest
             else:
