@@ -82,3 +82,15 @@ def test_a_replay_over_valkey_waits_for_its_answers_instead_of_stepping(valkey_u
     assert record["requests"] == 300 and record["mismatched_blocks"] == 0
     assert record["hits"]["shared"] > 0  # blocks came back from the server, verified
     assert record["steps"] <= 8 * record["requests"]
+
+
+def test_a_fleet_leaves_out_requests_larger_than_the_gpu_cache_up_front(valkey_url, tmp_path, monkeypatch, capsys):
+    from kvtier.replay.fleet import replay_fleet
+
+    monkeypatch.chdir(tmp_path)
+    record = replay_fleet(None, engines=2, valkey_url=valkey_url, gpu_blocks=100, block_bytes=BLOCK, limit=130,
+                          out=io.StringIO())
+    # requests 12, 93 and 122 of the bundled trace have more than 100 blocks
+    assert record["skipped_requests"] == 3 and record["requests"] == 127
+    assert record["mismatched_blocks"] == 0
+    assert "skipping 3 of 130 requests" in capsys.readouterr().err
