@@ -867,7 +867,7 @@ def test_disk_examples_match_the_brief() -> None:
         cpu, disk = config.tiers
         assert (cpu.kind, cpu.capacity_bytes, cpu.eviction) == ("cpu", 8 * GiB, "arc")
         assert (disk.kind, disk.capacity_bytes) == (kind, 100 * GiB)
-        assert disk.path.startswith("/var/tmp/kvtier-")
+        assert disk.path == f"~/.cache/kvtier/{kind}"  # per user, never a world-writable /var/tmp
     only = load_config(EXAMPLES / "cpu-only.yaml")
     assert [(t.kind, t.capacity_bytes, t.eviction) for t in only.tiers] == [("cpu", 4 * GiB, "lru")]
 

@@ -254,6 +254,9 @@ def test_parallel_ranks_share_one_row_of_every_shard(specs, tmp_path):
     tp4 = specs(config, gpu_block_size_tokens=16, page_bytes=[4096], world_size=4)
     assert tp2.block_bytes == tp4.block_bytes and tp2.fingerprint() != tp4.fingerprint()
     assert tp2.fingerprint().world_size == 2
+    # ... unless every rank holds the same bytes (MLA): that row is the same at any TP size
+    mla2 = specs(config, gpu_block_size_tokens=16, page_bytes=[4096], world_size=2, kv_replicas=2)
+    assert mla.fingerprint() == mla2.fingerprint() and mla.fingerprint().world_size == 1
 
 
 def test_parallel_ranks_need_a_region_path_they_all_know(specs):

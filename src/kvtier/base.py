@@ -32,6 +32,7 @@ __all__ = [
     "get_offload_block_hash",
     "get_offload_group_idx",
     "ReqContext",
+    "LoadTiers",
     "OffloadPolicy",
     "RequestOffloadingContext",
     "LoadStoreSpec",
@@ -90,7 +91,8 @@ class ReqContext:
     ``kv_transfer_params`` are the request's own connector parameters (may be ``None``).
     A manager keeps per-request state with :meth:`set_state` / :meth:`get_state` (one slot per
     value type) instead of a dict of its own keyed by request id, so the state dies with the
-    request and cannot leak.
+    request and cannot leak. The engine may limit the tiers a request loads from the same way
+    (:class:`LoadTiers`).
     """
 
     req_id: str
@@ -104,6 +106,21 @@ class ReqContext:
     def get_state(self, cls: type[_T]) -> _T | None:
         """The value of type ``cls`` kept by :meth:`set_state`, or ``None``."""
         return self._state.get(cls)
+
+
+@dataclass(frozen=True)
+class LoadTiers:
+    """A request's limit on the lower tiers it may load from, kept in its :class:`ReqContext`
+    (``ctx.set_state(LoadTiers(frozenset({"nvme"})))``); a request without one may load from
+    every tier.
+
+    ``names``: the lower tiers (by configured name) whose blocks it may have promoted; empty:
+    none, so a block only a lower tier holds is a miss for it. The CPU tier always answers: it
+    is where every load comes from (vLLM's ``load_tier_filter`` likewise filters only its
+    secondary tiers), and a block some other request is promoting already answers "pending".
+    """
+
+    names: frozenset[str]
 
 
 class OffloadPolicy(enum.Enum):
@@ -157,12 +174,17 @@ class OffloadingEvent:
     """Blocks that became readable (``removed=False``) or were dropped (``removed=True``) on a medium.
 
     ``block_size`` is the tier's block size in bytes, so a consumer can turn events into bytes.
+    ``metadata_only`` (with ``removed``): blocks whose store failed before they were ever
+    readable. No stored event announced them, so a consumer that tracks what lookup can see
+    skips it; one that kept state from the moment it asked for the store (vLLM's
+    self-describing KV events) drops that state.
     """
 
     keys: list[OffloadKey]
     block_size: int
     medium: str
     removed: bool
+    metadata_only: bool = False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import reprlib
 
-__all__ = [
-    "KvtierError", "ConfigError", "BlockStateError", "DiskTierError", "ManifestError", "ValkeyCheckError",
-    "TraceError", "shown_value",
-]
+__all__ = ["BlockStateError", "ConfigError", "DiskTierError", "IndexDamagedError", "KvtierError", "ManifestError",
+           "TraceError", "ValkeyCheckError", "shown_value"]
 
 #: the longest text :func:`shown_value` gives for one value
 SHOWN_VALUE_CHARS = 200
@@ -89,6 +87,11 @@ class BlockStateError(KvtierError):
 class DiskTierError(KvtierError):
     """A disk tier cannot be used as asked for a reason that is not one configuration value
     (for example its path is already open as a tier in this process)."""
+
+
+class IndexDamagedError(DiskTierError):
+    """A disk tier's on-disk index is damaged (a truncated or garbled LMDB file, say): found
+    before it is used, and named with the fix (``kvtier check PATH --fix``)."""
 
 
 class ManifestError(KvtierError):

@@ -178,7 +178,9 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     def fingerprint(self) -> LayoutFingerprint:
         """What the disk tiers stamp on every block: the row size, and under parallelism the
-        world size and shard layout, so that a store written at TP=2 is never read at TP=4.
+        world size and shard layout, so that a store written at TP=2 is never read at TP=4 —
+        unless every rank holds the same bytes (``kv_replicas == world_size``), where the row
+        is the same at any world size and the fingerprint leaves it out.
 
         A single worker keeps :meth:`LayoutFingerprint.standalone`, which stores written by
         :func:`kvtier.build_manager` directly also carry.
@@ -186,13 +188,17 @@ class TieredOffloadingSpec(OffloadingSpec):
         shard = self.shard
         if shard.world_size == 1:
             return LayoutFingerprint.standalone(self.block_bytes)
+        replicated = shard.num_shards == 1  # every rank holds the same bytes (MLA under TP)
         return LayoutFingerprint(
-            model=f"standalone|{shard.describe()}",
+            # a replicated row means the same whatever the world size: TP=2 and TP=4 share it
+            model=f"standalone|replicated;{shard.shard_bytes}"
+            if replicated
+            else f"standalone|{shard.describe()}",
             dtype="uint8",
             tokens_per_block=self.gpu_block_size_tokens * self.block_size_factor,
             page_bytes=self.page_bytes,
             rank=0,  # a row holds every rank's shard
-            world_size=shard.world_size,
+            world_size=1 if replicated else shard.world_size,
             block_bytes=self.block_bytes,
         )
 

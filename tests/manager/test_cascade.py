@@ -49,7 +49,7 @@ def assert_holds_own_bytes(tier, keys):
 def evicted_from_cpu(manager):
     return {
         k for event in manager.take_events()
-        if event.medium == "MEMORY" and event.removed for k in event.keys
+        if event.medium == "MEMORY" and event.removed and not event.metadata_only for k in event.keys
     }
 
 

@@ -127,15 +127,19 @@ def test_touch_changes_lru_victim():
 def test_events_follow_what_lookup_can_see(manager):
     store(manager, [key(0), key(1)])
     manager.prepare_store([key(2)], CTX)
-    manager.complete_store([key(2)], CTX, success=False)  # never visible: no event
+    manager.complete_store([key(2)], CTX, success=False)  # never visible: metadata_only
     store(manager, [key(i) for i in range(3, 6)])  # evicts 1 block... or more
     events = list(manager.take_events())
     assert list(manager.take_events()) == []
     visible: set = set()
+    retracted = [event.keys for event in events if event.metadata_only]
+    assert retracted == [[key(2)]]
     for event in events:
         assert isinstance(event, OffloadingEvent)
         assert event.block_size == BLOCK and event.medium == "MEMORY"
-        if event.removed:
+        if event.metadata_only:
+            assert event.removed and not set(event.keys) & visible
+        elif event.removed:
             assert set(event.keys) <= visible
             visible -= set(event.keys)
         else:
@@ -158,7 +162,7 @@ def test_reset_cache_forgets_everything_and_ignores_stale_completions(manager):
     manager.complete_load([key(0)], CTX)
     manager.complete_store([key(2)], CTX)
     assert not any(manager.lookup(key(i), CTX) for i in range(3))
-    removed = [e for e in manager.take_events() if e.removed]
+    removed = [e for e in manager.take_events() if e.removed and not e.metadata_only]
     assert {k for e in removed for k in e.keys} == {key(0), key(1)}
 
 

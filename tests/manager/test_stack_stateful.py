@@ -165,7 +165,7 @@ class StackMachine(RuleBasedStateMachine):
                     for k in event.keys:
                         assert self.disk.lookup(k) is not True, "the victim got a block the disk keeps"
         for event in events:
-            if event.medium == "MEMORY" and event.removed:
+            if event.medium == "MEMORY" and event.removed and not event.metadata_only:
                 for k in event.keys:
                     if self.victim is not None:
                         # what the disk does not keep, whatever the reason, goes to the victim

@@ -106,6 +106,9 @@ class RemoteTier(IndexedTier):
         if entry is None:
             return Failure.MISSING
         payload, digest = entry
+        if len(payload) != self.block_bytes:  # cut short or grown: it cannot fill the row
+            del self._bucket[key]
+            return Failure.corrupt("truncated" if len(payload) < self.block_bytes else "payload length")
         self._rows[row] = np.frombuffer(payload, dtype=np.uint8)
         if self._digest(key, self._rows[row]) != digest:
             del self._bucket[key]

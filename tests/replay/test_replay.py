@@ -216,7 +216,9 @@ def test_deterministic_replays_repeat_every_figure_but_the_times(tmp_path):
     for run in range(2):
         (tmp_path / f"run{run}").mkdir()
         config = default_config(str(tmp_path / f"run{run}"), BLOCK)
-        config["tiers"][0]["capacity"] = 300 * BLOCK
+        # room for the largest request's store (264 blocks) beside blocks that hit again: with
+        # 300 rows, placing those stores (write_back makes room for them) leaves none to hit
+        config["tiers"][0]["capacity"] = 400 * BLOCK
         path = tmp_path / f"stack{run}.yaml"
         path.write_text(yaml.safe_dump(config))
         records.append(replay(config=str(path), limit=600, gpu_blocks=200, block_bytes=BLOCK,

@@ -307,3 +307,38 @@ def test_a_store_written_at_tp2_is_never_read_at_tp4(tmp_path):
         assert again.get_manager().lookup(key(0), CTX) is False
     finally:
         again.shutdown()
+
+
+def test_a_replicated_store_written_at_tp2_is_read_at_tp4(tmp_path):
+    """Every rank of an MLA engine holds the same bytes: the row is one shard at any TP size,
+    and its fingerprint leaves the world size out, so a TP=4 engine reads what TP=2 wrote."""
+    config = stack_config(tmp_path, 1)
+    tp2 = TieredOffloadingSpec(
+        config, gpu_block_size_tokens=GPU_BLOCK_TOKENS, page_bytes=list(PAGES), world_size=2,
+        kv_replicas=2,
+    )
+    manager = tp2.get_manager()
+    out = manager.prepare_store([key(0)], CTX)
+    manager.backend.rows[out.store_spec.block_ids[0]] = 7
+    manager.complete_store([key(0)], CTX)
+    tp2.shutdown()  # saves the block to disk
+
+    tp4 = TieredOffloadingSpec(
+        config, gpu_block_size_tokens=GPU_BLOCK_TOKENS, page_bytes=list(PAGES), world_size=4,
+        kv_replicas=4,
+    )
+    assert tp4.block_bytes == tp2.block_bytes and tp4.fingerprint() == tp2.fingerprint()
+    manager = tp4.get_manager()
+    try:
+        for _ in range(4):
+            if manager.lookup(key(0), CTX) is not None:
+                break
+            manager.on_schedule_end()
+            for tier in manager.tiers:
+                tier.drain_jobs()
+        assert manager.lookup(key(0), CTX) is True
+        spec = manager.prepare_load([key(0)], CTX)
+        assert (manager.backend.rows[spec.block_ids[0]] == 7).all()
+        manager.complete_load([key(0)], CTX)
+    finally:
+        tp4.shutdown()

@@ -14,7 +14,10 @@ For 64 KiB and 2 MiB blocks, each round:
 
 Rounds alternate which goes first; the figures are medians, and ``*_ratio`` = tier / raw
 (goal >= 0.8 both ways). The server is a local ``valkey-server`` on 127.0.0.1 unless ``--url``
-names one. Payload GB/s (the tier also moves a 4 KiB header per block: 6% at 64 KiB, 0.2% at
+names one. On a server of the user's, the bench writes only under ``kvtier-bench:<run id>:``
+and deletes exactly the keys it wrote (after each round, and on any failure); it refuses a
+database that holds any key unless ``allow_nonempty`` (``--allow-nonempty``) says so, and
+never runs FLUSHDB. Payload GB/s (the tier also moves a 4 KiB header per block: 6% at 64 KiB, 0.2% at
 2 MiB). Cost grows linearly with bytes; per block the tier adds one header encode/verify.
 """
 
@@ -42,13 +45,37 @@ def _keys(count: int, salt: int) -> list[bytes]:
     return [make_offload_key(salt.to_bytes(8, "little") + i.to_bytes(24, "little"), 0) for i in range(count)]
 
 
+def _config(url: str, namespace: str):
+    from kvtier.tiers.valkey.config import parse
+
+    return parse({"kind": "valkey", "name": "bench", "url": url, "namespace": namespace, "timeout_s": 30}, "bench")
+
+
 def _tier(url: str, rows: np.ndarray, namespace: str):
     from kvtier.tiers.disk.format import LayoutFingerprint
-    from kvtier.tiers.valkey.config import parse
     from kvtier.tiers.valkey.tier import ValkeyTier
 
-    config = parse({"kind": "valkey", "name": "bench", "url": url, "namespace": namespace, "timeout_s": 30}, "bench")
-    return ValkeyTier.open(config, rows, LayoutFingerprint.standalone(rows.shape[1]))
+    return ValkeyTier.open(_config(url, namespace), rows, LayoutFingerprint.standalone(rows.shape[1]))
+
+
+def _delete(client, names: list[bytes]) -> None:
+    """DEL exactly ``names`` (what this run wrote), in pipelines of 1000."""
+    for first in range(0, len(names), 1000):
+        pipe = client.pipeline(transaction=False)
+        for name in names[first : first + 1000]:
+            pipe.delete(name)
+        pipe.execute()
+
+
+def _delete_run(client, prefix: bytes) -> None:
+    """DEL every key under this run's ``prefix`` (SCAN, never KEYS): what a failed round left."""
+    from valkey.exceptions import ValkeyError
+
+    try:
+        _delete(client, list(set(client.scan_iter(match=prefix + b"*", count=1000))))
+    except ValkeyError as exc:  # the server went away: say what is left, keep the first error
+        print(f"kvtier bench remote: could not delete the keys {prefix.decode()}* ({exc}); "
+              "delete them once the server answers", file=sys.stderr)
 
 
 def _run_job(tier, job, load: bool) -> None:
@@ -59,13 +86,12 @@ def _run_job(tier, job, load: bool) -> None:
     (result,) = tier.get_finished_jobs()
     if not result.success:
         what = "load" if load else "store"
-        raise RuntimeError(f"a {what} failed: {sorted(set(result.failed.values()))}")
+        raise RuntimeError(f"a {what} failed: {', '.join(sorted({str(r) for r in result.failed.values()}))}")
 
 
-def _tier_round(url: str, rows: np.ndarray, out_rows: np.ndarray, keys, round_index: int) -> tuple[float, float]:
+def _tier_round(url: str, rows: np.ndarray, out_rows: np.ndarray, keys, namespace: str) -> tuple[float, float]:
     from kvtier.tiers.base import TierJob
 
-    namespace = f"bench-{round_index}"
     writer = _tier(url, rows, namespace)
     reader = _tier(url, out_rows, namespace)
     try:
@@ -119,11 +145,21 @@ def _raw_round(client, names, values, batch: int) -> tuple[float, float]:
     return put, get
 
 
-def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | None = None) -> dict[str, Any]:
-    """Measure, print a table and one JSON line; the JSON record."""
+def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | None = None,
+        allow_nonempty: bool = False) -> dict[str, Any]:
+    """Measure, print a table and one JSON line; the JSON record.
+
+    ``url``: a server of the user's (default: a local one started for the run). Raises
+    :class:`~kvtier.errors.KvtierError` if it cannot be reached, or holds keys and
+    ``allow_nonempty`` is not set.
+    """
+    import secrets
+
     import valkey
 
-    from kvtier.tiers.valkey.config import DEFAULT_MAX_INFLIGHT_BYTES
+    from kvtier.tiers.valkey.config import DEFAULT_MAX_INFLIGHT_BYTES, redact_url
+    from kvtier.tiers.base import FailureKind
+    from kvtier.tiers.valkey.connection import ValkeyConnection, fix_for, reason_of
     from kvtier.tiers.valkey.server import LocalValkeyServer
 
     out = out or sys.stdout
@@ -134,36 +170,55 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
             # room for a round of the tier's and the raw values, and a margin
             server = stack.enter_context(LocalValkeyServer(maxmemory=4 * (mib << 20) + (256 << 20)))
             url = server.url
-        record["server"] = "local valkey-server" if len(url) and "127.0.0.1" in url else url
-        client = valkey.Valkey.from_url(url, socket_timeout=60)
-        stack.callback(client.close)
+        shown = redact_url(url)
+        record["server"] = "local valkey-server" if len(url) and "127.0.0.1" in url else shown
+        run_id = secrets.token_hex(4)
+        prefix = f"kvtier-bench:{run_id}:"
+        # the raw client is the tier's own, so credentials and TLS are the same
+        connection = ValkeyConnection(_config(url, prefix + "raw"))
+        stack.callback(connection.close)
+        client = connection.client
         try:
-            client.ping()
+            keys_before = client.dbsize()
         except valkey.exceptions.ValkeyError as exc:
+            reason = reason_of(exc)
+            what = "cannot reach the server" if reason.kind is FailureKind.UNAVAILABLE else "cannot use the server"
             raise KvtierError(
-                f"--url {url}: cannot reach the server ({exc}). Fix: start it, or give its "
-                "address as valkey://HOST:PORT[/DB]; leave --url out to start a local one"
+                f"--url {shown}: {what} ({reason}). Fix: "
+                + fix_for(reason, "check the server's log; leave --url out to start a local one")
             ) from None
+        if keys_before and not allow_nonempty:
+            raise KvtierError(
+                f"--url {shown}: the database holds {keys_before} keys. The bench writes only under "
+                f"kvtier-bench:<run id>: and deletes only what it wrote, but it loads the server "
+                "and its values may push others out under maxmemory. Fix: point it at an empty "
+                "database (another /DB number), or pass --allow-nonempty"
+            )
+        stack.callback(_delete_run, client, prefix.encode())
         for size in SIZES:
             count = max(1, (mib << 20) // size)
             rng = np.random.default_rng(size)
             rows = rng.integers(0, 256, (count, size), dtype=np.uint8)
             out_rows = np.zeros_like(rows)
             keys = _keys(count, size)
-            names = [b"bench-raw:" + key.hex().encode() for key in keys]
+            names = [f"{prefix}raw:".encode() + key.hex().encode() for key in keys]
             values = [row.tobytes() for row in rows]
             batch = max(1, DEFAULT_MAX_INFLIGHT_BYTES // size)
             tier_times, raw_times = [], []
             for round_index in range(rounds):
+                namespace = f"{prefix}{size >> 10}k.{round_index}"
+                tier_names = [f"{namespace}:{key.hex()}".encode() for key in keys]
+                # each side's keys are deleted before the other's run: one round's values in memory
                 if round_index % 2 == 0:
-                    tier_times.append(_tier_round(url, rows, out_rows, keys, round_index))
-                    client.flushdb()
+                    tier_times.append(_tier_round(url, rows, out_rows, keys, namespace))
+                    _delete(client, tier_names)
                     raw_times.append(_raw_round(client, names, values, batch))
+                    _delete(client, names)
                 else:
                     raw_times.append(_raw_round(client, names, values, batch))
-                    client.flushdb()
-                    tier_times.append(_tier_round(url, rows, out_rows, keys, round_index))
-                client.flushdb()
+                    _delete(client, names)
+                    tier_times.append(_tier_round(url, rows, out_rows, keys, namespace))
+                    _delete(client, tier_names)
             total = count * size
             label = f"{size >> 10}k"
             figures = {}

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from kvtier.bench.report import print_json
-from kvtier.errors import KvtierError
+from kvtier.errors import ConfigError, KvtierError
 
 
 def _report(args: argparse.Namespace, run: Callable[[TextIO], dict[str, Any]]) -> dict[str, Any]:
@@ -81,6 +81,7 @@ def _replay_fleet(args: argparse.Namespace) -> int:
     from kvtier.replay.fleet import replay_fleet
 
     nodes = [node.strip() for node in args.valkey_cluster.split(",")] if args.valkey_cluster else None
+    _warn_password_in_url(args.valkey, "replay")
     try:
         record = _report(args, lambda out: replay_fleet(
             args.trace, args.config, engines=args.engines, valkey_url=args.valkey, cluster_nodes=nodes,
@@ -122,12 +123,13 @@ def _check(args: argparse.Namespace) -> int:
     from kvtier.tiers.disk import check_store
     from kvtier.tiers.valkey.check import is_valkey_target
 
-    if args.cluster or (args.path and is_valkey_target(args.path)):
+    if args.cluster or args.config or (args.path and is_valkey_target(args.path)):
         return _check_valkey(args)
-    if args.namespace is not None:
-        print(f"kvtier check: --namespace is for a server (valkey://HOST:PORT), not the store {args.path!r}",
-              file=sys.stderr)
-        return 2
+    for option, value in (("--namespace", args.namespace), ("--layout", args.layout), ("--tier", args.tier)):
+        if value is not None:
+            print(f"kvtier check: {option} is for a server (valkey://HOST:PORT), not the store {args.path!r}",
+                  file=sys.stderr)
+            return 2
     if args.path is None:
         print("kvtier check: give a store directory, a server URL (valkey://HOST:PORT[/DB]) or "
               "--cluster HOST:PORT,...", file=sys.stderr)
@@ -156,21 +158,79 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if report.healthy else 1
 
 
+def _warn_password_in_url(url: str | None, command: str) -> None:
+    """Say so when a password came on the command line: every local user sees it in ps."""
+    from urllib.parse import urlsplit
+
+    if not url or "://" not in url:
+        return
+    try:
+        has_password = urlsplit(url).password is not None or "password=" in url.lower()
+    except ValueError:
+        return
+    if has_password:
+        print(f"kvtier {command}: warning: a password in a URL on the command line is visible to every "
+              "local user (ps); put it in KVTIER_VALKEY_PASSWORD, or in a password_file: of the "
+              "tier's config (kvtier check --config FILE)", file=sys.stderr)
+
+
+def _valkey_tier_of(path: str, name: str | None):
+    """The valkey tier named ``name`` (or the only one) of the configuration at ``path``."""
+    from kvtier.config import load_config
+    from kvtier.tiers.valkey.config import ValkeyTierConfig
+
+    config = load_config(path)
+    tiers = [tier for tier in config.tiers if isinstance(tier, ValkeyTierConfig)]
+    if name is not None:
+        tiers = [tier for tier in tiers if tier.name == name]
+    if len(tiers) != 1:
+        names = [tier.name for tier in config.tiers if isinstance(tier, ValkeyTierConfig)]
+        raise ConfigError(
+            "--tier", name, f"the name of one valkey tier of {path} (it has: {', '.join(names) or 'none'})",
+            "give --tier NAME" if names else "give a configuration with a kind: valkey tier",
+        )
+    return tiers[0]
+
+
+def _layout_digest(text: str | None) -> bytes | None:
+    """``--layout``'s digest (32 hex digits, as a check report prints it), or None."""
+    if text is None:
+        return None
+    try:
+        digest = bytes.fromhex(text)
+    except ValueError:
+        digest = b""
+    if len(digest) != 16:
+        raise ConfigError(
+            "--layout", text, "a layout digest: 32 hex digits",
+            "copy it from the report's layout_digests (kvtier check URL --namespace NS --json)",
+        )
+    return digest
+
+
 def _check_valkey(args: argparse.Namespace) -> int:
     """``kvtier check valkey://...`` (or ``--cluster``): the shared tier's values, per namespace."""
     import json
 
     from kvtier.errors import ValkeyCheckError
     from kvtier.tiers.valkey.check import check_valkey
+    from kvtier.tiers.valkey.config import redact_url
 
     nodes = [node.strip() for node in args.cluster.split(",") if node.strip()] if args.cluster else []
-    target = args.cluster or args.path
-    if args.cluster and args.path:
-        print(f"kvtier check: give a server URL or --cluster, not both (got {args.path!r} and --cluster)",
-              file=sys.stderr)
+    target = args.cluster or redact_url(args.path) or args.config
+    if sum(map(bool, (args.cluster, args.path, args.config))) > 1:
+        print("kvtier check: give one of a server URL, --cluster and --config", file=sys.stderr)
         return 2
+    _warn_password_in_url(args.path, "check")
     try:
-        report = check_valkey(args.path, cluster_nodes=nodes, namespace=args.namespace, fix=args.fix)
+        layout = _layout_digest(args.layout)
+        tier = _valkey_tier_of(args.config, args.tier) if args.config else None
+        if tier is not None:
+            target = tier.location()
+        report = check_valkey(
+            args.path, cluster_nodes=nodes, namespace=args.namespace, fix=args.fix, layout_digest=layout,
+            config=tier,
+        )
     except (KvtierError, ImportError) as exc:
         if args.json:
             print(json.dumps({"path": target, "healthy": False, "error": str(exc)}, sort_keys=True))
@@ -276,8 +336,11 @@ def _soak(args: argparse.Namespace) -> int:
 def _bench_remote(args: argparse.Namespace) -> int:
     from kvtier.bench import remote
 
+    _warn_password_in_url(args.url, "bench remote")
     try:
-        _report(args, lambda out: remote.run(mib=args.mib, rounds=args.rounds, url=args.url, out=out))
+        _report(args, lambda out: remote.run(
+            mib=args.mib, rounds=args.rounds, url=args.url, out=out, allow_nonempty=args.allow_nonempty,
+        ))
     except (KvtierError, RuntimeError, OSError, ImportError) as exc:
         # no server binary or client, or a block that failed or came back different
         print(f"kvtier bench remote: {exc}", file=sys.stderr)
@@ -375,6 +438,18 @@ def build_parser() -> argparse.ArgumentParser:
         "whose namespace was derived from its layout; name a tier's own namespace: to check it)",
     )
     check_path.add_argument(
+        "--config", metavar="FILE",
+        help="valkey: check the shared tier a kvtier YAML names (its url or cluster_nodes, username, "
+        "password_file, tls and namespace), instead of a URL",
+    )
+    check_path.add_argument("--tier", metavar="NAME", help="valkey: with --config, which valkey tier (if several)")
+    check_path.add_argument(
+        "--layout", metavar="DIGEST",
+        help="valkey: the layout digest (32 hex digits) every value of the namespace must carry; "
+        "without it a namespace whose values carry several layouts is reported and none of those "
+        "values is deleted, whatever their numbers (default namespaces kvtier:<digest> name theirs)",
+    )
+    check_path.add_argument(
         "--cluster", metavar="HOST:PORT,...",
         help="valkey: a cluster, instead of a URL: some of its nodes (the rest are discovered)",
     )
@@ -456,7 +531,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench_remote.add_argument("--json", action="store_true", help="print only the JSON line")
     bench_remote.add_argument("--mib", type=int, default=128, help="MiB per block size and round (default 128)")
     bench_remote.add_argument("--rounds", type=int, default=5, help="paired rounds; the median is kept (default 5)")
-    bench_remote.add_argument("--url", default=None, help="a server (default: a local valkey-server on 127.0.0.1)")
+    bench_remote.add_argument(
+        "--url", default=None,
+        help="a server of yours (default: a local valkey-server on 127.0.0.1). The bench writes only "
+        "under kvtier-bench:<run id>: and DELs exactly the keys it wrote (never FLUSHDB); it refuses a "
+        "database that holds keys unless --allow-nonempty. A password: KVTIER_VALKEY_PASSWORD in the "
+        "environment, not in the URL",
+    )
+    bench_remote.add_argument(
+        "--allow-nonempty", action="store_true",
+        help="run against a --url database that already holds keys (they are not touched, but the "
+        "bench's values may push them out under maxmemory)",
+    )
     bench_remote.set_defaults(func=_bench_remote)
     bench_cascade = bench_commands.add_parser(
         "cascade",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Iterator
 
 from kvtier.base import (
@@ -70,6 +71,14 @@ class SingleTierManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool:
         return self._contains(key)
+
+    def is_storing(self, key: OffloadKey) -> bool:
+        """Whether ``key`` is being written into this tier (prepared, not yet completed).
+
+        Such a key looks up ``False`` (not readable); an engine whose contract tells "being
+        written" from "absent" (vLLM 0.33's ``HIT_PENDING``) asks this to tell them apart.
+        """
+        return key in self._pending
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         get = self._get
@@ -172,9 +181,18 @@ class SingleTierManager(OffloadingManager):
                     OffloadingEvent(done, backend.block_size, backend.medium, removed=False)
                 )
         else:
-            # These blocks were never readable, so no event announced them and none retracts
-            # them: events track what lookup could see.
             self._backend.free_block_ids(block_ids)
+            if self._events is not None:
+                # Never readable, so no stored event announced them; but an engine may have
+                # kept state for them since it asked for the store (vLLM's connector does,
+                # with self-describing KV events), and this event is its only cue to drop it.
+                # Consumers tracking what lookup can see skip metadata_only events.
+                backend = self._backend
+                self._events.append(
+                    OffloadingEvent(
+                        done, backend.block_size, backend.medium, removed=True, metadata_only=True
+                    )
+                )
 
     def _evict(self, count: int, protected: list[OffloadKey]) -> list[OffloadKey] | None:
         """Free ``count`` slots by evicting ready blocks; the evicted keys, or ``None``.
@@ -215,7 +233,23 @@ class SingleTierManager(OffloadingManager):
             return iter(())
         # Swap before yielding, so a consumer that stops early cannot see an event twice.
         events, self._events = self._events, []
+        if any(event.metadata_only for event in events):
+            events = self._drop_retried(events)
         return iter(events)
+
+    def _drop_retried(self, events: list[OffloadingEvent]) -> list[OffloadingEvent]:
+        """``events`` less the keys of failed-store events that a later store has taken again
+        (pending or ready now): retracting those would drop the new store's state."""
+        contains, pending = self._contains, self._pending
+        kept = []
+        for event in events:
+            if event.metadata_only:
+                keys = [key for key in event.keys if key not in pending and not contains(key)]
+                if not keys:
+                    continue
+                event = dataclasses.replace(event, keys=keys)
+            kept.append(event)
+        return kept
 
     def reset_cache(self) -> None:
         dropped = self._policy.clear()

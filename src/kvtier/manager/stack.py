@@ -10,7 +10,8 @@ every store from the GPU lands in it first. Secondary tiers only exchange blocks
   and the key looks up ``False`` until the next step ends (a later lookup reads again).
 * **demotion** — a CPU block not yet saved below is *dirty* and held: CPU eviction never drops
   it. ``write_back`` saves the coldest dirty blocks at ``on_schedule_end`` whenever the clean
-  headroom of the CPU tier runs low, so eviction finds clean victims ahead of need;
+  headroom of the CPU tier (a quarter of its rows, or the largest store refused lately if
+  larger) runs low, so eviction finds clean victims ahead of need;
   ``write_through`` saves every block soon after it is stored. A block a tier refuses (a failed
   job: full, ENOSPC, EIO ...) stops being dirty — the tier would not take it — and becomes
   evictable.
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 
 from kvtier.base import (
     Backend,
+    LoadTiers,
     OffloadingEvent,
     OffloadKey,
     PrepareStoreOutput,
@@ -63,6 +65,9 @@ __all__ = ["TierStackManager"]
 
 #: the share of CPU blocks write_back keeps clean or free, so stores find room without waiting
 CLEAN_HEADROOM_FRACTION = 0.25
+#: steps without a refused store after which write_back forgets the largest refused offer
+#: (the request that made it has had its chance; keeping more rows clean costs disk writes)
+REFUSED_OFFER_MEMORY_STEPS = 16
 #: ``_promoting`` value of a key whose read is queued but has no CPU row yet
 _UNRESERVED = -1
 
@@ -162,7 +167,12 @@ class TierStackManager(SingleTierManager):
         self._demote_budget = max(1, cascade.max_demote_bytes_per_step // block_bytes)
         self._promote_budget = max(1, cascade.max_promote_bytes_per_step // block_bytes)
         capacity = backend.get_num_free_blocks()
+        self._capacity = capacity
         self._clean_target = max(1, int(capacity * CLEAN_HEADROOM_FRACTION))
+        #: new blocks of the largest store refused for want of room, lately (0: none); and
+        #: the steps since the last refusal
+        self._refused_offer = 0
+        self._steps_since_refusal = 0
         self._promoting: dict[OffloadKey, int] = {}
         #: keys whose read found no CPU row at the end of the last step, or failed since: misses
         #: until the next step ends
@@ -207,8 +217,11 @@ class TierStackManager(SingleTierManager):
             return None if key in self._promoting else False
         if key in self._pending or key in self._no_room:
             return False  # being written into the CPU tier, or no CPU row to read it into
+        limit = req_context.get_state(LoadTiers)
         unknown = False
         for index, tier in enumerate(self._tiers):
+            if limit is not None and tier.name not in limit.names:
+                continue  # the request may not load from this tier: never asked, never read
             found = tier.lookup(key)
             if found:
                 # The CPU row is reserved when the read is submitted, at the end of the step,
@@ -251,7 +264,30 @@ class TierStackManager(SingleTierManager):
         promoting = self._promoting
         if promoting:  # coming up from below already: present, like a block being written
             keys = [key for key in keys if key not in promoting]
-        return super().prepare_store(keys, req_context)
+        out = super().prepare_store(keys, req_context)
+        if out is None:
+            self._note_refused(keys)
+        elif self._refused_offer and len(out.keys_to_store) >= self._refused_offer:
+            self._refused_offer = 0  # an offer that large fits now
+        return out
+
+    def _note_refused(self, keys: Collection[OffloadKey]) -> None:
+        """A store of ``keys`` found too few clean rows: write_back raises its clean target to
+        the offer's new blocks (see :meth:`_clean_goal`), else an offer larger than the
+        headroom would be refused for ever while every other row stays dirty."""
+        contains, pending = self._contains, self._pending
+        new = sum(1 for key in dict.fromkeys(keys) if key not in pending and not contains(key))
+        self._refused_offer = max(self._refused_offer, new)
+        self._steps_since_refusal = 0
+
+    def _clean_goal(self) -> int:
+        """Rows write_back keeps clean or free: the base headroom, or the largest offer refused
+        lately if larger (never more than the tier holds)."""
+        if self._refused_offer:
+            self._steps_since_refusal += 1
+            if self._steps_since_refusal > REFUSED_OFFER_MEMORY_STEPS:
+                self._refused_offer = 0
+        return max(self._clean_target, min(self._capacity, self._refused_offer))
 
     def _on_ready(self, keys: list[OffloadKey]) -> Collection[OffloadKey]:
         # A stored block is dirty unless every tier below already has it (say, it was
@@ -385,7 +421,7 @@ class TierStackManager(SingleTierManager):
         deficit = 0  # clean rows missing from the headroom write_back keeps
         if self._spill or not self._write_through:
             headroom = self._backend.get_num_free_blocks() + self._policy.evictable_blocks()
-            deficit = self._clean_target - headroom
+            deficit = self._clean_goal() - headroom
         if self._spill and deficit > 0:
             # Blocks already past every saved tier go first: writing them to the victim
             # tiers frees rows without another step's wait.

@@ -275,7 +275,7 @@ class ReplayEngine:
             self._wait_for_tiers()
         self.counts.steps += 1
         for event in self.manager.take_events():
-            if event.removed and event.medium == "CPU" and self._lower:
+            if event.removed and not event.metadata_only and event.medium == "CPU" and self._lower:
                 self.counts.dropped_blocks += sum(
                     1 for key in event.keys if not any(tier.lookup(key) for tier in self._lower)
                 )

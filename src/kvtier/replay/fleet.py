@@ -236,8 +236,10 @@ def replay_fleet(
             target = {"cluster_nodes": list(cluster_nodes)}
             where = "cluster " + ",".join(cluster_nodes)
         elif valkey_url:
+            from kvtier.tiers.valkey.config import redact_url
+
             target = {"url": valkey_url}
-            where = valkey_url
+            where = redact_url(valkey_url)  # printed and in the JSON: never the password
         else:
             from kvtier.tiers.valkey.server import LocalValkeyServer
 

@@ -54,6 +54,19 @@ class FailureKind(enum.Enum):
     INDEX = "index"
     #: a bug: an exception nobody expected (``detail`` is its type), logged with its traceback
     UNEXPECTED = "error"
+    #: a remote tier's server could not be reached (``detail``: ``refused``, ``timeout``,
+    #: ``closed``, ``connection``): the tier may hold the block still
+    UNAVAILABLE = "unavailable"
+    #: a remote tier's server refused the credentials (``detail``: ``wrong credentials``,
+    #: ``no credentials``)
+    AUTH = "auth"
+    #: a remote tier's TLS handshake failed (``detail``: ``certificate`` or ``handshake``)
+    TLS = "tls"
+    #: a remote tier's server denied the command to this user (an ACL's ``NOPERM``;
+    #: ``detail`` names the command)
+    DENIED = "denied"
+    #: a remote tier's server answered with an error (``detail``: its error code, ``OOM`` ...)
+    SERVER = "server"
 
 
 @dataclass(frozen=True)
@@ -120,7 +133,15 @@ class Failure:
             return f"index: {self.errno_name or self.detail}"
         if self.kind is FailureKind.UNEXPECTED:
             return f"error: {self.detail}"
+        if self.kind in _REMOTE_KINDS and self.detail:
+            return f"{self.kind.value}: {self.detail}"
         return self.kind.value
+
+
+#: the kinds of a remote tier's failures, printed with their detail
+_REMOTE_KINDS = frozenset(
+    (FailureKind.UNAVAILABLE, FailureKind.AUTH, FailureKind.TLS, FailureKind.DENIED, FailureKind.SERVER)
+)
 
 
 Failure.MISSING = Failure(FailureKind.MISSING)
@@ -217,6 +238,9 @@ class SecondaryTier(ABC):
 
     #: medium name carried by events and specs (``"LMDB"``, ``"FILES"`` ...)
     medium: str = ""
+    #: whether the blocks live off this host (a shared server): how an engine that limits a
+    #: request's tiers by locality (vLLM's ``kv_load_tiers``) tells this tier from a disk
+    remote: bool = False
 
     def __init__(self, name: str, block_bytes: int, capacity_blocks: int):
         #: the tier's name in the stack (from configuration)

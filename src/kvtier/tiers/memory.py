@@ -157,6 +157,10 @@ class MemoryTier(IndexedTier):
         if entry is None:
             return Failure.MISSING
         payload, checksum = entry
+        if len(payload) != self.block_bytes:
+            # a block cut short (or grown) cannot even be copied into its row: dropped, counted
+            del self._blocks[key]
+            return Failure.corrupt("truncated" if len(payload) < self.block_bytes else "payload length")
         self._rows[row] = np.frombuffer(payload, dtype=np.uint8)
         if xxhash.xxh3_64_intdigest(self._rows[row]) != checksum:
             # Verified after the copy, where the bytes will be served from: a corrupt block

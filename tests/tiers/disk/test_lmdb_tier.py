@@ -5,7 +5,7 @@ import pytest
 from helpers import key
 from store_helpers import dead_pid, holds, load, open_tier, store
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, IndexDamagedError
 from kvtier.tiers.disk.lmdb import _ENTRY, _NEXT_SLOT, _OWNER, _slot_key
 
 
@@ -72,7 +72,7 @@ def test_a_damaged_index_is_an_open_error_with_the_fix(tmp_path, shm):
     tier.close()
     data = tmp_path / "s" / "index" / "data.mdb"
     data.write_bytes(b"\xde\xad" * 8192)
-    with pytest.raises(ConfigError, match=r"LMDB cannot open.*kvtier check"):
+    with pytest.raises(IndexDamagedError, match=r"index damaged: .*no LMDB magic.*kvtier check .* --fix"):
         open_tier("lmdb", tmp_path / "s", shm.rows, 4)
 
 

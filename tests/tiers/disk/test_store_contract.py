@@ -187,7 +187,7 @@ def _on_disk(tier) -> int:
     if tier.kind == "lmdb":
         with tier._env.begin() as txn:
             return txn.stat(tier._blocks)["entries"]
-    return sum(len([n for n in os.listdir(d) if n.endswith(".kvb")]) for d in tier._subdirs)
+    return sum(len([n for n in os.listdir(tier._shown(d)) if n.endswith(".kvb")]) for d in tier._subdirs)
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])

@@ -116,14 +116,10 @@ def test_bad_values_are_reported_and_fix_deletes_exactly_them(valkey_server):
     assert loads_exact(valkey_server.url, good)
 
 
-def test_a_named_namespace_takes_the_layout_most_values_carry(valkey_server):
+def test_a_named_namespace_of_one_layout_takes_it_and_fix_deletes_the_bad(valkey_server):
     keys = [key(i) for i in range(4)]
     stored_tier(valkey_server.url, keys, namespace="llama").close()
     raw = valkey_server.client()
-    stranger = key(60)
-    other = stored_tier(valkey_server.url, [stranger], OTHER, namespace="elsewhere")
-    other.close()
-    raw.set(name("llama", stranger), raw.get(name("elsewhere", stranger)))
     raw.set(b"llama:not-hex", b"x" * 10)  # not <namespace>:<hex key>
     raw.hset(name("llama", key(61)), "field", "value")  # not a string at all
     raw.set(name("llama:nested", key(62)), raw.get(name("llama", keys[0])))  # another namespace
@@ -131,14 +127,48 @@ def test_a_named_namespace_takes_the_layout_most_values_carry(valkey_server):
     report = check_valkey(valkey_server.url, namespace="llama", fix=True)
     (found,) = report.namespaces
     assert found.layout_digest == LayoutFingerprint.standalone(BLOCK_BYTES).digest().hex()
-    assert found.blocks_checked == 7  # the nested namespace's value is not llama's
+    assert found.blocks_checked == 6  # the nested namespace's value is not llama's
     reasons = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in found.problems}
-    assert reasons["llama:not-hex"] == "name is not <namespace>:<hex key>"
-    assert reasons[name("llama", key(61)).decode()] == "not a string value"
-    assert reasons[name("llama", stranger).decode()].startswith("other layout")
-    assert len(found.fixed) == 3
+    assert reasons == {
+        "llama:not-hex": "name is not <namespace>:<hex key>",
+        name("llama", key(61)).decode(): "not a string value",
+    }
+    assert len(found.fixed) == 2
     assert sorted(raw.keys("llama:*")) == sorted([*(name("llama", k) for k in keys), name("llama:nested", key(62))])
     assert loads_exact(valkey_server.url, keys, namespace="llama")
+
+
+def test_fix_never_deletes_by_majority(valkey_server, capsys):
+    """Five well-formed values of another layout planted beside four real ones: without the
+    namespace's layout nothing of either is deleted; told the layout, the planted go."""
+    real = [key(i) for i in range(4)]
+    stored_tier(valkey_server.url, real, namespace="llama").close()
+    planted = [key(100 + i) for i in range(5)]
+    stored_tier(valkey_server.url, planted, OTHER, namespace="elsewhere").close()
+    raw = valkey_server.client()
+    for k in planted:
+        raw.set(name("llama", k), raw.get(name("elsewhere", k)))
+    mine, theirs = LayoutFingerprint.standalone(BLOCK_BYTES).digest().hex(), OTHER.digest().hex()
+
+    report = check_valkey(valkey_server.url, namespace="llama", fix=True)
+    (found,) = report.namespaces
+    assert not report.healthy and found.layout_digest is None
+    assert found.layout_digests == {mine: 4, theirs: 5}
+    (problem,) = found.problems
+    assert problem.startswith("llama: mixed layouts") and "--layout" in problem
+    assert found.fixed == [] and raw.dbsize() == 4 + 5 + 5  # nothing deleted
+    assert main(["check", valkey_server.url, "--namespace", "llama", "--fix"]) == 1
+    assert "mixed layouts" in capsys.readouterr().out and raw.dbsize() == 14
+    assert loads_exact(valkey_server.url, real, namespace="llama")
+
+    assert main(["check", valkey_server.url, "--namespace", "llama", "--layout", "zz"]) == 1
+    assert "--layout" in capsys.readouterr().err
+    assert main(["check", valkey_server.url, "--namespace", "llama", "--layout", mine, "--fix", "--json"]) == 1
+    record = json.loads(capsys.readouterr().out)
+    assert sorted(line.split(": ")[0] for line in record["fixed"]) == sorted(name("llama", k).decode() for k in planted)
+    assert sorted(raw.keys("llama:*")) == sorted(name("llama", k) for k in real)
+    assert check_valkey(valkey_server.url, namespace="llama").healthy
+    assert loads_exact(valkey_server.url, real, namespace="llama")
 
 
 def test_two_namespaces_are_reported_separately(valkey_server):

@@ -41,3 +41,21 @@ def test_bench_remote_against_a_server_that_is_not_there_says_so(capsys):
     assert main(["bench", "remote", "--url", "valkey://127.0.0.1:1", "--mib", "1", "--rounds", "1"]) == 1
     err = capsys.readouterr().err
     assert "valkey://127.0.0.1:1" in err and "cannot reach the server" in err and "Fix:" in err
+
+
+def test_bench_remote_leaves_other_keys_alone_and_refuses_a_nonempty_db(valkey_server, capsys):
+    raw = valkey_server.client()
+    raw.set(b"user:precious", b"keep me")
+    argv = ["bench", "remote", "--url", valkey_server.url, "--mib", "2", "--rounds", "2", "--json"]
+    assert main(argv) == 1  # refused: the database holds a key
+    err = capsys.readouterr().err
+    assert "holds 1 keys" in err and "--allow-nonempty" in err
+    assert raw.dbsize() == 1
+    commands_before = raw.info("commandstats")
+    assert main([*argv, "--allow-nonempty"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["64k_store_ratio"] > 0 and record["2048k_load_ratio"] > 0
+    assert raw.get(b"user:precious") == b"keep me" and raw.dbsize() == 1  # its own keys gone
+    stats = raw.info("commandstats")
+    assert "cmdstat_flushdb" not in stats and "cmdstat_flushall" not in stats
+    assert stats["cmdstat_del"]["calls"] > commands_before.get("cmdstat_del", {}).get("calls", 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -153,3 +154,133 @@ def test_a_cluster_spreads_keys_and_survives_a_dead_node(valkey_cluster):
             assert np.array_equal(reader_rows[index], payload(k, BLOCK_BYTES))
     finally:
         reader.close()
+
+
+# -- failed promotions: typed reasons through the stack (issue #21) ------------------------------
+
+
+def on_server_only(url, keys, **options):
+    """A cpu -> valkey stack with 6 CPU rows that stored ``keys`` (write-through, two at a
+    time) and evicted the first four from its CPU tier: those are on the server only."""
+    manager = stack(url, cpu_blocks=6, namespace="ns", **options)
+    ctx = ReqContext("w")
+    for at in range(0, len(keys), 2):
+        store_blocks(manager, keys[at : at + 2], ctx)
+        steps(manager, 1)  # write-through: the blocks go down at the step's end
+        deadline = time.monotonic() + SETTLE_S
+        while manager.has_pending_work() and time.monotonic() < deadline:
+            steps(manager, 1)
+    assert manager.stats()["shared.demotions"] == len(keys)
+    return manager
+
+
+def promote(manager, keys, ctx) -> list[bool | None]:
+    """Look ``keys`` up, stepping, until none answers None (at most SETTLE_S)."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        answers = [manager.lookup(k, ctx) for k in keys]
+        if None not in answers or time.monotonic() > deadline:
+            return answers
+        steps(manager, 1)
+
+
+def raw_name(k) -> bytes:
+    return b"ns:" + k.hex().encode()
+
+
+def test_a_value_altered_by_a_raw_set_fails_its_promotion_counted_corrupt(valkey_server):
+    keys = [key(i) for i in range(12)]
+    manager = on_server_only(valkey_server.url, keys)
+    raw = valkey_server.client()
+    try:
+        altered = keys[:2]
+        for k in altered:
+            value = bytearray(raw.get(raw_name(k)))
+            value[-1] ^= 0xFF  # header intact, payload altered: only the checksum can tell
+            raw.set(raw_name(k), bytes(value))
+        ctx = ReqContext("r")
+        answers = promote(manager, keys[:4], ctx)  # no AttributeError from the scheduler side
+        assert answers[:2] == [False, False] and answers[2:] == [True, True]
+        figures = manager.stats()
+        assert figures["shared.promote_failures"] == 2 and figures["shared.corrupt_blocks"] == 2
+        assert figures["shared.corrupt_values"] == 2 and figures["shared.corrupt_checksum"] == 2
+        for k, got in zip(keys[2:4], read_blocks(manager, keys[2:4], ctx)):
+            assert np.array_equal(got, payload(k, BLOCK_BYTES))
+        steps(manager, 2)
+        assert [manager.lookup(k, ctx) for k in altered] == [False, False]  # never served
+    finally:
+        manager.shutdown()
+
+
+def test_a_value_the_server_dropped_fails_its_promotion_counted_missing(valkey_server):
+    keys = [key(i) for i in range(12)]
+    manager = on_server_only(valkey_server.url, keys)
+    raw = valkey_server.client()
+    try:
+        raw.delete(raw_name(keys[0]))  # as allkeys-lru would
+        ctx = ReqContext("r")
+        assert promote(manager, keys[:2], ctx) == [False, True]
+        figures = manager.stats()
+        assert figures["shared.promote_failures"] == 1 and figures["shared.corrupt_blocks"] == 0
+        assert figures["shared.failed_missing"] == 1
+        raw.flushall()
+        assert promote(manager, keys[2:4], ctx) == [False, False]
+        assert manager.stats()["shared.failed_missing"] == 3
+    finally:
+        manager.shutdown()
+
+
+def test_a_stopped_server_fails_promotions_without_an_exception(valkey_server):
+    keys = [key(i) for i in range(12)]
+    manager = on_server_only(valkey_server.url, keys)
+    try:
+        valkey_server.kill()
+        ctx = ReqContext("r")
+        assert promote(manager, keys[:4], ctx) == [False] * 4
+        figures = manager.stats()
+        assert figures["shared.promote_failures"] == 4 and figures["shared.corrupt_blocks"] == 0
+        assert figures["shared.failed_unavailable_refused"] + figures.get("shared.failed_unavailable_closed", 0) == 4
+        assert figures["shared.down"] == 1
+    finally:
+        manager.shutdown()
+
+
+def test_a_paused_server_times_promotions_out_without_an_exception(valkey_server):
+    keys = [key(i) for i in range(12)]
+    manager = on_server_only(valkey_server.url, keys, timeout_s=0.3)
+    os.kill(valkey_server.pid, signal.SIGSTOP)
+    try:
+        ctx = ReqContext("r")
+        assert promote(manager, keys[:4], ctx) == [False] * 4
+        figures = manager.stats()
+        assert figures["shared.promote_failures"] == 4
+        assert figures["shared.failed_unavailable_timeout"] == 4 and figures["shared.down"] == 1
+    finally:
+        os.kill(valkey_server.pid, signal.SIGCONT)
+        manager.shutdown()
+
+
+def test_a_warm_replay_after_raw_sets_serves_no_wrong_byte(valkey_server, tmp_path, capsys):
+    from kvtier.cli.main import main
+
+    config = tmp_path / "stack.yaml"
+    config.write_text(
+        "block_size_tokens: 512\n"
+        "tiers:\n"
+        "  - {name: cpu, kind: cpu, capacity: 8MiB, pin_memory: 'off'}\n"
+        f"  - {{name: shared, kind: valkey, url: '{valkey_server.url}', namespace: rp, timeout_s: 2}}\n"
+    )
+    replay = ["replay", "--config", str(config), "--limit", "40", "--no-progress", "--json", "--no-baseline"]
+    assert main(replay) == 0
+    cold = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    raw = valkey_server.client()
+    names = list(raw.scan_iter(match=b"rp:*"))
+    assert len(names) == cold["stored_blocks"] > 0
+    for name in names:  # another client rewrites every value: header intact, payload altered
+        value = bytearray(raw.get(name))
+        value[-1] ^= 0x5A
+        raw.set(name, bytes(value))
+    assert main(replay) == 0
+    warm = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert warm["mismatched_blocks"] == 0 and warm["hits"].get("shared", 0) == 0
+    assert warm["corrupt_blocks"] > 0 and warm["verified_blocks"] == 0

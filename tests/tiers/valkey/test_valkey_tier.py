@@ -12,7 +12,7 @@ import pytest
 from conftest import BLOCK_BYTES, SETTLE_S, finish, open_tier, settle
 from helpers import key, payload
 
-from kvtier.tiers.base import TierJob
+from kvtier.tiers.base import Failure, FailureKind, TierJob
 from kvtier.tiers.disk.format import HEADER_BYTES, LayoutFingerprint
 
 
@@ -121,7 +121,7 @@ def test_altered_truncated_and_misplaced_values_are_counted_misses(valkey_server
         assert settle(reader, keys) == [True, False, False, False]
         assert reader.stats()["corrupt_values"] == 3
         result = load(reader, keys[:1])
-        assert not result.success and result.failed[keys[0]] == "corrupt: checksum"
+        assert not result.success and result.failed[keys[0]] == Failure.corrupt("checksum")
         assert reader.stats()["corrupt_values"] == 4
         assert reader.lookup(keys[0]) is False  # a corrupt value is remembered as a miss
         assert not reader_rows[1:].any()  # nothing was written where nothing was served
@@ -194,14 +194,14 @@ def test_a_killed_server_fails_jobs_then_the_tier_reconnects_to_an_empty_one(val
         tier.submit_store(TierJob(2, tuple(later), tuple(range(16))))
         tier.submit_load(TierJob(3, (first[0],), (0,)))  # known present, but nobody answers
         results = {r.job_id: r for r in finish(tier)}
-        assert not results[2].success and set(results[2].failed.values()) <= {"unavailable", "timeout"}
+        assert not results[2].success and {r.kind for r in results[2].failed.values()} == {FailureKind.UNAVAILABLE}
         assert not results[3].success
         assert tier.down and tier.stats()["outages"] == 1 and tier.stats()["down"] == 1
         assert sum("unreachable" in r.message for r in caplog.records) == 1
         # While down: answers at once, no waiting on the network.
         assert [tier.lookup(k) for k in first] == [False] * 8
         tier.submit_store(TierJob(4, (later[0],), (0,)))
-        assert [r.failed for r in finish(tier)] == [{later[0]: "unavailable"}]
+        assert [{k: r.kind for k, r in j.failed.items()} for j in finish(tier)] == [{later[0]: FailureKind.UNAVAILABLE}]
         for _ in range(3):
             tier.on_schedule_end()  # reconnect attempts fail quietly
         assert sum("unreachable" in r.message for r in caplog.records) == 1
@@ -229,7 +229,8 @@ def test_a_hung_server_fails_jobs_after_timeout_s(valkey_server):
         assert tier.lookup(key(50)) is None
         tier.on_schedule_end()  # a read for key(50) goes out, and hangs too
         (result,) = finish(tier)
-        assert set(result.failed.values()) == {"timeout"}
+        assert set(result.failed.values()) == {Failure(FailureKind.UNAVAILABLE, detail="timeout")}
+        assert tier.stats()["failed_unavailable_timeout"] >= 4  # and the read, unless it expired first
         assert tier.down
         assert settle(tier, [key(50)]) == [False]
     finally:
@@ -297,5 +298,99 @@ def test_wait_loads_returns_while_a_store_waits_on_paused_writes(valkey_server):
             admin.execute_command("CLIENT", "UNPAUSE")
         (result,) = finish(tier)
         assert result.job_id == 5 and sorted(result.ok) == sorted(later)
+    finally:
+        tier.close()
+
+
+# -- values of the wrong length are never held (issue #22, item 6) ------------------------------
+
+#: a value planted under a tier's name, far longer than any of its values
+PLANTED_BYTES = 40 << 20
+
+
+@pytest.fixture
+def roomy_server(server_binary):
+    """A server with room for a planted value (the shared fixture's has 64 MiB)."""
+    from kvtier.tiers.valkey.server import LocalValkeyServer
+
+    with LocalValkeyServer(server_binary, maxmemory=512 << 20) as server:
+        yield server
+
+
+def held_at_peak(action) -> int:
+    """The most bytes Python and numpy held at once (tracemalloc) while ``action`` ran."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        action()
+        return tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_planted_long_value_is_read_off_and_dropped_by_a_probe(roomy_server):
+    valkey_server = roomy_server
+    tier = open_tier(valkey_server.url)
+    try:
+        planted, honest = key(1), key(2)
+        raw = valkey_server.client()
+        raw.set(tier._name(planted), b"\0" * PLANTED_BYTES)
+        rows = np.zeros((1, BLOCK_BYTES), dtype=np.uint8)
+        writer = open_tier(valkey_server.url, rows)
+        assert store(writer, [honest], rows).success
+        writer.close()
+        answers: list = []
+        peak = held_at_peak(lambda: answers.extend(settle(tier, [planted, honest])))
+        assert answers == [False, True]
+        assert tier.stats()["corrupt_values"] == 1 and tier.stats()["corrupt_payload_length"] == 1
+        assert peak < PLANTED_BYTES // 4, peak  # the read buffer and one batch, not the value
+        assert tier.stats()["staged_bytes"] <= tier.config.max_inflight_bytes
+    finally:
+        tier.close()
+
+
+def test_a_planted_long_value_fails_a_load_without_being_held(roomy_server):
+    valkey_server = roomy_server
+    rows = np.zeros((2, BLOCK_BYTES), dtype=np.uint8)
+    tier = open_tier(valkey_server.url, rows)
+    try:
+        keys = [key(1), key(2)]
+        assert store(tier, keys, rows).success  # known present: the load reads without a probe
+        valkey_server.client().set(tier._name(keys[0]), b"\1" * PLANTED_BYTES)
+        rows[:] = 0
+        results: list = []
+        peak = held_at_peak(lambda: results.append(load(tier, keys)))
+        (result,) = results
+        assert result.ok == [keys[1]] and np.array_equal(rows[1], payload(keys[1], BLOCK_BYTES))
+        assert result.failed == {keys[0]: Failure.corrupt("payload length")}
+        assert not rows[0].any()  # nothing of it reached the row
+        assert peak < PLANTED_BYTES // 4, peak
+        assert tier.lookup(keys[0]) is False  # remembered as gone
+    finally:
+        tier.close()
+
+
+def test_a_probe_with_few_hits_keeps_only_their_values(valkey_server):
+    """A batch's values share one array; held slices of it would keep the whole batch."""
+    import tracemalloc
+
+    value_bytes = HEADER_BYTES + BLOCK_BYTES
+    rows = np.zeros((1, BLOCK_BYTES), dtype=np.uint8)
+    writer = open_tier(valkey_server.url, rows)
+    assert store(writer, [key(0)], rows).success
+    writer.close()
+    tier = open_tier(valkey_server.url, max_inflight_bytes=32 * value_bytes)
+    try:
+        keys = [key(i) for i in range(32)]  # one batch, one hit
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        assert settle(tier, keys) == [True] + [False] * 31
+        held = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert tier.stats()["staged_blocks"] == 1
+        assert held < 8 * value_bytes, held  # the hit, not the 32-value batch
     finally:
         tier.close()

@@ -27,6 +27,17 @@ may not be there — is ``RETRY``. The facts behind it, in vLLM 0.33's
 A promotion that fails verification (a corrupt block) turns into ``MISS`` at the next lookup,
 which the deferred request makes.
 
+A block whose store into the CPU tier is in flight is ``HIT_PENDING`` too, as 0.33's contract
+and its CPU manager say (kvtier's own managers answer ``False``: not readable). The request
+waits for the store, which the worker finishes within a step or two, and loads the block
+instead of computing it again; a store that fails makes it ``MISS`` at the next lookup.
+
+A request's ``kv_load_tiers`` (vLLM's ``ReqContext.load_tier_filter``) becomes kvtier's
+:class:`~kvtier.base.LoadTiers` on its first lookup: every lower tier is a ``STORAGE``
+medium, ``REMOTE`` if it says so (Valkey), else ``LOCAL``. A tier the filter leaves out is
+never asked, so a block only it holds is ``MISS``; the CPU tier answers every request, as
+vLLM's primary tier does.
+
 While a request waits for promotions, the blocks it already found in the CPU tier are pinned
 on its behalf (a hold, as ``prepare_load`` takes), until its lookups resolve or it finishes.
 Without that, a request whose hit is larger than the CPU tier's clean room never resolves:
@@ -49,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 )
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -59,6 +71,7 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
+    TierFilter,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -79,10 +92,15 @@ _CPU_MEDIUM = "CPU"
 
 
 def to_vllm_event(event: kvtier_base.OffloadingEvent, locality: Any = None) -> OffloadingEvent:
-    """One kvtier event as vLLM's: kvtier's CPU tier is ``Medium.CPU``, its disks ``STORAGE``."""
+    """One kvtier event as vLLM's: kvtier's CPU tier is ``Medium.CPU``, its disks ``STORAGE``;
+    a failed store's retraction stays ``metadata_only`` (vLLM publishes no removal for it)."""
     medium = Medium.CPU if event.medium == _CPU_MEDIUM else Medium.STORAGE
     return OffloadingEvent(
-        keys=list(event.keys), medium=medium, removed=event.removed, locality=locality
+        keys=list(event.keys),
+        medium=medium,
+        removed=event.removed,
+        locality=locality,
+        metadata_only=event.metadata_only,
     )
 
 
@@ -183,9 +201,18 @@ class KvtierOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if self._promotions_held:
             return LookupResult.HIT if self._contains_cpu(key) else LookupResult.MISS
+        if (
+            req_context.load_tier_filter is not TierFilter.ALL
+            and self._has_lower_tiers
+            and req_context.get_state(kvtier_base.LoadTiers) is None
+        ):
+            req_context.set_state(self._load_tiers(req_context.load_tier_filter))
         found = self._inner.lookup(key, req_context)
         if found is False:
-            return LookupResult.MISS
+            # Found but not readable yet: HIT_PENDING (see the module docstring). No pins: they
+            # guard a request's hits against the promotions it waits for, and a store in
+            # flight evicts nothing more.
+            return LookupResult.HIT_PENDING if self._inner.is_storing(key) else LookupResult.MISS
         wait = req_context.get_state(_RequestWait)
         if wait is None:
             if found is True:
@@ -209,6 +236,19 @@ class KvtierOffloadingManager(OffloadingManager):
         wait.pending.add(key)
         # which of the two: see the module docstring
         return LookupResult.HIT_PENDING if promoting else LookupResult.RETRY
+
+    def _load_tiers(self, tier_filter: TierFilter) -> kvtier_base.LoadTiers:
+        """vLLM's ``load_tier_filter`` (from the request's ``kv_load_tiers``) in kvtier's terms:
+        the lower tiers it allows, each a ``STORAGE`` medium, ``REMOTE`` if the tier says so
+        (Valkey) else ``LOCAL``. Like vLLM's tiering manager, the CPU tier is not filtered."""
+        allowed = frozenset(
+            tier.name
+            for tier in getattr(self._inner, "tiers", ())
+            if tier_filter.allows(
+                Medium.STORAGE, Locality.REMOTE if tier.remote else Locality.LOCAL
+            )
+        )
+        return kvtier_base.LoadTiers(allowed)
 
     def _pin(self, keys: list[OffloadKey], wait: _RequestWait, req_context: ReqContext) -> None:
         """Hold ``keys`` (ready now) for a waiting request, so promotions cannot evict them."""

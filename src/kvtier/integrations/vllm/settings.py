@@ -41,6 +41,7 @@ __all__ = [
     "CPU_SPEC_KEYS",
     "INTEGRATION_KEYS",
     "FullStackLayout",
+    "is_replicated",
     "kv_replicas",
     "kvtier_settings",
     "layout_fingerprint",
@@ -141,12 +142,25 @@ def _layout_facts(config: Any) -> str:
         f"{group.group_id}:{len(group.layer_names)}x{group.tokens_per_block}"
         for group in config.groups
     )
+    if is_replicated(config):
+        # Every worker holds the same bytes, whatever their number: TP=2 and TP=4 engines
+        # share blocks (vLLM's fs tier drops the parallel sizes for this layout as well).
+        parallel_facts = "tp=1;pp=1;pcp=1;dcp=1;replicated=1"
+    else:
+        parallel_facts = (
+            f"tp={parallel.tp_size};pp={parallel.pp_size};pcp={parallel.pcp_size};"
+            f"dcp={parallel.dcp_size};replicated=0"
+        )
     return (
-        f"kv_cache_layout={config.kv_cache_layout};groups={groups};"
-        f"tp={parallel.tp_size};pp={parallel.pp_size};pcp={parallel.pcp_size};"
-        f"dcp={parallel.dcp_size};replicated={int(bool(config.replicated_layout))};"
+        f"kv_cache_layout={config.kv_cache_layout};groups={groups};{parallel_facts};"
         f"canonical={int(bool(config.canonical_layout))};shards={num_shards(config)}"
     )
+
+
+def is_replicated(config: Any) -> bool:
+    """Whether every worker's KV is byte-identical (vLLM's replicated layout: MLA under tensor
+    parallelism), so a row means the same whatever the world size."""
+    return bool(config.replicated_layout) and num_shards(config) == 1
 
 
 def kv_replicas(config: Any) -> int:
@@ -164,7 +178,9 @@ def layout_fingerprint(config: Any, block_bytes: int) -> LayoutFingerprint:
     """The fingerprint of rows of ``block_bytes`` laid out as ``config`` (an OffloadingConfig) says.
 
     ``rank`` is 0 and ``world_size`` vLLM's: a row holds every worker's shard of the block
-    (how many distinct shards is in the ``model`` string with the parallel layout).
+    (how many distinct shards is in the ``model`` string with the parallel layout). A
+    replicated layout has one shard that every worker holds alike: its fingerprint names no
+    world size (1) nor parallel sizes, so engines of any TP size share its blocks.
     ``page_bytes`` is the one per-block size vLLM's config states (a worker's bytes per GPU
     block, all groups together), since the scheduler process never sees the per-group pages.
     """
@@ -175,7 +191,7 @@ def layout_fingerprint(config: Any, block_bytes: int) -> LayoutFingerprint:
         tokens_per_block=config.groups[0].tokens_per_block * chunk if config.groups else 0,
         page_bytes=(int(config.worker_kv_bytes_per_block),),
         rank=0,
-        world_size=int(config.parallel.world_size),
+        world_size=1 if is_replicated(config) else int(config.parallel.world_size),
         block_bytes=int(block_bytes),
     )
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from abc import abstractmethod
 from collections.abc import Collection, Iterable
@@ -35,6 +36,7 @@ from functools import partial
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
+from typing_extensions import Self
 
 from kvtier.base import OffloadKey
 from kvtier.config import format_size
@@ -49,9 +51,12 @@ from kvtier.tiers.disk.store import (
     StoreLocks,
     claim_path,
     decide_direct,
+    default_store_path,
+    open_store_directory,
     prepare_directory,
     release_path,
     settle_manifest,
+    store_os_fix,
 )
 
 __all__ = ["DiskTier"]
@@ -64,6 +69,8 @@ _Tier = TypeVar("_Tier", bound="DiskTier")
 _TOUCH_BATCH = 4096
 # failures not worth a warning of their own: expected outcomes, or logged where they happen
 _QUIET = (FailureKind.MISSING, FailureKind.FULL, FailureKind.CORRUPT)
+# how a store is opened: by an engine, by `kvtier check` (read-only), by `kvtier check --fix`
+_ACCESS = ("serve", "check", "fix")
 
 
 class DiskTier(IndexedTier):
@@ -91,6 +98,7 @@ class DiskTier(IndexedTier):
         *,
         field: str = "tiers[1]",
         threads: int | None = None,
+        access: str = "serve",
     ) -> DiskTier:
         """Open (creating if need be) the store at ``config.path`` for CPU rows ``rows``.
 
@@ -99,8 +107,17 @@ class DiskTier(IndexedTier):
         the tier stack, on its own thread; blocks for the directory checks, the lock, the
         index scan (~0.1-0.5 s per 100,000 blocks) and, for a new store, its creation.
         Raises :class:`ConfigError` naming ``<field>.<key>`` for anything the configuration
-        or the directory gets wrong, with the fix.
+        or the directory gets wrong, with the fix, and :class:`~kvtier.errors.IndexDamagedError`
+        for an index found damaged.
+
+        ``access`` is ``serve`` (an engine's tier), ``check`` (``kvtier check`` without
+        ``--fix``: every file opened read-only, nothing created or written, a damaged index
+        reported by :meth:`check` rather than raised) or ``fix`` (``kvtier check --fix``:
+        like ``serve``, but a damaged index is left for :meth:`check` to rebuild).
         """
+        if access not in _ACCESS:
+            raise ConfigError("access", access, "one of " + ", ".join(_ACCESS))
+        read_only = access == "check"
         cls._check_config(config, field)
         try:
             rowio = RowIO(rows)
@@ -127,20 +144,30 @@ class DiskTier(IndexedTier):
                 f"4096-byte header)",
                 f"raise the capacity to {slot_bytes} bytes or more",
             )
-        directory = prepare_directory(config.path, field)
+        directory = prepare_directory(config.path, field, read_only=read_only)
         claim_path(directory)
         locks = None
         tier = None
+        dir_fd = -1
         try:
-            locks = StoreLocks(directory)
+            # every file of the store is opened relative to this descriptor, never through a symlink
+            dir_fd = open_store_directory(directory, field, config.path, read_only=read_only)
+            locks = StoreLocks(dir_fd, directory, timeout_s=config.lock_timeout_s, read_only=read_only)
             _, created = settle_manifest(
-                directory, cls.kind, cls.medium_names, config, fingerprint, locks.alone, field
+                directory, cls.kind, cls.medium_names, config, fingerprint, locks.alone, field,
+                read_only=read_only,
             )
-            direct, fallback = decide_direct(config, directory, rowio, field)
+            if read_only:
+                direct, fallback = False, None  # the O_DIRECT probe writes a file
+            else:
+                direct, fallback = decide_direct(config, directory, rowio, field)
             tier = cls(
                 config, rowio, fingerprint, capacity_blocks, directory, field, policy_class,
                 threads if threads is not None else config.threads, direct,
             )
+            tier._access = access
+            tier._alone = locks.alone
+            tier._store_fd, dir_fd = dir_fd, -1  # the tier's now: closed by close()
             if fallback is not None:
                 tier._io.fall_back(fallback)
             started = time.perf_counter()
@@ -158,13 +185,22 @@ class DiskTier(IndexedTier):
                 config.fsync, tier.open_s, " (new)" if created else "",
             )
             return tier
-        except BaseException:
+        except BaseException as exc:
             if tier is not None:
                 with contextlib.suppress(Exception):
                     tier._close_medium()
             if locks is not None:
                 locks.close()
+            if tier is not None and tier._store_fd >= 0:
+                dir_fd, tier._store_fd = tier._store_fd, -1
+            if dir_fd >= 0:
+                os.close(dir_fd)
             release_path(directory)
+            if isinstance(exc, OSError):
+                raise ConfigError(
+                    f"{field}.path", config.path, "a store directory kvtier can open",
+                    store_os_fix(exc, directory),
+                ) from None
             raise
 
     @classmethod
@@ -181,7 +217,10 @@ class DiskTier(IndexedTier):
         if config.o_direct not in O_DIRECT_CHOICES:
             raise ConfigError(f"{field}.o_direct", config.o_direct, "one of " + ", ".join(O_DIRECT_CHOICES))
         if not config.path:
-            raise ConfigError(f"{field}.path", config.path, "a directory path", "add path: such as /var/tmp/kvtier")
+            raise ConfigError(
+                f"{field}.path", config.path, "a directory path",
+                f"add path: such as {default_store_path(config.name)} (a directory of your own)",
+            )
 
     def __init__(
         self,
@@ -218,6 +257,17 @@ class DiskTier(IndexedTier):
         self._mover: Mover | None = None
         self._locks: StoreLocks | None = None
         self._closed = False
+        #: the store directory's descriptor: every file in it is opened relative to it
+        self._store_fd = -1
+        #: ``serve``, ``check`` or ``fix`` (see :meth:`open`)
+        self._access = "serve"
+        #: no other process had the store open when this one opened it
+        self._alone = False
+
+    @property
+    def read_only(self) -> bool:
+        """Opened by ``kvtier check`` without ``--fix``: nothing on disk is written."""
+        return self._access == "check"
 
     def _start(self) -> None:
         self._mover = Mover(self.name, self._threads)
@@ -321,9 +371,13 @@ class DiskTier(IndexedTier):
             finally:
                 if self._locks is not None:
                     self._locks.close()
+                if self._store_fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(self._store_fd)
+                    self._store_fd = -1
                 release_path(self.path)
 
-    def __enter__(self: _Tier) -> _Tier:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

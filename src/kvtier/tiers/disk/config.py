@@ -8,6 +8,7 @@ the section; :data:`DISK_MEDIA` says which tier class serves each.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,9 @@ from kvtier.registry import Registry
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.disk.mover import DEFAULT_THREADS
 
-__all__ = ["DISK_MEDIA", "FSYNC_CHOICES", "O_DIRECT_CHOICES", "DiskTierConfig"]
+__all__ = [
+    "DISK_MEDIA", "FSYNC_CHOICES", "O_DIRECT_CHOICES", "DiskTierConfig", "default_store_path", "user_cache_root",
+]
 
 #: ``o_direct`` values: auto (probe once, fall back logged and counted), on (fail at open if
 #: unsupported), off
@@ -28,6 +31,21 @@ O_DIRECT_CHOICES = ("auto", "on", "off")
 FSYNC_CHOICES = ("none", "batch", "always")
 #: more I/O threads than this only queue in the kernel (an NVMe drive saturates with 16-64)
 MAX_THREADS = 256
+
+
+def user_cache_root() -> str:
+    """Where this user's stores go by default: ``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``
+    (the per-user cache directory of the XDG base-directory convention)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # the convention ignores a relative value
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvtier")
+
+
+def default_store_path(name: str) -> str:
+    """The per-user path a tier named ``name`` is suggested to use."""
+    return os.path.join(user_cache_root(), name)
+
 
 
 @dataclass(frozen=True)
@@ -51,6 +69,9 @@ class DiskTierConfig(TierConfig):
     min_reuse: int = 2
     # the drive's rated endurance in terabytes written; stats project its life from it
     endurance_tbw: float | None = None
+    # the longest an open waits for the store's maintenance lock (held by another process of
+    # this user while it opens the store) before failing with an error naming the lock
+    lock_timeout_s: float = 60.0
 
     @classmethod
     def parse_options(cls, section: Mapping[str, object], field: str, name: str) -> dict[str, object]:
@@ -59,7 +80,8 @@ class DiskTierConfig(TierConfig):
         options: dict[str, object] = {
             "path": non_empty_str(
                 path, f"{field}.path", "a non-empty path string (a directory)",
-                f"add path: such as /var/tmp/kvtier-{name}" if path is MISSING
+                f"add path: such as {default_store_path(name)} (a directory of your own; "
+                f"not a directory every user may write, such as /tmp or /var/tmp)" if path is MISSING
                 else "write the path as a string",
             )
         }
@@ -89,6 +111,14 @@ class DiskTierConfig(TierConfig):
                     "write the drive's rated endurance, such as 600",
                 )
             options["endurance_tbw"] = float(tbw)
+        if "lock_timeout_s" in section:
+            timeout = section["lock_timeout_s"]
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+                raise ConfigError(
+                    f"{field}.lock_timeout_s", timeout, "a number of seconds above 0 (at most 86400)",
+                    "such as 60 (the default)",
+                )
+            options["lock_timeout_s"] = float(timeout)
         return options
 
     def location(self) -> str | None:

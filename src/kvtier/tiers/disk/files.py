@@ -75,9 +75,8 @@ from kvtier.errors import ConfigError
 from kvtier.tiers.base import CheckReport, Failure
 from kvtier.tiers.disk.base import DiskTier
 from kvtier.tiers.disk.blockio import O_DIRECT
-from kvtier.tiers.disk.manifest import fsync_directory
 from kvtier.tiers.disk.mover import MoverJob
-from kvtier.tiers.disk.store import pid_alive
+from kvtier.tiers.disk.store import open_private, open_private_dir, pid_alive
 
 __all__ = ["FilesTier"]
 
@@ -110,7 +109,6 @@ _syncfs = _libc_function("syncfs", [ctypes.c_int])
 _renameat2 = _libc_function(
     "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
 )
-_AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 
 
@@ -189,8 +187,14 @@ class _SharedCount:
     so it does not exclude this process's own threads). Any thread; blocks for a few syscalls.
     """
 
-    def __init__(self, path: str):
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    def __init__(self, name: str, *, dir_fd: int, read_only: bool = False):
+        if read_only:  # `kvtier check`: read the count, never create or write it
+            try:
+                self._fd = open_private(name, os.O_RDONLY, dir_fd=dir_fd)
+            except FileNotFoundError:
+                self._fd = os.open(os.devnull, os.O_RDONLY)  # reads as 0
+        else:
+            self._fd = open_private(name, os.O_RDWR | os.O_CREAT, dir_fd=dir_fd)
         self._lock = threading.Lock()
 
     def _update(self, change) -> tuple[int, int]:
@@ -229,10 +233,10 @@ class _SharedCount:
             os.close(self._fd)
 
 
-def _read_recency(path: str) -> tuple[dict[bytes, int], int]:
+def _read_recency(name: str, dir_fd: int) -> tuple[dict[bytes, int], int]:
     """The last stamp of each key in the log, and how many records it holds."""
     try:
-        with open(path, "rb") as stream:
+        with open(open_private(name, os.O_RDONLY, dir_fd=dir_fd), "rb") as stream:
             data = stream.read()
     except FileNotFoundError:
         return {}, 0
@@ -277,28 +281,41 @@ class FilesTier(DiskTier):
 
     def _open_medium(self, alone: bool, created: bool) -> list[tuple[OffloadKey, int, int]]:
         self._count = None
-        self._log_fd = self._dir_fd = -1
+        self._log_fd = self._dir_fd = self._bfd = -1
         self._publish_mode = "renameat2" if _renameat2 is not None else "link"
         self._blocks_dir = os.path.join(self.path, _BLOCKS_DIR)
-        os.makedirs(self._blocks_dir, exist_ok=True)
-        self._subdirs = [os.path.join(self._blocks_dir, f"{i:02x}") for i in range(_FANOUT)]
-        for subdir in self._subdirs:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(subdir)
-        self._count = _SharedCount(os.path.join(self.path, _USAGE))
-        self._dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        # Fan-out directories by name, relative to blocks/: every block file is reached
+        # through the descriptor of blocks/ (self._bfd), never through a symlink.
+        self._subdirs = [f"{i:02x}" for i in range(_FANOUT)]
+        try:
+            self._bfd = open_private_dir(_BLOCKS_DIR, dir_fd=self._store_fd, read_only=self.read_only)
+            if not self.read_only:
+                for subdir in self._subdirs:  # created, or checked and made 0700
+                    os.close(open_private_dir(subdir, dir_fd=self._bfd))
+        except FileNotFoundError:
+            pass  # read-only check of a store without blocks/: it holds no blocks
+        except OSError as exc:
+            raise ConfigError(
+                f"{self._field}.path", self.config.path, "a store whose block directories are this user's",
+                f"{os.path.join(self._blocks_dir, str(exc.filename or ''))}: {exc.strerror} (a symlink, "
+                f"or not a directory of this user's): remove {self.path} and let kvtier recreate it",
+            ) from None
+        self._count = _SharedCount(_USAGE, dir_fd=self._store_fd, read_only=self.read_only)
+        self._dir_fd = os.dup(self._store_fd)
         self._group_flush = _GroupFlush(self._syncfs)
-        keys = self._scan(alone)
-        recency_path = os.path.join(self.path, _RECENCY)
-        stamps, records = _read_recency(recency_path)
+        # `kvtier check` (with or without --fix) reports stale temp files rather than sweep them
+        keys = self._scan(alone and self._access == "serve")
+        stamps, records = _read_recency(_RECENCY, self._store_fd)
         entries = [(key, stamps.get(key, 0), 0) for key in keys]
+        if self.read_only:  # `kvtier check`: nothing is written, not even the recency log
+            return entries
         if alone:
             if len(entries) > self.capacity_blocks:  # the capacity was lowered
                 entries.sort(key=lambda entry: entry[1])
                 extra = entries[: len(entries) - self.capacity_blocks]
                 for key, _, _ in extra:
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self._path_of(key))
+                        os.unlink(self._path_of(key), dir_fd=self._bfd)
                 del entries[: len(extra)]
                 logger.warning(
                     "kvtier tier %s: capacity lowered to %d blocks: removed the %d least recently used",
@@ -306,16 +323,20 @@ class FilesTier(DiskTier):
                 )
             self._count.set(len(entries))
             if records > 2 * len(entries) + 4096:
-                self._compact_recency(recency_path, entries)
+                self._compact_recency(entries)
         self._check_space(len(entries))
-        self._log_fd = os.open(recency_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._log_fd = open_private(_RECENCY, os.O_WRONLY | os.O_CREAT | os.O_APPEND, dir_fd=self._store_fd)
         return entries
 
     def _scan(self, alone: bool) -> list[OffloadKey]:
         """Every published block's key; temp files of dead writers (all, when alone) removed."""
         keys: list[OffloadKey] = []
         for subdir in self._subdirs:
-            with os.scandir(subdir) as listing:
+            try:
+                listing = os.scandir(os.path.join(self._blocks_dir, subdir))
+            except FileNotFoundError:  # read-only check of a store missing fan-out directories
+                continue
+            with listing:
                 for entry in listing:
                     name = entry.name
                     if name.endswith(_SUFFIX):
@@ -325,7 +346,7 @@ class FilesTier(DiskTier):
                             logger.warning("kvtier tier %s: ignoring stray file %s", self.name, entry.path)
                     elif name.endswith(_TEMP_SUFFIX) and (alone or not pid_alive(self._temp_owner(name))):
                         with contextlib.suppress(FileNotFoundError):
-                            os.unlink(entry.path)
+                            os.unlink(f"{subdir}/{name}", dir_fd=self._bfd)
         return keys
 
     def _list_blocks(self) -> list[tuple[OffloadKey, int, int]]:
@@ -344,14 +365,21 @@ class FilesTier(DiskTier):
                 "lower the capacity, free space there, or choose another disk",
             )
 
-    def _compact_recency(self, path: str, entries: list[tuple[OffloadKey, int, int]]) -> None:
-        temp = f"{path}.{os.getpid()}.tmp"
+    def _compact_recency(self, entries: list[tuple[OffloadKey, int, int]]) -> None:
+        temp = f"{_RECENCY}.{os.getpid()}.tmp"
         data = b"".join(_records([key], stamp) for key, stamp, _ in sorted(entries, key=lambda e: e[1]))
-        with open(temp, "wb") as stream:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp, dir_fd=self._store_fd)  # left by a crash
+        with open(open_private(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=self._store_fd), "wb") as stream:
             stream.write(data)
-        os.replace(temp, path)
+        os.replace(temp, _RECENCY, src_dir_fd=self._store_fd, dst_dir_fd=self._store_fd)
 
     def _close_medium(self) -> None:
+        fd = getattr(self, "_bfd", -1)
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            self._bfd = -1
         fd = getattr(self, "_dir_fd", -1)
         if fd >= 0:
             with contextlib.suppress(OSError):
@@ -369,15 +397,34 @@ class FilesTier(DiskTier):
 
     # -- names ----------------------------------------------------------------------------------
 
+    # Block files are named relative to blocks/ ("xx/<key hex>.kvb") and reached through its
+    # descriptor; _shown() gives the full path for messages.
+
     def _subdir_of(self, key: OffloadKey) -> str:
         return self._subdirs[xxhash.xxh3_64_intdigest(key) & (_FANOUT - 1)]
 
     def _path_of(self, key: OffloadKey) -> str:
-        return os.path.join(self._subdir_of(key), key.hex() + _SUFFIX)
+        return f"{self._subdir_of(key)}/{key.hex()}{_SUFFIX}"
 
     def _temp_path_of(self, key: OffloadKey) -> str:
-        name = f".{key.hex()}.{os.getpid()}.{threading.get_ident()}{_TEMP_SUFFIX}"
-        return os.path.join(self._subdir_of(key), name)
+        return f"{self._subdir_of(key)}/.{key.hex()}.{os.getpid()}.{threading.get_ident()}{_TEMP_SUFFIX}"
+
+    def _shown(self, name: str) -> str:
+        return os.path.join(self._blocks_dir, name)
+
+    def _exists(self, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=self._bfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _fsync_subdir(self, subdir: str) -> None:
+        fd = os.open(subdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._bfd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _temp_owner(name: str) -> int:
@@ -399,7 +446,7 @@ class FilesTier(DiskTier):
     def _unlink_counted(self, path: str) -> bool:
         """Remove a published block file and lower the shared count (file first: see the docstring)."""
         try:
-            os.unlink(path)
+            os.unlink(path, dir_fd=self._bfd)
         except FileNotFoundError:
             return False  # another process removed it, and counted that
         self._count.add(-1)
@@ -417,7 +464,7 @@ class FilesTier(DiskTier):
         self._append_recency(touched, time.time_ns())
         todo = []
         for i, key in enumerate(job.keys):
-            if os.path.exists(self._path_of(key)):  # published by another process since we looked
+            if self._exists(self._path_of(key)):  # published by another process since we looked
                 job.skip[i] = True
             else:
                 todo.append(i)
@@ -447,7 +494,7 @@ class FilesTier(DiskTier):
 
     def _write_file(self, temp: str, key: OffloadKey, row: int, direct: bool) -> None:
         """Write the block into a new temp file; on any failure the temp file is gone."""
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0), 0o644)
+        fd = open_private(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0), dir_fd=self._bfd)
         try:
             try:
                 self._io.write(fd, 0, key, row, direct)
@@ -457,7 +504,7 @@ class FilesTier(DiskTier):
                 os.close(fd)
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(temp)
+                os.unlink(temp, dir_fd=self._bfd)
             raise
 
     def _publish_one(self, job: MoverJob[_FilesStoreState], index: int, temp: str) -> Failure | None:
@@ -469,11 +516,11 @@ class FilesTier(DiskTier):
                 return None
         except OSError as exc:
             with contextlib.suppress(OSError):
-                os.unlink(temp)
+                os.unlink(temp, dir_fd=self._bfd)
             return Failure.from_exception(exc)
         if self._fsync == "always":
             try:
-                fsync_directory(os.path.dirname(final))
+                self._fsync_subdir(os.path.dirname(final))
             except OSError as exc:
                 self._unlink_published(final)
                 return Failure.from_exception(exc)
@@ -489,37 +536,37 @@ class FilesTier(DiskTier):
         is then one too high until the next alone open recounts (never too low).
         """
         mode = self._publish_mode
+        fd = self._bfd
         if mode == "renameat2":
-            if _renameat2(_AT_FDCWD, temp.encode(), _AT_FDCWD, final.encode(), _RENAME_NOREPLACE) == 0:
+            if _renameat2(fd, temp.encode(), fd, final.encode(), _RENAME_NOREPLACE) == 0:
                 return True
             code = ctypes.get_errno()
             if code == errno.EEXIST:
-                os.unlink(temp)
+                os.unlink(temp, dir_fd=fd)
                 return False
             if code not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                raise OSError(code, os.strerror(code), final)
+                raise OSError(code, os.strerror(code), self._shown(final))
             mode = self._publish_mode = "link"
         if mode == "link":
             try:
-                os.link(temp, final)
+                os.link(temp, final, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
             except FileExistsError:
-                os.unlink(temp)
+                os.unlink(temp, dir_fd=fd)
                 return False
             except OSError as exc:
                 if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
                     raise
                 self._publish_mode = "rename"
             else:
-                os.unlink(temp)
+                os.unlink(temp, dir_fd=fd)
                 return True
-        os.rename(temp, final)
+        os.rename(temp, final, src_dir_fd=fd, dst_dir_fd=fd)
         return True
 
-    @staticmethod
-    def _unlink_published(final: str) -> None:
+    def _unlink_published(self, final: str) -> None:
         """Withdraw a block just published (its reservation goes back with its failure)."""
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(final)
+            os.unlink(final, dir_fd=self._bfd)
 
     def _store_after(self, job: MoverJob[_FilesStoreState]) -> None:
         state = job.state
@@ -575,7 +622,7 @@ class FilesTier(DiskTier):
         state = job.state
         for index, temp in temps.items():
             try:
-                fd = os.open(temp, os.O_RDONLY)
+                fd = open_private(temp, os.O_RDONLY, dir_fd=self._bfd)
                 try:
                     os.fdatasync(fd)
                 finally:
@@ -586,7 +633,7 @@ class FilesTier(DiskTier):
         for index, temp in temps.items():
             if job.reasons[index] is not None:
                 with contextlib.suppress(OSError):
-                    os.unlink(temp)
+                    os.unlink(temp, dir_fd=self._bfd)
                 continue
             final = self._path_of(job.keys[index])
             try:
@@ -596,12 +643,12 @@ class FilesTier(DiskTier):
             except OSError as exc:
                 job.reasons[index] = Failure.from_exception(exc)
                 with contextlib.suppress(OSError):
-                    os.unlink(temp)
+                    os.unlink(temp, dir_fd=self._bfd)
                 continue
             directories.setdefault(os.path.dirname(final), []).append(index)
         for directory, indexes in directories.items():
             try:
-                fsync_directory(directory)
+                self._fsync_subdir(directory)
             except OSError as exc:
                 self._withdraw(job, indexes, Failure.from_exception(exc))
 
@@ -632,7 +679,9 @@ class FilesTier(DiskTier):
     def _read_file(
         self, path: str, key: OffloadKey, row: int, direct: bool
     ) -> tuple[Failure | None, os.stat_result | None]:
-        fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+        # O_NONBLOCK and a regular-file check (open_private): a FIFO under a block's name
+        # is a failed read, never a load that waits for ever
+        fd = open_private(path, os.O_RDONLY | (O_DIRECT if direct else 0), dir_fd=self._bfd)
         try:
             reason = self._io.read(fd, 0, key, row, direct)
             return reason, (os.fstat(fd) if reason is not None else None)
@@ -642,7 +691,7 @@ class FilesTier(DiskTier):
     def _drop(self, key: OffloadKey, path: str, identity: os.stat_result, reason: Failure) -> Failure:
         """A block failed verification: remove its file, unless another replaced it meanwhile."""
         try:
-            now = os.stat(path)
+            now = os.stat(path, dir_fd=self._bfd, follow_symlinks=False)
         except FileNotFoundError:
             return Failure.MISSING
         if (now.st_dev, now.st_ino) != (identity.st_dev, identity.st_ino):
@@ -650,8 +699,8 @@ class FilesTier(DiskTier):
         try:
             self._unlink_counted(path)
         except OSError as exc:
-            logger.warning("kvtier tier %s: could not remove damaged %s: %s", self.name, path, exc)
-        self._log_corrupt(key, reason, path)
+            logger.warning("kvtier tier %s: could not remove damaged %s: %s", self.name, self._shown(path), exc)
+        self._log_corrupt(key, reason, self._shown(path))
         return reason
 
     def _persist_stamps(self, keys: list[OffloadKey], stamp: int) -> None:
@@ -668,14 +717,20 @@ class FilesTier(DiskTier):
         stray: list[str] = []
         found: set[OffloadKey] = set()
         me = os.getpid()
+        fix = fix and not self.read_only
         for subdir in self._subdirs:
-            with os.scandir(subdir) as listing:
-                names = [(entry.name, entry.path) for entry in listing]
+            try:
+                with os.scandir(os.path.join(self._blocks_dir, subdir)) as listing:
+                    names = [(entry.name, f"{subdir}/{entry.name}") for entry in listing]
+            except FileNotFoundError:
+                report.problems.append(f"{self._shown(subdir)}: fan-out directory missing")
+                continue
             for name, path in names:
+                shown = self._shown(path)
                 if name.endswith(_TEMP_SUFFIX):
                     owner = self._temp_owner(name)
                     if owner == me or not pid_alive(owner):  # jobs are drained: ours are stale too
-                        report.problems.append(f"{path}: temp file of a writer that is gone")
+                        report.problems.append(f"{shown}: temp file of a writer that is gone")
                         stray.append(path)
                     continue
                 try:
@@ -683,7 +738,7 @@ class FilesTier(DiskTier):
                         raise ValueError(name)
                     key = OffloadKey(bytes.fromhex(name[: -len(_SUFFIX)]))
                 except ValueError:
-                    report.problems.append(f"{path}: not a block file")
+                    report.problems.append(f"{shown}: not a block file")
                     stray.append(path)
                     continue
                 report.blocks_checked += 1
@@ -691,11 +746,12 @@ class FilesTier(DiskTier):
                     problem = "in the wrong fan-out directory"
                 else:
                     try:
-                        fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+                        # a FIFO or symlink under a block's name: a problem, never a hang
+                        fd = open_private(path, os.O_RDONLY | (O_DIRECT if direct else 0), dir_fd=self._bfd)
                     except FileNotFoundError:
                         continue  # removed by another process meanwhile
                     except OSError as exc:
-                        problem = str(Failure.from_exception(exc))
+                        problem = f"{exc.strerror} ({Failure.from_exception(exc)})"
                     else:
                         try:
                             problem = self._io.read_for_check(fd, 0, key, page, payload)
@@ -704,7 +760,7 @@ class FilesTier(DiskTier):
                 if problem is None:
                     found.add(key)
                 else:
-                    report.problems.append(f"{path}: {problem}")
+                    report.problems.append(f"{shown}: {problem}")
                     bad_files.append(path)
                     bad_keys.append(key)
         if len(found) + len(bad_keys) > self.capacity_blocks:
@@ -724,11 +780,11 @@ class FilesTier(DiskTier):
             removed = 0
             for path in bad_files:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+                    os.unlink(path, dir_fd=self._bfd)
                     removed += 1
             for path in stray:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+                    os.unlink(path, dir_fd=self._bfd)
             if removed:
                 self._count.add(-removed)
                 report.fixed.append(f"removed {removed} bad block files")

@@ -56,20 +56,23 @@ import contextlib
 import errno
 import logging
 import os
+import stat
 import struct
 import threading
 import time
+from dataclasses import dataclass
 
 import lmdb
 
 from kvtier.base import OffloadKey
 from kvtier.config import format_size
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, IndexDamagedError
 from kvtier.tiers.base import CheckReport, Failure, FailureKind
 from kvtier.tiers.disk.base import DiskTier
 from kvtier.tiers.disk.blockio import O_DIRECT
+from kvtier.tiers.disk.format import HEADER_BYTES, decode_header
 from kvtier.tiers.disk.mover import MoverJob
-from kvtier.tiers.disk.store import pid_alive
+from kvtier.tiers.disk.store import FILE_MODE, open_private, open_private_dir, pid_alive
 
 __all__ = ["LMDBTier"]
 
@@ -84,6 +87,109 @@ _NEXT_SLOT = b"next_slot"
 # bytes plus B-tree slack and copy-on-write pages; 1 KiB per block leaves ample room.
 _MAP_BASE_BYTES = 64 << 20
 _MAP_PER_BLOCK_BYTES = 1024
+_DATA_FILE = "data.mdb"
+_LOCK_FILE = "lock.mdb"
+
+# LMDB's data file as liblmdb 0.9 writes it (the version py-lmdb bundles; 64-bit builds):
+# pages 0 and 1 are the two meta pages, each one page long. In each, in host byte order:
+#
+#   offset   0  u64  mp_pgno     0 for the first meta page, 1 for the second
+#   offset  10  u16  mp_flags    P_META (0x08) set
+#   offset  16  u32  mm_magic    0xBEEFC0DE
+#   offset  20  u32  mm_version  1 (MDB_DATA_VERSION)
+#   offset  32  u64  mm_mapsize  the map size the environment was last opened with
+#   offset  40  u32  page size   (md_pad of mm_dbs[0], the free DB's record, holds it)
+#   offset 136  u64  mm_last_pg  the last page in use
+#   offset 144  u64  mm_txnid    the transaction that wrote this meta page
+#
+# LMDB reads the meta page with the larger txnid, maps the file and then touches any page up
+# to mm_last_pg: a file shorter than (mm_last_pg + 1) pages is a SIGBUS waiting to happen
+# (the process dies at open, or at the first read of a missing page). LMDB checks the magic
+# and version itself (MDB_INVALID), but not the length, so kvtier checks it before mapping.
+# lock.mdb needs no such check: the first process to open the environment (LMDB knows by an
+# fcntl lock) resizes and reinitialises it, and a truncated or garbled one was found to open
+# cleanly; only its type and owner are checked (_index_files_problem).
+_META_PGNO = struct.Struct("=Q")
+_META_FLAGS = struct.Struct("=H")
+_META_HEAD = struct.Struct("=II8xQI")  # magic, version, (address), mapsize, page size
+_META_TAIL = struct.Struct("=QQ")  # last page, txnid
+_P_META = 0x08
+_LMDB_MAGIC = 0xBEEFC0DE
+_LMDB_DATA_VERSION = 1
+_MAX_PAGE_BYTES = 65536
+
+
+def index_damage(index_dir: str) -> str | None:
+    """Why the LMDB index in ``index_dir`` cannot be mapped safely, or ``None`` if it can (or
+    does not exist yet: LMDB creates it). Reads the two meta pages with ``pread``; maps nothing.
+    """
+    if struct.calcsize("P") != 8:
+        return None  # the layout above is a 64-bit build's
+    path = os.path.join(index_dir, _DATA_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{path} cannot be opened ({exc.strerror})"
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return f"{path} is not a regular file"
+        size = info.st_size
+        if size == 0:
+            return f"{path} is empty (0 bytes): LMDB writes its two meta pages when it creates it"
+        head = os.pread(fd, 2 * _MAX_PAGE_BYTES, 0)
+    except OSError as exc:
+        return f"{path} cannot be read ({exc.strerror})"
+    finally:
+        os.close(fd)
+    metas = []
+    page_bytes = 0
+    for number in (0, 1):
+        offset = number * page_bytes
+        meta = head[offset : offset + 152]
+        where = f"{path}: meta page {number}"
+        if len(meta) < 152:
+            return f"{where} is cut off (the file is {size} bytes)"
+        magic, version, mapsize, psize = _META_HEAD.unpack_from(meta, 16)
+        if magic != _LMDB_MAGIC:
+            return f"{where} has no LMDB magic number"
+        if version != _LMDB_DATA_VERSION:
+            return f"{where} has data version {version}, not {_LMDB_DATA_VERSION}"
+        if _META_PGNO.unpack_from(meta, 0)[0] != number or not _META_FLAGS.unpack_from(meta, 10)[0] & _P_META:
+            return f"{where} is not marked as a meta page"
+        if number == 0:
+            if psize < 512 or psize > _MAX_PAGE_BYTES or psize & (psize - 1):
+                return f"{where} gives an invalid page size ({psize})"
+            page_bytes = psize
+        last_page, txnid = _META_TAIL.unpack_from(meta, 136)
+        metas.append((txnid, last_page, mapsize))
+    _, last_page, mapsize = max(metas)
+    needed = (last_page + 1) * page_bytes
+    if size < needed:
+        return (
+            f"{path} is truncated: {size} bytes, but its meta page says pages 0..{last_page} of "
+            f"{page_bytes} bytes ({needed} bytes) are in use"
+        )
+    if mapsize and mapsize < needed:
+        return f"{path}: its meta page gives a map size ({mapsize}) smaller than its pages in use ({needed})"
+    return None
+
+
+# LMDB errors that mean the index file itself is damaged (not a permission or a full disk)
+_DAMAGE_ERRORS = (
+    lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError,
+    lmdb.PanicError, lmdb.NotFoundError,
+)
+
+
+@dataclass
+class _Tables:
+    entries: list[tuple[bytes, bytes]]
+    free: set[int]
+    reserved: dict[int, int]
+    next_slot: int
 
 
 def _lmdb_reason(exc: lmdb.Error) -> Failure:
@@ -124,34 +230,118 @@ class LMDBTier(DiskTier):
         # does not leave the slab smaller until a restart. Appended by I/O threads.
         self._unreleased: list[bytes] = []
         self._unreleased_lock = threading.Lock()
+        #: why the index is damaged, when `kvtier check` found it so at open (else None)
+        self._damage: str | None = None
+        #: read-only (`kvtier check`): the index tables, read once at open
+        self._snapshot: _Tables | None = None
         self._open_slab(alone)  # first: a capacity the disk cannot hold is the error to report
         index_dir = os.path.join(self.path, _INDEX_DIR)
-        os.makedirs(index_dir, exist_ok=True)
-        try:
-            self._env = lmdb.open(
-                index_dir,
-                map_size=_MAP_BASE_BYTES + self.capacity_blocks * _MAP_PER_BLOCK_BYTES,
-                max_dbs=4,
-                # Durability is ours to order (slab first, then the index): see _store_after.
-                sync=False,
-                metasync=False,
-                readahead=False,  # random lookups; readahead would only evict useful pages
-                max_readers=512,
+        # LMDB opens its files by path: the directory and both files are checked first (never
+        # a symlink; this user's; 0600, 0700)
+        damage = self._index_files_problem(index_dir)
+        # Checked before LMDB maps the file: a truncated data.mdb kills the process (SIGBUS).
+        if damage is None:
+            damage = index_damage(index_dir)
+        if damage is None and self.read_only and not os.path.exists(os.path.join(index_dir, _DATA_FILE)):
+            damage = f"{os.path.join(index_dir, _DATA_FILE)} is missing"
+        entries: list[tuple[OffloadKey, int, int]] = []
+        if damage is None:
+            try:
+                self._open_env(index_dir, lock=not (self.read_only and alone))
+                with self._env.begin(write=not self.read_only) as txn:
+                    # `kvtier check --fix` finds, reports and repairs what recovery would
+                    # repair silently
+                    if alone and self._access == "serve":
+                        self._recover(txn)
+                    entries = self._entries(txn)
+                    if self.read_only:
+                        self._snapshot = self._tables(txn)
+            except _DAMAGE_ERRORS as exc:
+                damage = f"LMDB cannot read {index_dir}: {exc}"
+            except lmdb.Error as exc:
+                raise ConfigError(
+                    f"{self._field}.path", self.config.path, "a directory holding a usable LMDB index",
+                    f"LMDB cannot open {index_dir} ({exc}); run `kvtier check {self.path}` or remove "
+                    f"the directory to start over",
+                ) from None
+            if self.read_only or damage is not None:
+                # read-only: everything needed is in the snapshot; no LMDB reader stays registered
+                self._close_env()
+        if damage is None:
+            return entries
+        if self._access == "serve":
+            raise IndexDamagedError(
+                f"tier {self.name}: index damaged: {damage}. No block is served from a damaged "
+                f"index: run `kvtier check {self.path} --fix` to rebuild it from the block "
+                f"headers in the slab (or remove {self.path} to start empty)"
             )
-            self._blocks = self._env.open_db(b"blocks")
-            self._free = self._env.open_db(b"free")
-            self._reserved = self._env.open_db(b"reserved")
-            self._meta = self._env.open_db(b"meta")
-        except lmdb.Error as exc:
+        self._damage = damage
+        return []
+
+    def _index_files_problem(self, index_dir: str) -> str | None:
+        """What is wrong with index/ and its two files (a symlink, a FIFO, another user's
+        file), or None; creates index/ (0700) and makes the files 0600 unless read-only."""
+        try:
+            index_fd = open_private_dir(_INDEX_DIR, dir_fd=self._store_fd, read_only=self.read_only)
+        except FileNotFoundError:
+            return f"{index_dir} is missing"
+        except OSError as exc:
             raise ConfigError(
-                f"{self._field}.path", self.config.path, "a directory holding a usable LMDB index",
-                f"LMDB cannot open {index_dir} ({exc}); run `kvtier check {self.path}` or remove "
-                f"the directory to start over",
+                f"{self._field}.path", self.config.path, "a store whose index directory is this user's",
+                f"{index_dir}: {exc.strerror} (a symlink, or not a directory of this user's): "
+                f"remove {self.path} and let kvtier recreate it",
             ) from None
-        with self._env.begin(write=True) as txn:
-            if alone:
-                self._recover(txn)
-            return self._entries(txn)
+        try:
+            for name in (_DATA_FILE, _LOCK_FILE):
+                try:
+                    fd = open_private(name, os.O_RDONLY if self.read_only else os.O_RDWR, dir_fd=index_fd)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    return f"{os.path.join(index_dir, name)}: {exc.strerror}"
+                os.close(fd)
+        finally:
+            os.close(index_fd)
+        return None
+
+    def _open_env(self, index_dir: str, *, lock: bool = True) -> None:
+        """Open the LMDB environment (read-only for `kvtier check`) and its four databases."""
+        self._env = lmdb.open(
+            index_dir,
+            map_size=_MAP_BASE_BYTES + self.capacity_blocks * _MAP_PER_BLOCK_BYTES,
+            max_dbs=4,
+            # Durability is ours to order (slab first, then the index): see _store_after.
+            sync=False,
+            metasync=False,
+            readahead=False,  # random lookups; readahead would only evict useful pages
+            max_readers=512,
+            mode=FILE_MODE,  # LMDB's own default is 0644
+            readonly=self.read_only,
+            # Read-only and alone (the maintenance lock keeps openers out until the snapshot
+            # is taken): no reader slot in lock.mdb, so `kvtier check` writes nothing at all.
+            lock=lock,
+            create=not self.read_only,
+        )
+        create = not self.read_only
+        self._blocks = self._env.open_db(b"blocks", create=create)
+        self._free = self._env.open_db(b"free", create=create)
+        self._reserved = self._env.open_db(b"reserved", create=create)
+        self._meta = self._env.open_db(b"meta", create=create)
+
+    def _close_env(self) -> None:
+        env, self._env = self._env, None
+        if env is not None:
+            with contextlib.suppress(lmdb.Error):
+                env.close()
+
+    def _tables(self, txn: lmdb.Transaction) -> _Tables:
+        """The index as check reads it: entries, free slots, reservations (slot -> pid), next slot."""
+        return _Tables(
+            list(txn.cursor(db=self._blocks)),
+            {int.from_bytes(k, "big") for k, _ in txn.cursor(db=self._free)},
+            {int.from_bytes(k, "big"): _OWNER.unpack(v)[0] for k, v in txn.cursor(db=self._reserved)},
+            self._next_slot(txn),
+        )
 
     def _entries(self, txn: lmdb.Transaction) -> list[tuple[OffloadKey, int, int]]:
         entries = []
@@ -200,8 +390,20 @@ class LMDBTier(DiskTier):
         path = os.path.join(self.path, _SLAB)
         needed = self.capacity_blocks * self.slot_bytes
         field = f"{self._field}.capacity"
+        if self.read_only:  # `kvtier check`: read what is there (a missing slab reads as empty)
+            try:
+                self._fd = open_private(_SLAB, os.O_RDONLY, dir_fd=self._store_fd)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise ConfigError(
+                    f"{self._field}.path", self.config.path, "a store whose slab is a file of this user's",
+                    f"{path}: {exc.strerror}: remove {self.path} and let kvtier recreate it",
+                ) from None
+            return
         try:
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            # never through a symlink, never another user's file; 0600 whatever the umask
+            self._fd = open_private(_SLAB, os.O_RDWR | os.O_CREAT, dir_fd=self._store_fd)
             size = os.fstat(self._fd).st_size
             if size < needed:
                 stats = os.statvfs(self.path)
@@ -224,7 +426,7 @@ class LMDBTier(DiskTier):
             elif size > needed and alone:
                 os.ftruncate(self._fd, needed)
             if self._io.direct:
-                self._fd_direct = os.open(path, os.O_RDWR | O_DIRECT)
+                self._fd_direct = open_private(_SLAB, os.O_RDWR | O_DIRECT, dir_fd=self._store_fd)
         except OSError as exc:
             raise ConfigError(
                 field, format_size(self.config.capacity_bytes),
@@ -233,10 +435,8 @@ class LMDBTier(DiskTier):
             ) from None
 
     def _close_medium(self) -> None:
-        env, self._env = getattr(self, "_env", None), None
-        if env is not None:
-            with contextlib.suppress(lmdb.Error):
-                env.close()
+        if getattr(self, "_env", None) is not None:
+            self._close_env()
         for name in ("_fd", "_fd_direct"):
             fd = getattr(self, name, -1)
             if fd >= 0:
@@ -430,15 +630,19 @@ class LMDBTier(DiskTier):
     # -- check (caller's thread) ----------------------------------------------------------------
 
     def _check_medium(self, fix: bool) -> tuple[CheckReport, list[OffloadKey]]:
+        if self._damage is not None:
+            return self._check_damaged(fix), []
+        fix = fix and not self.read_only
         report = CheckReport(self.name)
         page, payload = self._io.check_buffers()
         fd = self._slab_fd(self._io.direct)
         cap = self.capacity_blocks
-        with self._env.begin() as txn:
-            entries = list(txn.cursor(db=self._blocks))
-            free = {int.from_bytes(k, "big") for k, _ in txn.cursor(db=self._free)}
-            reserved = {int.from_bytes(k, "big"): _OWNER.unpack(v)[0] for k, v in txn.cursor(db=self._reserved)}
-            next_slot = self._next_slot(txn)
+        if self._snapshot is not None:
+            tables = self._snapshot
+        else:
+            with self._env.begin() as txn:
+                tables = self._tables(txn)
+        entries, free, reserved, next_slot = tables.entries, tables.free, tables.reserved, tables.next_slot
         report.blocks_checked = len(entries)
         me = os.getpid()  # jobs are drained: none of our own reservations is live
         stale = sorted(s for s, pid in reserved.items() if pid == me or not pid_alive(pid))
@@ -478,7 +682,7 @@ class LMDBTier(DiskTier):
             report.problems.append(
                 f"{len(unknown)} blocks known to this process are not in the index (removed by another process)"
             )
-        slab_size = os.fstat(self._fd).st_size
+        slab_size = os.fstat(self._fd).st_size if self._fd >= 0 else 0
         if slab_size < cap * self.slot_bytes:
             report.problems.append(
                 f"the slab is {slab_size} bytes, short of the {cap * self.slot_bytes} its capacity needs"
@@ -517,3 +721,70 @@ class LMDBTier(DiskTier):
                 os.posix_fallocate(self._fd, slab_size, cap * self.slot_bytes - slab_size)
                 report.fixed.append("extended the slab to its capacity")
         return report, (dropped + unknown) if fix else []
+
+    def _scan_slab(self) -> tuple[dict[OffloadKey, int], int]:
+        """The intact blocks in the slab, found by their headers alone: ``({key: slot}, slots
+        read)``. Every block is verified whole (header, layout, key, checksum); a key found in
+        more than one slot (a freed slot keeps its old block until reused) keeps its first."""
+        page, payload = self._io.check_buffers()
+        fd = self._slab_fd(self._io.direct)
+        found: dict[OffloadKey, int] = {}
+        slots = 0
+        for slot in range(self.capacity_blocks):
+            offset = slot * self.slot_bytes
+            try:
+                if os.preadv(fd, [page], offset) < HEADER_BYTES:
+                    break  # the end of the slab
+            except OSError:
+                continue
+            slots += 1
+            header = decode_header(page)
+            if isinstance(header, str) or header.key in found:
+                continue
+            if self._io.read_for_check(fd, offset, OffloadKey(header.key), page, payload) is None:
+                found[OffloadKey(header.key)] = slot
+        return found, slots
+
+    def _check_damaged(self, fix: bool) -> CheckReport:
+        """Check of a store whose index was found damaged at open: report it, and with ``fix``
+        rebuild the index from the blocks in the slab."""
+        report = CheckReport(self.name)
+        found, slots = self._scan_slab()
+        report.blocks_checked = len(found)
+        report.problems.append(
+            f"index damaged: {self._damage}; the slab holds {len(found)} intact blocks (of {slots} "
+            f"slots read), which `kvtier check {self.path} --fix` re-indexes"
+        )
+        if not fix or self.read_only:
+            return report
+        if not self._alone:
+            report.problems.append(
+                "the index cannot be rebuilt while other processes have the store open: stop them "
+                "and run `kvtier check --fix` again"
+            )
+            return report
+        index_dir = os.path.join(self.path, _INDEX_DIR)
+        index_fd = open_private_dir(_INDEX_DIR, dir_fd=self._store_fd)
+        try:
+            for name in (_DATA_FILE, _LOCK_FILE):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=index_fd)  # the entry itself, even a symlink or FIFO
+        finally:
+            os.close(index_fd)
+        self._open_env(index_dir)
+        next_slot = max(found.values()) + 1 if found else 0
+        used = set(found.values())
+        with self._env.begin(write=True) as txn:
+            for key, slot in found.items():
+                txn.put(key, _ENTRY.pack(slot, 0), db=self._blocks)  # no recency known: equally old
+            for slot in range(next_slot):
+                if slot not in used:
+                    txn.put(_slot_key(slot), b"", db=self._free)
+            txn.put(_NEXT_SLOT, _OWNER.pack(next_slot), db=self._meta)
+        self._env.sync(True)
+        self._damage = None
+        report.fixed.append(
+            f"rebuilt the index from the slab's block headers: {len(found)} blocks re-indexed, "
+            f"{next_slot - len(found)} slots free"
+        )
+        return report

@@ -11,9 +11,11 @@ scheduler hot path.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
+import stat
 import time
 from dataclasses import dataclass
 
@@ -81,7 +83,11 @@ def read_manifest(directory: str) -> StoreManifest | None:
     """
     path = os.path.join(directory, MANIFEST_NAME)
     try:
-        with open(path, encoding="utf-8") as stream:
+        # never through a symlink, and never a FIFO (O_NONBLOCK: its open would wait for a writer)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, encoding="utf-8") as stream:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.ENXIO, "not a regular file")
             record = json.load(stream)
     except FileNotFoundError:
         return None
@@ -123,8 +129,9 @@ def write_manifest(directory: str, manifest: StoreManifest) -> None:
     temp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     text = json.dumps(manifest.to_dict(), indent=2, sort_keys=True) + "\n"
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
+            os.fchmod(fd, 0o600)  # whatever the umask: a store's files are its user's alone
             os.write(fd, text.encode())
             os.fsync(fd)
         finally:
@@ -141,7 +148,7 @@ def write_manifest(directory: str, manifest: StoreManifest) -> None:
 
 def fsync_directory(directory: str) -> None:
     """Make the directory's entries (a rename, a new file) durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:

@@ -13,6 +13,7 @@ Who calls it: tools and tests, any thread; it reads every header page under ``pa
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 
 from kvtier.tiers.disk.format import HEADER_BYTES, decode_header, on_disk_block_bytes
@@ -27,7 +28,10 @@ def find_blocks(path: str, block_bytes: int) -> Iterator[tuple[str, int, bytes]]
     for root, _dirs, files in os.walk(path):
         for name in files:
             file = os.path.join(root, name)
-            size = os.path.getsize(file)
+            info = os.lstat(file)
+            if not stat.S_ISREG(info.st_mode):  # a symlink or FIFO is no block (and a FIFO would hang)
+                continue
+            size = info.st_size
             with open(file, "rb") as stream:
                 for offset in range(0, size - HEADER_BYTES + 1, slot):
                     stream.seek(offset)

@@ -26,25 +26,41 @@ import errno
 import fcntl
 import logging
 import os
+import pwd
 import secrets
 import shutil
+import stat
 import threading
+import time
 
 from kvtier.config import format_size
 from kvtier.errors import ConfigError, DiskTierError, ManifestError
 from kvtier.tiers.disk.blockio import RowIO, probe_o_direct
-from kvtier.tiers.disk.config import DiskTierConfig
+from kvtier.tiers.disk.config import DiskTierConfig, default_store_path, user_cache_root
 from kvtier.tiers.disk.format import LayoutFingerprint
-from kvtier.tiers.disk.manifest import MANIFEST_NAME, StoreManifest, read_manifest, write_manifest
+from kvtier.tiers.disk.manifest import (
+    MANIFEST_NAME,
+    StoreManifest,
+    read_manifest,
+    write_manifest,
+)
 
 __all__ = [
+    "DIR_MODE",
+    "FILE_MODE",
     "StoreLocks",
     "claim_path",
     "decide_direct",
+    "default_store_path",
+    "open_private",
+    "open_private_dir",
+    "open_store_directory",
     "pid_alive",
     "prepare_directory",
     "release_path",
     "settle_manifest",
+    "store_os_fix",
+    "user_cache_root",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,6 +78,130 @@ _TRASH_PREFIX = ".kvtier-trash-"
 # in-process tiers on one path would each believe they own the capacity.
 _open_lock = threading.Lock()
 _open_paths: set[str] = set()
+
+
+#: every directory of a store (the store itself, index/, blocks/, blocks/xx/): its owner only
+DIR_MODE = 0o700
+#: every file of a store, lock files included: its owner only
+FILE_MODE = 0o600
+# O_NONBLOCK: an open never waits (a FIFO planted under a file's name would hang a plain
+# open for reading); it changes nothing for regular files, the only kind accepted.
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+def _owner(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def open_private(name: str, flags: int, *, dir_fd: int) -> int:
+    """Open the store file ``name`` relative to the directory ``dir_fd``, never through a
+    symlink, as a regular file of this user's; a file created (or opened for writing) gets
+    mode 0600 whatever the umask.
+
+    Raises OSError: ELOOP for a symlink, ENXIO for a FIFO, device or directory, EPERM for a
+    file another user owns (a store directory of this user's, mode 0700, holds none).
+    """
+    fd = os.open(name, flags | _OPEN_FLAGS, FILE_MODE, dir_fd=dir_fd)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.ENXIO, "not a regular file", name)
+        if info.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"owned by {_owner(info.st_uid)}, not by this user", name)
+        if flags & os.O_ACCMODE != os.O_RDONLY and stat.S_IMODE(info.st_mode) != FILE_MODE:
+            os.fchmod(fd, FILE_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_private_dir(name: str, *, dir_fd: int, read_only: bool = False) -> int:
+    """A descriptor of the store's subdirectory ``name`` (relative to ``dir_fd``), never
+    through a symlink, this user's: created with mode 0700 if missing and made 0700 if it is
+    not (``read_only``: neither; refused if group or others may write it). Raises OSError
+    (FileNotFoundError when ``read_only`` and missing)."""
+    if not read_only:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, DIR_MODE, dir_fd=dir_fd)
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"owned by {_owner(info.st_uid)}, not by this user", name)
+        mode = stat.S_IMODE(info.st_mode)
+        if read_only and mode & 0o022:
+            raise OSError(errno.EPERM, f"mode {mode:o}: group or others may write in it", name)
+        if not read_only and mode != DIR_MODE:
+            os.fchmod(fd, DIR_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def directory_problem(info: os.stat_result, directory: str) -> tuple[str, str] | None:
+    """``(what is wrong, the fix)`` for a store directory with ``info`` (an fstat), or None.
+
+    Refused: a directory another user owns (they could read, plant or redirect what kvtier
+    writes there, or squat the path before kvtier creates it), and one that group or others
+    may write (they could replace or remove its files).
+    """
+    if info.st_uid != os.geteuid():
+        what = (
+            f"{directory} is owned by {_owner(info.st_uid)}, not by this user ({_owner(os.geteuid())}): "
+            f"its owner could read, plant or redirect the KV blocks kvtier keeps there"
+        )
+        fix = (
+            f"use a directory of your own (such as {user_cache_root()}/NAME, which kvtier creates), "
+            f"or remove {directory} if it should not exist"
+        )
+        return what, fix
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022:
+        what = f"{directory} has mode {mode:o}: group or others may write in it, so they could replace or remove its files"
+        return what, f"chmod 700 {directory} if every file in it is yours, or remove it and let kvtier recreate it"
+    return None
+
+
+def open_store_directory(directory: str, field: str, path: str, *, read_only: bool = False) -> int:
+    """A descriptor of the store directory (not through a symlink), after checking that this
+    user owns it and no one else may write in it; made 0700 if others may read it (not
+    ``read_only``). Raises ConfigError naming ``<field>.path``, what is wrong and the fix."""
+    where = f"{field}.path"
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(where, path, "a store directory kvtier can open", _os_fix(exc, directory)) from None
+    try:
+        info = os.fstat(fd)
+        problem = directory_problem(info, directory)
+        if problem is not None:
+            raise ConfigError(where, path, "a store directory of this user's that no one else may write", f"{problem[0]}. Fix: {problem[1]}")
+        if not read_only and stat.S_IMODE(info.st_mode) != DIR_MODE:
+            # others may read it (a store kvtier made before it used 0700): its files are KV
+            logger.warning(
+                "kvtier: store directory %s had mode %o; set to %o (KV blocks are for this user only)",
+                directory, stat.S_IMODE(info.st_mode), DIR_MODE,
+            )
+            os.fchmod(fd, DIR_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _make_private_dirs(directory: str) -> None:
+    """Create ``directory`` and its missing parents, each 0700 whatever the umask."""
+    parent = os.path.dirname(directory)
+    if parent != directory and not os.path.isdir(parent):
+        _make_private_dirs(parent)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, DIR_MODE)
+        os.chmod(directory, DIR_MODE)
 
 
 def claim_path(directory: str) -> None:
@@ -108,23 +248,58 @@ def _os_fix(exc: OSError, where: str) -> str:
     return f"fix {where} ({exc.strerror})"
 
 
-class StoreLocks:
-    """The maintenance and users locks of one store directory (see the module docstring)."""
+def store_os_fix(exc: OSError, directory: str) -> str:
+    """What went wrong with a file of the store in ``directory``, and the fix."""
+    name = os.path.join(directory, str(exc.filename)) if exc.filename else directory
+    if exc.errno == errno.ELOOP:
+        return (
+            f"{name} is a symlink, and kvtier never follows one inside a store (it could point "
+            f"anywhere); remove it, or remove {directory} and let kvtier recreate it"
+        )
+    if exc.errno in (errno.ENXIO, errno.EPERM) and exc.filename:
+        return (
+            f"{name}: {exc.strerror}; kvtier keeps only regular files and directories of its "
+            f"own user in a store: remove it, or remove {directory} and let kvtier recreate it"
+        )
+    return _os_fix(exc, name)
 
-    def __init__(self, directory: str):
-        self._maintenance = os.open(os.path.join(directory, _MAINTENANCE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+
+class StoreLocks:
+    """The maintenance and users locks of one store directory (see the module docstring).
+
+    Both files are 0600 in a 0700 directory: no other user can open them, let alone hold
+    them. A process of this user that holds the maintenance lock longer than ``timeout_s``
+    makes the open fail with an error naming the lock (never a silent wait without end).
+    """
+
+    def __init__(self, dir_fd: int, directory: str, *, timeout_s: float = 60.0, read_only: bool = False):
+        self._maintenance = self._users = -1
+        #: no other process has the store open
+        self.alone = True
         try:
-            fcntl.flock(self._maintenance, fcntl.LOCK_EX)  # held for the few ms of an open
-            self._users = os.open(os.path.join(directory, _USERS_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+            self._maintenance = self._open(dir_fd, _MAINTENANCE_LOCK, read_only)
+            if self._maintenance >= 0:  # held for the few ms of an open
+                _flock_within(self._maintenance, os.path.join(directory, _MAINTENANCE_LOCK), timeout_s)
+            self._users = self._open(dir_fd, _USERS_LOCK, read_only)
         except BaseException:
-            os.close(self._maintenance)
+            self.close()
             raise
+        if self._users >= 0:
+            try:
+                fcntl.flock(self._users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.alone = False
+
+    @staticmethod
+    def _open(dir_fd: int, name: str, read_only: bool) -> int:
+        """The lock file's descriptor; read-only (``kvtier check``): never created, and -1 if
+        missing (every process that opens a store creates both, so nobody has it open)."""
+        if not read_only:
+            return open_private(name, os.O_RDWR | os.O_CREAT, dir_fd=dir_fd)
         try:
-            fcntl.flock(self._users, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            #: no other process has the store open
-            self.alone = True
-        except BlockingIOError:
-            self.alone = False
+            return open_private(name, os.O_RDONLY, dir_fd=dir_fd)  # flock needs no write access
+        except FileNotFoundError:
+            return -1
 
     def share(self) -> None:
         """Become an ordinary user and let the next opener in.
@@ -132,19 +307,50 @@ class StoreLocks:
         Converting EX to SH is not atomic in flock, but nobody can observe the gap: every
         opener takes the maintenance lock, which is released only afterwards.
         """
-        fcntl.flock(self._users, fcntl.LOCK_SH)
-        fcntl.flock(self._maintenance, fcntl.LOCK_UN)
+        if self._users >= 0:
+            fcntl.flock(self._users, fcntl.LOCK_SH)
+        if self._maintenance >= 0:
+            fcntl.flock(self._maintenance, fcntl.LOCK_UN)
 
     def close(self) -> None:
         for fd in (self._maintenance, self._users):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._maintenance = self._users = -1
 
 
-def prepare_directory(path: str, field: str) -> str:
-    """The store's absolute path, created if its parent exists and proven writable."""
+def _flock_within(fd: int, path: str, timeout_s: float) -> None:
+    """flock ``fd`` exclusively, waiting at most ``timeout_s``; DiskTierError naming ``path`` after."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DiskTierError(
+                f"timed out after {timeout_s:g} s (lock_timeout_s) waiting for the lock {path}: "
+                f"another process of this user holds it (opening or checking the store) and does "
+                f"not let go. Find it with `fuser -v {path}`; stop it if it hangs, or raise "
+                f"lock_timeout_s if opens of this store are slow (a wipe or scan of a large store)"
+            )
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 0.05)
+
+
+def prepare_directory(path: str, field: str, *, read_only: bool = False) -> str:
+    """The store's absolute path, created if its parent exists and proven writable
+    (``read_only``: only proven to be a directory; nothing is created or written)."""
     directory = os.path.abspath(os.path.expanduser(path))
     where = f"{field}.path"
+    if read_only:
+        if not os.path.isdir(directory):
+            raise ConfigError(where, path, "an existing store directory", f"{directory} is not a directory")
+        return os.path.realpath(directory)
     if os.path.lexists(directory) and not os.path.isdir(directory):
         raise ConfigError(
             where, path, "a directory (or where to create one)",
@@ -152,31 +358,52 @@ def prepare_directory(path: str, field: str) -> str:
         )
     if not os.path.isdir(directory):
         parent = os.path.dirname(directory)
-        if not os.path.isdir(parent):
-            raise ConfigError(
-                where, path, "a directory whose parent exists",
-                f"create {parent} first (kvtier creates only the last path component)",
-            )
         try:
-            os.mkdir(directory, 0o755)
+            if not os.path.isdir(parent):
+                if parent not in (user_cache_root(), os.path.expanduser("~/.cache/kvtier")):
+                    raise ConfigError(
+                        where, path, "a directory whose parent exists",
+                        f"create {parent} first (kvtier creates only the last path component, "
+                        f"and the missing parents of its per-user default {user_cache_root()})",
+                    )
+                _make_private_dirs(parent)
+            _reject_open_parent(parent, where, path)
+            os.mkdir(directory, DIR_MODE)
+            os.chmod(directory, DIR_MODE)  # whatever the umask
         except FileExistsError:
             pass
         except OSError as exc:
             raise ConfigError(where, path, "a directory kvtier can create", _os_fix(exc, parent)) from None
-    probe = os.path.join(directory, f".kvtier-write-probe-{os.getpid()}-{secrets.token_hex(4)}")
+    # the real path: one store reached through a symlink is still one store
+    directory = os.path.realpath(directory)
+    dir_fd = open_store_directory(directory, field, path)
+    probe = f".kvtier-write-probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, FILE_MODE, dir_fd=dir_fd)
         try:
             os.write(fd, b"kvtier")
         finally:
             os.close(fd)
-        os.unlink(probe)
+        os.unlink(probe, dir_fd=dir_fd)
     except OSError as exc:
         with contextlib.suppress(OSError):
-            os.unlink(probe)
+            os.unlink(probe, dir_fd=dir_fd)
         raise ConfigError(where, path, "a directory kvtier can write", _os_fix(exc, directory)) from None
-    # the real path: one store reached through a symlink is still one store
-    return os.path.realpath(directory)
+    finally:
+        os.close(dir_fd)
+    return directory
+
+
+def _reject_open_parent(parent: str, where: str, path: str) -> None:
+    """Refuse to create a store in a directory anyone may write without the sticky bit: any
+    user could rename the new store away and put their own in its place."""
+    info = os.stat(parent)
+    if info.st_mode & 0o002 and not info.st_mode & stat.S_ISVTX:
+        raise ConfigError(
+            where, path, "a path whose parent directory other users cannot rewrite",
+            f"{parent} is writable by everyone without the sticky bit; use a directory of your "
+            f"own, such as {user_cache_root()}/NAME",
+        )
 
 def settle_manifest(
     directory: str,
@@ -186,16 +413,26 @@ def settle_manifest(
     fingerprint: LayoutFingerprint,
     alone: bool,
     field: str,
+    *,
+    read_only: bool = False,
 ) -> tuple[StoreManifest, bool]:
     """Read, create or replace the manifest of a ``kind`` store; ``(manifest, created)``.
 
     Under the maintenance lock. ``medium_names`` are the directory entries the medium owns
-    (removed when a store of another layout is wiped).
+    (removed when a store of another layout is wiped). ``read_only``: the manifest must
+    exist and match ``kind`` and ``fingerprint``; nothing is written.
     """
     try:
         manifest = read_manifest(directory)
     except ManifestError as exc:
         raise ConfigError(f"{field}.path", config.path, "a kvtier store or an empty directory", str(exc)) from None
+    if read_only:
+        if manifest is None or manifest.kind != kind or manifest.fingerprint.digest() != fingerprint.digest():
+            raise ConfigError(
+                f"{field}.path", config.path, f"a {kind} store of layout ({fingerprint.describe()})",
+                f"{directory}/{MANIFEST_NAME} is missing or describes another store",
+            )
+        return manifest, False
     if manifest is None:
         foreign = [
             name for name in os.listdir(directory)
@@ -267,7 +504,7 @@ def _wipe(directory: str, medium_names: tuple[str, ...]) -> None:
     """Remove the medium's entries: first renamed into one trash directory (atomic, so a
     crash mid-way never leaves half a store under the live names), then deleted."""
     trash = os.path.join(directory, f"{_TRASH_PREFIX}{secrets.token_hex(4)}")
-    os.mkdir(trash)
+    os.mkdir(trash, DIR_MODE)
     for name in medium_names:
         source = os.path.join(directory, name)
         if os.path.lexists(source):

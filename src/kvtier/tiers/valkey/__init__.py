@@ -11,9 +11,9 @@ Importing this package does not import the ``valkey`` client: the tier does, whe
 
 from __future__ import annotations
 
-from kvtier.tiers.valkey.config import VALKEY_KINDS, ValkeyTierConfig, parse
+from kvtier.tiers.valkey.config import PASSWORD_ENV, VALKEY_KINDS, ValkeyTierConfig, parse, redact_url
 
-__all__ = ["VALKEY_KINDS", "ValkeyTierConfig", "open_valkey", "parse"]
+__all__ = ["PASSWORD_ENV", "VALKEY_KINDS", "ValkeyTierConfig", "open_valkey", "parse", "redact_url"]
 
 
 def open_valkey(config: ValkeyTierConfig, rows, fingerprint, field: str = "tiers[1]"):

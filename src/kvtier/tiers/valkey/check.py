@@ -5,9 +5,12 @@ it. Each value is checked from what it carries: its header (:mod:`kvtier.tiers.d
 must decode, name the key its name ends in (``<namespace>:<hex of the key>``), and hold a
 payload of its stated length and checksum. What no single value can show is a value of
 another layout in a namespace: every value of a namespace must carry the same layout digest,
-and one that does not is a problem. Which digest is the namespace's: for a default namespace
-(``kvtier:`` + the first 8 bytes of the digest, in hex) the one its name names; otherwise
-the one most of its values carry (a tie: the smallest digest, so the answer is repeatable).
+and one that does not is a problem. Which digest is the namespace's: the one the caller
+gives (``--layout``, or a tier's own check); for a default namespace (``kvtier:`` + the
+first 8 bytes of the digest, in hex) the one its name names, if exactly one digest found
+does; in a namespace whose values all carry one digest, that one. Otherwise nobody knows:
+the namespace's mixed layouts are one problem, and ``fix`` deletes none of those values —
+never a vote (whoever can write to the server can plant a majority of well-formed values).
 
 :meth:`ValkeyTier.check` runs the same code (:func:`check_namespace`) with its own layout, so
 there is one per-value verification, whoever asks.
@@ -25,9 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import ConfigError, ValkeyCheckError
+from kvtier.tiers.base import Failure, FailureKind
 from kvtier.tiers.disk.format import HEADER_BYTES, decode_header, verify
-from kvtier.tiers.valkey.config import URL_SCHEMES, parse
-from kvtier.tiers.valkey.connection import ValkeyConnection, is_outage, reason_of
+from kvtier.tiers.valkey.config import URL_SCHEMES, ValkeyTierConfig, parse, redact_url
+from kvtier.tiers.valkey.connection import ValkeyConnection, fix_for, reason_of
 
 __all__ = [
     "DEFAULT_NAMESPACES",
@@ -65,7 +69,7 @@ class NamespaceReport:
     layout_digests: dict[str, int] = field(default_factory=dict)
     #: the digest the namespace's values must carry (hex; None when no header decoded)
     layout_digest: str | None = None
-    #: ``name: reason``, one per bad value
+    #: ``name: reason``, one per bad value (and one line for a namespace of mixed layouts)
     problems: list[str] = field(default_factory=list)
     #: what ``fix=True`` did about them
     fixed: list[str] = field(default_factory=list)
@@ -158,15 +162,16 @@ def _key_of(name: bytes, prefix: bytes) -> bytes | None:
 
 
 def _namespace_digest(namespace: str, digests: Counter) -> bytes | None:
-    """The layout digest the namespace's values must carry (see the module docstring)."""
-    if not digests:
-        return None
+    """The layout digest the namespace's values must carry when the caller named none, or
+    None when that cannot be known (see the module docstring): never the most common one."""
+    if len(digests) == 1:
+        return next(iter(digests))
     derived = _DERIVED_RE.fullmatch(namespace)
     if derived is not None:
         named = [digest for digest in digests if digest[:8].hex() == derived.group(1)]
-        if named:
+        if len(named) == 1:
             return named[0]
-    return max(digests, key=lambda digest: (digests[digest], [-b for b in digest]))
+    return None
 
 
 def check_namespace(
@@ -182,8 +187,10 @@ def check_namespace(
     """Read and verify the values ``names`` (all ``<namespace>:...``); with ``fix``, DEL the bad ones.
 
     ``layout_digest`` and ``payload_bytes``: the layout every value must be of (a tier's own
-    check); without them the namespace's layout is inferred (module docstring). Reads go out
-    in pipelined batches of at most ``batch_bytes`` of values. A value gone since the scan
+    check, or ``--layout``; ``payload_bytes`` may be None then); without them the namespace's
+    layout is inferred where the namespace's name or its values leave no doubt (module
+    docstring), and otherwise values that differ only in layout are reported, not deleted.
+    Reads go out in pipelined batches of at most ``batch_bytes`` of values. A value gone since the scan
     (evicted, expired) is skipped. Raises :class:`ValkeyCheckError` if the server stops
     answering, or answers a read with an error other than a key holding a non-string value.
 
@@ -203,16 +210,21 @@ def check_namespace(
         chunk = names[start : start + batch_keys]
         start += len(chunk)
         # most values of a namespace share one length: read them into one array per batch
-        values = conn.get_many(chunk, value_bytes or typical)
+        # a value longer than the layout's (or, unknown, than a batch) is read off and dropped
+        values = conn.get_many(chunk, value_bytes or typical, max_bytes=value_bytes or batch_bytes)
         longest = 0
         for name, value in zip(chunk, values):
             if value is None:
                 continue  # evicted or expired since the scan
-            if isinstance(value, str):
-                if not value.startswith("server: WRONGTYPE"):
+            if isinstance(value, Failure):
+                if value.kind is FailureKind.CORRUPT:  # longer than any value could be: not held
+                    report.blocks_checked += 1
+                    bad[name] = value.detail
+                    continue
+                if value != _WRONGTYPE:
                     raise ValkeyCheckError(
-                        conn.location, f"reading {name.decode(errors='replace')} failed ({value})",
-                        "make sure the server is up and answers GET, then run the check again",
+                        redact_url(conn.location), f"reading {name.decode(errors='replace')} failed ({value})",
+                        fix_for(value, "make sure the server is up and answers GET, then run the check again"),
                     )
                 report.blocks_checked += 1
                 bad[name] = "not a string value"
@@ -230,7 +242,7 @@ def check_namespace(
                 digests[digest] += 1
             if reason is not None:
                 bad[name] = reason
-            elif layout_digest is None:
+            elif digest is not None:  # a value that passed has a header, so a digest
                 found.append((name, digest))
         if not value_bytes and longest:
             # the values' length is known now: batches of batch_bytes from here on
@@ -238,10 +250,19 @@ def check_namespace(
     want = layout_digest if layout_digest is not None else _namespace_digest(namespace, digests)
     report.layout_digest = want.hex() if want is not None else None
     report.layout_digests = {digest.hex(): count for digest, count in sorted(digests.items())}
-    for name, digest in found:
-        if digest != want:
-            bad[name] = f"other layout ({digest.hex()}; the namespace's is {want.hex()})"
+    if want is not None:
+        for name, digest in found:
+            if digest != want:
+                bad[name] = f"other layout ({digest.hex()}; the namespace's is {want.hex()})"
     report.problems = [f"{name.decode(errors='replace')}: {reason}" for name, reason in sorted(bad.items())]
+    if want is None and len(digests) > 1:
+        # Nothing here can say which layout is the namespace's: a vote would let anyone who
+        # can write to the server outvote the real values and have --fix delete them.
+        counts = ", ".join(f"{digest.hex()} x{count}" for digest, count in sorted(digests.items()))
+        report.problems.append(
+            f"{namespace}: mixed layouts ({counts}); none of those values deleted: give the "
+            "namespace's layout with --layout DIGEST"
+        )
     if fix and bad:
         doomed = sorted(bad)
         for at in range(0, len(doomed), 1000):
@@ -249,7 +270,7 @@ def check_namespace(
                 conn.delete(doomed[at : at + 1000])
             except Exception as error:
                 raise ValkeyCheckError(
-                    conn.location, f"deleting bad values failed ({reason_of(error)})",
+                    redact_url(conn.location), f"deleting bad values failed ({reason_of(error)})",
                     "make sure the server is up and accepts DEL, then run the check with --fix again",
                 ) from None
         report.fixed = [f"{name.decode(errors='replace')}: deleted" for name in doomed]
@@ -286,31 +307,43 @@ def check_valkey(
     namespace: str | None = None,
     fix: bool = False,
     timeout_s: float = CHECK_TIMEOUT_S,
+    layout_digest: bytes | None = None,
+    config: ValkeyTierConfig | None = None,
 ) -> ValkeyCheckReport:
     """Verify every value of ``namespace`` (default: every ``kvtier:*`` namespace) on a server
-    (``url``: any URL the valkey tier takes, TLS included) or a cluster (``cluster_nodes``).
+    (``url``: any URL the valkey tier takes, TLS included) or a cluster (``cluster_nodes``),
+    or the one a tier's ``config`` names (its credentials, TLS and, unless ``namespace``
+    says otherwise, its namespace). Without a config the password comes from
+    ``KVTIER_VALKEY_PASSWORD`` (or the URL).
 
-    Names are listed by :func:`namespace_names` (SCAN, never KEYS). Safe while engines use
-    the tier. Raises :class:`~kvtier.errors.ConfigError` for a bad URL, node or namespace or
-    a missing client, and :class:`ValkeyCheckError` if the server cannot be reached or
-    answers with an error.
+    ``layout_digest``: the layout the checked namespaces' values must be of (``--layout``);
+    without it, see the module docstring. Names are listed by :func:`namespace_names`
+    (SCAN, never KEYS). Safe while engines use the tier. Raises
+    :class:`~kvtier.errors.ConfigError` for a bad URL, node or namespace or a missing
+    client, and :class:`ValkeyCheckError` if the server cannot be reached or answers with
+    an error (its message says which: unreachable, credentials, TLS, an ACL).
     """
+    import dataclasses
     import importlib.util
 
     if importlib.util.find_spec("valkey") is None:
         raise ConfigError(
-            "check", url or ",".join(cluster_nodes), "the valkey client installed",
+            "check", redact_url(url) or ",".join(cluster_nodes), "the valkey client installed",
             "pip install 'kvtier[valkey]'",
         )
-    section: dict[str, Any] = {"kind": "valkey", "name": "check", "timeout_s": timeout_s}
-    if cluster_nodes:
-        section["cluster_nodes"] = list(cluster_nodes)
+    if config is None:
+        section: dict[str, Any] = {"kind": "valkey", "name": "check", "timeout_s": timeout_s}
+        if cluster_nodes:
+            section["cluster_nodes"] = list(cluster_nodes)
+        else:
+            section["url"] = url
+        if namespace is not None:
+            section["namespace"] = namespace
+        config = parse(section, "check")
     else:
-        section["url"] = url
-    if namespace is not None:
-        section["namespace"] = namespace
-    config = parse(section, "check")
-    target = config.location() or ""
+        namespace = namespace if namespace is not None else config.namespace
+        config = dataclasses.replace(config, timeout_s=max(config.timeout_s, timeout_s))
+    target = redact_url(config.location())
     conn = ValkeyConnection(config)
     try:
         try:
@@ -320,24 +353,25 @@ def check_valkey(
             raise _unreachable(target, error) from None
         report = ValkeyCheckReport(target)
         for owner in sorted(groups):
-            report.namespaces.append(check_namespace(conn, owner, groups[owner], fix=fix))
+            report.namespaces.append(
+                check_namespace(conn, owner, groups[owner], fix=fix, layout_digest=layout_digest)
+            )
         return report
     finally:
         conn.close()
 
 
+#: a GET of a key that holds a list, a hash ...: a bad value, not a failed check
+_WRONGTYPE = Failure(FailureKind.SERVER, detail="WRONGTYPE")
+
+
 def _unreachable(target: str, error: BaseException) -> ValkeyCheckError:
     reason = reason_of(error)
-    if is_outage(reason):
-        detail = str(error).split("\n")[0][:120]
-        return ValkeyCheckError(
-            target, f"cannot reach the server ({reason}: {detail})",
-            "start the server, or give its address: valkey://HOST:PORT[/DB] (valkeys:// for TLS), "
-            "or --cluster HOST:PORT,... for a cluster",
-        )
+    if reason.kind is FailureKind.UNAVAILABLE:
+        return ValkeyCheckError(target, f"cannot reach the server ({reason})", fix_for(reason, ""))
+    if reason.kind in (FailureKind.AUTH, FailureKind.TLS):
+        what = "refused the credentials" if reason.kind is FailureKind.AUTH else "failed the TLS handshake"
+        return ValkeyCheckError(target, f"the server {what} ({reason})", fix_for(reason, ""))
     return ValkeyCheckError(
-        target, f"the server answered with an error ({reason})",
-        "give the password in the URL (valkey://:PASSWORD@HOST:PORT/DB) if it asks for one, "
-        "or check the server's log",
+        target, f"the server answered with an error ({reason})", fix_for(reason, "check the server's log"),
     )
-

@@ -9,7 +9,17 @@
   ttl_s: 86400                       # optional: values expire after this many seconds
   timeout_s: 1.0                     # a job waits at most this long for the server
   max_inflight_bytes: 256MiB         # bytes of one pipelined batch, and of reads held for loads
+  username: kvtier                   # the ACL user (default: the URL's, else "default")
+  password_file: /etc/kvtier/valkey.pass  # yours alone (chmod 600); or KVTIER_VALKEY_PASSWORD
+  tls: {ca_file: /etc/kvtier/ca.pem, cert_file: client.pem, key_file: client.key}
 ```
+
+The password lives in a file or the environment, never in the configuration: the section
+holds where it is (``password_file``), read when the tier connects, so no repr, log or
+report of the configuration can print it. A password in the URL is still taken (the
+file's, then the environment's, take precedence) and every printed URL has it replaced
+by ``***`` (:func:`redact_url`). ``tls`` (or a ``valkeys://``/``rediss://`` URL) turns TLS
+on, for a server and for a cluster alike.
 
 The server owns capacity and eviction (``maxmemory`` with ``allkeys-lru``): the section takes
 no ``capacity`` or ``eviction``, and refuses them with a fix rather than ignore them.
@@ -18,7 +28,9 @@ no ``capacity`` or ``eviction``, and refuses them with a fix rather than ignore 
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,18 +39,35 @@ from urllib.parse import urlsplit
 from kvtier.config import TierConfig, parse_size
 from kvtier.errors import ConfigError
 
-__all__ = ["VALKEY_KINDS", "ValkeyTierConfig", "parse"]
+__all__ = ["PASSWORD_ENV", "VALKEY_KINDS", "ValkeyTLS", "ValkeyTierConfig", "parse", "read_password", "redact_url"]
 
 #: the kinds this section serves: Redis speaks the same protocol
 VALKEY_KINDS = ("valkey", "redis")
 #: URL schemes accepted in ``url`` (redis schemes are read as their valkey twins)
 URL_SCHEMES = ("valkey", "valkeys", "redis", "rediss", "unix")
+#: the environment variable a valkey tier takes its password from when it has no password_file
+PASSWORD_ENV = "KVTIER_VALKEY_PASSWORD"
+#: the longest password file read (a password, not a document)
+_MAX_SECRET_BYTES = 4096
 DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 #: how long a key found missing answers False before the server is asked again
 DEFAULT_MISS_TTL_S = 2.0
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _NODE_RE = re.compile(r"(\[[0-9A-Fa-f:]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
+
+
+@dataclass(frozen=True)
+class ValkeyTLS:
+    """The ``tls:`` section: TLS to the server (or every cluster node), verified."""
+
+    # PEM file of the CA(s) that signed the server's certificate; None: the system's CAs
+    ca_file: str | None = None
+    # PEM client certificate and its key, for a server that asks for one (mutual TLS)
+    cert_file: str | None = None
+    key_file: str | None = None
+    # whether the server's certificate must name the host the URL (or node) names
+    check_hostname: bool = True
 
 
 @dataclass(frozen=True)
@@ -50,7 +79,8 @@ class ValkeyTierConfig(TierConfig):
     reads every tier alike.
     """
 
-    # a standalone server: valkey://[user:password@]host:port/db, or unix:///path/to.sock
+    # a standalone server: valkey://[user@]host:port/db, or unix:///path/to.sock (a password here
+    # is taken but belongs in password_file or KVTIER_VALKEY_PASSWORD; printed as ***)
     url: str | None = None
     # a cluster, instead of url: a few of its nodes as host:port (the rest are discovered)
     cluster_nodes: tuple[str, ...] = ()
@@ -65,6 +95,13 @@ class ValkeyTierConfig(TierConfig):
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     # a key the server did not have answers False for this long before it is asked again
     miss_ttl_s: float = DEFAULT_MISS_TTL_S
+    # the ACL user to authenticate as; None: the URL's, else the server's "default" user
+    username: str | None = None
+    # a file holding the password (its first line), owned by this user and readable by no one
+    # else; read when the tier connects. None: KVTIER_VALKEY_PASSWORD, else the URL's, else none
+    password_file: str | None = None
+    # TLS to the server or cluster; None: plain TCP (unless the URL is valkeys:// or rediss://)
+    tls: ValkeyTLS | None = None
 
     #: the server bounds and evicts the tier: the section takes no capacity or eviction
     bounded_by_server: ClassVar[bool] = True
@@ -74,7 +111,7 @@ class ValkeyTierConfig(TierConfig):
         has_url, has_nodes = "url" in section, "cluster_nodes" in section
         if has_url == has_nodes:
             raise ConfigError(
-                f"{field}.url", section.get("url", "<missing>"),
+                f"{field}.url", redact_url(str(section["url"])) if has_url else "<missing>",
                 "exactly one of url: (one server) and cluster_nodes: (a cluster)",
                 "write url: valkey://host:6379/0, or cluster_nodes: [host:7000, ...]",
             )
@@ -100,15 +137,166 @@ class ValkeyTierConfig(TierConfig):
             if size <= 0:
                 raise ConfigError(f"{field}.max_inflight_bytes", size, "a size > 0", "write a size such as 256MiB")
             options["max_inflight_bytes"] = size
+        if "username" in section:
+            username = section["username"]
+            if not isinstance(username, str) or not username or any(c.isspace() for c in username):
+                raise ConfigError(f"{field}.username", username, "an ACL user name", "write username: kvtier")
+            options["username"] = username
+        if section.get("password_file") is not None:
+            path = section["password_file"]
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"{field}.password_file", path, "a file's path", "write password_file: /etc/kvtier/valkey.pass")
+            read_password(path, f"{field}.password_file")  # refused now, not at the first connection
+            options["password_file"] = path
+        if section.get("tls") is not None:
+            options["tls"] = _parse_tls(section["tls"], f"{field}.tls")
+            if str(options.get("url", "")).startswith("unix:"):
+                raise ConfigError(f"{field}.tls", "(set)", "TLS over TCP: a valkeys://host:port URL",
+                                  "drop tls: for a unix socket, or give the server's TCP address")
         return options
 
     def location(self) -> str | None:
-        return self.url or ",".join(self.cluster_nodes)
+        """The server's URL with its password replaced by ``***``, or the cluster's nodes."""
+        return redact_url(self.url) if self.url else ",".join(self.cluster_nodes)
+
+    def options_text(self) -> str:
+        """``describe``'s settings: never the URL (``location`` shows it, redacted), never a secret."""
+        parts = [f"namespace={self.namespace or '(from the layout)'}", f"timeout_s={self.timeout_s}"]
+        if self.ttl_s is not None:
+            parts.append(f"ttl_s={self.ttl_s}")
+        parts.append(f"max_inflight_bytes={self.max_inflight_bytes}")
+        if self.username:
+            parts.append(f"username={self.username}")
+        parts.append("password=" + self.password_source())
+        if self.tls is not None or self.uses_tls:
+            tls = self.tls or ValkeyTLS()
+            parts.append(f"tls=ca_file:{tls.ca_file or '(system)'}" + (f",cert_file:{tls.cert_file}" if tls.cert_file else ""))
+        return "  ".join(parts)
+
+    @property
+    def uses_tls(self) -> bool:
+        """Whether connections are TLS: a ``tls:`` section, or a valkeys:// / rediss:// URL."""
+        return self.tls is not None or bool(self.url and self.url.startswith(("valkeys://", "rediss://")))
+
+    def password_source(self) -> str:
+        """Where the password comes from, for ``describe`` (never the password itself)."""
+        if self.password_file:
+            return f"file {self.password_file}"
+        if os.environ.get(PASSWORD_ENV):
+            return f"${PASSWORD_ENV}"
+        if self.url and urlsplit(self.url).password:
+            return "in the URL (printed as ***; better: password_file)"
+        return "none"
+
+    def credentials(self) -> tuple[str | None, str | None]:
+        """``(username, password)`` to connect with, read now (the password file, the
+        environment, the URL's: the first that has one). Raises :class:`ConfigError` if
+        the password file is gone or no longer private."""
+        password = None
+        if self.password_file:
+            password = read_password(self.password_file, "password_file")
+        elif os.environ.get(PASSWORD_ENV):
+            password = os.environ[PASSWORD_ENV]
+        return self.username, password
 
     def open_lower(self, rows: Any, fingerprint: Any, *, field: str, **options: Any) -> Any:
         from kvtier.tiers.valkey import open_valkey
 
         return open_valkey(self, rows, fingerprint, field=field)
+
+
+def redact_url(url: str | None) -> str:
+    """``url`` with its password replaced by ``***`` (the user name kept), in the userinfo
+    and in a ``password=`` query argument: the only form in which a server's URL is printed,
+    logged or written to a report. Anything else comes back unchanged (a cluster's node
+    list; ``None`` as "")."""
+    if not url:
+        return ""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    at = rest.rfind("@")  # the last @: an unquoted password may hold @ or /, a host never does
+    if at >= 0:
+        user, colon, _password = rest[:at].partition(":")
+        rest = (f"{user}:***" if colon else user) + rest[at:]
+    rest = _PASSWORD_ARG_RE.sub(r"\1***", rest)
+    return f"{scheme}://{rest}"
+
+
+_PASSWORD_ARG_RE = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
+
+def read_password(path: str, field: str) -> str:
+    """The first line of the password file ``path``; :class:`ConfigError` unless the file is
+    a regular file owned by this user with no group or other permission bits (a secret
+    another local user could read, or swap, is not a secret)."""
+    fix_mode = f"chmod 600 {path}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    except OSError as error:
+        raise ConfigError(field, path, "a readable file holding the password",
+                          f"create it ({error.strerror}): printf %s PASSWORD > {path}; {fix_mode}") from None
+    try:
+        info = os.fstat(fd)  # the file opened, not whatever the path names a moment later
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(field, path, "a regular file", "give the path of a file holding the password")
+        if info.st_uid != os.geteuid():
+            raise ConfigError(
+                field, path, f"a file owned by this user (uid {os.geteuid()}); it is owned by uid {info.st_uid}",
+                f"chown {os.geteuid()} {path} (or copy it to a file of your own); {fix_mode}",
+            )
+        if info.st_mode & 0o077:
+            raise ConfigError(
+                field, path, f"a file only its owner can read or write; its mode is {stat.S_IMODE(info.st_mode):04o}",
+                fix_mode,
+            )
+        text = os.read(fd, _MAX_SECRET_BYTES + 1)
+    finally:
+        os.close(fd)
+    password = text.decode("utf-8", errors="strict").splitlines()[0] if text.strip() else ""
+    if not password or len(text) > _MAX_SECRET_BYTES:
+        raise ConfigError(field, path, "a file whose first line is the password (at most 4 KiB)",
+                          f"write the password alone: printf %s PASSWORD > {path}")
+    return password
+
+
+def _parse_tls(value: object, field: str) -> ValkeyTLS:
+    if value is True:
+        return ValkeyTLS()
+    if not isinstance(value, Mapping):
+        raise ConfigError(field, value, "a mapping of ca_file, cert_file, key_file (or true: the system's CAs)",
+                          "write tls: {ca_file: /etc/kvtier/ca.pem}")
+    known = {f for f in ("ca_file", "cert_file", "key_file", "check_hostname")}
+    for key in value:
+        if key not in known:
+            raise ConfigError(f"{field}.{key}", value[key], "one of " + ", ".join(sorted(known)),
+                              f"remove {key}, or spell it as one of those")
+    files: dict[str, str | None] = {}
+    for key in ("ca_file", "cert_file", "key_file"):
+        path = value.get(key)
+        if path is not None and (not isinstance(path, str) or not os.path.isfile(path)):
+            raise ConfigError(f"{field}.{key}", path, "the path of an existing PEM file", "give the file's path")
+        files[key] = path
+    if (files["cert_file"] is None) != (files["key_file"] is None):
+        raise ConfigError(f"{field}.cert_file", files["cert_file"], "cert_file and key_file together (mutual TLS)",
+                          "give both, or neither")
+    if files["key_file"] is not None:
+        _check_private(files["key_file"], f"{field}.key_file")
+    check_hostname = value.get("check_hostname", True)
+    if not isinstance(check_hostname, bool):
+        raise ConfigError(f"{field}.check_hostname", check_hostname, "true or false", "write check_hostname: true")
+    return ValkeyTLS(files["ca_file"], files["cert_file"], files["key_file"], check_hostname)
+
+
+def _check_private(path: str, field: str) -> None:
+    """A private key is as secret as a password: owned by this user, no group or other bits."""
+    info = os.stat(path)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise ConfigError(
+            field, path, f"a file owned by this user (uid {os.geteuid()}) and readable by no one else "
+            f"(owner uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o})",
+            f"chown {os.geteuid()} {path}; chmod 600 {path}",
+        )
 
 
 def _seconds(value: object, field: str, *, allow_none: bool) -> float | None:
@@ -129,12 +317,12 @@ def _parse_url(value: object, field: str) -> str:
     parts = urlsplit(value)
     if parts.scheme not in URL_SCHEMES:
         raise ConfigError(
-            field, value, "a URL starting with one of " + ", ".join(f"{s}://" for s in URL_SCHEMES),
+            field, redact_url(value), "a URL starting with one of " + ", ".join(f"{s}://" for s in URL_SCHEMES),
             "write url: valkey://host:6379/0",
         )
     if parts.scheme == "unix":
         if not parts.path:
-            raise ConfigError(field, value, "unix:///absolute/path/to/socket", "add the socket's path")
+            raise ConfigError(field, redact_url(value), "unix:///absolute/path/to/socket", "add the socket's path")
         return value
     try:
         port = parts.port
@@ -142,12 +330,12 @@ def _parse_url(value: object, field: str) -> str:
         port = -1
     if not parts.hostname or port == -1:
         raise ConfigError(
-            field, value, "scheme://host[:port][/db] with a host and a port 1-65535",
+            field, redact_url(value), "scheme://host[:port][/db] with a host and a port 1-65535",
             "write url: valkey://host:6379/0",
         )
     db = parts.path.strip("/")
     if db and not db.isdigit():
-        raise ConfigError(field, value, "a database number after the host (/0)", "write /0 or leave it out")
+        raise ConfigError(field, redact_url(value), "a database number after the host (/0)", "write /0 or leave it out")
     return value
 
 

@@ -17,30 +17,106 @@ value from the socket straight into an array of its own.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Sequence
 
 import numpy as np
 
+from kvtier.tiers.base import Failure, FailureKind
 from kvtier.tiers.valkey.config import ValkeyTierConfig
 
-__all__ = ["ValkeyConnection", "UNAVAILABLE", "TIMEOUT", "is_outage", "reason_of"]
+__all__ = ["ValkeyConnection", "fix_for", "is_outage", "reason_of"]
 
-#: the failure reasons of keys a batch could not reach the server for
-UNAVAILABLE = "unavailable"
-TIMEOUT = "timeout"
+#: the failure kinds that mean the server (or a node) could not be used at all: the tier
+#: goes into an outage on them (a wrong password or a bad certificate fails every key alike)
+OUTAGE_KINDS = frozenset((FailureKind.UNAVAILABLE, FailureKind.AUTH, FailureKind.TLS))
 
 
-def reason_of(error: BaseException) -> str:
-    """A key's short failure reason for ``error`` (``"timeout"``, ``"unavailable"``, the server's words)."""
+def _chain(error: BaseException | None):
+    """``error`` and the exceptions it was raised from or during (the client wraps OSErrors)."""
+    seen = 0
+    while error is not None and seen < 8:
+        yield error
+        error = error.__cause__ or error.__context__
+        seen += 1
+
+
+def reason_of(error: BaseException) -> Failure:
+    """A key's failure reason for ``error``: a client exception or an error reply.
+
+    ``UNAVAILABLE`` (``timeout``, ``refused``, ``closed``, ``connection``) when the server
+    could not be reached, ``AUTH`` when it refused the credentials, ``TLS`` when the
+    handshake failed, ``DENIED`` for an ACL's ``NOPERM`` (``detail``: the command),
+    ``SERVER`` for any other error reply (``detail``: its code), else ``UNEXPECTED``.
+    """
+    import socket
+    import ssl
+
     import valkey.exceptions as errors
 
-    if isinstance(error, errors.TimeoutError):
-        return TIMEOUT
+    chain = list(_chain(error))
+    text = str(error)
+    if any(isinstance(e, errors.AuthenticationError) for e in chain) or text.startswith(("WRONGPASS", "NOAUTH")):
+        required = "required" in text.lower() or text.startswith("NOAUTH")
+        return Failure(FailureKind.AUTH, detail="no credentials" if required else "wrong credentials")
+    if any(isinstance(e, ssl.SSLError) for e in chain) or "[SSL" in text:
+        bad_cert = any(isinstance(e, ssl.SSLCertVerificationError) for e in chain) or "CERTIFICATE" in text.upper()
+        return Failure(FailureKind.TLS, detail="certificate" if bad_cert else "handshake")
+    if any(isinstance(e, (errors.TimeoutError, socket.timeout)) for e in chain):
+        return Failure(FailureKind.UNAVAILABLE, detail="timeout")
+    if isinstance(error, errors.NoPermissionError) or text.startswith("NOPERM"):
+        match = re.search(r"run the '([A-Za-z|]+)' command", text)
+        if match:
+            return Failure(FailureKind.DENIED, detail=match.group(1).lower())
+        return Failure(FailureKind.DENIED, detail="key" if "key" in text else "command")
     if isinstance(error, (errors.ConnectionError, OSError)):
-        return UNAVAILABLE
-    text = str(error).split("\n")[0][:80]
-    return f"server: {text}" if text else f"server: {type(error).__name__}"
+        if any(isinstance(e, ConnectionRefusedError) for e in chain) or "refused" in text.lower():
+            return Failure(FailureKind.UNAVAILABLE, detail="refused")
+        closed = "closed" in text.lower() or any(isinstance(e, (BrokenPipeError, ConnectionResetError)) for e in chain)
+        return Failure(FailureKind.UNAVAILABLE, detail="closed" if closed else "connection")
+    if isinstance(error, errors.ResponseError):
+        code = text.split(" ", 1)[0]
+        if not _ERROR_CODE_RE.fullmatch(code):
+            code = {errors.OutOfMemoryError: "OOM", errors.ReadOnlyError: "READONLY"}.get(type(error), "ERR")
+        return Failure(FailureKind.SERVER, detail=code)
+    return Failure(FailureKind.UNEXPECTED, detail=type(error).__name__)
+
+
+def fix_for(reason: Failure, default: str) -> str:
+    """The fix a message gives for a failure ``reason`` (:func:`reason_of`): credentials, TLS
+    files, an ACL, a server to start, or ``default``."""
+    if reason.kind is FailureKind.AUTH:
+        return ("give the user name and password the server's ACL knows: username: and password_file: "
+                "in the tier's config, or KVTIER_VALKEY_PASSWORD in the environment (never on the command line)")
+    if reason.kind is FailureKind.TLS:
+        return ("give the CA that signed the server's certificate (the tier's tls: ca_file:; kvtier check "
+                "--config FILE), and cert_file:/key_file: if the server asks for a client certificate")
+    if reason.kind is FailureKind.DENIED:
+        if reason.detail == "key":
+            return "grant this user the tier's keys in the server's ACL (~NAMESPACE:*, e.g. ~kvtier:*)"
+        return (f"grant this user {reason.detail.upper()} in the server's ACL (the tier needs GET SET PING INFO, "
+                "its check SCAN and DEL: +get +set +ping +info +scan +del)")
+    if reason.kind is FailureKind.UNAVAILABLE:
+        return ("start the server, or give its address: valkey://HOST:PORT[/DB] (valkeys:// for TLS), "
+                "or --cluster HOST:PORT,... for a cluster")
+    return default
+
+
+#: an error reply's code: its first word, in capitals (``ERR``, ``OOM``, ``WRONGTYPE`` ...)
+_ERROR_CODE_RE = re.compile(r"[A-Z][A-Z_]{1,31}")
+
+
+def _reply_error(head: bytes) -> Exception:
+    """The client's exception for an error reply's line (``head`` without its ``-``): the
+    same classes its own parser makes (``NoPermissionError`` for NOPERM ...), the code kept
+    at the front of the text so :func:`reason_of` can name it."""
+    from valkey._parsers.base import BaseParser
+
+    text = head.decode(errors="replace")
+    error = BaseParser.parse_error(text)
+    error.args = (text,)
+    return error
 
 
 def _pack_set(argc: int, name: bytes, parts: Sequence, expire: bytes) -> list:
@@ -65,16 +141,27 @@ def _read_set_replies(connection, count: int) -> list:
         except ResponseError as error:  # that command's answer; the stream stays in step
             replies.append(error)
             continue
-        replies.append(None if reply == b"OK" else ResponseError(f"SET answered {reply!r}"[:80]))
+        replies.append(None if reply == b"OK" else ResponseError(f"ERR SET answered {reply!r}"[:80]))
     return replies
 
 
-def _read_values(connection, count: int, expect_bytes: int = 0) -> list:
+def _read_values(connection, count: int, expect_bytes: int = 0, max_bytes: int | None = None) -> list:
     """The ``count`` replies of GETs, read from the socket here: each value into an array (one
     copy out of the kernel, or two for a value that arrived with the one before, no zero
-    fill), ``None`` for a missing key, an error reply as its exception. A value of
+    fill), ``None`` for a missing key, an error reply as its exception. A value of at most
     ``expect_bytes`` is a slice of one array allocated for the whole batch (one allocation
-    instead of one per value: a third of the reading time for 64 KiB values).
+    instead of one per value: a third of the reading time for 64 KiB values), so a batch
+    holds at most ``count * expect_bytes`` of values.
+
+    A value longer than ``max_bytes`` (default ``expect_bytes``, when given) is never held:
+    it is read off the socket in pieces of the read buffer and thrown away, and its reply is
+    ``Failure.corrupt("payload length")``. Whoever can write under a tier's names can
+    announce any length, and allocating what the server announces let four planted 400 MiB
+    values take 1.7 GB. (Rejected: ``GETRANGE name 0 expect_bytes`` — it bounds the bytes on
+    the wire too, but answers a missing key with an empty string, so a miss and an emptied
+    value look alike, and the server copies every value into its reply buffer; dropping the
+    connection instead would fail the batch's other keys as an outage a writer could cause
+    at will.)
 
     Why not the client's parser: it copies every value twice more (into its read buffer,
     then into a new ``bytes``), a third of a load's cost for 2 MiB values. Only GET replies
@@ -84,9 +171,10 @@ def _read_values(connection, count: int, expect_bytes: int = 0) -> list:
     import socket
 
     from valkey.exceptions import ConnectionError as ClientConnectionError
-    from valkey.exceptions import ResponseError
     from valkey.exceptions import TimeoutError as ClientTimeoutError
 
+    if max_bytes is None:
+        max_bytes = expect_bytes or None
     sock = connection._sock  # noqa: SLF001 - the connection this round trip holds alone
     buffer = bytearray(_READ_BUFFER_BYTES)
     batch = np.empty(count * expect_bytes, dtype=np.uint8) if expect_bytes else None
@@ -113,6 +201,18 @@ def _read_values(connection, count: int, expect_bytes: int = 0) -> list:
                 text = bytes(view[start:at])
                 start = at + 2
                 return text
+            if end - start > _MAX_LINE_BYTES:
+                raise ClientConnectionError("a reply line longer than any GET reply: the connection is out of step")
+            fill()
+
+    def skip(left: int) -> None:
+        nonlocal start
+        while True:
+            have = min(left, end - start)
+            start += have
+            left -= have
+            if not left:
+                return
             fill()
 
     replies: list = []
@@ -125,8 +225,12 @@ def _read_values(connection, count: int, expect_bytes: int = 0) -> list:
                 if length < 0:
                     replies.append(None)
                     continue
-                if length == expect_bytes:
-                    value = batch[index * length : (index + 1) * length]
+                if max_bytes is not None and length > max_bytes:
+                    skip(length + 2)  # the value and its CRLF, a buffer at a time
+                    replies.append(Failure.corrupt("payload length"))
+                    continue
+                if batch is not None and length <= expect_bytes:
+                    value = batch[index * expect_bytes : index * expect_bytes + length]
                 else:
                     value = np.empty(length, dtype=np.uint8)
                 target = memoryview(value)
@@ -145,7 +249,7 @@ def _read_values(connection, count: int, expect_bytes: int = 0) -> list:
             elif kind == b"_":  # RESP3's null
                 replies.append(None)
             elif kind == b"-":
-                replies.append(ResponseError(head[1:].decode(errors="replace")))
+                replies.append(_reply_error(head[1:]))
             else:
                 raise ClientConnectionError(f"unexpected reply to GET: {head[:40]!r}")
     except socket.timeout:
@@ -155,6 +259,10 @@ def _read_values(connection, count: int, expect_bytes: int = 0) -> list:
     if start != end:
         raise ClientConnectionError("more replies than commands: the connection is out of step")
     return replies
+
+
+#: the longest reply line a GET can get (an error's text); longer means the stream is wrong
+_MAX_LINE_BYTES = 64 << 10
 
 
 def _coalesce(chunks: list, small: int = 1 << 16) -> list:
@@ -195,9 +303,10 @@ def _round_trip(server, chunks: list, count: int, read) -> list:
         pool.release(connection)
 
 
-def is_outage(reason: str) -> bool:
-    """Whether a key's failure reason means the server could not be reached at all."""
-    return reason in (UNAVAILABLE, TIMEOUT)
+def is_outage(reason: object) -> bool:
+    """Whether a key's failure reason means the server could not be used at all (unreachable,
+    credentials refused, TLS handshake failed)."""
+    return isinstance(reason, Failure) and reason.kind in OUTAGE_KINDS
 
 
 class ValkeyConnection:
@@ -221,16 +330,30 @@ class ValkeyConnection:
     def _connect(self):
         import valkey
         from valkey.backoff import NoBackoff
+        from valkey.connection import ConnectionPool, SSLConnection, parse_url
         from valkey.retry import Retry
 
         config = self._config
         # No retries inside the client: the tier backs off and reconnects on its own, and a
         # retried batch would hold the thread past timeout_s.
-        options = dict(
+        options: dict = dict(
             socket_timeout=config.timeout_s,
             socket_connect_timeout=config.timeout_s,
             retry=Retry(NoBackoff(), 0),
         )
+        username, password = config.credentials()  # read now: the config holds no secret
+        if username is not None:
+            options["username"] = username
+        if password is not None:
+            options["password"] = password
+        if config.uses_tls:
+            tls = config.tls
+            options.update(ssl_cert_reqs="required")
+            if tls is not None:
+                options.update(
+                    ssl_ca_certs=tls.ca_file, ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file,
+                    ssl_check_hostname=tls.check_hostname,
+                )
         if config.cluster_nodes:
             from valkey.cluster import ClusterNode, ValkeyCluster
 
@@ -238,10 +361,22 @@ class ValkeyConnection:
             for node in config.cluster_nodes:
                 host, _, port = node.rpartition(":")
                 nodes.append(ClusterNode(host.strip("[]"), int(port)))
+            if config.uses_tls:
+                options["ssl"] = True
             # one attempt per call, as for a single server: see above
             return ValkeyCluster(startup_nodes=nodes, cluster_error_retry_attempts=0, **options)
-        url = self._config.url
-        return valkey.Valkey.from_url(url, **options)
+        # The URL's own settings first, then the tier's: a password from the file or the
+        # environment wins over one in the URL (the client's from_url does the opposite).
+        settings = {**parse_url(config.url), **options}
+        if config.uses_tls and settings.get("connection_class") is not SSLConnection:
+            if "path" in settings:
+                from kvtier.errors import ConfigError
+
+                raise ConfigError("url", config.location(), "a TCP URL for TLS", "TLS needs valkeys://host:port")
+            settings["connection_class"] = SSLConnection
+        client = valkey.Valkey(connection_pool=ConnectionPool(**settings))
+        client.auto_close_connection_pool = True
+        return client
 
     @property
     def client(self):
@@ -267,8 +402,9 @@ class ValkeyConnection:
 
     # -- batches ------------------------------------------------------------------------------
 
-    def set_many(self, names: Sequence[bytes], values: Sequence[Sequence], ttl_s: float | None) -> list[str | None]:
-        """SET each name to its value (expiring after ``ttl_s``); per name ``None`` or the reason it failed.
+    def set_many(self, names: Sequence[bytes], values: Sequence[Sequence], ttl_s: float | None) -> list[Failure | None]:
+        """SET each name to its value (expiring after ``ttl_s``); per name ``None`` or the
+        :class:`~kvtier.tiers.base.Failure` it failed with (:func:`reason_of`).
 
         A value is a sequence of buffers sent back to back (the tier's header page, then the
         CPU row itself): the commands are packed here so that the row goes to the socket as
@@ -281,13 +417,16 @@ class ValkeyConnection:
         argc = 3 if px is None else 5
         return self._batch(names, lambda index, name: _pack_set(argc, name, values[index], expire), _read_set_replies)
 
-    def get_many(self, names: Sequence[bytes], expect_bytes: int = 0) -> list[bytes | None | str]:
+    def get_many(self, names: Sequence[bytes], expect_bytes: int = 0,
+                 max_bytes: int | None = None) -> list[np.ndarray | None | Failure]:
         """GET each name: its value (a uint8 array), ``None`` if the server has no such key, or
-        a failure reason (str). ``expect_bytes``: the length most values have (see
-        :func:`_read_values`)."""
+        the :class:`~kvtier.tiers.base.Failure` the read failed with. ``expect_bytes``: the
+        length most values have; a value longer than ``max_bytes`` (default
+        ``expect_bytes``) is read and discarded, never held, and answers
+        ``Failure.corrupt("payload length")`` (see :func:`_read_values`)."""
 
         def read(connection, count):
-            return _read_values(connection, count, expect_bytes)
+            return _read_values(connection, count, expect_bytes, max_bytes)
 
         return self._batch(
             names, lambda index, name: [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name)], read
@@ -297,8 +436,8 @@ class ValkeyConnection:
         """One pipelined round trip per server: every name's command, then every reply.
 
         ``pack(index, name)`` gives the command's buffers, ``read(connection, count)`` the
-        replies. A reply is a value, ``None``, or a failure reason (str); a server that cannot
-        be reached fails all of its names.
+        replies. A reply is a value, ``None``, or a :class:`~kvtier.tiers.base.Failure`; a
+        server that cannot be reached fails all of its names.
         """
         out: list = [None] * len(names)
         try:

@@ -19,11 +19,16 @@ counted miss. The key name is ``<namespace>:<hex of the offload key>``.
 Stores and loads run pipelined on the tier's own threads (one for writes, one for reads, so
 loads never queue behind stores), in batches of at most ``max_inflight_bytes``.
 
-**A slow or dead server** costs failed jobs (``success=False``, reason ``timeout`` or
-``unavailable``) after at most ``timeout_s``, and misses: on the first failure the tier logs one
-warning, forgets what it believed the server held (it may come back empty), answers lookups
-``False`` and fails jobs at once, and pings the server with exponential backoff from the
-step's end; the first answer ends the outage. ``outages`` and ``outage_ms`` count them.
+Every failed key's reason is a :class:`~kvtier.tiers.base.Failure`: ``MISSING``, ``CORRUPT``
+(which check), ``UNAVAILABLE`` (``timeout``, ``refused``, ``closed``), ``AUTH``, ``TLS``,
+``DENIED`` (an ACL's NOPERM, warned once), ``SERVER``; each counted as ``failed_<reason>`` (or
+``corrupt_<check>``) in :meth:`ValkeyTier.stats`.
+
+**A slow or dead server** (or one that refuses the credentials or the TLS handshake) costs
+failed jobs after at most ``timeout_s``, and misses: on the first failure the tier logs one
+warning (with the fix for its reason), forgets what it believed the server held (it may
+come back empty), answers lookups ``False`` and fails jobs at once, and pings the server with
+exponential backoff from the step's end; the first answer ends the outage. ``outages`` and ``outage_ms`` count them.
 
 Threads: the scheduler thread calls every public method; the worker threads (a writer, a
 reader, and a copier to which the reader hands half of a large load) only run ``_run_*``
@@ -47,7 +52,7 @@ import xxhash
 
 from kvtier.base import OffloadingEvent, OffloadKey
 from kvtier.errors import ValkeyCheckError
-from kvtier.tiers.base import CheckReport, SecondaryTier, TierJob, TierJobResult
+from kvtier.tiers.base import CheckReport, Failure, FailureKind, SecondaryTier, TierJob, TierJobResult
 from kvtier.tiers.disk.format import (
     HEADER_BYTES,
     LayoutFingerprint,
@@ -56,8 +61,8 @@ from kvtier.tiers.disk.format import (
     verify,
 )
 from kvtier.tiers.valkey.check import check_namespace, namespace_names
-from kvtier.tiers.valkey.config import ValkeyTierConfig
-from kvtier.tiers.valkey.connection import UNAVAILABLE, ValkeyConnection, is_outage, reason_of
+from kvtier.tiers.valkey.config import ValkeyTierConfig, redact_url
+from kvtier.tiers.valkey.connection import ValkeyConnection, fix_for, is_outage, reason_of
 
 __all__ = ["ValkeyTier", "default_namespace"]
 
@@ -75,6 +80,16 @@ SERVER_FIGURES_PERIOD_S = 1.0
 STAGED_TTL_S = 30.0
 #: a load of at least this many bytes of read values copies them on two threads
 PARALLEL_COPY_BYTES = 8 << 20
+
+
+#: a job's keys while the tier is down and no reason is known (it always is, but never crash)
+_UNAVAILABLE = Failure(FailureKind.UNAVAILABLE)
+
+
+def _unexpected(tier: str, job: str, error: BaseException) -> Failure:
+    """Any thread: an exception nobody expected, logged with its traceback; the keys' reason."""
+    logger.error("valkey tier %r: a %s failed unexpectedly", tier, job, exc_info=error)
+    return Failure(FailureKind.UNEXPECTED, detail=type(error).__name__)
 
 
 def default_namespace(fingerprint: LayoutFingerprint) -> str:
@@ -98,10 +113,10 @@ class _ProbeOutcome:
     #: key -> (value whose header passed, its payload checksum, checked on load)
     found: dict[OffloadKey, tuple[bytes, int]] = field(default_factory=dict)
     missing: list[OffloadKey] = field(default_factory=list)
-    #: key -> why its value is not this key's block of this layout
-    corrupt: dict[OffloadKey, str] = field(default_factory=dict)
+    #: key -> why its value is not this key's block of this layout (a ``CORRUPT`` failure)
+    corrupt: dict[OffloadKey, Failure] = field(default_factory=dict)
     #: key -> why the server could not be asked
-    failed: dict[OffloadKey, str] = field(default_factory=dict)
+    failed: dict[OffloadKey, Failure] = field(default_factory=dict)
 
 
 class ValkeyTier(SecondaryTier):
@@ -112,6 +127,7 @@ class ValkeyTier(SecondaryTier):
     """
 
     medium = "VALKEY"
+    remote = True
 
     def __init__(
         self,
@@ -166,7 +182,8 @@ class ValkeyTier(SecondaryTier):
         # outage state, shared with the worker threads
         self._lock = threading.Lock()
         self._down_since: float | None = None  # guarded by _lock
-        self._down_reason = ""
+        self._down_reason: Failure | None = None
+        self._warned: set[str] = set()  # reasons (denied commands ...) warned about once
         self._outage_s = 0.0
         self._backoff_s = BACKOFF_FIRST_S
         self._next_ping = 0.0
@@ -196,8 +213,11 @@ class ValkeyTier(SecondaryTier):
 
     # -- outage ----------------------------------------------------------------------------------
 
-    def _went_down(self, reason: str) -> None:
-        """Any thread: the server could not be reached. Logs once per outage."""
+    def _went_down(self, reason: Failure) -> None:
+        """Any thread: the server could not be used. Logs once per outage, with the fix."""
+        if not is_outage(reason):  # an ACL's refusal or an error reply: the server is there
+            self._warn_once(reason)
+            return
         with self._lock:
             if self._down_since is not None:
                 return
@@ -207,12 +227,54 @@ class ValkeyTier(SecondaryTier):
             self._backoff_s = BACKOFF_FIRST_S
             self._next_ping = now + BACKOFF_FIRST_S
             self.counters["outages"] += 1
-        target = self.config.url or ",".join(self.config.cluster_nodes)
+        target = redact_url(self._conn.location)
+        if reason.kind is FailureKind.AUTH:
+            what = f"refused the credentials ({reason.detail})"
+        elif reason.kind is FailureKind.TLS:
+            what = f"failed the TLS handshake ({reason.detail})"
+        else:
+            what = f"unreachable ({reason.detail or reason})"
         logger.warning(
-            "valkey tier %r: server %s unreachable (%s); its jobs fail and its lookups miss "
-            "until it answers again (retrying with backoff up to %.0f s)",
-            self.name, target, reason, BACKOFF_MAX_S,
+            "valkey tier %r: server %s %s; its jobs fail and its lookups miss until it answers "
+            "again (retrying with backoff up to %.0f s). Fix: %s",
+            self.name, target, what, BACKOFF_MAX_S, fix_for(reason, "check the server's log"),
         )
+
+    def _warn_once(self, reason: Failure) -> None:
+        """Log an ACL's refusal (or another error reply) once per kind and detail."""
+        tag = str(reason)
+        with self._lock:
+            if tag in self._warned:
+                return
+            self._warned.add(tag)
+        if reason.kind is FailureKind.DENIED:
+            logger.warning(
+                "valkey tier %r: the server's ACL denies %s to this user on %s: those keys fail "
+                "(counted as failed_%s). Fix: %s",
+                self.name, reason.detail.upper(), redact_url(self._conn.location), reason.counter,
+                fix_for(reason, ""),
+            )
+        else:
+            logger.warning(
+                "valkey tier %r: the server answered %s on %s: those keys fail (counted as failed_%s)",
+                self.name, reason, redact_url(self._conn.location), reason.counter,
+            )
+
+    def _count_failures(self, reasons, keys: bool = True) -> None:
+        """Scheduler thread: count failed keys by reason (``failed_<reason>``, and
+        ``corrupt_values``); ``keys``: they are a job's (``failed_keys``), not a probe's."""
+        counters = self.counters
+        for reason in reasons:
+            if keys:
+                counters["failed_keys"] += 1
+            if reason.kind is FailureKind.CORRUPT:
+                counters["corrupt_values"] += 1
+                name = "corrupt_" + reason.counter
+            else:
+                name = "failed_" + reason.counter
+            counters[name] = counters.get(name, 0) + 1
+            if reason.kind in (FailureKind.DENIED, FailureKind.SERVER, FailureKind.UNEXPECTED):
+                self._warn_once(reason)
 
     @property
     def down(self) -> bool:
@@ -245,8 +307,9 @@ class ValkeyTier(SecondaryTier):
             try:
                 self._conn.drop_idle_connections()
                 self._conn.ping()
-            except Exception:
-                self._ping_done(False)
+            except Exception as error:
+                # an ACL that denies PING still means a server that answers, as this user
+                self._ping_done(not is_outage(reason_of(error)))
             else:
                 self._ping_done(True)
 
@@ -375,7 +438,7 @@ class ValkeyTier(SecondaryTier):
                 todo.append((key, row))
         if self._down_since is not None:
             for key, _ in todo:
-                result.failed[key] = UNAVAILABLE
+                result.failed[key] = self._down_reason or _UNAVAILABLE
             todo = []
         if not todo:
             self._done.append(("store", result, []))
@@ -398,7 +461,7 @@ class ValkeyTier(SecondaryTier):
         if self._down_since is not None and len(staged) < len(job.keys):
             for key in job.keys:
                 if key not in staged:
-                    result.failed[key] = UNAVAILABLE
+                    result.failed[key] = self._down_reason or _UNAVAILABLE
         future = self._submit(self._reader, self._run_load, result, list(zip(job.keys, job.rows)), staged)
         self._load_futures.add(future)
         future.add_done_callback(self._load_futures.discard)
@@ -465,38 +528,41 @@ class ValkeyTier(SecondaryTier):
                 if reasons and all(r is not None and is_outage(r) for r in reasons):
                     outage = reasons[0]
         except Exception as error:  # a bug or an unexpected client error: fail, never crash
+            failure = _unexpected(self.name, "store", error)
             for key, _ in todo:
                 if key not in stored:
-                    result.failed.setdefault(key, f"error: {type(error).__name__}: {error}")
+                    result.failed.setdefault(key, failure)
         if outage is not None:
             self._went_down(outage)
         result.ok.extend(stored)
         result.nbytes = len(stored) * self.block_bytes
         self._done.append(("store", result, stored))
 
-    def _place(self, key: OffloadKey, target: np.ndarray, value, checksum: int | None = None) -> str | None:
+    def _place(self, key: OffloadKey, target: np.ndarray, value, checksum: int | None = None) -> Failure | None:
         """Copy ``value``'s payload into ``target`` (a CPU row) and verify it there; why not, or None.
 
         ``checksum``: the payload checksum of a value whose header was checked already (when
         it was read at the end of a step); only the payload is checked then.
         """
+        if isinstance(value, Failure):
+            return value
         if not isinstance(value, (bytes, bytearray, memoryview, np.ndarray)):
-            return "missing"
+            return Failure.MISSING
         view = memoryview(value)
         if checksum is not None and len(view) == self._value_bytes:
             target[:] = np.frombuffer(view, dtype=np.uint8, offset=HEADER_BYTES)
-            return None if xxhash.xxh3_64_intdigest(target) == checksum else "corrupt: checksum"
+            return None if xxhash.xxh3_64_intdigest(target) == checksum else Failure.corrupt("checksum")
         if len(view) < self._value_bytes:
-            return "corrupt: truncated"
+            return Failure.corrupt("truncated")
         if len(view) > self._value_bytes:
-            return "corrupt: payload length"
+            return Failure.corrupt("payload length")
         target[:] = np.frombuffer(view, dtype=np.uint8, offset=HEADER_BYTES)
         # Verified where the bytes will be served from, after the copy: nothing else is trusted.
         reason = verify(
             view[:HEADER_BYTES], target, len(view), key=key, layout_digest=self._digest,
             payload_bytes=self.block_bytes,
         )
-        return None if reason is None else "corrupt: " + reason
+        return None if reason is None else Failure.corrupt(reason)
 
     def _place_all(self, pairs: list[tuple[OffloadKey, int]], values: dict[OffloadKey, tuple[bytes, int]]) -> dict:
         """:meth:`_place` each key's read value (and checksum) into its row: key -> why not, or None."""
@@ -530,19 +596,20 @@ class ValkeyTier(SecondaryTier):
                     continue
                 values = self._conn.get_many([self._name(key) for key, _ in chunk], self._value_bytes)
                 for (key, row), value in zip(chunk, values):
-                    reason = value if isinstance(value, str) else self._place(key, self._rows[row], value)
+                    reason = self._place(key, self._rows[row], value)
                     if reason is None:
                         result.ok.append(key)
                     else:
                         result.failed[key] = reason
-                if values and all(isinstance(v, str) and is_outage(v) for v in values):
+                if values and all(is_outage(v) for v in values):
                     outage = values[0]
             if outage is not None:
                 self._went_down(outage)
         except Exception as error:
+            failure = _unexpected(self.name, "load", error)
             for key, _ in pairs:
                 if key not in result.ok:
-                    result.failed.setdefault(key, f"error: {type(error).__name__}: {error}")
+                    result.failed.setdefault(key, failure)
         result.nbytes = len(result.ok) * self.block_bytes
         self._done.append(("load", result, None))
 
@@ -567,8 +634,11 @@ class ValkeyTier(SecondaryTier):
         try:
             values = self._conn.get_many([self._name(key) for key in keys], self._value_bytes)
             for key, value in zip(keys, values):
-                if isinstance(value, str):
-                    outcome.failed[key] = value
+                if isinstance(value, Failure):
+                    if value.kind is FailureKind.CORRUPT:  # a value of the wrong length, never held
+                        outcome.corrupt[key] = value
+                    else:
+                        outcome.failed[key] = value
                 elif value is None:
                     outcome.missing.append(key)
                 else:
@@ -576,12 +646,19 @@ class ValkeyTier(SecondaryTier):
                     if isinstance(checked, int):
                         outcome.found[key] = (value, checked)
                     else:
-                        outcome.corrupt[key] = checked
-            if values and all(isinstance(v, str) and is_outage(v) for v in values):
-                self._went_down(values[0])
+                        outcome.corrupt[key] = Failure.corrupt(checked)
+            if len(outcome.found) * 2 < len(keys):
+                # The values are slices of one array for the whole batch, and a held slice
+                # keeps all of it: with few hits, copy them out so the batch can go (the held
+                # bytes then are what the staging budget counts).
+                outcome.found = {key: (value.copy(), checksum) for key, (value, checksum) in outcome.found.items()}
+            first = values[0] if values else None
+            if isinstance(first, Failure) and all(is_outage(v) for v in values):
+                self._went_down(first)
         except Exception as error:
+            failure = _unexpected(self.name, "probe", error)
             for key in keys:
-                outcome.failed[key] = f"error: {type(error).__name__}: {error}"
+                outcome.failed[key] = failure
         self._done.append(("probe", outcome, None))
 
     def _refresh_figures(self) -> None:
@@ -604,8 +681,7 @@ class ValkeyTier(SecondaryTier):
             result: TierJobResult = outcome
             submitted = self._jobs.pop(result.job_id, None)
             result.seconds = time.perf_counter() - submitted if submitted is not None else 0.0
-            self.counters["failed_keys"] += len(result.failed)
-            self.counters["corrupt_values"] += sum(1 for r in result.failed.values() if r.startswith("corrupt"))
+            self._count_failures(result.failed.values())
             if kind == "store":
                 self._writing.difference_update(extra)
                 self._writing.difference_update(result.failed)
@@ -623,7 +699,7 @@ class ValkeyTier(SecondaryTier):
                 until = time.monotonic() + self.config.miss_ttl_s
                 for key, reason in result.failed.items():
                     self._present.pop(key, None)
-                    if reason == "missing" or reason.startswith("corrupt"):
+                    if reason.block_gone:
                         self._remember_missing(key, until)
                 self.counters["loaded_blocks"] += len(result.ok)
                 self.counters["loaded_bytes"] += result.nbytes
@@ -655,7 +731,8 @@ class ValkeyTier(SecondaryTier):
                 self.counters["staged_dropped"] += 1
             self._remember_present(key)
         self.counters["probe_misses"] += len(outcome.missing) + len(outcome.corrupt) + len(outcome.failed)
-        self.counters["corrupt_values"] += len(outcome.corrupt)
+        self._count_failures(outcome.corrupt.values(), keys=False)
+        self._count_failures(outcome.failed.values(), keys=False)
         for key in [*outcome.missing, *outcome.corrupt, *outcome.failed]:
             self._remember_missing(key, until)
 
@@ -688,7 +765,7 @@ class ValkeyTier(SecondaryTier):
             names = namespace_names(self._conn, self.namespace)[self.namespace]
         except Exception as error:
             raise ValkeyCheckError(
-                self._conn.location, f"listing the namespace failed ({reason_of(error)})",
+                redact_url(self._conn.location), f"listing the namespace failed ({reason_of(error)})",
                 "make sure the server is up, then check again",
             ) from None
         found = check_namespace(
