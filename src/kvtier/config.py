@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import yaml
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, shown_value
 from kvtier.policies import POLICIES
 from kvtier.registry import Registry
 
@@ -203,6 +203,11 @@ _SIZE_FORMS = (
     "'64GiB', '1.5TB' (binary KiB MiB GiB TiB = 1024^n, decimal kB MB GB TB = 1000^n)"
 )
 _SIZE_RE = re.compile(r"\s*([+-]?)\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
+#: the largest size or count a field takes: what a signed 64-bit offset holds (8 EiB). A
+#: bigger one is a typo, and past it sizes overflow the C calls and formats below.
+MAX_FIELD_INT = 2**63 - 1
+#: the longest size text parse_size reads: '9223372036854775807' and a unit fit with room
+MAX_SIZE_TEXT = 64
 # format_size stops at TiB because parse_size accepts nothing larger: an exact size's text
 # must parse back.
 _FORMAT_UNITS = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
@@ -222,12 +227,15 @@ def parse_size(value: object, field: str) -> int:
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(field, value, _SIZE_FORMS, "sizes cannot be negative")
-        return value
+        return _bounded(value, value, field)
     if isinstance(value, float):
         # Decimal(float) is exact, so 1024.0 passes and 1.5 is caught as a fraction of a byte
         return _whole_bytes(Decimal(value), value, field)
     if not isinstance(value, str):
         raise ConfigError(field, value, _SIZE_FORMS, "write a size such as 64GiB")
+    if len(value) > MAX_SIZE_TEXT:  # before the regex and Decimal see thousands of digits
+        raise ConfigError(field, value, _SIZE_FORMS + f", at most {MAX_SIZE_TEXT} characters",
+                          "write a size such as 64GiB")
 
     match = _SIZE_RE.fullmatch(value)
     if match is None:
@@ -274,7 +282,14 @@ def _whole_bytes(amount: Decimal, value: object, field: str) -> int:
         )
     if amount < 0:
         raise ConfigError(field, value, _SIZE_FORMS, "sizes cannot be negative")
-    return int(amount)
+    return _bounded(int(amount), value, field)
+
+
+def _bounded(number: int, value: object, field: str) -> int:
+    if number > MAX_FIELD_INT:
+        raise ConfigError(field, value, f"at most {MAX_FIELD_INT} (8 EiB)",
+                          "check the number of digits")
+    return number
 
 
 def format_size(n: int) -> str:
@@ -296,13 +311,16 @@ def _format_size(n: int) -> tuple[str, bool]:
     for index, (unit, size) in enumerate(_FORMAT_UNITS):
         if n < size:
             continue
-        shown = (Decimal(n) / size).quantize(Decimal("0.01"))
-        # 1048575 B rounds to 1024.00 KiB; one unit up reads better and is as close
-        if shown >= 1024 and index > 0:
-            unit, size = _FORMAT_UNITS[index - 1]
+        # enough digits for any n: the default 28 made quantize fail past 10^26 bytes
+        with localcontext() as context:
+            context.prec = len(str(n)) + 4
             shown = (Decimal(n) / size).quantize(Decimal("0.01"))
-        text = f"{shown:f}".rstrip("0").rstrip(".")
-        return f"{text} {unit}", shown * size == n
+            # 1048575 B rounds to 1024.00 KiB; one unit up reads better and is as close
+            if shown >= 1024 and index > 0:
+                unit, size = _FORMAT_UNITS[index - 1]
+                shown = (Decimal(n) / size).quantize(Decimal("0.01"))
+            text = f"{shown:f}".rstrip("0").rstrip(".")
+            return f"{text} {unit}", shown * size == n
     return f"{n} B", True
 
 
@@ -387,7 +405,7 @@ _CASCADE_KEYS = tuple(f.name for f in fields(CascadeConfig))
 
 
 def _join(path: str, key: object) -> str:
-    text = key if isinstance(key, str) else repr(key)
+    text = key if isinstance(key, str) and len(key) <= 60 else shown_value(key)
     return f"{path}.{text}" if path else text
 
 
@@ -433,7 +451,7 @@ def positive_int(value: object, field: str) -> int:
         number = 0
     if isinstance(value, bool) or number < 1:
         raise ConfigError(field, value, "an integer >= 1", "write a whole number such as 256")
-    return number
+    return _bounded(number, value, field)
 
 
 def positive_size(value: object, field: str) -> int:
@@ -783,12 +801,34 @@ def _parse_include(document: Mapping) -> KvtierConfig:
 # --------------------------------------------------------------------------------------------
 
 
+#: the most nodes a kvtier YAML document may hold once its aliases are expanded. A real
+#: config has a few dozen; a few hundred bytes of nested aliases expand to billions.
+MAX_YAML_NODES = 10_000
+
+
+class _ExpansionError(yaml.composer.ComposerError):
+    """A document too large once its aliases are expanded, or recursive through them."""
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys.
+    """SafeLoader that refuses duplicate keys and documents too large once expanded.
 
     PyYAML keeps the last of two equal keys without a word; a tier written twice would lose
     its first half as silently as a misspelt key would.
+
+    Aliases stay allowed (``<<: *disk`` overrides are worth having), but the composed
+    document is measured with every alias expanded before anything is built from it: the
+    node graph shares an aliased node, while what is built from it (and any repr of it in
+    an error message) is as large as the expansion. Refusing aliases outright was the
+    alternative; counting keeps merges and bounds the same attack.
     """
+
+    def get_single_data(self):
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _check_expanded_size(node)
+        return self.construct_document(node)
 
     def construct_mapping(self, node, deep=False):
         seen: set[object] = set()
@@ -804,11 +844,53 @@ class _StrictLoader(yaml.SafeLoader):
                 raise yaml.constructor.ConstructorError(
                     "while constructing a mapping",
                     node.start_mark,
-                    f"found duplicate key {key!r}",
+                    f"found duplicate key {shown_value(key)}",
                     key_node.start_mark,
                 )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+def _check_expanded_size(root: yaml.Node) -> None:
+    """Raise a composer error at the node whose expansion passes :data:`MAX_YAML_NODES`
+    (the deepest such node: where the aliases multiply), or at an alias of its own ancestor."""
+    sizes: dict[int, int] = {}
+    visiting: set[int] = set()
+
+    def children(node: yaml.Node) -> list[yaml.Node]:
+        if isinstance(node, yaml.SequenceNode):
+            return list(node.value)
+        if isinstance(node, yaml.MappingNode):
+            return [part for pair in node.value for part in pair]
+        return []
+
+    def size(node: yaml.Node) -> int:  # memoized: each distinct node is walked once
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        if id(node) in visiting:
+            raise _ExpansionError(
+                None, None, "found an alias of a node that contains it (a recursive document)",
+                node.start_mark)
+        visiting.add(id(node))
+        total = 1 + sum(size(child) for child in children(node))
+        visiting.discard(id(node))
+        sizes[id(node)] = total
+        return total
+
+    if size(root) <= MAX_YAML_NODES:
+        return
+    node = root
+    while True:
+        larger = [child for child in children(node) if sizes[id(child)] > MAX_YAML_NODES]
+        if not larger:
+            break
+        node = larger[0]
+    raise _ExpansionError(
+        None, None,
+        f"this node expands to {sizes[id(node)]:,} nodes through its aliases, more than the "
+        f"{MAX_YAML_NODES:,} a kvtier configuration may hold (nested aliases)",
+        node.start_mark)
 
 
 def _load_yaml(text: str, where: str) -> object:
@@ -817,6 +899,12 @@ def _load_yaml(text: str, where: str) -> object:
         return yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as error:
         raise _yaml_error(error, text, where) from None
+    except RecursionError:  # PyYAML composes and builds recursively
+        raise ConfigError(where, text[:80], "YAML nested at most a few hundred levels deep",
+                          "flatten the document") from None
+    except ValueError as error:  # e.g. an int of more than 4,300 digits
+        raise ConfigError(where, text[:80], f"valid YAML values ({error})",
+                          "check the numbers in the document") from None
 
 
 def _at(mark: yaml.Mark) -> str:
@@ -835,12 +923,10 @@ def _yaml_error(error: yaml.YAMLError, text: str, where: str) -> ConfigError:
         return ConfigError(where, text[:80], f"valid YAML ({problem})")
     lines = text.splitlines()
     line = lines[mark.line].strip() if mark.line < len(lines) else ""
-    return ConfigError(
-        f"{where} {_at(mark)}",
-        line or "<end of input>",
-        f"valid YAML ({problem})",
-        f"check the indentation, quoting and brackets at {_at(mark)}",
-    )
+    fix = (f"write the values at {_at(mark)} out instead of through nested aliases"
+           if isinstance(error, _ExpansionError) else
+           f"check the indentation, quoting and brackets at {_at(mark)}")
+    return ConfigError(f"{where} {_at(mark)}", line or "<end of input>", f"valid YAML ({problem})", fix)
 
 
 def _read_file(path: str | os.PathLike, field: str) -> str:

@@ -9,7 +9,44 @@ broken environment — and every error carries the context needed to fix it.
 
 from __future__ import annotations
 
-__all__ = ["BlockStateError", "ConfigError", "DiskTierError", "IndexDamagedError", "KvtierError", "ManifestError", "ValkeyCheckError"]
+import reprlib
+
+__all__ = ["BlockStateError", "ConfigError", "DiskTierError", "IndexDamagedError", "KvtierError", "ManifestError",
+           "TraceError", "ValkeyCheckError", "shown_value"]
+
+#: the longest text :func:`shown_value` gives for one value
+SHOWN_VALUE_CHARS = 200
+
+
+class _ShortRepr(reprlib.Repr):
+    """``repr`` that stops early: a value's first elements, a string's two ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 4
+        self.maxtuple = self.maxlist = self.maxarray = self.maxdict = 16
+        self.maxset = self.maxfrozenset = self.maxdeque = 16
+        self.maxstring = self.maxother = SHOWN_VALUE_CHARS
+        self.maxlong = 60
+
+
+_SHORT_REPR = _ShortRepr()
+
+
+def shown_value(value: object) -> str:
+    """``repr(value)`` for an error message, at most :data:`SHOWN_VALUE_CHARS` long.
+
+    Bounded work too, not only bounded text: a value from a YAML file of nested aliases
+    expands to billions of elements, and the full repr (then cut) took gigabytes.
+    """
+    try:
+        text = _SHORT_REPR.repr(value)
+    except ValueError:  # an int past Python's 4,300-digit limit for str()
+        text = f"<an int of {value.bit_length()} bits>" if isinstance(value, int) else "<unprintable>"
+    if len(text) > SHOWN_VALUE_CHARS:
+        half = SHOWN_VALUE_CHARS // 2 - 2
+        text = f"{text[:half]}...{text[-half:]}"
+    return text
 
 
 class KvtierError(Exception):
@@ -28,10 +65,14 @@ class ConfigError(KvtierError, ValueError):
         self.value = value
         self.expected = expected
         self.fix = fix
-        message = f"{field}: got {value!r}; expected {expected}"
+        message = f"{field}: got {shown_value(value)}; expected {expected}"
         if fix:
             message += f". Fix: {fix}"
         super().__init__(message)
+
+
+class TraceError(KvtierError):
+    """A request trace cannot be read: the message names the file, the line and the field."""
 
 
 class BlockStateError(KvtierError):

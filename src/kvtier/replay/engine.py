@@ -18,10 +18,12 @@ It owns a "GPU" KV cache (a CUDA tensor, or a CPU tensor standing in without CUD
 
 It never looks at the trace's timestamps: requests run back to back, one at a time, so the
 figures are about what the tiers hold and move, not about queueing. When it has nothing to
-do but wait for the tiers, it blocks on them rather than sleeping and polling (on their
-``wait_loads`` for a promotion, on their ``drain_jobs`` for room to store): on a busy
-machine a short sleep lasts far longer than asked, and a replay would measure the
-scheduler's naps.
+do but wait, it blocks, as a request waits in an engine's queue, rather than sleeping,
+polling or stepping empty: on the tiers' ``wait_loads`` for a promotion or a remote tier's
+answer (on ``drain_jobs`` if a round of reads moved no answer), on ``drain_jobs`` for room
+to store, and on the store copies in flight for free GPU blocks. On a busy machine a short
+sleep lasts far longer than asked, and a replay would measure the scheduler's naps; empty
+steps over a remote tier were 800 per request.
 
 The engine's own work — making each computed block's bytes and checking each loaded one —
 is timed apart (``ReplayCounts.engine_s``), so what is left of the elapsed time is the
@@ -133,10 +135,13 @@ class ReplayEngine:
         )
         self._gpu_cache: OrderedDict[OffloadKey, int] = OrderedDict()  # key -> GPU block, LRU
         self._keys: dict[int, OffloadKey] = {}  # trace block id -> key, each hashed once
-        #: store copies in flight: job id -> (keys, request context)
-        self._storing: dict[int, tuple[list[OffloadKey], ReqContext]] = {}
-        #: keys whose GPU blocks a store copy still reads: never evicted until it finishes
-        self._copying: set[OffloadKey] = set()
+        #: store copies in flight: job id -> (keys, request context, the GPU blocks it reads)
+        self._storing: dict[int, tuple[list[OffloadKey], ReqContext, list[int]]] = {}
+        #: GPU blocks a store copy still reads: neither evicted nor reused until it finishes
+        self._copying: set[int] = set()
+        #: of those, blocks whose key has since been computed again into another block: they
+        #: leave the cache at once and come free when their copy ends
+        self._orphans: set[int] = set()
         self._finished: dict[int, TransferResult] = {}  # handler results not yet taken
         self._free_gpu = list(range(gpu_blocks - 1, -1, -1))
         self._job_ids = itertools.count(1)
@@ -148,22 +153,46 @@ class ReplayEngine:
     # -- the GPU side ----------------------------------------------------------------------
 
     def _allocate_gpu(self, count: int, keep: set[OffloadKey]) -> list[int]:
+        """``count`` free GPU blocks, evicting cached blocks (least recently used first) other
+        than ``keep`` (the blocks the request in hand uses) and those a store copy reads.
+
+        Like an engine's queue, a request that fits the cache on its own waits for the store
+        copies in flight rather than fail: their blocks come free (or evictable) when they
+        end. The caller keeps ``len(keep) + count <= gpu_blocks``, so after that wait every
+        other block can go.
+        """
         while len(self._free_gpu) < count:
-            for victim in self._gpu_cache:  # least recently used first
-                if victim not in keep and victim not in self._copying:
-                    self._free_gpu.append(self._gpu_cache.pop(victim))
+            copying = self._copying
+            for victim, block in self._gpu_cache.items():
+                if victim not in keep and block not in copying:
+                    del self._gpu_cache[victim]
+                    self._free_gpu.append(block)
                     break
             else:
-                if self._copying:  # blocks still being copied out: theirs come free then
+                if self._storing:  # blocks still being copied out: theirs come free then
                     self._wait_for_stores()
                     continue
-                raise KvtierError(
+                raise KvtierError(  # an engine bug: the caller checks the request fits
                     f"a request needs {count} GPU blocks but only {len(self._free_gpu)} are free "
-                    f"of {self.gpu_blocks}: raise --gpu-blocks"
+                    f"of {self.gpu_blocks} ({len(keep)} held for it)"
                 )
         taken = self._free_gpu[-count:] if count else []
         del self._free_gpu[len(self._free_gpu) - count :]
         return taken
+
+    def _cache_put(self, keys: list[OffloadKey], blocks: list[int]) -> None:
+        """Cache ``keys`` in GPU ``blocks`` (most recently used). A key cached already, out of
+        its request's prefix and so computed or loaded again, gives up its old block: free
+        now, or once the store copy reading it ends (replacing the entry alone leaked it)."""
+        cache = self._gpu_cache
+        for key, block in zip(keys, blocks):
+            old = cache.pop(key, None)
+            if old is not None:
+                if old in self._copying:
+                    self._orphans.add(old)
+                else:
+                    self._free_gpu.append(old)
+            cache[key] = block
 
     def _write_gpu(self, blocks: list[int], payload: bytes) -> None:
         """Write ``payload`` (one row per block, concatenated) into GPU ``blocks``."""
@@ -207,9 +236,13 @@ class ReplayEngine:
             self._finish_store(job_id, finished.pop(job_id).success)
 
     def _finish_store(self, job_id: int, ok: bool) -> None:
-        keys, ctx = self._storing.pop(job_id)
+        keys, ctx, blocks = self._storing.pop(job_id)
         self.manager.complete_store(keys, ctx, success=ok)
-        self._copying.difference_update(keys)
+        self._copying.difference_update(blocks)
+        if self._orphans:
+            freed = self._orphans.intersection(blocks)
+            self._orphans -= freed
+            self._free_gpu.extend(freed)
         if ok:
             self.counts.stored_blocks += len(keys)
         else:
@@ -267,6 +300,8 @@ class ReplayEngine:
         manager = self.manager
         deadline = time.monotonic() + MAX_WAIT_S
         promoted: set[OffloadKey] = set()
+        before: tuple | None = None
+        is_promoting = getattr(manager, "is_promoting", lambda key: False)
         while True:
             found = 0
             waiting = []
@@ -284,11 +319,21 @@ class ReplayEngine:
             if found:
                 manager.touch(keys[:found], ctx)
             self.step()  # submits the reads
-            self._wait_for_loads()
+            # The request blocks on the tiers until an answer changes, as an engine's request
+            # waits in its queue: never an empty step that finds the same None again (a remote
+            # tier's answers take a round trip, and stepping through it is millions of steps).
+            # (a key going from "unknown" to "being promoted" is progress, though both are None)
+            now = (found, len(waiting), waiting[0], sum(map(is_promoting, waiting)))
+            if now == before:
+                self._wait_for_tiers()  # the reads are done, no answer moved: wait for the rest
+            else:
+                self._wait_for_loads()
+            before = now
             self.step()  # takes their results: the next scan sees the promoted blocks
 
     def _wait_for_loads(self) -> None:
-        """Block until the lower tiers finished their reads; their saves go on meanwhile.
+        """Block until the lower tiers finished their reads (promotions, and the reads that
+        answer lookups); their saves go on meanwhile.
 
         A request waits for its promotions only, as in vLLM: a save queued beside the reads
         (with its flush and index commit) is not on the request's path.
@@ -324,7 +369,9 @@ class ReplayEngine:
         counts.hits["gpu"] += gpu_hits
         if gpu_hits:
             manager.touch(keys[:gpu_hits], ctx)
-        keep = set(keys)
+        # Only the blocks the request uses are held: its later keys that happen to be cached
+        # are computed or loaded again (the prefix broke before them), into new blocks.
+        keep = set(keys[:gpu_hits])
 
         loaded, promoted = self._lookup_prefix(keys[gpu_hits:], ctx)
         hits = keys[gpu_hits : gpu_hits + loaded]
@@ -334,6 +381,7 @@ class ReplayEngine:
                     counts.hits[self._served_by(key) if key in promoted else self._cpu_name] += 1
             else:
                 loaded = 0  # nothing arrived: the engine computes those blocks instead
+        keep.update(hits[:loaded])
 
         computed = keys[gpu_hits + loaded :]
         if computed:
@@ -342,7 +390,7 @@ class ReplayEngine:
             nbytes = self.block_bytes
             self._write_gpu(blocks, b"".join([_payload(key, nbytes) for key in computed]))
             counts.engine_s += time.perf_counter() - start
-            self._gpu_cache.update(zip(computed, blocks))
+            self._cache_put(computed, blocks)
             counts.computed_blocks += len(computed)
             self._store(computed, ctx)
         manager.on_request_finished(ctx)
@@ -375,7 +423,7 @@ class ReplayEngine:
                 else:
                     counts.mismatched_blocks += 1
         counts.engine_s += time.perf_counter() - start
-        self._gpu_cache.update(zip(hits, blocks))
+        self._cache_put(hits, blocks)
         return True
 
     def _store(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
@@ -404,8 +452,8 @@ class ReplayEngine:
             manager.complete_store(out.keys_to_store, ctx, success=False)
             self.counts.failed_transfers += 1
             return
-        self._storing[job_id] = (out.keys_to_store, ctx)
-        self._copying.update(out.keys_to_store)
+        self._storing[job_id] = (out.keys_to_store, ctx, blocks)
+        self._copying.update(blocks)
 
     def run(
         self,

@@ -35,7 +35,7 @@ from typing import Any, TextIO
 from kvtier.bench.report import print_json, print_table
 from kvtier.config import load_config
 from kvtier.errors import KvtierError
-from kvtier.replay.run import DEFAULT_BLOCK_BYTES, DEFAULT_GPU_BLOCKS, default_config
+from kvtier.replay.run import DEFAULT_BLOCK_BYTES, DEFAULT_GPU_BLOCKS, _fitting, default_config
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, bundled_trace_path, ceiling_hit_ratio, load_trace
 
 __all__ = ["replay_fleet"]
@@ -221,7 +221,11 @@ def replay_fleet(
     out = out or sys.stdout
     if engines < 1:
         raise KvtierError(f"fleet replay: --engines must be >= 1, got {engines}")
-    requests = load_trace(trace or bundled_trace_path(), limit)
+    if gpu_blocks < 1:
+        raise KvtierError(f"--gpu-blocks must be at least 1 (got {gpu_blocks}): the engine needs a GPU cache")
+    # as in one engine's replay: a request larger than the GPU cache is left out up front,
+    # not found mid-run in an engine process
+    requests, skipped = _fitting(load_trace(trace or bundled_trace_path(), limit), gpu_blocks)
     ceiling, _ = ceiling_hit_ratio(requests)
     shares = [requests[i::engines] for i in range(engines)]
     with contextlib.ExitStack() as stack:
@@ -265,6 +269,8 @@ def replay_fleet(
         "shared_tier": where,
         "tiers": [f"{t['name']}:{t['kind']}" for t in base["tiers"]] + [f"{SHARED_TIER}:valkey"],
         "mismatched_blocks": with_shared["mismatched_blocks"] + local_only["mismatched_blocks"],
+        "skipped_requests": len(skipped),
+        "skipped_block_refs": sum(len(request.hash_ids) for request in skipped),
         "gpu_blocks": gpu_blocks,
         "block_bytes": block_bytes,
     }

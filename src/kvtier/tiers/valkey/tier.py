@@ -165,7 +165,7 @@ class ValkeyTier(SecondaryTier):
         # the writer thread's ciphertext buffers, one per value of a batch (encrypt only)
         self._cipher_buffers: list[np.ndarray] = []
         self._futures: set[Future] = set()
-        self._load_futures: set[Future] = set()  # of those, the loads (what wait_loads waits for)
+        self._load_futures: set[Future] = set()  # of those, the reads (what wait_loads waits for)
 
         # scheduler-thread state
         self._present: OrderedDict[OffloadKey, None] = OrderedDict()
@@ -403,7 +403,9 @@ class ValkeyTier(SecondaryTier):
             self._probing[key] = batch
         self.counters["probe_batches"] += 1
         self.counters["probed_keys"] += len(keys)
-        self._submit(self._reader, self._run_probe, batch, keys)
+        # A probe is the read that answers a lookup: who waits for loads waits for it too
+        self._load_futures.add(future := self._submit(self._reader, self._run_probe, batch, keys))
+        future.add_done_callback(self._load_futures.discard)
 
     def _expire_probe(self, batch: int) -> None:
         """A batch of reads outlived ``timeout_s``: its keys miss (a late reply is ignored)."""
