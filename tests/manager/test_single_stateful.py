@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from helpers import key, payload
+from kvtier_testing import key, payload
 from kvtier.base import ReqContext
 from kvtier.manager.single import SingleTierManager
 from kvtier.policies import get_policy_class, registered_policies

@@ -16,7 +16,7 @@ from importlib.util import find_spec
 
 import numpy as np
 import pytest
-from helpers import key
+from kvtier_testing import key
 from rank_processes import (
     FACTOR,
     GPU_BLOCK_TOKENS,

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import key
-from store_helpers import KINDS, config, fingerprint, holds, load, open_tier, store
+from kvtier_testing import key
+from kvtier_testing.store import KINDS, config, fingerprint, holds, load, open_tier, store
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, DiskTierError, KvtierError

@@ -8,16 +8,16 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import key
-from store_helpers import KINDS, holds, load, open_tier, region
+from kvtier_testing import key
+from kvtier_testing.store import KINDS, holds, load, open_tier, region
 
 HERE = Path(__file__).resolve().parent
 
 WRITER = r"""
 import sys
 sys.path[:0] = sys.argv[1:3]
-from helpers import key
-from store_helpers import fill, open_tier, region
+from kvtier_testing import key
+from kvtier_testing.store import fill, open_tier, region
 from kvtier.tiers.base import TierJob
 
 kind, path, fsync, shm_path = sys.argv[3:7]
@@ -39,8 +39,8 @@ while True:
 SHARER = r"""
 import json, os, random, sys, time
 sys.path[:0] = sys.argv[1:3]
-from helpers import key
-from store_helpers import holds, load, open_tier, region, store
+from kvtier_testing import key
+from kvtier_testing.store import holds, load, open_tier, region, store
 
 kind, path, seed, shm_path, go = sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6], sys.argv[7]
 shm = region(16, path=shm_path)

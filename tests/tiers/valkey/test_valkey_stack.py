@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conftest import BLOCK_BYTES, SETTLE_S, finish, open_tier, settle
-from helpers import key, payload, read_blocks, store_blocks
+from kvtier_testing.valkey_tier import BLOCK_BYTES, SETTLE_S, finish, open_tier, settle
+from kvtier_testing import key, payload, read_blocks, store_blocks
 
 import kvtier
 from kvtier import ReqContext
