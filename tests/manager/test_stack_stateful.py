@@ -9,6 +9,7 @@ reach it (or be refused by it), and it never gets a block the disk keeps.
 """
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -22,6 +23,9 @@ from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.lru import LRUPolicy
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.memory import MemoryBackend
+
+# hypothesis's state machines: seconds each, so out of the quick `-m "not slow"` loop
+pytestmark = pytest.mark.slow
 
 CPU_BLOCKS = 4
 DISK_BLOCKS = 6

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from kvtier_testing.valkey_tier import BLOCK_BYTES, SETTLE_S, finish, open_tier, settle
 from kvtier_testing import key, payload, read_blocks, store_blocks
 
@@ -34,6 +35,7 @@ def run_engine(role: str, url: str, first: int, count: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_two_engine_processes_share_blocks(valkey_server):
     stored = run_engine("store", valkey_server.url, 0, 12)
     loaded = run_engine("load", valkey_server.url, 0, 12)
