@@ -20,7 +20,10 @@ from kvtier.tiers.cpu.region import SharedRegion
 #: not a multiple of 4096, so O_DIRECT moves each row's padded span (the case that needs care)
 BLOCK = 10_000
 KINDS = ("lmdb", "files")
-_job_ids = itertools.count(1)
+#: ids of the jobs run() submits: far above the small fixed ids tests give the jobs they submit
+#: themselves (TierJob(50, ...)), which the count, shared by every test in the process, would
+#: otherwise reach in some orders (xdist's) and answer in place of the test's own job
+_job_ids = itertools.count(1_000_000)
 
 
 def fingerprint(block_bytes: int = BLOCK, model: str = "test-model") -> LayoutFingerprint:
