@@ -15,9 +15,40 @@ from kvtier.base import (
     RequestOffloadingContext,
 )
 from kvtier.errors import BlockStateError
-from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.base import EvictionPolicy, tail_first
 
 __all__ = ["SingleTierManager"]
+
+
+class _RequestKeys:
+    """Per request, in its ReqContext: the keys it named, for their recency at its end.
+
+    ``keys``: every key of its loads and offers, first seen first (a dict as an ordered set);
+    ``reused``: those it found ready and used (loaded, or offered while present);
+    ``finished``: ``on_request_finished`` came (a store completing later refreshes ``keys``
+    again, so the request's order holds for blocks that became ready after its end).
+    """
+
+    __slots__ = ("finished", "keys", "owner", "reused")
+
+    def __init__(self, owner: object):
+        self.owner = owner
+        self.keys: dict[OffloadKey, None] = {}
+        self.reused: set[OffloadKey] = set()
+        self.finished = False
+
+
+def _prefix_order(keys: dict[OffloadKey, None], req_context: ReqContext) -> list[OffloadKey]:
+    """``keys`` head first: by the token positions vLLM's ReqContext records, where it has one
+    for each key, else in the order the request named them (loads, then offers: prefix order
+    unless an engine stores out of order, which is why vLLM records positions)."""
+    ordered = list(keys)
+    position = getattr(req_context, "get_offload_key_position", None)
+    if position is not None and len(ordered) > 1:
+        positions = [position(key) for key in ordered]
+        if None not in positions:
+            return [key for _, key in sorted(zip(positions, ordered), key=lambda pair: pair[0])]
+    return ordered
 
 
 class SingleTierManager(OffloadingManager):
@@ -37,6 +68,18 @@ class SingleTierManager(OffloadingManager):
 
     Every call costs O(keys it names + blocks it evicts), whatever the tier's size or how
     many of its blocks are held.
+
+    **Recency as vLLM 0.33 keeps it.** vLLM's connector never calls :meth:`touch`; what a
+    request used reaches the manager through its loads, its offers and its end. So each
+    request's keys are remembered in its ReqContext (:class:`_RequestKeys`): keys it offers
+    while they are present are refreshed at once (the GPU still has them, so they are never
+    loaded, yet every later request wants them), and :meth:`on_request_finished` hands the
+    policy all its keys in prefix order, with the ones it reused
+    (:meth:`EvictionPolicy.request_finished`): one use each, and the head most recent. A
+    store that completes after the request ended refreshes them once more, so blocks that
+    became ready late do not end up newer than the head of their own prefix. Within every
+    call the head of a prefix ends most recent (the policy's contract), and holds are
+    released tail first for the same reason.
 
     The manager never waits: a single tier has nothing to promote, so ``lookup`` never says
     ``None`` and ``on_schedule_end`` has nothing to flush.
@@ -88,6 +131,9 @@ class SingleTierManager(OffloadingManager):
             holds[key] = count + 1
             if not count and not held_otherwise(key):
                 hold(key)
+        state = self._request_keys(req_context)
+        state.keys.update(dict.fromkeys(keys))
+        state.reused.update(keys)
         return self._backend.get_load_store_spec(keys, block_ids)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -95,7 +141,9 @@ class SingleTierManager(OffloadingManager):
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         release = self._release
-        for key in keys:
+        # Tail first: a released block rejoins the order as the most recent, and the head
+        # of the prefix must end newest.
+        for key in tail_first(keys):
             release(key)
 
     def _release(self, key: OffloadKey) -> None:
@@ -130,6 +178,15 @@ class SingleTierManager(OffloadingManager):
                 present.append(key)
             else:
                 to_store.append(key)
+        state = self._request_keys(req_context)
+        state.keys.update(dict.fromkeys(keys))
+        if present:
+            # Offered again while present: the engine's GPU still has them, so they are
+            # never loaded, yet they are in use; refresh them now and count the use at the
+            # request's end (vLLM 0.33 does the same).
+            state.reused.update(present)
+            self._policy.refresh(present)
+            self._recent(present)
         backend = self._backend
         if not to_store:
             return PrepareStoreOutput([], backend.get_load_store_spec((), ()), [])
@@ -171,6 +228,13 @@ class SingleTierManager(OffloadingManager):
                 self._events.append(
                     OffloadingEvent(done, backend.block_size, backend.medium, removed=False)
                 )
+            state = req_context.get_state(_RequestKeys)
+            if state is not None and state.finished and state.owner is self:
+                # Ready after its request ended: inserted as the newest, so lay the request's
+                # keys over it again, head most recent.
+                keys_in_order = _prefix_order(state.keys, req_context)
+                self._policy.refresh(keys_in_order)
+                self._recent(keys_in_order)
         else:
             # These blocks were never readable, so no event announced them and none retracts
             # them: events track what lookup could see.
@@ -209,6 +273,28 @@ class SingleTierManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """One use of each key the request reused, then all its keys recent, head most recent."""
+        state = req_context.get_state(_RequestKeys)
+        if state is None or state.finished or state.owner is not self:
+            return
+        state.finished = True
+        keys = _prefix_order(state.keys, req_context)
+        self._policy.request_finished(keys, state.reused)
+        self._recent(keys)
+
+    def _request_keys(self, req_context: ReqContext) -> _RequestKeys:
+        """The request's :class:`_RequestKeys`, made on its first load or offer."""
+        state = req_context.get_state(_RequestKeys)
+        if state is None or state.owner is not self:
+            state = _RequestKeys(self)
+            req_context.set_state(state)
+        return state
+
+    def _recent(self, keys: list[OffloadKey]) -> None:
+        """``keys`` (prefix order) were made recent in the policy: a hook for a subclass that
+        keeps blocks in recency orders of its own (the stack's unsaved blocks)."""
 
     def take_events(self) -> Iterator[OffloadingEvent]:
         if self._events is None:

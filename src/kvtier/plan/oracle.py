@@ -71,6 +71,12 @@ class ReuseOracle(EvictionPolicy):
     def touch(self, keys: Collection[OffloadKey]) -> None:
         self._inner.touch(keys)
 
+    def refresh(self, keys: Collection[OffloadKey]) -> None:
+        self._inner.refresh(keys)
+
+    def request_finished(self, keys: Sequence[OffloadKey], reused: Container[OffloadKey]) -> None:
+        self._inner.request_finished(keys, reused)
+
     def hold(self, key: OffloadKey) -> None:
         self._inner.hold(key)  # a dead key is in no request: nothing holds it
 

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Container, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.policies.base import TwoQueuePolicy
+from kvtier.policies.base import TwoQueuePolicy, tail_first
 
 __all__ = ["ARCPolicy"]
 
@@ -22,8 +22,11 @@ class ARCPolicy(TwoQueuePolicy):
     wanted twice. Ghosts are bounded so that ``|t1| + |b1| <= c`` and the four lists together
     hold at most ``2c`` keys.
 
-    Unlike a page cache, a tier sees a block "used" only on :meth:`touch` (a hit), never on
-    insertion, so the first store of a key lands in t1 and a later hit promotes it.
+    Unlike a page cache, a tier sees a block "used" only on :meth:`touch` or as a reused key
+    of :meth:`request_finished` (loaded, or offered again while present), never on insertion,
+    so the first store of a key lands in t1 and a later use promotes it; :meth:`refresh`
+    moves a key up its own list only. Keys of one call are laid tail first (the head most
+    recent), as vLLM 0.33's ARC orders a request's keys at its end.
 
     Held keys leave ``t1``/``t2`` (so eviction never walks past them) but still count in the
     list they belong to, for ``p`` and the ghost bounds; ``_held_t2`` names the held keys
@@ -60,10 +63,10 @@ class ARCPolicy(TwoQueuePolicy):
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         self._index.update(zip(keys, block_ids))
         if not b1 and not b2:  # cold start / no history: skip the ghost probes
-            t1.update(dict.fromkeys(keys))
+            t1.update(dict.fromkeys(reversed(keys)))  # the head most recent
             return
         capacity = self.capacity_blocks
-        for key in keys:
+        for key in reversed(keys):
             if key in b1:
                 self._p = min(capacity, self._p + max(1.0, len(b2) / len(b1)))
                 del b1[key]
@@ -86,13 +89,38 @@ class ARCPolicy(TwoQueuePolicy):
 
     def touch(self, keys: Collection[OffloadKey]) -> None:
         t1, t2, index = self._t1, self._t2, self._index
-        for key in keys:
+        for key in tail_first(keys):  # the head ends most recent
             if key in t2:
                 t2.move_to_end(key)
             elif key in t1:
                 del t1[key]
                 t2[key] = None
             elif key in index:  # held: used again, so it goes back to t2
+                self._held_t2.add(key)
+
+    def refresh(self, keys: Collection[OffloadKey]) -> None:
+        # Recency within its own list: a store is no second use, so t1 stays t1.
+        t1, t2 = self._t1, self._t2
+        for key in tail_first(keys):
+            if key in t1:
+                t1.move_to_end(key)
+            elif key in t2:
+                t2.move_to_end(key)
+
+    def request_finished(self, keys: Sequence[OffloadKey], reused: Container[OffloadKey]) -> None:
+        # One pass, tail first: a reused key is one use (t1 -> t2), any other key only
+        # moves up its own list (what vLLM 0.33's ARC does at a request's end).
+        t1, t2, index = self._t1, self._t2, self._index
+        for key in tail_first(keys):
+            if key in t1:
+                if key in reused:
+                    del t1[key]
+                    t2[key] = None
+                else:
+                    t1.move_to_end(key)
+            elif key in t2:
+                t2.move_to_end(key)
+            elif key in reused and key in index:  # held: back to t2 when released
                 self._held_t2.add(key)
 
     def evict(self, count: int, skip: Container[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:

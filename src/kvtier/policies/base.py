@@ -4,12 +4,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Collection, Container, Iterator, Sequence
+from collections.abc import Collection, Container, Iterable, Iterator, Sequence
 from typing import Any
 
 from kvtier.base import OffloadKey
 
-__all__ = ["EvictionPolicy", "IndexedPolicy", "TwoQueuePolicy"]
+__all__ = ["EvictionPolicy", "IndexedPolicy", "TwoQueuePolicy", "tail_first"]
+
+
+def tail_first(keys: Iterable[OffloadKey]) -> Iterable[OffloadKey]:
+    """``keys`` (one request's, head first) from its tail to its head: the order to append
+    them to a recency order so that the head ends most recent. A set has no order to
+    reverse and comes back as it is."""
+    try:
+        return reversed(keys)  # type: ignore[call-overload]
+    except TypeError:
+        return keys
 
 
 class EvictionPolicy(ABC):
@@ -23,6 +33,12 @@ class EvictionPolicy(ABC):
     is never a victim.
 
     Who calls it: the owning manager only, on the engine's scheduler thread; never blocks.
+
+    **Order within a call.** The keys one call names (:meth:`insert`, :meth:`touch`,
+    :meth:`refresh`) are one request's, in prefix order: head first. A block is only useful
+    while every block before it in its prefix is cached, so the policy must leave the *head*
+    the most recent of them (where it keeps an order at all): their tail is evicted first.
+    vLLM 0.33's policies do the same (they walk a request's keys in reverse).
 
     The manager guarantees: :meth:`insert` names keys not present; :meth:`remove` and
     :meth:`touch` may name unknown keys (ignored); :meth:`hold` names a ready key not held,
@@ -88,7 +104,27 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def touch(self, keys: Collection[OffloadKey]) -> None:
-        """``keys`` were used (hit, loaded or found in the GPU cache); refresh them."""
+        """``keys`` were used (hit, loaded or found in the GPU cache); refresh them, the first
+        the most recent, and count the use where the policy counts uses."""
+
+    def refresh(self, keys: Collection[OffloadKey]) -> None:
+        """``keys`` were named by a request without being used again (stored by it, or all
+        its keys when it finishes): make them recent, the first the most recent, without
+        counting a use. Unknown and held keys are ignored. The default does nothing: right
+        for a policy whose order is arrival only (FIFO, SIEVE)."""
+
+    def request_finished(self, keys: Sequence[OffloadKey], reused: Container[OffloadKey]) -> None:
+        """A request finished: ``keys`` are every key it named (prefix order, head first;
+        some may be gone or held), ``reused`` those it found ready and used (loaded, or
+        offered again while present). One use of each reused key, then every key recent, the
+        head most recent — as vLLM 0.33's manager does at ``on_request_finished``.
+
+        The default is :meth:`touch` of the reused keys, then :meth:`refresh` of all.
+        """
+        used = [key for key in keys if key in reused]
+        if used:
+            self.touch(used)
+        self.refresh(keys)
 
     @abstractmethod
     def evict(self, count: int, skip: Container[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:

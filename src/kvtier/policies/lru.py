@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Container, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.policies.base import IndexedPolicy
+from kvtier.policies.base import IndexedPolicy, tail_first
 
 __all__ = ["LRUPolicy"]
 
@@ -35,14 +35,17 @@ class LRUPolicy(IndexedPolicy):
 
     def insert(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
         self._index.update(zip(keys, block_ids))
-        self._order.update(dict.fromkeys(keys))
+        if len(keys) == 1:
+            self._order[keys[0]] = None
+        else:
+            self._order.update(dict.fromkeys(reversed(keys)))  # the head most recent
 
     def insert_held(
         self, keys: Sequence[OffloadKey], block_ids: Sequence[int], held: Collection[OffloadKey]
     ) -> None:
         self._index.update(zip(keys, block_ids))
         if len(held) != len(keys):  # held is a subset of keys: equal sizes mean all of them
-            self._order.update(dict.fromkeys(key for key in keys if key not in held))
+            self._order.update(dict.fromkeys(key for key in reversed(keys) if key not in held))
 
     def remove(self, key: OffloadKey) -> int | None:
         self._order.pop(key, None)
@@ -51,9 +54,15 @@ class LRUPolicy(IndexedPolicy):
     def touch(self, keys: Collection[OffloadKey]) -> None:
         order = self._order
         move_to_end = order.move_to_end
-        for key in keys:
+        for key in tail_first(keys):  # the head ends most recent: the tail leaves first
             if key in order:  # a held key is refreshed when it is released
                 move_to_end(key)
+
+    def refresh(self, keys: Collection[OffloadKey]) -> None:
+        self.touch(keys)  # LRU counts no uses: a refresh is a touch
+
+    def request_finished(self, keys: Sequence[OffloadKey], reused: Container[OffloadKey]) -> None:
+        self.touch(keys)
 
     def hold(self, key: OffloadKey) -> None:  # replaced per instance in __init__
         del self._order[key]

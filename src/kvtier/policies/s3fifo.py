@@ -50,7 +50,7 @@ class S3FIFOPolicy(TwoQueuePolicy):
     def insert(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
         self._index.update(zip(keys, block_ids))
         ghost, small, main, freq = self._ghost, self._small, self._main, self._freq
-        for key in keys:
+        for key in reversed(keys):  # the head enters last, so it leaves its queue last
             freq[key] = 0
             if ghost and key in ghost:
                 del ghost[key]
