@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
+from itertools import filterfalse, repeat
 
 from kvtier.base import (
     Backend,
@@ -31,24 +32,23 @@ class _RequestKeys:
 
     __slots__ = ("finished", "keys", "owner", "reused")
 
-    def __init__(self, owner: object):
+    def __init__(self, owner: object, keys: dict[OffloadKey, None]):
         self.owner = owner
-        self.keys: dict[OffloadKey, None] = {}
+        self.keys = keys
         self.reused: set[OffloadKey] = set()
         self.finished = False
 
 
-def _prefix_order(keys: dict[OffloadKey, None], req_context: ReqContext) -> list[OffloadKey]:
+def _prefix_order(keys: dict[OffloadKey, None], req_context: ReqContext) -> Sequence[OffloadKey]:
     """``keys`` head first: by the token positions vLLM's ReqContext records, where it has one
     for each key, else in the order the request named them (loads, then offers: prefix order
     unless an engine stores out of order, which is why vLLM records positions)."""
-    ordered = list(keys)
     position = getattr(req_context, "get_offload_key_position", None)
-    if position is not None and len(ordered) > 1:
-        positions = [position(key) for key in ordered]
+    if position is not None and len(keys) > 1:
+        positions = [position(key) for key in keys]
         if None not in positions:
-            return [key for _, key in sorted(zip(positions, ordered), key=lambda pair: pair[0])]
-    return ordered
+            return [key for _, key in sorted(zip(positions, keys), key=lambda pair: pair[0])]
+    return list(keys)
 
 
 class SingleTierManager(OffloadingManager):
@@ -98,6 +98,9 @@ class SingleTierManager(OffloadingManager):
         # Bound once: these run per key on the hot path.
         self._contains = policy.contains
         self._get = policy.get
+        #: no reason to hold a block but reads: pins map one to one onto policy holds, and
+        #: reads take and give them back in bulk
+        self._plain_holds = type(self)._held_otherwise is SingleTierManager._held_otherwise
 
     @property
     def backend(self) -> Backend:
@@ -115,35 +118,56 @@ class SingleTierManager(OffloadingManager):
         return self._contains(key)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        get = self._get
-        block_ids = []
-        for key in keys:
-            block_id = get(key)
-            if block_id is None:
-                raise BlockStateError(
-                    f"prepare_load: key {key.hex()} is not a ready block; look it up first "
-                    "and load only keys that looked up True in this step"
-                )
-            block_ids.append(block_id)
-        holds, hold, held_otherwise = self._holds, self._policy.hold, self._held_otherwise
-        for key in keys:
-            count = holds.get(key, 0)
-            holds[key] = count + 1
-            if not count and not held_otherwise(key):
-                hold(key)
-        state = self._request_keys(req_context)
-        state.keys.update(dict.fromkeys(keys))
-        state.reused.update(keys)
+        block_ids = list(map(self._get, keys))
+        if None in block_ids:
+            key = next(key for key, block_id in zip(keys, block_ids) if block_id is None)
+            raise BlockStateError(
+                f"prepare_load: key {key.hex()} is not a ready block; look it up first "
+                "and load only keys that looked up True in this step"
+            )
+        holds = self._holds
+        named = dict.fromkeys(keys, 1)
+        if self._plain_holds and len(named) == len(keys) and holds.keys().isdisjoint(named):
+            # The common read: distinct keys no other read holds. Hold them in bulk.
+            holds.update(named)
+            self._policy.hold_all(named, read=True)
+        else:
+            held_otherwise = self._held_otherwise
+            first_holds = []
+            for key in keys:
+                count = holds.get(key, 0)
+                holds[key] = count + 1
+                if not count and not held_otherwise(key):
+                    first_holds.append(key)
+            self._policy.hold_all(first_holds, read=True)
+        state = req_context.get_state(_RequestKeys)
+        if state is None or state.owner is not self:
+            state = _RequestKeys(self, named)  # its values are never read
+            req_context.set_state(state)
+        else:
+            state.keys.update(named)
+        state.reused.update(named)
         return self._backend.get_load_store_spec(keys, block_ids)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._policy.touch(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        release = self._release
         # Tail first: a released block rejoins the order as the most recent, and the head
         # of the prefix must end newest.
-        for key in tail_first(keys):
+        ordered = list(tail_first(keys))
+        holds = self._holds
+        counts = list(map(holds.pop, ordered, repeat(0)))
+        if self._plain_holds and counts.count(1) == len(counts):
+            # The common end of a read: distinct keys, each its only pin (a key named twice
+            # would pop as 0 the second time).
+            self._policy.release_all(ordered)
+            return
+        for key, count in zip(ordered, counts):  # put the pins back, then one at a time
+            if count:
+                holds[key] = count
+        release = self._release
+        for key in ordered:
             release(key)
 
     def _release(self, key: OffloadKey) -> None:
@@ -168,23 +192,23 @@ class SingleTierManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         contains, pending = self._contains, self._pending
-        to_store: list[OffloadKey] = []
-        present: list[OffloadKey] = []
         # dict.fromkeys drops repeats within the offer, which would otherwise get two slots.
-        for key in dict.fromkeys(keys):
-            if key in pending:
-                continue  # another request is writing it already
-            if contains(key):
-                present.append(key)
-            else:
-                to_store.append(key)
-        state = self._request_keys(req_context)
-        state.keys.update(dict.fromkeys(keys))
+        offered = dict.fromkeys(keys)
+        # Keys another request is writing already are left out; the rest split into present
+        # and new ones. filter/filterfalse run the per-key loops in C.
+        candidates = list(filterfalse(pending.__contains__, offered)) if pending else offered
+        to_store = list(filterfalse(contains, candidates))
+        present = list(filter(contains, candidates)) if len(to_store) != len(candidates) else []
+        state = req_context.get_state(_RequestKeys)
+        if state is None or state.owner is not self:
+            req_context.set_state(_RequestKeys(self, offered))  # the offer is its first keys
+        else:
+            state.keys.update(offered)
         if present:
             # Offered again while present: the engine's GPU still has them, so they are
             # never loaded, yet they are in use; refresh them now and count the use at the
             # request's end (vLLM 0.33 does the same).
-            state.reused.update(present)
+            req_context.get_state(_RequestKeys).reused.update(present)
             self._policy.refresh(present)
             self._recent(present)
         backend = self._backend
@@ -207,16 +231,15 @@ class SingleTierManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        pending = self._pending
-        done: list[OffloadKey] = []
-        block_ids: list[int] = []
-        for key in keys:
-            block_id = pending.pop(key, None)
-            if block_id is not None:  # ready keys, and keys from before a reset, are left alone
-                done.append(key)
-                block_ids.append(block_id)
-        if not done:
-            return
+        # ready keys, and keys from before a reset, are not pending: left alone
+        found = list(map(self._pending.pop, keys, repeat(None)))
+        if None in found:
+            done = [key for key, block_id in zip(keys, found) if block_id is not None]
+            block_ids = [block_id for block_id in found if block_id is not None]
+            if not done:
+                return
+        else:
+            done, block_ids = list(keys), found
         if success:
             held = self._on_ready(done)
             if held:
@@ -283,14 +306,6 @@ class SingleTierManager(OffloadingManager):
         keys = _prefix_order(state.keys, req_context)
         self._policy.request_finished(keys, state.reused)
         self._recent(keys)
-
-    def _request_keys(self, req_context: ReqContext) -> _RequestKeys:
-        """The request's :class:`_RequestKeys`, made on its first load or offer."""
-        state = req_context.get_state(_RequestKeys)
-        if state is None or state.owner is not self:
-            state = _RequestKeys(self)
-            req_context.set_state(state)
-        return state
 
     def _recent(self, keys: list[OffloadKey]) -> None:
         """``keys`` (prefix order) were made recent in the policy: a hook for a subclass that

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Container, Sequence
 
 from kvtier.base import OffloadKey
@@ -60,12 +60,24 @@ class ARCPolicy(TwoQueuePolicy):
         return len(self._index) - size2, size2
 
     def insert(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        self._index.update(zip(keys, block_ids))
-        if not b1 and not b2:  # cold start / no history: skip the ghost probes
-            t1.update(dict.fromkeys(reversed(keys)))  # the head most recent
-            return
-        capacity = self.capacity_blocks
+        t1, b1, b2, index = self._t1, self._b1, self._b2, self._index
+        if len(keys) == 1:  # the engine's common store: one block per request and step
+            key = keys[0]
+            index[key] = block_ids[0]
+            if not (b1 and key in b1) and not (b2 and key in b2):
+                t1[key] = None
+                if b1 and len(index) - len(self._t2) - len(self._held_t2) + len(b1) > self.capacity_blocks:
+                    self._trim_ghosts()  # t1 grew into b1's share
+                return
+        else:
+            index.update(zip(keys, block_ids))
+            if not (b1 or b2) or (b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys)):
+                # no ghost among them (the probes run in C): all are new to t1
+                t1.update(dict.fromkeys(reversed(keys)))  # the head most recent
+                if b1:
+                    self._trim_ghosts()
+                return
+        t2, capacity = self._t2, self.capacity_blocks
         for key in reversed(keys):
             if key in b1:
                 self._p = min(capacity, self._p + max(1.0, len(b2) / len(b1)))
@@ -101,6 +113,9 @@ class ARCPolicy(TwoQueuePolicy):
     def refresh(self, keys: Collection[OffloadKey]) -> None:
         # Recency within its own list: a store is no second use, so t1 stays t1.
         t1, t2 = self._t1, self._t2
+        if all(map(t1.__contains__, keys)):  # a request's own new blocks: the loop in C
+            deque(map(t1.move_to_end, tail_first(keys)), 0)
+            return
         for key in tail_first(keys):
             if key in t1:
                 t1.move_to_end(key)
@@ -111,6 +126,19 @@ class ARCPolicy(TwoQueuePolicy):
         # One pass, tail first: a reused key is one use (t1 -> t2), any other key only
         # moves up its own list (what vLLM 0.33's ARC does at a request's end).
         t1, t2, index = self._t1, self._t2, self._index
+        if not reused:
+            self.refresh(keys)
+            return
+        if len(reused) == len(keys):  # every key reused (reused is a subset of keys)
+            if all(map(t2.__contains__, keys)):
+                # a read's blocks, sent to t2 when the read ended (hold_all(read=True))
+                deque(map(t2.move_to_end, tail_first(keys)), 0)
+                return
+            if all(map(t1.__contains__, keys)):
+                ordered = list(tail_first(keys))
+                deque(map(t1.__delitem__, ordered), 0)
+                t2.update(dict.fromkeys(ordered))
+                return
         for key in tail_first(keys):
             if key in t1:
                 if key in reused:
@@ -166,11 +194,43 @@ class ARCPolicy(TwoQueuePolicy):
         self._trim_ghosts()
         return victims
 
+    def evict_unheld(
+        self, count: int, protected: Collection[OffloadKey] = ()
+    ) -> list[tuple[OffloadKey, int]] | None:
+        if protected:
+            return self.evict(count, protected)
+        # The manager's common call (nothing of the offer present): straight to the count.
+        if count > len(self._t1) + len(self._t2):
+            return None
+        size2 = len(self._t2) + len(self._held_t2)
+        return self._evict_oldest(count, len(self._index) - size2, size2)
+
     def _evict_oldest(self, count: int, left1: int, left2: int) -> list[tuple[OffloadKey, int]]:
         """:meth:`evict` with nothing to pass over: the same choice, made by counting (each
         victim is the oldest of its list), then popped."""
         t1, t2, p = self._t1, self._t2, self._p
+        self.entries_visited += count
+        pop = self._index.pop
+        if count == 1:  # one block per store: no counting loop, no lists to join
+            # as the loop below decides it: ARC's preferred list, else the one not empty
+            if bool(t1) if left1 > 0 and (left1 > p or left2 == 0) else not t2:
+                key = t1.popitem(False)[0]
+                self._b1[key] = None
+            else:
+                key = t2.popitem(False)[0]
+                self._b2[key] = None
+            victims = [(key, pop(key))]
+            self._trim_ghosts()
+            return victims
         room1, room2 = len(t1), len(t2)
+        if count <= room1 and left1 - count >= p:
+            # t1 stays above its target to the last victim: every victim is t1's oldest
+            pop1 = t1.popitem
+            from_t1 = [pop1(False)[0] for _ in range(count)]
+            victims = list(zip(from_t1, map(pop, from_t1)))
+            self._b1.update(dict.fromkeys(from_t1))
+            self._trim_ghosts()
+            return victims
         take1 = take2 = 0
         for _ in range(count):
             if left1 > 0 and (left1 > p or left2 == 0):  # ARC prefers t1
@@ -183,8 +243,7 @@ class ARCPolicy(TwoQueuePolicy):
             else:
                 take2 += 1
                 left2 -= 1
-        self.entries_visited += count
-        pop, pop1, pop2 = self._index.pop, t1.popitem, t2.popitem
+        pop1, pop2 = t1.popitem, t2.popitem
         from_t1 = [pop1(False)[0] for _ in range(take1)]
         from_t2 = [pop2(False)[0] for _ in range(take2)]
         victims = [(key, pop(key)) for key in from_t1] + [(key, pop(key)) for key in from_t2]
@@ -194,13 +253,20 @@ class ARCPolicy(TwoQueuePolicy):
         return victims
 
     def _trim_ghosts(self) -> None:
+        """Forget the oldest ghosts past ARC's bounds: |t1| + |b1| <= c, all four <= 2c."""
         capacity = self.capacity_blocks
         b1, b2 = self._b1, self._b2
-        size1, size2 = self._sizes()
-        while b1 and size1 + len(b1) > capacity:
-            b1.popitem(last=False)
-        while b2 and size1 + size2 + len(b1) + len(b2) > 2 * capacity:
-            b2.popitem(last=False)
+        ready = len(self._index)
+        over = ready - len(self._t2) - len(self._held_t2) + len(b1) - capacity
+        if over > 0 and b1:
+            forget = b1.popitem
+            for _ in range(min(over, len(b1))):
+                forget(False)
+        over = ready + len(b1) + len(b2) - 2 * capacity
+        if over > 0 and b2:
+            forget = b2.popitem
+            for _ in range(min(over, len(b2))):
+                forget(False)
 
     def clear(self) -> list[tuple[OffloadKey, int]]:
         dropped = super().clear()

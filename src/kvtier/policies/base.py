@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Collection, Container, Iterable, Iterator, Sequence
+from itertools import repeat
 from typing import Any
 
 from kvtier.base import OffloadKey
@@ -142,6 +143,21 @@ class EvictionPolicy(ABC):
         """Held ``key`` may be evicted again."""
         self._held_fallback.discard(key)
 
+    def hold_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
+        """:meth:`hold` each of ``keys`` (distinct, ready, none held), in order; a policy may
+        do it in bulk (a read of 64 blocks is one call, not 64). ``read``: the hold is a
+        request reading them, which its end counts as a use (``request_finished``); a
+        policy that moves used blocks to another list may send them there on release
+        already, so that the end only refreshes them. The default ignores it."""
+        for key in keys:
+            self.hold(key)
+
+    def release_all(self, keys: Iterable[OffloadKey]) -> None:
+        """:meth:`release` each of ``keys`` (distinct, held), in order: the last released
+        ends the most recent."""
+        for key in keys:
+            self.release(key)
+
     def evict_unheld(
         self, count: int, protected: Collection[OffloadKey] = ()
     ) -> list[tuple[OffloadKey, int]] | None:
@@ -242,6 +258,52 @@ class TwoQueuePolicy(IndexedPolicy):
             self._second[key] = None
         else:
             self._first[key] = None
+
+    #: whether a use moves a block from the first queue to the second (ARC, chain; not
+    #: S3-FIFO, which only counts it): then a read's blocks go back to the second queue
+    _use_moves_to_second = True
+
+    def hold_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
+        ordered = keys if isinstance(keys, (list, dict)) else list(keys)
+        if len(ordered) == 1:  # one block: the per-key calls are cheaper than the bulk ones
+            for key in ordered:
+                self.hold(key)
+                if read and self._use_moves_to_second:
+                    self._held_second.add(key)
+            return
+        # values are None: 0 means not in _first, so in _second
+        popped = list(map(self._first.pop, ordered, repeat(0)))
+        in_second = (
+            [key for key, value in zip(ordered, popped) if value is not None]
+            if popped.count(None) != len(popped)
+            else ()
+        )
+        keys = ordered
+        if in_second:
+            second = self._second
+            for key in in_second:
+                del second[key]
+        if read and self._use_moves_to_second:
+            self._held_second.update(keys)  # used: released into the second queue
+        elif in_second:
+            self._held_second.update(in_second)
+
+    def release_all(self, keys: Iterable[OffloadKey]) -> None:
+        ordered = keys if isinstance(keys, list) else list(keys)
+        if len(ordered) == 1:
+            self.release(ordered[0])
+            return
+        held_second = self._held_second
+        if not held_second:  # none belongs to the second queue: all back to the first
+            self._first.update(dict.fromkeys(ordered))
+            return
+        if held_second.issuperset(ordered):  # a read's blocks, all used: in C
+            held_second.difference_update(ordered)
+            self._second.update(dict.fromkeys(ordered))
+            return
+        release = self.release
+        for key in ordered:
+            release(key)
 
     def evict_unheld(
         self, count: int, protected: Collection[OffloadKey] = ()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection, Container, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Collection, Container, Iterable, Sequence
 
 from kvtier.base import OffloadKey
 from kvtier.policies.base import IndexedPolicy, tail_first
@@ -54,6 +54,9 @@ class LRUPolicy(IndexedPolicy):
     def touch(self, keys: Collection[OffloadKey]) -> None:
         order = self._order
         move_to_end = order.move_to_end
+        if all(map(order.__contains__, keys)):  # none held or unknown: the loop in C
+            deque(map(move_to_end, tail_first(keys)), 0)
+            return
         for key in tail_first(keys):  # the head ends most recent: the tail leaves first
             if key in order:  # a held key is refreshed when it is released
                 move_to_end(key)
@@ -69,6 +72,12 @@ class LRUPolicy(IndexedPolicy):
 
     def release(self, key: OffloadKey) -> None:
         self._order[key] = None
+
+    def hold_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
+        deque(map(self._order.__delitem__, keys), 0)  # the loop in C
+
+    def release_all(self, keys: Iterable[OffloadKey]) -> None:
+        self._order.update(dict.fromkeys(keys))
 
     def evict_unheld(
         self, count: int, protected: Collection[OffloadKey] = ()

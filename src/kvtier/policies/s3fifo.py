@@ -36,6 +36,9 @@ class S3FIFOPolicy(TwoQueuePolicy):
     so eviction is O(1) amortized per victim.
     """
 
+    # a use only counts (the queue is decided at eviction time)
+    _use_moves_to_second = False
+
     def __init__(self, capacity_blocks: int):
         super().__init__(capacity_blocks)
         self._small: OrderedDict[OffloadKey, None] = OrderedDict()
