@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
-from itertools import filterfalse, repeat
+from collections.abc import Collection, Container, Iterator, Sequence
+from itertools import chain, filterfalse, repeat
 
 from kvtier.base import (
     Backend,
@@ -24,31 +24,43 @@ __all__ = ["SingleTierManager"]
 class _RequestKeys:
     """Per request, in its ReqContext: the keys it named, for their recency at its end.
 
-    ``keys``: every key of its loads and offers, first seen first (a dict as an ordered set);
-    ``reused``: those it found ready and used (loaded, or offered while present);
-    ``finished``: ``on_request_finished`` came (a store completing later refreshes ``keys``
-    again, so the request's order holds for blocks that became ready after its end).
+    ``chunks``: the keys of each load and offer, as tuples (8 bytes a key: a request's own
+    key objects are shared, never copied); ``reused``: those it found ready and used, per
+    call (a load's keys, an offer's present ones); ``finished``: ``on_request_finished``
+    came (a store completing later refreshes the keys again, so the request's order holds
+    for blocks that became ready after its end).
     """
 
-    __slots__ = ("finished", "keys", "owner", "reused")
+    __slots__ = ("chunks", "finished", "owner", "reused")
 
-    def __init__(self, owner: object, keys: dict[OffloadKey, None]):
+    def __init__(self, owner: object):
         self.owner = owner
-        self.keys = keys
-        self.reused: set[OffloadKey] = set()
+        self.chunks: list[tuple[OffloadKey, ...]] = []
+        self.reused: list[Sequence[OffloadKey]] = []
         self.finished = False
 
+    def ordered(self, req_context: ReqContext) -> Sequence[OffloadKey]:
+        """Every key once, head first: by the token positions vLLM's ReqContext records,
+        where it has one for each key, else in the order the request named them (loads,
+        then offers: prefix order unless an engine stores out of order, which is why vLLM
+        records positions)."""
+        chunks = self.chunks
+        keys: Sequence[OffloadKey] = (
+            chunks[0] if len(chunks) == 1 else list(dict.fromkeys(chain.from_iterable(chunks)))
+        )
+        position = getattr(req_context, "get_offload_key_position", None)
+        if position is not None and len(keys) > 1:
+            positions = [position(key) for key in keys]
+            if None not in positions:
+                return [key for _, key in sorted(zip(positions, keys), key=lambda pair: pair[0])]
+        return keys
 
-def _prefix_order(keys: dict[OffloadKey, None], req_context: ReqContext) -> Sequence[OffloadKey]:
-    """``keys`` head first: by the token positions vLLM's ReqContext records, where it has one
-    for each key, else in the order the request named them (loads, then offers: prefix order
-    unless an engine stores out of order, which is why vLLM records positions)."""
-    position = getattr(req_context, "get_offload_key_position", None)
-    if position is not None and len(keys) > 1:
-        positions = [position(key) for key in keys]
-        if None not in positions:
-            return [key for _, key in sorted(zip(positions, keys), key=lambda pair: pair[0])]
-    return list(keys)
+    def reused_keys(self, keys: Sequence[OffloadKey]) -> Container[OffloadKey]:
+        """The keys the request reused, as a container (``keys``: :meth:`ordered`'s answer)."""
+        reused = self.reused
+        if len(reused) == 1 and len(reused[0]) == len(keys):
+            return frozenset(keys)  # a request that only read: all of them
+        return set(chain.from_iterable(reused))
 
 
 class SingleTierManager(OffloadingManager):
@@ -132,21 +144,26 @@ class SingleTierManager(OffloadingManager):
             holds.update(named)
             self._policy.hold_all(named, read=True)
         else:
-            held_otherwise = self._held_otherwise
+            held_otherwise, plain = self._held_otherwise, self._plain_holds
             first_holds = []
             for key in keys:
                 count = holds.get(key, 0)
                 holds[key] = count + 1
                 if not count and not held_otherwise(key):
                     first_holds.append(key)
-            self._policy.hold_all(first_holds, read=True)
+            if plain:  # every hold is a read's, so every release is (see _release)
+                self._policy.hold_all(first_holds, read=True)
+            else:
+                hold = self._policy.hold
+                for key in first_holds:
+                    hold(key)
         state = req_context.get_state(_RequestKeys)
         if state is None or state.owner is not self:
-            state = _RequestKeys(self, named)  # its values are never read
+            state = _RequestKeys(self)
             req_context.set_state(state)
-        else:
-            state.keys.update(named)
-        state.reused.update(named)
+        read = tuple(named)
+        state.chunks.append(read)
+        state.reused.append(read)
         return self._backend.get_load_store_spec(keys, block_ids)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -161,7 +178,7 @@ class SingleTierManager(OffloadingManager):
         if self._plain_holds and counts.count(1) == len(counts):
             # The common end of a read: distinct keys, each its only pin (a key named twice
             # would pop as 0 the second time).
-            self._policy.release_all(ordered)
+            self._policy.release_all(ordered, read=True)
             return
         for key, count in zip(ordered, counts):  # put the pins back, then one at a time
             if count:
@@ -177,7 +194,9 @@ class SingleTierManager(OffloadingManager):
             return  # held before a reset_cache: that block is gone already
         if count == 1:
             del self._holds[key]
-            if not self._held_otherwise(key):
+            if self._plain_holds:
+                self._policy.release_all((key,), read=True)  # held by hold_all(read=True)
+            elif not self._held_otherwise(key):
                 self._policy.release(key)
         else:
             self._holds[key] = count - 1
@@ -201,14 +220,14 @@ class SingleTierManager(OffloadingManager):
         present = list(filter(contains, candidates)) if len(to_store) != len(candidates) else []
         state = req_context.get_state(_RequestKeys)
         if state is None or state.owner is not self:
-            req_context.set_state(_RequestKeys(self, offered))  # the offer is its first keys
-        else:
-            state.keys.update(offered)
+            state = _RequestKeys(self)
+            req_context.set_state(state)
+        state.chunks.append(tuple(offered))
         if present:
             # Offered again while present: the engine's GPU still has them, so they are
             # never loaded, yet they are in use; refresh them now and count the use at the
             # request's end (vLLM 0.33 does the same).
-            req_context.get_state(_RequestKeys).reused.update(present)
+            state.reused.append(present)
             self._policy.refresh(present)
             self._recent(present)
         backend = self._backend
@@ -255,7 +274,7 @@ class SingleTierManager(OffloadingManager):
             if state is not None and state.finished and state.owner is self:
                 # Ready after its request ended: inserted as the newest, so lay the request's
                 # keys over it again, head most recent.
-                keys_in_order = _prefix_order(state.keys, req_context)
+                keys_in_order = state.ordered(req_context)
                 self._policy.refresh(keys_in_order)
                 self._recent(keys_in_order)
         else:
@@ -303,8 +322,8 @@ class SingleTierManager(OffloadingManager):
         if state is None or state.finished or state.owner is not self:
             return
         state.finished = True
-        keys = _prefix_order(state.keys, req_context)
-        self._policy.request_finished(keys, state.reused)
+        keys = state.ordered(req_context)
+        self._policy.request_finished(keys, state.reused_keys(keys))
         self._recent(keys)
 
     def _recent(self, keys: list[OffloadKey]) -> None:

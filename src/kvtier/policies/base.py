@@ -146,15 +146,16 @@ class EvictionPolicy(ABC):
     def hold_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
         """:meth:`hold` each of ``keys`` (distinct, ready, none held), in order; a policy may
         do it in bulk (a read of 64 blocks is one call, not 64). ``read``: the hold is a
-        request reading them, which its end counts as a use (``request_finished``); a
-        policy that moves used blocks to another list may send them there on release
-        already, so that the end only refreshes them. The default ignores it."""
+        request reading them, which its end counts as a use (``request_finished``), and the
+        manager releases them with :meth:`release_all` ``read=True`` too; a policy that
+        moves used blocks to another list may send them there on that release already, so
+        that the end only refreshes them. The default ignores it."""
         for key in keys:
             self.hold(key)
 
-    def release_all(self, keys: Iterable[OffloadKey]) -> None:
+    def release_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
         """:meth:`release` each of ``keys`` (distinct, held), in order: the last released
-        ends the most recent."""
+        ends the most recent. ``read``: they were held by :meth:`hold_all` ``read=True``."""
         for key in keys:
             self.release(key)
 
@@ -264,42 +265,43 @@ class TwoQueuePolicy(IndexedPolicy):
     _use_moves_to_second = True
 
     def hold_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
-        ordered = keys if isinstance(keys, (list, dict)) else list(keys)
+        ordered = keys if isinstance(keys, (list, tuple, dict)) else list(keys)
+        # A read's keys need no note of their queue: the read's release puts them in the
+        # second queue whatever it was (see _use_moves_to_second).
+        to_second = read and self._use_moves_to_second
         if len(ordered) == 1:  # one block: the per-key calls are cheaper than the bulk ones
             for key in ordered:
-                self.hold(key)
-                if read and self._use_moves_to_second:
-                    self._held_second.add(key)
+                if not to_second:
+                    self.hold(key)
+                elif self._first.pop(key, 0) is not None:  # values are None: 0 = absent
+                    del self._second[key]
             return
-        # values are None: 0 means not in _first, so in _second
         popped = list(map(self._first.pop, ordered, repeat(0)))
-        in_second = (
-            [key for key, value in zip(ordered, popped) if value is not None]
-            if popped.count(None) != len(popped)
-            else ()
-        )
-        keys = ordered
-        if in_second:
-            second = self._second
-            for key in in_second:
-                del second[key]
-        if read and self._use_moves_to_second:
-            self._held_second.update(keys)  # used: released into the second queue
-        elif in_second:
+        if popped.count(None) == len(popped):
+            return  # all were in the first queue
+        in_second = [key for key, value in zip(ordered, popped) if value is not None]
+        second = self._second
+        for key in in_second:
+            del second[key]
+        if not to_second:
             self._held_second.update(in_second)
 
-    def release_all(self, keys: Iterable[OffloadKey]) -> None:
-        ordered = keys if isinstance(keys, list) else list(keys)
+    def release_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
+        ordered = keys if isinstance(keys, (list, tuple)) else list(keys)
+        held_second = self._held_second
+        if read and self._use_moves_to_second:
+            if held_second:
+                held_second.difference_update(ordered)  # touched while held: noted there
+            if len(ordered) == 1:
+                self._second[ordered[0]] = None
+            else:
+                self._second.update(dict.fromkeys(ordered))
+            return
         if len(ordered) == 1:
             self.release(ordered[0])
             return
-        held_second = self._held_second
         if not held_second:  # none belongs to the second queue: all back to the first
             self._first.update(dict.fromkeys(ordered))
-            return
-        if held_second.issuperset(ordered):  # a read's blocks, all used: in C
-            held_second.difference_update(ordered)
-            self._second.update(dict.fromkeys(ordered))
             return
         release = self.release
         for key in ordered:

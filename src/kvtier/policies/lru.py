@@ -76,7 +76,7 @@ class LRUPolicy(IndexedPolicy):
     def hold_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
         deque(map(self._order.__delitem__, keys), 0)  # the loop in C
 
-    def release_all(self, keys: Iterable[OffloadKey]) -> None:
+    def release_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
         self._order.update(dict.fromkeys(keys))
 
     def evict_unheld(
