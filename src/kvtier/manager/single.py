@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Container, Iterator, Sequence
+from collections.abc import Collection, Iterator
 from itertools import chain, filterfalse, repeat
 
 from kvtier.base import (
@@ -24,8 +24,8 @@ __all__ = ["SingleTierManager"]
 class _RequestKeys:
     """Per request, in its ReqContext: the keys it named, for their recency at its end.
 
-    ``chunks``: the keys of each load and offer, as tuples (8 bytes a key: a request's own
-    key objects are shared, never copied); ``reused``: those it found ready and used, per
+    ``chunks``: the keys of each offer, as a tuple (8 bytes a key: the key objects are
+    shared, never copied), and of each load, as the dict the load made anyway; ``reused``: those it found ready and used, per
     call (a load's keys, an offer's present ones); ``finished``: ``on_request_finished``
     came (a store completing later refreshes the keys again, so the request's order holds
     for blocks that became ready after its end).
@@ -35,17 +35,18 @@ class _RequestKeys:
 
     def __init__(self, owner: object):
         self.owner = owner
-        self.chunks: list[tuple[OffloadKey, ...]] = []
-        self.reused: list[Sequence[OffloadKey]] = []
+        self.chunks: list[Collection[OffloadKey]] = []
+        self.reused: list[Collection[OffloadKey]] = []
         self.finished = False
 
-    def ordered(self, req_context: ReqContext) -> Sequence[OffloadKey]:
+    def ordered(self, req_context: ReqContext) -> Collection[OffloadKey]:
         """Every key once, head first: by the token positions vLLM's ReqContext records,
         where it has one for each key, else in the order the request named them (loads,
         then offers: prefix order unless an engine stores out of order, which is why vLLM
         records positions)."""
         chunks = self.chunks
-        keys: Sequence[OffloadKey] = (
+        # one chunk (a load's dict, an offer's tuple) has each key once already
+        keys: Collection[OffloadKey] = (
             chunks[0] if len(chunks) == 1 else list(dict.fromkeys(chain.from_iterable(chunks)))
         )
         position = getattr(req_context, "get_offload_key_position", None)
@@ -55,12 +56,19 @@ class _RequestKeys:
                 return [key for _, key in sorted(zip(positions, keys), key=lambda pair: pair[0])]
         return keys
 
-    def reused_keys(self, keys: Sequence[OffloadKey]) -> Container[OffloadKey]:
+    def reused_keys(self, keys: Collection[OffloadKey]) -> Collection[OffloadKey]:
         """The keys the request reused, as a container (``keys``: :meth:`ordered`'s answer)."""
         reused = self.reused
         if len(reused) == 1 and len(reused[0]) == len(keys):
-            return frozenset(keys)  # a request that only read: all of them
+            only = reused[0]  # a request that only read, or only offered present keys
+            return only if isinstance(only, dict) else frozenset(only)
         return set(chain.from_iterable(reused))
+
+
+#: what a finished request's context keeps once its keys are of no more use (no owner: any
+#: manager that sees it starts afresh, and a late completion finds nothing to refresh)
+_DONE = _RequestKeys(None)
+_DONE.finished = True
 
 
 class SingleTierManager(OffloadingManager):
@@ -130,9 +138,9 @@ class SingleTierManager(OffloadingManager):
         return self._contains(key)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        block_ids = list(map(self._get, keys))
-        if None in block_ids:
-            key = next(key for key, block_id in zip(keys, block_ids) if block_id is None)
+        found = list(map(self._get, keys))
+        if None in found:
+            key = next(key for key, block_id in zip(keys, found) if block_id is None)
             raise BlockStateError(
                 f"prepare_load: key {key.hex()} is not a ready block; look it up first "
                 "and load only keys that looked up True in this step"
@@ -161,9 +169,10 @@ class SingleTierManager(OffloadingManager):
         if state is None or state.owner is not self:
             state = _RequestKeys(self)
             req_context.set_state(state)
-        read = tuple(named)
-        state.chunks.append(read)
-        state.reused.append(read)
+        # the read's dict serves as its keys and as its reused keys: no copy of either
+        state.chunks.append(named)
+        state.reused.append(named)
+        block_ids: list[int] = found  # type: ignore[assignment]  # no None left
         return self._backend.get_load_store_spec(keys, block_ids)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -277,6 +286,7 @@ class SingleTierManager(OffloadingManager):
                 keys_in_order = state.ordered(req_context)
                 self._policy.refresh(keys_in_order)
                 self._recent(keys_in_order)
+                self._forget_if_done(state, keys_in_order, req_context)
         else:
             # These blocks were never readable, so no event announced them and none retracts
             # them: events track what lookup could see.
@@ -325,6 +335,15 @@ class SingleTierManager(OffloadingManager):
         keys = state.ordered(req_context)
         self._policy.request_finished(keys, state.reused_keys(keys))
         self._recent(keys)
+        self._forget_if_done(state, keys, req_context)
+
+    def _forget_if_done(
+        self, state: _RequestKeys, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> None:
+        """Drop a finished request's keys once none of its stores is in flight: nothing will
+        refresh them again, and an engine (or a benchmark) may keep the context long after."""
+        if not self._pending or self._pending.keys().isdisjoint(keys):
+            req_context.set_state(_DONE)
 
     def _recent(self, keys: list[OffloadKey]) -> None:
         """``keys`` (prefix order) were made recent in the policy: a hook for a subclass that

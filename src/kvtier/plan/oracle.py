@@ -74,7 +74,7 @@ class ReuseOracle(EvictionPolicy):
     def refresh(self, keys: Collection[OffloadKey]) -> None:
         self._inner.refresh(keys)
 
-    def request_finished(self, keys: Sequence[OffloadKey], reused: Container[OffloadKey]) -> None:
+    def request_finished(self, keys: Collection[OffloadKey], reused: Collection[OffloadKey]) -> None:
         self._inner.request_finished(keys, reused)
 
     def hold(self, key: OffloadKey) -> None:

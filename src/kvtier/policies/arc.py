@@ -6,7 +6,7 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Container, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.policies.base import TwoQueuePolicy, tail_first
+from kvtier.policies.base import TwoQueuePolicy, at_recent_end, tail_first
 
 __all__ = ["ARCPolicy"]
 
@@ -113,6 +113,8 @@ class ARCPolicy(TwoQueuePolicy):
     def refresh(self, keys: Collection[OffloadKey]) -> None:
         # Recency within its own list: a store is no second use, so t1 stays t1.
         t1, t2 = self._t1, self._t2
+        if at_recent_end(t1, keys) or at_recent_end(t2, keys):
+            return  # just stored or released, in this order: nothing to move
         if all(map(t1.__contains__, keys)):  # a request's own new blocks: the loop in C
             deque(map(t1.move_to_end, tail_first(keys)), 0)
             return
@@ -122,7 +124,7 @@ class ARCPolicy(TwoQueuePolicy):
             elif key in t2:
                 t2.move_to_end(key)
 
-    def request_finished(self, keys: Sequence[OffloadKey], reused: Container[OffloadKey]) -> None:
+    def request_finished(self, keys: Collection[OffloadKey], reused: Collection[OffloadKey]) -> None:
         # One pass, tail first: a reused key is one use (t1 -> t2), any other key only
         # moves up its own list (what vLLM 0.33's ARC does at a request's end).
         t1, t2, index = self._t1, self._t2, self._index
@@ -130,6 +132,8 @@ class ARCPolicy(TwoQueuePolicy):
             self.refresh(keys)
             return
         if len(reused) == len(keys):  # every key reused (reused is a subset of keys)
+            if at_recent_end(t2, keys):
+                return  # a read's blocks, sent to t2 by its release, in this order
             if all(map(t2.__contains__, keys)):
                 # a read's blocks, sent to t2 when the read ended (hold_all(read=True))
                 deque(map(t2.move_to_end, tail_first(keys)), 0)
@@ -226,9 +230,9 @@ class ARCPolicy(TwoQueuePolicy):
         if count <= room1 and left1 - count >= p:
             # t1 stays above its target to the last victim: every victim is t1's oldest
             pop1 = t1.popitem
-            from_t1 = [pop1(False)[0] for _ in range(count)]
-            victims = list(zip(from_t1, map(pop, from_t1)))
-            self._b1.update(dict.fromkeys(from_t1))
+            oldest = [pop1(False)[0] for _ in range(count)]
+            victims = list(zip(oldest, map(pop, oldest)))
+            self._b1.update(dict.fromkeys(oldest))
             self._trim_ghosts()
             return victims
         take1 = take2 = 0

@@ -5,12 +5,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Collection, Container, Iterable, Iterator, Sequence
-from itertools import repeat
+from itertools import islice, repeat
+from operator import eq
 from typing import Any
 
 from kvtier.base import OffloadKey
 
-__all__ = ["EvictionPolicy", "IndexedPolicy", "TwoQueuePolicy", "tail_first"]
+__all__ = ["EvictionPolicy", "IndexedPolicy", "TwoQueuePolicy", "at_recent_end", "tail_first"]
+
+
+def at_recent_end(order: OrderedDict[OffloadKey, None], keys: Collection[OffloadKey]) -> bool:
+    """Whether ``keys`` (head first) are already the most recent entries of ``order``, the head
+    newest: then refreshing them would change nothing. One walk of the order's newest end in
+    C, stopping at the first difference, and no hash probe: cheaper than moving them, which
+    is what a request that only stored or only read finds at its end."""
+    count = len(keys)
+    return 0 < count <= len(order) and all(map(eq, islice(reversed(order), count), keys))
 
 
 def tail_first(keys: Iterable[OffloadKey]) -> Iterable[OffloadKey]:
@@ -114,7 +124,7 @@ class EvictionPolicy(ABC):
         counting a use. Unknown and held keys are ignored. The default does nothing: right
         for a policy whose order is arrival only (FIFO, SIEVE)."""
 
-    def request_finished(self, keys: Sequence[OffloadKey], reused: Container[OffloadKey]) -> None:
+    def request_finished(self, keys: Collection[OffloadKey], reused: Collection[OffloadKey]) -> None:
         """A request finished: ``keys`` are every key it named (prefix order, head first;
         some may be gone or held), ``reused`` those it found ready and used (loaded, or
         offered again while present). One use of each reused key, then every key recent, the

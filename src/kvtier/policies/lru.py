@@ -6,7 +6,7 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Container, Iterable, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.policies.base import IndexedPolicy, tail_first
+from kvtier.policies.base import IndexedPolicy, at_recent_end, tail_first
 
 __all__ = ["LRUPolicy"]
 
@@ -54,6 +54,8 @@ class LRUPolicy(IndexedPolicy):
     def touch(self, keys: Collection[OffloadKey]) -> None:
         order = self._order
         move_to_end = order.move_to_end
+        if at_recent_end(order, keys):
+            return  # just stored or released, in this order: nothing to move
         if all(map(order.__contains__, keys)):  # none held or unknown: the loop in C
             deque(map(move_to_end, tail_first(keys)), 0)
             return
@@ -64,7 +66,7 @@ class LRUPolicy(IndexedPolicy):
     def refresh(self, keys: Collection[OffloadKey]) -> None:
         self.touch(keys)  # LRU counts no uses: a refresh is a touch
 
-    def request_finished(self, keys: Sequence[OffloadKey], reused: Container[OffloadKey]) -> None:
+    def request_finished(self, keys: Collection[OffloadKey], reused: Collection[OffloadKey]) -> None:
         self.touch(keys)
 
     def hold(self, key: OffloadKey) -> None:  # replaced per instance in __init__
