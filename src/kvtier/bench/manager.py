@@ -162,7 +162,7 @@ def metadata_bytes(subject: Subject, policy: str, capacity: int, keys: list[byte
             manager.complete_store(chunk, ctx, True)
             manager.on_request_finished(ctx)
             subject.end_step(manager)
-        del held, ctx
+        del held
         gc.collect()
         used, _ = tracemalloc.get_traced_memory()
     finally:
