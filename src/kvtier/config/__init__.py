@@ -24,14 +24,20 @@ from kvtier.config.describe import describe
 from kvtier.config.kinds import TIER_KINDS
 from kvtier.config.load import load_config
 from kvtier.config.parse import parse_tier
-from kvtier.config.schema import RECEIVES, WRITE_POLICIES, CascadeConfig, KvtierConfig, TierConfig
-from kvtier.config.source import MAX_YAML_NODES
-from kvtier.config.units import (
-    MAX_FIELD_INT, MAX_SIZE_TEXT, MiB, format_size, parse_size, positive_int, positive_size,
-)
+from kvtier.config.schema import RECEIVES, CascadeConfig, KvtierConfig, TierConfig
+from kvtier.config.units import format_size, parse_size, positive_int, positive_size
 
-# The built-in kinds' sections, under their old path (kvtier.config.CPUTierConfig). Imported
-# last: they import the layers above, never this package's façade.
+# Module attributes of the old single-file kvtier.config, kept importable from here; each
+# module's own __all__ is where they are documented.
+from kvtier.config.schema import WRITE_POLICIES as WRITE_POLICIES
+from kvtier.config.source import MAX_YAML_NODES as MAX_YAML_NODES
+from kvtier.config.units import MAX_FIELD_INT as MAX_FIELD_INT
+from kvtier.config.units import MAX_SIZE_TEXT as MAX_SIZE_TEXT
+from kvtier.config.units import MiB as MiB
+
+# The built-in kinds' sections, under their old path (kvtier.config.CPUTierConfig); new code
+# imports them from kvtier.tiers.<kind>.config. Imported last: they import the layers above,
+# never this package's façade.
 from kvtier.tiers.cpu.config import CPUTierConfig
 from kvtier.tiers.disk.config import DiskTierConfig
 
@@ -42,7 +48,6 @@ __all__ = [
     "DiskTierConfig",
     "CascadeConfig",
     "RECEIVES",
-    "WRITE_POLICIES",
     "KvtierConfig",
     "load_config",
     "parse_size",
@@ -54,8 +59,4 @@ __all__ = [
     "positive_size",
     "non_empty_str",
     "MISSING",
-    "MAX_FIELD_INT",
-    "MAX_SIZE_TEXT",
-    "MAX_YAML_NODES",
-    "MiB",
 ]
