@@ -26,7 +26,7 @@ class TierConfig:
     """What every tier has, whatever its kind; the base of every kind's own section.
 
     A tier kind is a subclass (a frozen dataclass adding the kind's own fields, each with its
-    default) registered in :data:`TIER_KINDS`, or named by class path in ``kind``. The parser
+    default) registered in :data:`~kvtier.config.TIER_KINDS`, or named by class path in ``kind``. The parser
     handles the common keys below and hands the rest of the section to the kind's
     :meth:`parse_options`; building the tier is the kind's :meth:`open_lower` (tiers below the
     first) or its own hook for the first tier. Nothing outside the kind's module names its
