@@ -10,15 +10,25 @@ which workers attach to and pin for DMA, and which the disk mover reads and writ
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.config import format_size
-from kvtier.tiers.cpu.config import PIN_MEMORY_CHOICES, CPUTierConfig
+from kvtier.config.units import format_size
 from kvtier.errors import ConfigError
 from kvtier.mediums import CPULoadStoreSpec
-from kvtier.tiers.cpu.region import HEADER_BYTES, SharedRegion, default_directory, row_stride_for
+from kvtier.tiers.cpu.region import (
+    HEADER_BYTES,
+    PIN_MEMORY_CHOICES,
+    SharedRegion,
+    default_directory,
+    row_stride_for,
+    sweep_stale_regions,
+)
 from kvtier.tiers.cpu.slots import SlotBackend
+
+if TYPE_CHECKING:  # the section opens this tier (CPUTierConfig.open_first), not the reverse
+    from kvtier.tiers.cpu.config import CPUTierConfig
 
 __all__ = ["CPUBackend"]
 
@@ -136,6 +146,9 @@ class CPUBackend(SlotBackend):
         directory = (
             os.path.dirname(os.path.abspath(config.path)) if config.path else default_directory()
         )
+        # Regions of runs that were killed (SIGKILL, a crash) first: they hold the room this
+        # one needs, and may sit at this very path (under vLLM: kvtier-<engine id>).
+        sweep_stale_regions(directory)
         free_space = _free_space_bytes(directory)
         if free_space is not None and region_bytes > free_space:
             raise ConfigError(
