@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             out=out,
             device=args.device,
             deterministic=args.deterministic,
-        ))  # the JSON line only with --json (printed by _report): a person gets the table
+        ))  # the JSON line only with --json (printed by report): a person gets the table
     except KvtierError as exc:
         print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2
