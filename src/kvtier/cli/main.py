@@ -1,16 +1,19 @@
 """``kvtier``: check configurations and measure the tiers from the command line.
 
 This module only wires the commands; each lives in its own module (``kvtier.cli.<command>``)
-with ``add_parser(sub)`` (its options) and ``run(args) -> int`` (its exit status).
+with ``add_parser(sub)`` (its options) and ``run(args) -> int`` (its exit status). Every
+command runs under :func:`~kvtier.cli.signals.stop_on_signals`.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
 from kvtier.cli import bench, check, config, plan, replay, soak
+from kvtier.cli.signals import Stopped, stop_on_signals
 
 #: the commands, in the order ``kvtier --help`` lists them
 COMMANDS = (replay, plan, config, check, soak, bench)
@@ -29,7 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        with stop_on_signals():
+            return args.func(args)
+    except Stopped as stopped:
+        name = signal.Signals(stopped.signum).name
+        print(f"kvtier: stopped by {name}; temporary stores and the CPU region removed", file=sys.stderr)
+        return 128 + stopped.signum  # what a shell reports for a process the signal ended
 
 
 if __name__ == "__main__":
