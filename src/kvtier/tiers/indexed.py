@@ -1,6 +1,6 @@
 """The scheduler-side bookkeeping lower tiers share: :class:`IndexedTier` and its counters.
 
-:class:`IndexedTier` implements the whole :class:`~kvtier.tiers.base.SecondaryTier` job
+:class:`IndexedTier` implements the whole :class:`~kvtier.tiers.contract.SecondaryTier` job
 contract over an eviction policy; a medium subclass only starts the byte copies and hands
 back what finished. :class:`TierCounters` is the thread-safe counter set behind ``stats()``.
 """
@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from kvtier.base import OffloadingEvent, OffloadKey
 from kvtier.policies.base import EvictionPolicy
-from kvtier.tiers.base import SecondaryTier
+from kvtier.tiers.contract import SecondaryTier
 from kvtier.tiers.jobs import Failure, FailureKind, TierJob, TierJobResult, TierWork
 
 __all__ = ["IndexedTier", "TierCounters"]

@@ -67,7 +67,7 @@ import numpy as np
 
 from kvtier.base import OffloadingEvent, OffloadKey
 from kvtier.errors import ValkeyCheckError
-from kvtier.tiers.base import SecondaryTier
+from kvtier.tiers.contract import SecondaryTier
 from kvtier.tiers.disk.format import HEADER_BYTES, LayoutFingerprint
 from kvtier.tiers.jobs import CheckReport, Failure, FailureKind, TierJob, TierJobResult
 from kvtier.tiers.secret import tier_keys
