@@ -33,7 +33,7 @@ def _stable_hash(key: object) -> int:
     with ``PYTHONHASHSEED``, which made the sample, hence the race, differ run to run. An
     offload key starts with a digest, so its first 8 bytes are already uniform."""
     if key.__class__ is bytes:
-        return int.from_bytes(key[:8], "little")  # type: ignore[index]
+        return int.from_bytes(key[:8], "little")
     return hash(key)
 
 
