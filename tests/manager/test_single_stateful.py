@@ -16,7 +16,7 @@ from kvtier.base import ReqContext
 from kvtier.manager.single import SingleTierManager
 from kvtier.policies import get_policy_class, registered_policies
 from kvtier.policies.lru import LRUPolicy
-from kvtier.tiers.memory import MemoryBackend
+from kvtier.testing import MemoryBackend
 
 # hypothesis's state machines: seconds each, so out of the quick `-m "not slow"` loop
 pytestmark = pytest.mark.slow

@@ -21,8 +21,8 @@ from kvtier.manager.stack import TierStackManager
 from kvtier.policies import get_policy_class, registered_policies
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.lru import LRUPolicy
-from kvtier.tiers.memory import MemoryTier
-from kvtier.tiers.memory import MemoryBackend
+from kvtier.testing import MemoryTier
+from kvtier.testing import MemoryBackend
 
 # hypothesis's state machines: seconds each, so out of the quick `-m "not slow"` loop
 pytestmark = pytest.mark.slow
