@@ -4,6 +4,10 @@
 #
 #   scripts/check.sh [pytest arguments...]
 #
+# The suite runs in parallel, one pytest-xdist worker per core (-n auto); tests that share a
+# fixed resource say so with @pytest.mark.xdist_group, which --dist loadgroup keeps on one
+# worker. `scripts/check.sh -n 0` runs it serially; `-m "not slow"` leaves out the slow tests.
+#
 # Uses .venv/bin/python where there is one, else python3 (PYTHON=... overrides); that Python
 # needs the '.[test]' extra (ruff, mypy, pytest and the test dependencies). The settings of
 # all three live in pyproject.toml.
@@ -17,4 +21,9 @@ echo "== ruff check" >&2
 echo "== mypy" >&2
 "$PYTHON" -m mypy
 echo "== pytest" >&2
-"$PYTHON" -m pytest "$@"
+if "$PYTHON" -c "import xdist" 2>/dev/null; then
+    "$PYTHON" -m pytest -n auto --dist loadgroup "$@"
+else  # a venv made before pytest-xdist joined the test extra
+    echo "pytest-xdist is not installed (pip install -e '.[test]'): running serially" >&2
+    "$PYTHON" -m pytest "$@"
+fi

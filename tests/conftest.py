@@ -1,5 +1,1 @@
-import sys
-from pathlib import Path
-
-# Tests import their helpers as a plain module, whatever the rootdir.
-sys.path.insert(0, str(Path(__file__).parent))
+"""Fixtures shared by the whole suite live here; helpers are the ``kvtier_testing`` package."""

@@ -45,6 +45,7 @@ def test_config_check_missing_file(tmp_path, capsys):
     assert "nope.yaml" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_manager_json_has_every_figure(capsys):
     assert main(["bench", "manager", "--json", "--keys", "2000", "--capacity", "1000", "--runs", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()

@@ -41,6 +41,7 @@ def _wait_for(predicate, timeout_s=60.0):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.slow
 def test_a_replay_stopped_mid_run_removes_its_region_and_store(tmp_path, signum):
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     process = subprocess.Popen(

@@ -119,6 +119,7 @@ def _third_party() -> list[str]:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="forks a child per module")
+@pytest.mark.slow
 def test_every_module_imports_alone_in_a_fresh_interpreter() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     request = json.dumps([sorted(MODULES), _third_party(), max(2, os.cpu_count() or 1)])

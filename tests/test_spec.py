@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import key
+from kvtier_testing import key
 
 import kvtier
 from kvtier import (

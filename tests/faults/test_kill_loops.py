@@ -84,6 +84,7 @@ def load_all(tier, rows, keys) -> tuple[list[bytes], int]:
     return served, wrong
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lmdb", "files"])
 def test_a_writer_killed_again_and_again(kind, tmp_path):
     store = tmp_path / "store"

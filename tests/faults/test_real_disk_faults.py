@@ -30,9 +30,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from fault_fs import ext4, fill, fs_error, remount, shutdown, tmpfs
-from fault_stack import CTX, Stack
-from helpers import key
+from kvtier_testing.fault_fs import ext4, fill, fs_error, remount, shutdown, tmpfs
+from kvtier_testing.fault_stack import CTX, Stack
+from kvtier_testing import key
 
 from kvtier.tiers.disk import check_store
 

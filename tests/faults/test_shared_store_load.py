@@ -65,6 +65,7 @@ def blocks_on_disk(kind: str, path: Path, index) -> int:
         return txn.stat(index.open_db(b"blocks", txn=txn, create=False))["entries"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lmdb", "files"])
 def test_two_processes_store_load_and_evict_at_once(kind, tmp_path):
     store = tmp_path / "store"

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from fault_fs import tmpfs
+from kvtier_testing.fault_fs import tmpfs
 
 import kvtier
 from kvtier.errors import ConfigError

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import kvtier
 from kvtier.cli.main import main
 from kvtier.soak import run as soak_run
@@ -14,6 +16,7 @@ from kvtier.soak import run as soak_run
 SRC = os.path.dirname(os.path.dirname(kvtier.__file__))
 
 
+@pytest.mark.slow
 def test_a_short_soak_with_faults_serves_nothing_wrong_and_loses_nothing(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "kvtier.cli.main", "soak", "--minutes", "0.04", "--faults", "--json",

@@ -7,6 +7,8 @@ environment (where it would succeed silently, which is what this test catches).
 import subprocess
 import sys
 
+import pytest
+
 # Imports every kvtier module except the vLLM integration, in a fresh interpreter (the test
 # process may have imported vLLM already), then reports any vllm module loaded.
 # Modules are listed from the files, not with pkgutil.walk_packages, which imports every
@@ -32,6 +34,7 @@ sys.exit(1 if loaded else 0)
 """
 
 
+@pytest.mark.slow
 def test_kvtier_and_its_modules_import_without_importing_vllm():
     result = subprocess.run(
         [sys.executable, "-c", _PROBE], check=False, capture_output=True, text=True, timeout=300

@@ -3,10 +3,13 @@
 import io
 import json
 
+import pytest
+
 from kvtier.bench import manager_stack
 from kvtier.cli.main import main
 
 
+@pytest.mark.slow
 def test_stack_bench_record_has_every_figure():
     out = io.StringIO()
     record = manager_stack.run(sizes=(3000, 1000), steps=20, runs=2, out=out)

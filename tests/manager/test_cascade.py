@@ -5,7 +5,7 @@ saved tier above it keeps). Bytes that reach a tier are compared with the block'
 import numpy as np
 import pytest
 
-from helpers import key, payload, read_blocks, store_blocks
+from kvtier_testing import key, payload, read_blocks, store_blocks
 from kvtier import build_manager, load_config
 from kvtier.base import ReqContext
 from kvtier.config import CascadeConfig, describe

@@ -1,6 +1,6 @@
 """The stack manager's queue of blocks waiting to be saved: coldest first, refreshed by use."""
 
-from helpers import key
+from kvtier_testing import key
 from kvtier.manager.coldqueue import ColdQueue
 
 

@@ -10,7 +10,7 @@ No clock is read.
 
 import pytest
 
-from helpers import key
+from kvtier_testing import key
 from kvtier.base import ReqContext
 from kvtier.config import CascadeConfig
 from kvtier.manager.single import SingleTierManager

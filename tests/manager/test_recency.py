@@ -3,7 +3,7 @@ or loads is refreshed by its offer and its end, never by a ``touch`` (vLLM's con
 calls one)."""
 
 import pytest
-from helpers import key, read_blocks, store_blocks
+from kvtier_testing import key, read_blocks, store_blocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from helpers import key, payload, read_blocks, store_blocks
+from kvtier_testing import key, payload, read_blocks, store_blocks
 from kvtier.base import OffloadingEvent, ReqContext, RequestOffloadingContext
 from kvtier.errors import BlockStateError
 from kvtier.manager.single import SingleTierManager

@@ -6,16 +6,20 @@ wrong bytes, not just as a wrong count.
 """
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from helpers import key, payload
+from kvtier_testing import key, payload
 from kvtier.base import ReqContext
 from kvtier.manager.single import SingleTierManager
 from kvtier.policies import get_policy_class, registered_policies
 from kvtier.policies.lru import LRUPolicy
 from kvtier.testing import MemoryBackend
+
+# hypothesis's state machines: seconds each, so out of the quick `-m "not slow"` loop
+pytestmark = pytest.mark.slow
 
 CAPACITY = 5
 BLOCK = 32

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from helpers import key, payload, read_blocks, store_blocks
+from kvtier_testing import key, payload, read_blocks, store_blocks
 from kvtier.base import ReqContext
 from kvtier.config import CascadeConfig
 from kvtier.manager.stack import TierStackManager

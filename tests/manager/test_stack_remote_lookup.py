@@ -4,7 +4,7 @@ the stack manager answers ``None`` too, and the tier finds out at ``on_schedule_
 import numpy as np
 import xxhash
 
-from helpers import key, payload, read_blocks, store_blocks
+from kvtier_testing import key, payload, read_blocks, store_blocks
 from kvtier.base import ReqContext
 from kvtier.config import CascadeConfig
 from kvtier.manager.stack import TierStackManager

@@ -3,7 +3,7 @@ for an offer larger than write_back's usual clean headroom."""
 
 import numpy as np
 import pytest
-from helpers import key, payload, read_blocks, store_blocks
+from kvtier_testing import key, payload, read_blocks, store_blocks
 
 from kvtier.base import LoadTiers, ReqContext
 from kvtier.config import CascadeConfig

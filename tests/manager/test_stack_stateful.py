@@ -9,11 +9,12 @@ reach it (or be refused by it), and it never gets a block the disk keeps.
 """
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from helpers import key, payload
+from kvtier_testing import key, payload
 from kvtier.base import ReqContext
 from kvtier.config import CascadeConfig
 from kvtier.manager.stack import TierStackManager
@@ -22,6 +23,9 @@ from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.lru import LRUPolicy
 from kvtier.testing import MemoryTier
 from kvtier.testing import MemoryBackend
+
+# hypothesis's state machines: seconds each, so out of the quick `-m "not slow"` loop
+pytestmark = pytest.mark.slow
 
 CPU_BLOCKS = 4
 DISK_BLOCKS = 6

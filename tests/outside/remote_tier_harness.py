@@ -14,7 +14,7 @@ import uuid
 from typing import ClassVar
 
 import remote_tier
-from tier_harness import Harness, register
+from kvtier_testing.conformance.tier_harness import Harness, register
 
 
 @register

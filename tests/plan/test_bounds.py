@@ -43,6 +43,7 @@ def traces(tmp_path_factory):
     return {"bundled": (bundled_trace_path(), [2000, 10000]), "synthetic": (synthetic, [250, 1000])}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trace", ["bundled", "synthetic"])
 def test_reuse_oracle_between_every_policy_and_belady(traces, trace):
     path, capacities = traces[trace]

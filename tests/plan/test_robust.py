@@ -19,6 +19,7 @@ def chains(tmp_path_factory):
     return {name: [r.hash_ids for r in load_trace(path)] for name, path in paths.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trace", [*BUNDLED_TRACES, "built"])
 def test_learnt_chain_never_falls_below_lru_and_beats_it_where_there_is_room(chains, trace):
     gains = []

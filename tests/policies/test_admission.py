@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import key
+from kvtier_testing import key
 from kvtier.errors import ConfigError
 from kvtier.policies.admission import AdmissionFilter, CountMinSketch
 

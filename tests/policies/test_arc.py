@@ -1,4 +1,4 @@
-from helpers import key
+from kvtier_testing import key
 from kvtier.policies.arc import ARCPolicy
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from helpers import key
+from kvtier_testing import key
 from kvtier.policies.lru import LRUPolicy
 
 

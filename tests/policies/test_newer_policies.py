@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import key
+from kvtier_testing import key
 from kvtier.policies import get_policy_class
 from kvtier.policies.chain import ChainPolicy
 from kvtier.policies.s3fifo import S3FIFOPolicy

@@ -48,7 +48,7 @@ def test_out_of_tree_policy_by_module_path(tmp_path, monkeypatch):
 def test_a_policy_without_native_holds_still_never_evicts_a_held_key():
     from collections import OrderedDict
 
-    from helpers import key
+    from kvtier_testing import key
 
     class PlainFIFO(EvictionPolicy):  # knows nothing of holds: the base class keeps them
         def __init__(self, capacity_blocks):

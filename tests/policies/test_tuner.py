@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from helpers import key
+from kvtier_testing import key
 from kvtier.plan.simulate import simulate
 from kvtier.policies.chain import SHARES, ChainPolicy
 from kvtier.policies.lru import LRUPolicy

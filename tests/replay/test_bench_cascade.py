@@ -3,10 +3,13 @@
 import io
 import json
 
+import pytest
+
 from kvtier.bench import cascade
 from kvtier.cli.main import main
 
 
+@pytest.mark.slow
 def test_every_stack_writes_each_block_once_and_serves_the_same_hits():
     out = io.StringIO()
     record = cascade.run(limit=300, out=out)

@@ -205,6 +205,7 @@ def test_replay_reports_each_lower_tiers_admission(tmp_path):
     assert record["mismatched_blocks"] == 0
 
 
+@pytest.mark.slow
 def test_deterministic_replays_repeat_every_figure_but_the_times(tmp_path):
     """A small CPU tier over a disk tier: blocks are saved, evicted and promoted all along.
     Two deterministic runs agree on everything the stack did, hits per tier included."""

@@ -84,6 +84,7 @@ def test_a_replay_over_valkey_waits_for_its_answers_instead_of_stepping(valkey_u
     assert record["steps"] <= 8 * record["requests"]
 
 
+@pytest.mark.slow
 def test_a_fleet_leaves_out_requests_larger_than_the_gpu_cache_up_front(valkey_url, tmp_path, monkeypatch, capsys):
     from kvtier.replay.fleet import replay_fleet
 

@@ -85,6 +85,7 @@ def test_edge_values_are_accepted_by_both_commands_alike(tmp_path):
     assert len({block_key(h) for h in request.hash_ids}) == 2  # replay can hash every id it loads
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(
     st.text(max_size=200),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import key
+from kvtier_testing import key
 
 from kvtier import ConfigError, ReqContext, TieredOffloadingSpec, load_config
 from kvtier.config import TIER_KINDS, describe
@@ -153,7 +153,7 @@ def test_a_damaged_remote_block_is_a_counted_miss(remote):
     manager = build_manager(stack_yaml("1MiB", "kind: 'remote_tier:RemoteTierConfig', url: 'mem://rot'",
                                        write_policy="write_through"), block_bytes=4096)
     try:
-        from helpers import store_blocks
+        from kvtier_testing import store_blocks
 
         store_blocks(manager, [key(1)], CTX)
         manager.on_schedule_end()

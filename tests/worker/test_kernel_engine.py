@@ -28,6 +28,7 @@ def test_element_width_divides_every_address_and_size():
     assert element_bytes(u64(), u64(), u64()) == 8
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(find_spec("triton") is None, reason="needs Triton (pip install triton)")
 def test_kernel_copies_what_memmove_copies():
     script = Path(__file__).with_name("kernel_check.py")

@@ -16,7 +16,7 @@ from importlib.util import find_spec
 
 import numpy as np
 import pytest
-from helpers import key
+from kvtier_testing import key
 from rank_processes import (
     FACTOR,
     GPU_BLOCK_TOKENS,
@@ -187,6 +187,7 @@ def _result(job_id, success, size):
     return TransferResult(job_id, success, size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world_size", "kv_replicas", "what"),
     [
@@ -309,6 +310,7 @@ def test_a_store_written_at_tp2_is_never_read_at_tp4(tmp_path):
         again.shutdown()
 
 
+@pytest.mark.slow
 def test_a_replicated_store_written_at_tp2_is_read_at_tp4(tmp_path):
     """Every rank of an MLA engine holds the same bytes: the row is one shard at any TP size,
     and its fingerprint leaves the world size out, so a TP=4 engine reads what TP=2 wrote."""

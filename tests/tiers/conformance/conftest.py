@@ -2,19 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-_TESTS = Path(__file__).resolve().parents[2]
-# the harnesses reuse the fault helpers of tests/faults and the disk tests' helpers, and the
-# out-of-tree example tier (and its harness) in tests/outside
-for folder in (Path(__file__).parent, _TESTS / "faults", _TESTS / "tiers" / "disk", _TESTS / "outside"):
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-
-import tier_harness  # noqa: E402  (its folder is put on sys.path just above)
+from kvtier_testing.conformance import tier_harness
 
 
 def pytest_generate_tests(metafunc):

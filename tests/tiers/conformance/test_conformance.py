@@ -12,8 +12,8 @@ A scenario a kind cannot express is skipped by its harness, naming the kind and 
 from __future__ import annotations
 
 import pytest
-from conformance_stack import Stack
-from helpers import key
+from kvtier_testing.conformance.conformance_stack import Stack
+from kvtier_testing import key
 
 
 def keys(start: int, count: int):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-import tier_harness
+from kvtier_testing.conformance import tier_harness
 
 from kvtier.config import TIER_KINDS
 
@@ -29,7 +29,7 @@ def test_a_kind_registered_without_a_harness_fails_every_scenario(request, tmp_p
 
 def test_a_kind_from_outside_brings_its_harness_by_environment(tmp_path, monkeypatch):
     (tmp_path / "my_kind_harness.py").write_text(
-        "from tier_harness import Harness, register\n"
+        "from kvtier_testing.conformance.tier_harness import Harness, register\n"
         "@register\n"
         "class MyHarness(Harness):\n"
         "    kind = 'my_pkg.tiers:MyTierConfig'\n"

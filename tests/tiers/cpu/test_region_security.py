@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from kvtier_testing.users import throwaway_user
 
 from kvtier.errors import KvtierError
 from kvtier.tiers.cpu.region import (
@@ -31,15 +32,8 @@ def attacker():
     """A throwaway unprivileged user (uid, gid), removed afterwards."""
     if os.geteuid() != 0 or shutil.which("useradd") is None:
         pytest.skip("needs root and useradd to create a throwaway user")
-    name = f"kvatk{secrets.token_hex(3)}"
-    subprocess.run(["useradd", "-M", "-r", "-s", "/usr/sbin/nologin", name], check=True)
-    try:
-        import pwd
-
-        entry = pwd.getpwnam(name)
+    with throwaway_user("kvatk", "-r") as entry:
         yield entry.pw_uid, entry.pw_gid
-    finally:
-        subprocess.run(["userdel", name], check=False)
 
 
 def as_user(user, *argv):

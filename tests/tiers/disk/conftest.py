@@ -1,7 +1,7 @@
 """Fixtures every disk-tier test module shares."""
 
 import pytest
-from store_helpers import KINDS, region
+from kvtier_testing.store import KINDS, region
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import key
-from store_helpers import KINDS, open_tier, region, store
+from kvtier_testing import key
+from kvtier_testing.store import KINDS, open_tier, region, store
 
 from kvtier.cli.main import main
 from kvtier.tiers.disk.format import HEADER_BYTES

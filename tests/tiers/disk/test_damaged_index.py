@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import key
-from store_helpers import KINDS, holds, load, open_tier, store
+from kvtier_testing import key
+from kvtier_testing.store import KINDS, holds, load, open_tier, store
 
 from kvtier.tiers.disk.manifest import MANIFEST_NAME
 from kvtier.tiers.disk.scan import find_blocks

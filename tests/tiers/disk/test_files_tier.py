@@ -2,8 +2,8 @@
 
 import os
 
-from helpers import key
-from store_helpers import dead_pid, load, open_tier, store
+from kvtier_testing import key
+from kvtier_testing.store import dead_pid, load, open_tier, store
 
 
 def usage(path) -> int:

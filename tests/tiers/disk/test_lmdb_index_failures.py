@@ -15,8 +15,8 @@ from the first block write of one job until the job is over — exactly that win
 from __future__ import annotations
 
 import lmdb
-from helpers import key
-from store_helpers import load, open_tier, store
+from kvtier_testing import key
+from kvtier_testing.store import load, open_tier, store
 
 
 class _FailingWrites:

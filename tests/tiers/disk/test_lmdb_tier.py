@@ -2,8 +2,8 @@
 
 
 import pytest
-from helpers import key
-from store_helpers import dead_pid, holds, load, open_tier, store
+from kvtier_testing import key
+from kvtier_testing.store import dead_pid, holds, load, open_tier, store
 
 from kvtier.errors import IndexDamagedError
 from kvtier.tiers.disk.lmdb import _ENTRY, _NEXT_SLOT, _OWNER, _slot_key

@@ -1,7 +1,7 @@
 """Blocks found in a store directory by their headers alone, for both disk kinds."""
 
-from helpers import key
-from store_helpers import open_tier, store
+from kvtier_testing import key
+from kvtier_testing.store import open_tier, store
 
 from kvtier.tiers.disk.format import HEADER_BYTES
 from kvtier.tiers.disk.scan import find_blocks

@@ -9,18 +9,17 @@ the same). Tests that need a second user skip when not run as root.
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import stat
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
-from helpers import key
-from store_helpers import KINDS, config, fingerprint, holds, load, open_tier, store
+from kvtier_testing import key
+from kvtier_testing.users import throwaway_user
+from kvtier_testing.store import KINDS, config, fingerprint, holds, load, open_tier, store
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, DiskTierError, KvtierError
@@ -43,24 +42,8 @@ VICTIM_BYTES = b"root-only secret: 56 bytes of something that must stay.\n"
 @pytest.fixture
 def attacker():
     """A throwaway unprivileged user: ``(name, uid, gid)``; removed after the test."""
-    name = f"kvtatk{secrets.token_hex(3)}"
-    for _ in range(20):  # useradd fails while another process holds /etc/passwd's lock
-        made = subprocess.run(
-            ["useradd", "-M", "-U", "-s", "/usr/sbin/nologin", name], capture_output=True, text=True, check=False,
-        )
-        if made.returncode == 0:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"useradd {name}: {made.stderr}")
-    import pwd
-
-    entry = pwd.getpwnam(name)
-    yield name, entry.pw_uid, entry.pw_gid
-    for _ in range(20):
-        if subprocess.run(["userdel", name], capture_output=True, check=False).returncode in (0, 6):
-            break
-        time.sleep(0.2)
+    with throwaway_user("kvtatk", "-U") as entry:
+        yield entry.pw_name, entry.pw_uid, entry.pw_gid
 
 
 @pytest.fixture

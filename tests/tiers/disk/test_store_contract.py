@@ -7,8 +7,8 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from helpers import key
-from store_helpers import (
+from kvtier_testing import key
+from kvtier_testing.store import (
     BLOCK,
     KINDS,
     fill,
@@ -382,7 +382,7 @@ def test_o_direct_refused_at_run_time_falls_back_once(kind, tmp_path, shm, monke
 
 
 def test_io_threads_come_from_the_tier_section(kind, tmp_path, shm):
-    from store_helpers import config
+    from kvtier_testing.store import config
 
     cfg = config(kind, tmp_path / "s", 16, shm.rows.shape[1], threads=3)
     tier = open_store(cfg, shm.rows, fingerprint(shm.rows.shape[1]))

@@ -5,38 +5,22 @@ import os
 
 import pytest
 import xxhash
-from helpers import key, payload
-from store_helpers import (
+from kvtier_testing import key, payload
+from kvtier_testing.store import (
     BLOCK,
     KINDS,
+    flip,
     fingerprint,
     holds,
     load,
+    locate,
     open_tier,
     store,
 )
 
 from kvtier.tiers.disk.format import HEADER_BYTES, encode_header_into
-from kvtier.tiers.disk.lmdb import _ENTRY
 from kvtier.tiers.base import Failure
 from kvtier.tiers.disk.blockio import aligned_buffer
-
-
-def locate(tier, k):
-    """(file, offset) of key ``k``'s block on disk."""
-    if tier.kind == "lmdb":
-        with tier._env.begin() as txn:
-            slot = _ENTRY.unpack(txn.get(k, db=tier._blocks))[0]
-        return os.path.join(tier.path, "slab.kvs"), slot * tier.slot_bytes
-    return tier._shown(tier._path_of(k)), 0
-
-
-def flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x5A]))
 
 
 def flip_payload(tier, victim, other):

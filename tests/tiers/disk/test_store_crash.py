@@ -8,19 +8,19 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import key
-from store_helpers import KINDS, holds, load, open_tier, region
+from kvtier_testing import key
+from kvtier_testing.store import KINDS, holds, load, open_tier, region
 
-HERE = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[2]
 
 WRITER = r"""
 import sys
-sys.path[:0] = sys.argv[1:3]
-from helpers import key
-from store_helpers import fill, open_tier, region
+sys.path.insert(0, sys.argv[1])  # tests/, for kvtier_testing
+from kvtier_testing import key
+from kvtier_testing.store import fill, open_tier, region
 from kvtier.tiers.base import TierJob
 
-kind, path, fsync, shm_path = sys.argv[3:7]
+kind, path, fsync, shm_path = sys.argv[2:6]
 shm = region(4, path=shm_path)
 tier = open_tier(kind, path, shm.rows, 4000, fsync=fsync)
 i = job = 0
@@ -38,11 +38,11 @@ while True:
 
 SHARER = r"""
 import json, os, random, sys, time
-sys.path[:0] = sys.argv[1:3]
-from helpers import key
-from store_helpers import holds, load, open_tier, region, store
+sys.path.insert(0, sys.argv[1])  # tests/, for kvtier_testing
+from kvtier_testing import key
+from kvtier_testing.store import holds, load, open_tier, region, store
 
-kind, path, seed, shm_path, go = sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6], sys.argv[7]
+kind, path, seed, shm_path, go = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6]
 shm = region(16, path=shm_path)
 tier = open_tier(kind, path, shm.rows, 24)
 print("ready", flush=True)
@@ -73,7 +73,7 @@ print(json.dumps({"wrong": wrong, "stored": stored, "loaded": loaded, "reasons":
 
 def child(code, *args):
     return subprocess.Popen(
-        [sys.executable, "-c", code, str(HERE.parents[1]), str(HERE), *map(str, args)],
+        [sys.executable, "-c", code, str(TESTS), *map(str, args)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 

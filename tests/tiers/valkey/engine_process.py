@@ -13,10 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for kvtier_testing
 
 import numpy as np  # noqa: E402
-from helpers import key, payload, read_blocks, store_blocks  # noqa: E402
+from kvtier_testing import key, payload, read_blocks, store_blocks  # noqa: E402
 
 import kvtier  # noqa: E402
 from kvtier import ReqContext  # noqa: E402

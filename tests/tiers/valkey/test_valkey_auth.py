@@ -11,8 +11,8 @@ import os
 
 import numpy as np
 import pytest
-from conftest import BLOCK_BYTES, finish, settle
-from helpers import key, payload
+from kvtier_testing.valkey_tier import BLOCK_BYTES, finish, settle
+from kvtier_testing import key, payload
 from tls_proxy import TLSProxy, make_pki
 
 from kvtier.cli.main import main

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from conftest import BLOCK_BYTES, finish, open_tier, settle
-from helpers import key, payload
+from kvtier_testing.valkey_tier import BLOCK_BYTES, finish, open_tier, settle
+from kvtier_testing import key, payload
 
 from kvtier.cli.main import main
 from kvtier.tiers.base import TierJob

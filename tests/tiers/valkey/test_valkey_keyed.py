@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 import xxhash
-from conftest import BLOCK_BYTES, finish, open_tier, settle
-from helpers import key, payload
+from kvtier_testing.valkey_tier import BLOCK_BYTES, finish, open_tier, settle
+from kvtier_testing import key, payload
 
 from kvtier.tiers.base import Failure, TierJob
 from kvtier.tiers.disk.format import (

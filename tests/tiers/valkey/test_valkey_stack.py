@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conftest import BLOCK_BYTES, SETTLE_S, finish, open_tier, settle
-from helpers import key, payload, read_blocks, store_blocks
+import pytest
+from kvtier_testing.valkey_tier import BLOCK_BYTES, SETTLE_S, finish, open_tier, settle
+from kvtier_testing import key, payload, read_blocks, store_blocks
 
 import kvtier
 from kvtier import ReqContext
@@ -34,6 +35,7 @@ def run_engine(role: str, url: str, first: int, count: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_two_engine_processes_share_blocks(valkey_server):
     stored = run_engine("store", valkey_server.url, 0, 12)
     loaded = run_engine("load", valkey_server.url, 0, 12)

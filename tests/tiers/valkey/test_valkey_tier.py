@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 import pytest
-from conftest import BLOCK_BYTES, SETTLE_S, finish, open_tier, settle
-from helpers import key, payload
+from kvtier_testing.valkey_tier import BLOCK_BYTES, SETTLE_S, finish, open_tier, settle
+from kvtier_testing import key, payload
 
 from kvtier.tiers.base import Failure, FailureKind, TierJob
 from kvtier.tiers.disk.format import HEADER_BYTES, LayoutFingerprint

@@ -1,8 +1,8 @@
 """Conformance harnesses of the disk kinds, ``lmdb`` and ``files``.
 
-Damage is done to the real files (the disk tests' ``locate`` finds a block's bytes); a full
+Damage is done to the real files (``kvtier_testing.store.locate`` finds a block's bytes); a full
 disk is a real 4 MiB tmpfs that another file fills, a dead disk a real ext4 stopped with
-``EXT4_IOC_SHUTDOWN`` (``tests/faults/fault_fs.py``; both need root and skip without it).
+``EXT4_IOC_SHUTDOWN`` (``kvtier_testing/fault_fs.py``; both need root and skip without it).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import threading
 from typing import ClassVar
 
 import xxhash
-from fault_fs import ext4, tmpfs
-from fault_fs import fill as fill_filesystem
-from fault_fs import shutdown as shutdown_filesystem
-from test_store_corruption import flip, locate
-from tier_harness import Harness, register
+from kvtier_testing.fault_fs import ext4, tmpfs
+from kvtier_testing.fault_fs import fill as fill_filesystem
+from kvtier_testing.fault_fs import shutdown as shutdown_filesystem
+from kvtier_testing.store import flip, locate
+from kvtier_testing.conformance.tier_harness import Harness, register
 
 from kvtier.tiers.disk.blockio import aligned_buffer
 from kvtier.tiers.disk.format import (

@@ -40,7 +40,10 @@ __all__ = ["BLOCK", "HARNESS_MODULES", "Harness", "MissingHarness", "cases", "re
 BLOCK = 12_000
 
 #: the harness modules of the kinds kvtier ships, and of the out-of-tree example
-HARNESS_MODULES = ("harness_disk", "harness_valkey", "harness_memory", "remote_tier_harness")
+HARNESS_MODULES = (
+    "kvtier_testing.conformance.harness_disk", "kvtier_testing.conformance.harness_valkey",
+    "kvtier_testing.conformance.harness_memory", "remote_tier_harness",
+)
 #: comma-separated module names of more harnesses (a kind from outside kvtier)
 ENV_MODULES = "KVTIER_CONFORMANCE_HARNESSES"
 

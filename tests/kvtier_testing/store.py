@@ -1,24 +1,29 @@
-"""Helpers for the disk-tier tests: CPU rows, configs, and synchronous job runners."""
+"""Helpers for the disk-tier tests: CPU rows, configs, synchronous job runners, damage."""
 
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 import sys
 
 import numpy as np
-from helpers import payload
+from kvtier_testing import payload
 
 from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk import open_store
 from kvtier.tiers.base import TierJob, TierJobResult
 from kvtier.tiers.disk.format import LayoutFingerprint, on_disk_block_bytes
+from kvtier.tiers.disk.lmdb import _ENTRY
 from kvtier.tiers.cpu.region import SharedRegion
 
 #: not a multiple of 4096, so O_DIRECT moves each row's padded span (the case that needs care)
 BLOCK = 10_000
 KINDS = ("lmdb", "files")
-_job_ids = itertools.count(1)
+#: ids of the jobs run() submits: far above the small fixed ids tests give the jobs they submit
+#: themselves (TierJob(50, ...)), which the count, shared by every test in the process, would
+#: otherwise reach in some orders (xdist's) and answer in place of the test's own job
+_job_ids = itertools.count(1_000_000)
 
 
 def fingerprint(block_bytes: int = BLOCK, model: str = "test-model") -> LayoutFingerprint:
@@ -94,3 +99,20 @@ def dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     return child.pid
+
+
+def locate(tier, k):
+    """(file, offset) of key ``k``'s block on disk."""
+    if tier.kind == "lmdb":
+        with tier._env.begin() as txn:
+            slot = _ENTRY.unpack(txn.get(k, db=tier._blocks))[0]
+        return os.path.join(tier.path, "slab.kvs"), slot * tier.slot_bytes
+    return tier._shown(tier._path_of(k)), 0
+
+
+def flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x5A]))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tier_harness import Harness, register
+from kvtier_testing.conformance.tier_harness import Harness, register
 
 from kvtier.config import TierConfig
 from kvtier.testing import MemoryTier
@@ -31,7 +31,7 @@ class MemoryTierConfig(TierConfig):
 
 @register
 class MemoryHarness(Harness):
-    kind = "harness_memory:MemoryTierConfig"
+    kind = "kvtier_testing.conformance.harness_memory:MemoryTierConfig"
     label = "memory"
     counters: ClassVar[dict[str, str | None]] = {
         "stored": "stored", "loaded": "loaded", "missing": "missing", "corrupt": "corrupt", "failed": "failed_keys",

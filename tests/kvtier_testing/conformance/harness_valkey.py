@@ -15,7 +15,7 @@ import uuid
 from typing import ClassVar
 
 import xxhash
-from tier_harness import Harness, register
+from kvtier_testing.conformance.tier_harness import Harness, register
 
 from kvtier.tiers.disk.format import HEADER_BYTES, LayoutFingerprint, encode_header_into
 from kvtier.tiers.valkey.server import LocalValkeyCluster

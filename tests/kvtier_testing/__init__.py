@@ -1,4 +1,11 @@
-"""Shared test helpers: keys and deterministic payloads."""
+"""Shared test helpers: keys, deterministic payloads, store and load through a manager.
+
+pytest puts ``tests/`` on the path (``pythonpath`` in pyproject.toml), so tests import this
+package by name. Beside it: ``store`` (disk-tier rows, configs, synchronous jobs, damage),
+``valkey_tier`` (an open valkey tier, waiting on its threads), ``fault_fs`` (real tmpfs and
+ext4 faults), ``fault_stack`` (a CPU + disk stack driven like an engine) and ``conformance``
+(the lower-tier conformance suite's harnesses). Fixtures stay in the conftest.py files.
+"""
 
 from __future__ import annotations
 

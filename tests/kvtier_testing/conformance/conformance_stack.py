@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from helpers import payload, read_blocks, store_blocks
-from tier_harness import BLOCK, Harness
+from kvtier_testing import payload, read_blocks, store_blocks
+from kvtier_testing.conformance.tier_harness import BLOCK, Harness
 
 import kvtier
 from kvtier.base import OffloadKey, ReqContext

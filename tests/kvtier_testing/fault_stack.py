@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from helpers import payload, read_blocks, store_blocks
+from kvtier_testing import payload, read_blocks, store_blocks
 
 import kvtier
 from kvtier.base import OffloadKey, ReqContext
