@@ -4,15 +4,15 @@ from helpers import key
 from kvtier.manager.coldqueue import ColdQueue
 
 
-def test_pops_in_store_order_and_a_refreshed_key_goes_last():
+def test_pops_a_prefix_tail_first_and_a_refreshed_key_goes_last():
     queue = ColdQueue()
-    queue.add_new([key(i) for i in range(5)])
+    queue.add_new([key(i) for i in range(5)])  # one request's, head first: its tail coldest
     queue.refresh([key(1), key(3), key(99)])  # key(99) is not waiting: ignored
     assert len(queue) == 5 and key(1) in queue and key(99) not in queue
     taken, visited = queue.pop_coldest(3)
-    # the older copies of key(1) and key(3) are passed over: they now wait behind key(4)
-    assert taken == [key(0), key(2), key(4)] and visited == 5
-    assert queue.pop_coldest(10) == ([key(1), key(3)], 2)
+    # the older copies of key(3) and key(1) are passed over: they now wait behind key(0)
+    assert taken == [key(4), key(2), key(0)] and visited == 5
+    assert queue.pop_coldest(10) == ([key(3), key(1)], 2)
     assert not queue and queue.pop_coldest(1) == ([], 0)
 
 

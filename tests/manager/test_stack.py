@@ -68,11 +68,12 @@ def test_write_back_waits_for_pressure_then_saves_the_coldest():
     store(manager, [key(i) for i in range(5)])  # 3 free + 0 clean < 25% of 8? no: 3 >= 2
     settle(manager)
     assert disk.num_blocks() == 0
-    manager.touch([key(0)], CTX)  # key 0 is now the warmest
+    # one prefix, head first: its tail (key 4) is the coldest, its head the warmest
+    manager.touch([key(4)], CTX)  # key 4 is now the warmest
     store(manager, [key(5), key(6), key(7)])  # no free rows, nothing clean: under pressure
     settle(manager)
     saved = {k for k in map(key, range(8)) if disk.lookup(k)}
-    assert saved and key(0) not in saved and key(1) in saved
+    assert saved and key(4) not in saved and key(3) in saved
 
 
 def test_dirty_blocks_are_never_dropped_and_stores_wait_for_clean_room():

@@ -25,14 +25,17 @@ def test_prefix_hits_count_only_the_leading_run():
     assert simulate([(1, 2, 3), (9, 2, 3)], LRUPolicy(10), 10).hits == 0
 
 
-def test_lru_evicts_the_head_and_loses_the_chain_where_chain_keeps_the_prefix():
+@pytest.mark.parametrize("name", registered_policies())
+def test_every_policy_evicts_a_prefix_from_its_tail_and_keeps_its_head(name):
     chains = [(1, 2, 3), (5,), (1, 2, 3)]
-    # Capacity 3: storing 5 evicts LRU's oldest, the head 1, so 2 and 3 stay and serve nothing.
-    assert simulate(chains, LRUPolicy(3), 3).hits == 0
-    # The chain policy drops the tail 3 instead: the last request still hits 1, 2.
-    assert simulate(chains, get_policy_class("chain")(3), 3).hits == 2
+    # Capacity 3: storing 5 evicts the tail 3 (evicting the head 1 instead would leave 2 and
+    # 3 cached, serving nothing): the last request still hits 1, 2.
+    assert simulate(chains, get_policy_class(name)(3), 3).hits == 2
+
+
+def test_belady_bypasses_a_block_never_wanted_again():
     # Belady knows 5 never comes back: it bypasses 5 and hits all three.
-    assert belady(chains, 3).hits == 3
+    assert belady([(1, 2, 3), (5,), (1, 2, 3)], 3).hits == 3
     assert simulate(CHAINS, LRUPolicy(3), 3).hits == 4  # 1, 2 twice; 3 went for 4
 
 

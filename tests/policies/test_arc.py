@@ -5,7 +5,7 @@ from kvtier.policies.arc import ARCPolicy
 def test_new_keys_land_in_t1_and_a_touch_promotes_to_t2():
     policy = ARCPolicy(4)
     policy.insert([key(0), key(1)], [0, 1])
-    assert list(policy._t1) == [key(0), key(1)] and not policy._t2
+    assert list(policy._t1) == [key(1), key(0)] and not policy._t2  # the head most recent
     policy.touch([key(0)])
     assert list(policy._t2) == [key(0)] and list(policy._t1) == [key(1)]
     policy.touch([key(0)])  # stays in t2, at the recent end
@@ -15,32 +15,32 @@ def test_new_keys_land_in_t1_and_a_touch_promotes_to_t2():
 def test_eviction_prefers_t1_while_above_target_and_remembers_ghosts():
     policy = ARCPolicy(4)
     policy.insert([key(i) for i in range(4)], [0, 1, 2, 3])
-    policy.touch([key(0), key(1)])  # t1 = {2, 3}, t2 = {0, 1}, p = 0
+    policy.touch([key(0), key(1)])  # t1 = [3, 2], t2 = [1, 0], p = 0
     victims = policy.evict(1, set())
-    assert victims == [(key(2), 2)]  # |t1| = 2 > p = 0: take t1's oldest
-    assert key(2) in policy._b1 and not policy.contains(key(2))
+    assert victims == [(key(3), 3)]  # |t1| = 2 > p = 0: take t1's oldest (the tail)
+    assert key(3) in policy._b1 and not policy.contains(key(3))
 
 
 def test_ghost_hit_in_b1_grows_target_and_goes_to_t2():
     policy = ARCPolicy(4)
     policy.insert([key(i) for i in range(4)], [0, 1, 2, 3])
-    policy.evict(2, set())  # key 0 and 1 become b1 ghosts
+    policy.evict(2, set())  # the tail, keys 3 and 2, become b1 ghosts
     assert policy.target_t1_blocks == 0
-    policy.insert([key(0)], [0])
+    policy.insert([key(3)], [3])
     assert policy.target_t1_blocks >= 1
-    assert key(0) in policy._t2 and key(0) not in policy._b1
+    assert key(3) in policy._t2 and key(3) not in policy._b1
 
 
 def test_ghost_hit_in_b2_shrinks_target():
     policy = ARCPolicy(2)
     policy.insert([key(0), key(1)], [0, 1])
-    policy.touch([key(0), key(1)])  # both frequent
-    policy.evict(1, set())  # t1 empty: from t2 -> b2 ghost of key 0
-    assert key(0) in policy._b2
+    policy.touch([key(0), key(1)])  # both frequent, t2 = [1, 0]
+    policy.evict(1, set())  # t1 empty: from t2 -> b2 ghost of key 1
+    assert key(1) in policy._b2
     policy._p = 1.0
-    policy.insert([key(0)], [0])
+    policy.insert([key(1)], [1])
     assert policy.target_t1_blocks == 0.0
-    assert key(0) in policy._t2
+    assert key(1) in policy._t2
 
 
 def test_evict_skips_pinned_and_falls_back_to_the_other_list():
@@ -71,9 +71,9 @@ def test_ghost_lists_stay_bounded():
 def test_clear_resets_history():
     policy = ARCPolicy(2)
     policy.insert([key(0), key(1)], [0, 1])
-    policy.evict(1, set())
+    policy.evict(1, set())  # the tail, key 1
     dropped = policy.clear()
-    assert dropped == [(key(1), 1)]
+    assert dropped == [(key(0), 0)]
     assert len(policy) == 0 and not policy._b1 and policy.target_t1_blocks == 0
 
 

@@ -5,9 +5,20 @@ from kvtier.policies.lru import LRUPolicy
 
 
 def filled(n: int) -> LRUPolicy:
+    """Keys 0..n-1 stored one call each: key 0 the oldest."""
     policy = LRUPolicy(n)
-    policy.insert([key(i) for i in range(n)], list(range(n)))
+    for i in range(n):
+        policy.insert([key(i)], [i])
     return policy
+
+
+def test_one_call_leaves_the_head_most_recent_so_the_tail_goes_first():
+    policy = LRUPolicy(6)
+    policy.insert([key(i) for i in range(6)], list(range(6)))  # one request's prefix
+    assert [k for k, _ in policy.evict(3, set())] == [key(5), key(4), key(3)]
+    policy.insert([key(i) for i in range(3, 6)], [3, 4, 5])  # another request's
+    policy.touch([key(0), key(1), key(2)])  # the first prefix used again: head newest
+    assert [k for k, _ in policy.evict(6, set())] == [key(i) for i in (5, 4, 3, 2, 1, 0)]
 
 
 def test_evicts_least_recently_used_first():

@@ -10,8 +10,10 @@ from kvtier.policies.sieve import SIEVEPolicy
 
 
 def filled(cls, n, capacity=None):
+    """Keys 0..n-1 stored one call each (one request each): key 0 the oldest."""
     policy = cls(capacity or n)
-    policy.insert([key(i) for i in range(n)], list(range(n)))
+    for i in range(n):
+        policy.insert([key(i)], [i])
     return policy
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 from kvtier.bench.report import print_json
@@ -612,9 +615,58 @@ def _add_plan(commands: Any) -> None:
     plan.set_defaults(func=_plan)
 
 
+class _Stopped(BaseException):
+    """SIGTERM or SIGHUP arrived: unwind like an interrupt, so every ``with`` and ``finally``
+    on the way out runs (a BaseException, so no ``except Exception`` swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+#: the signals a service manager stops a process with (systemd, Docker and Kubernetes send
+#: SIGTERM; a closed terminal or session sends SIGHUP)
+_STOP_SIGNALS = ("SIGTERM", "SIGHUP")
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """While a command runs, SIGTERM and SIGHUP become a normal exit that cleans up.
+
+    By default either kills the process outright: the CPU tier's region (the tier's whole
+    capacity, holding users' KV data) stays in ``/dev/shm`` and ``kvtier replay``'s temporary
+    store in the working directory. Here the first one raises :class:`_Stopped` in the main
+    thread, which unwinds through the stack's shutdown and the temporary directories; later
+    ones are ignored until that is done, so they cannot cut the clean-up short. Outside the
+    main thread (signals cannot be caught there) nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    numbers = [getattr(signal, name) for name in _STOP_SIGNALS if hasattr(signal, name)]
+
+    def stop(signum: int, frame: object) -> None:
+        for number in numbers:
+            signal.signal(number, signal.SIG_IGN)
+        raise _Stopped(signum)
+
+    previous = {number: signal.signal(number, stop) for number in numbers}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        with _stop_on_signals():
+            return args.func(args)
+    except _Stopped as stopped:
+        name = signal.Signals(stopped.signum).name
+        print(f"kvtier: stopped by {name}; temporary stores and the CPU region removed", file=sys.stderr)
+        return 128 + stopped.signum  # what a shell reports for a process the signal ended
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Collection, Iterable
 
 from kvtier.base import OffloadKey
+from kvtier.policies.base import tail_first
 
 __all__ = ["ColdQueue"]
 
@@ -38,14 +39,16 @@ class ColdQueue(set):
         self._extra: dict[OffloadKey, int] = {}
 
     def add_new(self, keys: Collection[OffloadKey]) -> None:
-        """``keys`` (none a member) start waiting, as the warmest."""
+        """``keys`` (none a member; one request's, head first) start waiting, as the warmest,
+        the head warmest of all: a prefix's tail is saved, and so released, first."""
         self.update(keys)
-        self._order.extend(keys)
+        self._order.extend(tail_first(keys))
 
     def refresh(self, keys: Iterable[OffloadKey]) -> None:
-        """The members among ``keys`` were used: they move to the warm end."""
+        """The members among ``keys`` (head first) were used: they move to the warm end, the
+        head warmest."""
         if self:
-            refreshed = [key for key in keys if key in self]
+            refreshed = [key for key in tail_first(keys) if key in self]
             if refreshed:
                 extra = self._extra
                 for key in refreshed:

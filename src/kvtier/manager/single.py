@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Iterator
+from itertools import chain, filterfalse, repeat
+from typing import cast
 
 from kvtier.base import (
     Backend,
@@ -16,9 +18,59 @@ from kvtier.base import (
     RequestOffloadingContext,
 )
 from kvtier.errors import BlockStateError
-from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.base import EvictionPolicy, tail_first
 
 __all__ = ["SingleTierManager"]
+
+
+class _RequestKeys:
+    """Per request, in its ReqContext: the keys it named, for their recency at its end.
+
+    ``chunks``: the keys of each offer, as a tuple (8 bytes a key: the key objects are
+    shared, never copied), and of each load, as the dict the load made anyway; ``reused``: those it found ready and used, per
+    call (a load's keys, an offer's present ones); ``finished``: ``on_request_finished``
+    came (a store completing later refreshes the keys again, so the request's order holds
+    for blocks that became ready after its end).
+    """
+
+    __slots__ = ("chunks", "finished", "owner", "reused")
+
+    def __init__(self, owner: object):
+        self.owner = owner
+        self.chunks: list[Collection[OffloadKey]] = []
+        self.reused: list[Collection[OffloadKey]] = []
+        self.finished = False
+
+    def ordered(self, req_context: ReqContext) -> Collection[OffloadKey]:
+        """Every key once, head first: by the token positions vLLM's ReqContext records,
+        where it has one for each key, else in the order the request named them (loads,
+        then offers: prefix order unless an engine stores out of order, which is why vLLM
+        records positions)."""
+        chunks = self.chunks
+        # one chunk (a load's dict, an offer's tuple) has each key once already
+        keys: Collection[OffloadKey] = (
+            chunks[0] if len(chunks) == 1 else list(dict.fromkeys(chain.from_iterable(chunks)))
+        )
+        position = getattr(req_context, "get_offload_key_position", None)
+        if position is not None and len(keys) > 1:
+            positions = [position(key) for key in keys]
+            if None not in positions:
+                return [key for _, key in sorted(zip(positions, keys), key=lambda pair: pair[0])]
+        return keys
+
+    def reused_keys(self, keys: Collection[OffloadKey]) -> Collection[OffloadKey]:
+        """The keys the request reused, as a container (``keys``: :meth:`ordered`'s answer)."""
+        reused = self.reused
+        if len(reused) == 1 and len(reused[0]) == len(keys):
+            only = reused[0]  # a request that only read, or only offered present keys
+            return only if isinstance(only, dict) else frozenset(only)
+        return set(chain.from_iterable(reused))
+
+
+#: what a finished request's context keeps once its keys are of no more use (no owner: any
+#: manager that sees it starts afresh, and a late completion finds nothing to refresh)
+_DONE = _RequestKeys(None)
+_DONE.finished = True
 
 
 class SingleTierManager(OffloadingManager):
@@ -39,6 +91,18 @@ class SingleTierManager(OffloadingManager):
     Every call costs O(keys it names + blocks it evicts), whatever the tier's size or how
     many of its blocks are held.
 
+    **Recency as vLLM 0.33 keeps it.** vLLM's connector never calls :meth:`touch`; what a
+    request used reaches the manager through its loads, its offers and its end. So each
+    request's keys are remembered in its ReqContext (:class:`_RequestKeys`): keys it offers
+    while they are present are refreshed at once (the GPU still has them, so they are never
+    loaded, yet every later request wants them), and :meth:`on_request_finished` hands the
+    policy all its keys in prefix order, with the ones it reused
+    (:meth:`EvictionPolicy.request_finished`): one use each, and the head most recent. A
+    store that completes after the request ended refreshes them once more, so blocks that
+    became ready late do not end up newer than the head of their own prefix. Within every
+    call the head of a prefix ends most recent (the policy's contract), and holds are
+    released tail first for the same reason.
+
     The manager never waits: a single tier has nothing to promote, so ``lookup`` never says
     ``None`` and ``on_schedule_end`` has nothing to flush.
 
@@ -56,6 +120,9 @@ class SingleTierManager(OffloadingManager):
         # Bound once: these run per key on the hot path.
         self._contains = policy.contains
         self._get = policy.get
+        #: no reason to hold a block but reads: pins map one to one onto policy holds, and
+        #: reads take and give them back in bulk
+        self._plain_holds = type(self)._held_otherwise is SingleTierManager._held_otherwise
 
     @property
     def backend(self) -> Backend:
@@ -81,30 +148,62 @@ class SingleTierManager(OffloadingManager):
         return key in self._pending
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        get = self._get
-        block_ids = []
-        for key in keys:
-            block_id = get(key)
-            if block_id is None:
-                raise BlockStateError(
-                    f"prepare_load: key {key.hex()} is not a ready block; look it up first "
-                    "and load only keys that looked up True in this step"
-                )
-            block_ids.append(block_id)
-        holds, hold, held_otherwise = self._holds, self._policy.hold, self._held_otherwise
-        for key in keys:
-            count = holds.get(key, 0)
-            holds[key] = count + 1
-            if not count and not held_otherwise(key):
-                hold(key)
+        found = list(map(self._get, keys))
+        if None in found:
+            key = next(key for key, block_id in zip(keys, found) if block_id is None)
+            raise BlockStateError(
+                f"prepare_load: key {key.hex()} is not a ready block; look it up first "
+                "and load only keys that looked up True in this step"
+            )
+        holds = self._holds
+        named = dict.fromkeys(keys, 1)
+        if self._plain_holds and len(named) == len(keys) and holds.keys().isdisjoint(named):
+            # The common read: distinct keys no other read holds. Hold them in bulk.
+            holds.update(named)
+            self._policy.hold_all(named, read=True)
+        else:
+            held_otherwise, plain = self._held_otherwise, self._plain_holds
+            first_holds = []
+            for key in keys:
+                count = holds.get(key, 0)
+                holds[key] = count + 1
+                if not count and not held_otherwise(key):
+                    first_holds.append(key)
+            if plain:  # every hold is a read's, so every release is (see _release)
+                self._policy.hold_all(first_holds, read=True)
+            else:
+                hold = self._policy.hold
+                for key in first_holds:
+                    hold(key)
+        state = req_context.get_state(_RequestKeys)
+        if state is None or state.owner is not self:
+            state = _RequestKeys(self)
+            req_context.set_state(state)
+        # the read's dict serves as its keys and as its reused keys: no copy of either
+        state.chunks.append(named)
+        state.reused.append(named)
+        block_ids: list[int] = found  # type: ignore[assignment]  # no None left
         return self._backend.get_load_store_spec(keys, block_ids)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._policy.touch(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        # Tail first: a released block rejoins the order as the most recent, and the head
+        # of the prefix must end newest.
+        ordered = list(tail_first(keys))
+        holds = self._holds
+        counts = list(map(holds.pop, ordered, repeat(0)))
+        if self._plain_holds and counts.count(1) == len(counts):
+            # The common end of a read: distinct keys, each its only pin (a key named twice
+            # would pop as 0 the second time).
+            self._policy.release_all(ordered, read=True)
+            return
+        for key, count in zip(ordered, counts):  # put the pins back, then one at a time
+            if count:
+                holds[key] = count
         release = self._release
-        for key in keys:
+        for key in ordered:
             release(key)
 
     def _release(self, key: OffloadKey) -> None:
@@ -114,7 +213,9 @@ class SingleTierManager(OffloadingManager):
             return  # held before a reset_cache: that block is gone already
         if count == 1:
             del self._holds[key]
-            if not self._held_otherwise(key):
+            if self._plain_holds:
+                self._policy.release_all((key,), read=True)  # held by hold_all(read=True)
+            elif not self._held_otherwise(key):
                 self._policy.release(key)
         else:
             self._holds[key] = count - 1
@@ -129,16 +230,25 @@ class SingleTierManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         contains, pending = self._contains, self._pending
-        to_store: list[OffloadKey] = []
-        present: list[OffloadKey] = []
         # dict.fromkeys drops repeats within the offer, which would otherwise get two slots.
-        for key in dict.fromkeys(keys):
-            if key in pending:
-                continue  # another request is writing it already
-            if contains(key):
-                present.append(key)
-            else:
-                to_store.append(key)
+        offered = dict.fromkeys(keys)
+        # Keys another request is writing already are left out; the rest split into present
+        # and new ones. filter/filterfalse run the per-key loops in C.
+        candidates = list(filterfalse(pending.__contains__, offered)) if pending else offered
+        to_store = list(filterfalse(contains, candidates))
+        present = list(filter(contains, candidates)) if len(to_store) != len(candidates) else []
+        state = req_context.get_state(_RequestKeys)
+        if state is None or state.owner is not self:
+            state = _RequestKeys(self)
+            req_context.set_state(state)
+        state.chunks.append(tuple(offered))
+        if present:
+            # Offered again while present: the engine's GPU still has them, so they are
+            # never loaded, yet they are in use; refresh them now and count the use at the
+            # request's end (vLLM 0.33 does the same).
+            state.reused.append(present)
+            self._policy.refresh(present)
+            self._recent(present)
         backend = self._backend
         if not to_store:
             return PrepareStoreOutput([], backend.get_load_store_spec((), ()), [])
@@ -160,16 +270,15 @@ class SingleTierManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        pending = self._pending
-        done: list[OffloadKey] = []
-        block_ids: list[int] = []
-        for key in keys:
-            block_id = pending.pop(key, None)
-            if block_id is not None:  # ready keys, and keys from before a reset, are left alone
-                done.append(key)
-                block_ids.append(block_id)
-        if not done:
-            return
+        # ready keys, and keys from before a reset, are not pending: left alone
+        found: list[int | None] = list(map(self._pending.pop, keys, repeat(None)))
+        if None in found:
+            done = [key for key, block_id in zip(keys, found) if block_id is not None]
+            block_ids = [block_id for block_id in found if block_id is not None]
+            if not done:
+                return
+        else:
+            done, block_ids = list(keys), cast("list[int]", found)
         if success:
             held = self._on_ready(done)
             if held:
@@ -181,6 +290,14 @@ class SingleTierManager(OffloadingManager):
                 self._events.append(
                     OffloadingEvent(done, backend.block_size, backend.medium, removed=False)
                 )
+            state = req_context.get_state(_RequestKeys)
+            if state is not None and state.finished and state.owner is self:
+                # Ready after its request ended: inserted as the newest, so lay the request's
+                # keys over it again, head most recent.
+                keys_in_order = state.ordered(req_context)
+                self._policy.refresh(keys_in_order)
+                self._recent(keys_in_order)
+                self._forget_if_done(state, keys_in_order, req_context)
         else:
             self._backend.free_block_ids(block_ids)
             if self._events is not None:
@@ -228,6 +345,29 @@ class SingleTierManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """One use of each key the request reused, then all its keys recent, head most recent."""
+        state = req_context.get_state(_RequestKeys)
+        if state is None or state.finished or state.owner is not self:
+            return
+        state.finished = True
+        keys = state.ordered(req_context)
+        self._policy.request_finished(keys, state.reused_keys(keys))
+        self._recent(keys)
+        self._forget_if_done(state, keys, req_context)
+
+    def _forget_if_done(
+        self, state: _RequestKeys, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> None:
+        """Drop a finished request's keys once none of its stores is in flight: nothing will
+        refresh them again, and an engine (or a benchmark) may keep the context long after."""
+        if not self._pending or self._pending.keys().isdisjoint(keys):
+            req_context.set_state(_DONE)
+
+    def _recent(self, keys: Collection[OffloadKey]) -> None:
+        """``keys`` (prefix order) were made recent in the policy: a hook for a subclass that
+        keeps blocks in recency orders of its own (the stack's unsaved blocks)."""
 
     def take_events(self) -> Iterator[OffloadingEvent]:
         if self._events is None:

@@ -340,6 +340,9 @@ class TierStackManager(SingleTierManager):
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._policy.touch(keys)
+        self._recent(keys)
+
+    def _recent(self, keys: Collection[OffloadKey]) -> None:
         self._dirty.refresh(keys)
         self._spill.refresh(keys)
 

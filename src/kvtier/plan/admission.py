@@ -40,9 +40,10 @@ def simulate_admission(
     a disk tier larger than the trace, writing a block below when it leaves the CPU tier.
 
     The stack's model, as bookkeeping: a request hits the leading run of its blocks found in
-    either tier; those found only on disk are read up (promoted) into the CPU tier, hits in
-    the CPU tier are ``touch`` ed, and every block after the run is computed and stored in the
-    CPU tier (already on disk or not: the run is broken). A block leaving the CPU tier is
+    either tier; those found only on disk are read up (promoted) into the CPU tier, and every
+    block after the run is computed and stored in the CPU tier (already on disk or not: the
+    run is broken); then the request finishes (``request_finished``: its chain, with the
+    blocks it loaded and the present ones it offered again as reused), as under vLLM 0.33's connector. A block leaving the CPU tier is
     written to disk unless it is there already or ``admission`` refuses it (``None``: every
     block is taken, ``admit: all``). As in the manager, the filter counts a key when it is
     stored (offered) and when it is hit (so every block a request names counts once), and
@@ -57,7 +58,8 @@ def simulate_admission(
     """
     last = last_reference(chains)
     keyed: Any = policy  # keyed by the trace's int block ids (a policy only hashes, compares)
-    contains, touch, insert, evict = keyed.contains, keyed.touch, keyed.insert, keyed.evict_unheld
+    contains, insert, evict = keyed.contains, keyed.insert, keyed.evict_unheld
+    finished = keyed.request_finished
     record = admission.record if admission is not None else None
     admit = admission.admit if admission is not None else None
     disk: set[int] = set()
@@ -78,14 +80,15 @@ def simulate_admission(
             found += 1
         hits += found
         reads += len(promote)
-        if in_cpu:
-            touch(in_cpu)
+        reused = set(in_cpu).union(promote)  # loaded, from the CPU tier or read up to it
+        reused.update(b for b in chain[found:] if contains(b))  # offered again while present
         store = promote + [b for b in dict.fromkeys(chain[found:]) if not contains(b)]
         if record is not None:  # every block of a request is either hit or offered
             for block in chain:
                 record(block)
         del store[capacity:]
         if not store:
+            finished(chain, reused)
             continue
         shortfall = len(store) - len(free)
         if shortfall > 0:
@@ -108,6 +111,7 @@ def simulate_admission(
         slots = free[-len(store):]
         del free[-len(store):]
         insert(store, slots)
+        finished(chain, reused)
     return AdmissionResult(
         hits, refs, writes=writes, reads=reads, refused=refused, needless_writes=needless
     )

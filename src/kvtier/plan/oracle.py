@@ -72,6 +72,12 @@ class ReuseOracle(EvictionPolicy):
     def touch(self, keys: Collection[OffloadKey]) -> None:
         self._inner.touch(keys)
 
+    def refresh(self, keys: Collection[OffloadKey]) -> None:
+        self._inner.refresh(keys)
+
+    def request_finished(self, keys: Collection[OffloadKey], reused: Collection[OffloadKey]) -> None:
+        self._inner.request_finished(keys, reused)
+
     def hold(self, key: OffloadKey) -> None:
         self._inner.hold(key)  # a dead key is in no request: nothing holds it
 

@@ -32,11 +32,14 @@ def simulate(
 ) -> SimResult:
     """Replay ``chains`` (each request's block ids, prefix order) through ``capacity`` slots.
 
-    The same calls, in the same order, as the managers make for one request in one step:
-    the request looks its blocks up in prefix order and hits the leading run found
-    (``contains``), ``touch`` es that run, then stores every block it has that the cache lacks
+    The same calls, in the same order, as the managers make for one request in one step
+    under vLLM 0.33's connector: the request looks its blocks up in prefix order and hits
+    the leading run found (``contains``), stores every block it has that the cache lacks
     (``evict_unheld`` for room, passing over its own present blocks as the manager does, then
-    ``insert`` in prefix order). Nothing is held, no bytes move: only the policy decides.
+    ``insert`` in prefix order) and finishes (``request_finished`` with its whole chain; the
+    run it loaded and the present blocks it offered again are its reused keys). No
+    ``touch``: vLLM's connector never calls it. Nothing is held, no bytes move: only the
+    policy decides.
     Keys are the trace's integer block ids — a policy only hashes and compares keys.
 
     A request longer than the cache stores only its first ``capacity`` blocks.
@@ -47,7 +50,7 @@ def simulate(
 
     start = time.process_time()
     keyed: Any = policy  # keyed by the trace's int block ids (a policy only hashes, compares)
-    contains, touch, insert = keyed.contains, keyed.touch, keyed.insert
+    contains, insert, finished = keyed.contains, keyed.insert, keyed.request_finished
     evict = keyed.evict_unheld
     free = list(range(capacity))
     hits = refs = 0
@@ -60,9 +63,7 @@ def simulate(
             if not contains(block):
                 break
             found += 1
-        if found:
-            hits += found
-            touch(chain[:found])
+        hits += found
         missing = []
         present = list(chain[:found])  # the manager's `protected`: the offer's ready keys
         for block in chain[found:]:
@@ -71,6 +72,7 @@ def simulate(
             else:
                 missing.append(block)
         if not missing:
+            finished(chain, set(present))
             continue
         if len(missing) > 1:
             missing = list(dict.fromkeys(missing))  # a block repeated in a chain gets one slot
@@ -86,4 +88,5 @@ def simulate(
         slots = free[-len(missing):]
         del free[-len(missing):]
         insert(missing, slots)
+        finished(chain, set(present))
     return SimResult(hits, refs, time.process_time() - start)

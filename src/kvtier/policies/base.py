@@ -4,12 +4,33 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Collection, Container, Iterator, Sequence
+from collections.abc import Collection, Container, Iterable, Iterator, Sequence
+from itertools import islice, repeat
+from operator import eq
 from typing import Any
 
 from kvtier.base import OffloadKey
 
-__all__ = ["EvictionPolicy", "IndexedPolicy", "TwoQueuePolicy"]
+__all__ = ["EvictionPolicy", "IndexedPolicy", "TwoQueuePolicy", "at_recent_end", "tail_first"]
+
+
+def at_recent_end(order: OrderedDict[OffloadKey, None], keys: Collection[OffloadKey]) -> bool:
+    """Whether ``keys`` (head first) are already the most recent entries of ``order``, the head
+    newest: then refreshing them would change nothing. One walk of the order's newest end in
+    C, stopping at the first difference, and no hash probe: cheaper than moving them, which
+    is what a request that only stored or only read finds at its end."""
+    count = len(keys)
+    return 0 < count <= len(order) and all(map(eq, islice(reversed(order), count), keys))
+
+
+def tail_first(keys: Iterable[OffloadKey]) -> Iterable[OffloadKey]:
+    """``keys`` (one request's, head first) from its tail to its head: the order to append
+    them to a recency order so that the head ends most recent. A set has no order to
+    reverse and comes back as it is."""
+    try:
+        return reversed(keys)  # type: ignore[call-overload]
+    except TypeError:
+        return keys
 
 
 class EvictionPolicy(ABC):
@@ -23,6 +44,12 @@ class EvictionPolicy(ABC):
     is never a victim.
 
     Who calls it: the owning manager only, on the engine's scheduler thread; never blocks.
+
+    **Order within a call.** The keys one call names (:meth:`insert`, :meth:`touch`,
+    :meth:`refresh`) are one request's, in prefix order: head first. A block is only useful
+    while every block before it in its prefix is cached, so the policy must leave the *head*
+    the most recent of them (where it keeps an order at all): their tail is evicted first.
+    vLLM 0.33's policies do the same (they walk a request's keys in reverse).
 
     The manager guarantees: :meth:`insert` names keys not present; :meth:`remove` and
     :meth:`touch` may name unknown keys (ignored); :meth:`hold` names a ready key not held,
@@ -88,7 +115,27 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def touch(self, keys: Collection[OffloadKey]) -> None:
-        """``keys`` were used (hit, loaded or found in the GPU cache); refresh them."""
+        """``keys`` were used (hit, loaded or found in the GPU cache); refresh them, the first
+        the most recent, and count the use where the policy counts uses."""
+
+    def refresh(self, keys: Collection[OffloadKey]) -> None:
+        """``keys`` were named by a request without being used again (stored by it, or all
+        its keys when it finishes): make them recent, the first the most recent, without
+        counting a use. Unknown and held keys are ignored. The default does nothing: right
+        for a policy whose order is arrival only (FIFO, SIEVE)."""
+
+    def request_finished(self, keys: Collection[OffloadKey], reused: Collection[OffloadKey]) -> None:
+        """A request finished: ``keys`` are every key it named (prefix order, head first;
+        some may be gone or held), ``reused`` those it found ready and used (loaded, or
+        offered again while present). One use of each reused key, then every key recent, the
+        head most recent — as vLLM 0.33's manager does at ``on_request_finished``.
+
+        The default is :meth:`touch` of the reused keys, then :meth:`refresh` of all.
+        """
+        used = [key for key in keys if key in reused]
+        if used:
+            self.touch(used)
+        self.refresh(keys)
 
     @abstractmethod
     def evict(self, count: int, skip: Container[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
@@ -105,6 +152,22 @@ class EvictionPolicy(ABC):
     def release(self, key: OffloadKey) -> None:
         """Held ``key`` may be evicted again."""
         self._held_fallback.discard(key)
+
+    def hold_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
+        """:meth:`hold` each of ``keys`` (distinct, ready, none held), in order; a policy may
+        do it in bulk (a read of 64 blocks is one call, not 64). ``read``: the hold is a
+        request reading them, which its end counts as a use (``request_finished``), and the
+        manager releases them with :meth:`release_all` ``read=True`` too; a policy that
+        moves used blocks to another list may send them there on that release already, so
+        that the end only refreshes them. The default ignores it."""
+        for key in keys:
+            self.hold(key)
+
+    def release_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
+        """:meth:`release` each of ``keys`` (distinct, held), in order: the last released
+        ends the most recent. ``read``: they were held by :meth:`hold_all` ``read=True``."""
+        for key in keys:
+            self.release(key)
 
     def evict_unheld(
         self, count: int, protected: Collection[OffloadKey] = ()
@@ -206,6 +269,53 @@ class TwoQueuePolicy(IndexedPolicy):
             self._second[key] = None
         else:
             self._first[key] = None
+
+    #: whether a use moves a block from the first queue to the second (ARC, chain; not
+    #: S3-FIFO, which only counts it): then a read's blocks go back to the second queue
+    _use_moves_to_second = True
+
+    def hold_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
+        ordered = keys if isinstance(keys, (list, tuple, dict)) else list(keys)
+        # A read's keys need no note of their queue: the read's release puts them in the
+        # second queue whatever it was (see _use_moves_to_second).
+        to_second = read and self._use_moves_to_second
+        if len(ordered) == 1:  # one block: the per-key calls are cheaper than the bulk ones
+            for key in ordered:
+                if not to_second:
+                    self.hold(key)
+                elif self._first.pop(key, 0) is not None:  # values are None: 0 = absent
+                    del self._second[key]
+            return
+        popped = list(map(self._first.pop, ordered, repeat(0)))
+        if popped.count(None) == len(popped):
+            return  # all were in the first queue
+        in_second = [key for key, value in zip(ordered, popped) if value is not None]
+        second = self._second
+        for key in in_second:
+            del second[key]
+        if not to_second:
+            self._held_second.update(in_second)
+
+    def release_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
+        ordered = keys if isinstance(keys, (list, tuple)) else list(keys)
+        held_second = self._held_second
+        if read and self._use_moves_to_second:
+            if held_second:
+                held_second.difference_update(ordered)  # touched while held: noted there
+            if len(ordered) == 1:
+                self._second[ordered[0]] = None
+            else:
+                self._second.update(dict.fromkeys(ordered))
+            return
+        if len(ordered) == 1:
+            self.release(ordered[0])
+            return
+        if not held_second:  # none belongs to the second queue: all back to the first
+            self._first.update(dict.fromkeys(ordered))
+            return
+        release = self.release
+        for key in ordered:
+            release(key)
 
     def evict_unheld(
         self, count: int, protected: Collection[OffloadKey] = ()

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Container, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.policies.base import TwoQueuePolicy
+from kvtier.policies.base import TwoQueuePolicy, tail_first
 from kvtier.policies.tuner import SettingTuner
 
 __all__ = ["ChainPolicy"]
@@ -154,6 +154,15 @@ class ChainPolicy(TwoQueuePolicy):
         self._shrink_protected(len(ordered))
         if self._tuner is not None:
             self._tuner.observe(ordered)
+
+    def refresh(self, keys: Collection[OffloadKey]) -> None:
+        # Recency within its own queue: only a hit proves reuse, so probation stays probation.
+        probation, protected = self._probation, self._protected
+        for key in tail_first(keys):
+            if key in probation:
+                probation.move_to_end(key)
+            elif key in protected:
+                protected.move_to_end(key)
 
     def _shrink_protected(self, named: int) -> None:
         """Send protected's oldest to probation while it is over its share: at most what

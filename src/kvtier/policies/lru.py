@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection, Container, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Collection, Container, Iterable, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.policies.base import IndexedPolicy
+from kvtier.policies.base import IndexedPolicy, at_recent_end, tail_first
 
 __all__ = ["LRUPolicy"]
 
@@ -35,14 +35,17 @@ class LRUPolicy(IndexedPolicy):
 
     def insert(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
         self._index.update(zip(keys, block_ids))
-        self._order.update(dict.fromkeys(keys))
+        if len(keys) == 1:
+            self._order[keys[0]] = None
+        else:
+            self._order.update(dict.fromkeys(reversed(keys)))  # the head most recent
 
     def insert_held(
         self, keys: Sequence[OffloadKey], block_ids: Sequence[int], held: Collection[OffloadKey]
     ) -> None:
         self._index.update(zip(keys, block_ids))
         if len(held) != len(keys):  # held is a subset of keys: equal sizes mean all of them
-            self._order.update(dict.fromkeys(key for key in keys if key not in held))
+            self._order.update(dict.fromkeys(key for key in reversed(keys) if key not in held))
 
     def remove(self, key: OffloadKey) -> int | None:
         self._order.pop(key, None)
@@ -51,15 +54,32 @@ class LRUPolicy(IndexedPolicy):
     def touch(self, keys: Collection[OffloadKey]) -> None:
         order = self._order
         move_to_end = order.move_to_end
-        for key in keys:
+        if at_recent_end(order, keys):
+            return  # just stored or released, in this order: nothing to move
+        if all(map(order.__contains__, keys)):  # none held or unknown: the loop in C
+            deque(map(move_to_end, tail_first(keys)), 0)
+            return
+        for key in tail_first(keys):  # the head ends most recent: the tail leaves first
             if key in order:  # a held key is refreshed when it is released
                 move_to_end(key)
+
+    def refresh(self, keys: Collection[OffloadKey]) -> None:
+        self.touch(keys)  # LRU counts no uses: a refresh is a touch
+
+    def request_finished(self, keys: Collection[OffloadKey], reused: Collection[OffloadKey]) -> None:
+        self.touch(keys)
 
     def hold(self, key: OffloadKey) -> None:  # replaced per instance in __init__
         del self._order[key]
 
     def release(self, key: OffloadKey) -> None:
         self._order[key] = None
+
+    def hold_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
+        deque(map(self._order.__delitem__, keys), 0)  # the loop in C
+
+    def release_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
+        self._order.update(dict.fromkeys(keys))
 
     def evict_unheld(
         self, count: int, protected: Collection[OffloadKey] = ()

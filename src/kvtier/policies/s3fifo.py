@@ -36,6 +36,9 @@ class S3FIFOPolicy(TwoQueuePolicy):
     so eviction is O(1) amortized per victim.
     """
 
+    # a use only counts (the queue is decided at eviction time)
+    _use_moves_to_second = False
+
     def __init__(self, capacity_blocks: int):
         super().__init__(capacity_blocks)
         self._small: OrderedDict[OffloadKey, None] = OrderedDict()
@@ -50,7 +53,7 @@ class S3FIFOPolicy(TwoQueuePolicy):
     def insert(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
         self._index.update(zip(keys, block_ids))
         ghost, small, main, freq = self._ghost, self._small, self._main, self._freq
-        for key in keys:
+        for key in reversed(keys):  # the head enters last, so it leaves its queue last
             freq[key] = 0
             if ghost and key in ghost:
                 del ghost[key]

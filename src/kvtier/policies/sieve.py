@@ -66,7 +66,7 @@ class SIEVEPolicy(IndexedPolicy):
 
     def insert(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
         self._index.update(zip(keys, block_ids))
-        for key in keys:
+        for key in reversed(keys):  # the head newest: the hand reaches the tail first
             self._link(key)
 
     def remove(self, key: OffloadKey) -> int | None:

@@ -31,9 +31,11 @@ _MIX = 0x9E3779B1
 class Shadow:
     """One policy instance driven as a cache of keys only: what would it hit?
 
-    :meth:`reference` looks each key up, counts those found as hits and touches them, then
-    stores the rest, evicting the policy's own victims for room. Block ids are slot numbers
-    of a pretend tier, reused as keys leave. Nothing is held, nothing moves.
+    :meth:`reference` looks each key up and counts those found as hits, stores the rest
+    (evicting the policy's own victims for room, never a found key, as the manager passes
+    over an offer's present keys), then ends the batch as a request ends: the found keys are
+    its reused ones (``request_finished``). Block ids are slot numbers of a pretend tier,
+    reused as keys leave. Nothing is held, nothing moves.
     """
 
     def __init__(self, policy: EvictionPolicy):
@@ -46,24 +48,25 @@ class Shadow:
         policy = self.policy
         contains = policy.contains
         found = [key for key in keys if contains(key)]
-        if found:
-            policy.touch(found)
-            if len(found) == len(keys):
-                return len(found)
-            missing = [key for key in keys if not contains(key)]
-        else:
-            missing = list(keys)
+        reused = set(found)
+        if len(found) == len(keys):
+            policy.request_finished(keys, reused)
+            return len(found)
+        missing = [key for key in keys if key not in reused] if found else list(keys)
         del missing[policy.capacity_blocks:]
         free = self._free
         shortfall = len(missing) - len(free)
         if shortfall > 0:
-            victims = policy.evict_unheld(shortfall)
+            victims = policy.evict_unheld(shortfall, reused)
+            if victims is None:  # the found keys fill the copy: let them go too
+                victims = policy.evict_unheld(shortfall)
             if victims is None:  # cannot happen: nothing is held and the batch fits
                 raise RuntimeError(f"{type(policy).__name__} refused to evict {shortfall} blocks")
             free.extend(block_id for _, block_id in victims)
         slots = free[-len(missing):]
         del free[-len(missing):]
         policy.insert(missing, slots)
+        policy.request_finished(keys, reused)
         return len(found)
 
 

@@ -3,7 +3,7 @@
 It owns a "GPU" KV cache (a CUDA tensor, or a CPU tensor standing in without CUDA) of
 ``gpu_blocks`` blocks with its own LRU prefix cache, and per request:
 
-1. takes the longest prefix already in its GPU cache (and touches those keys below);
+1. takes the longest prefix already in its GPU cache;
 2. looks the next keys up in the offloading manager, in prefix order, until the first miss; a
    ``None`` (being promoted from a lower tier) counts as a pending hit, and the engine runs
    scheduler steps until every pending answer is ``True`` or ``False`` — the prefix ends at
@@ -11,8 +11,10 @@ It owns a "GPU" KV cache (a CUDA tensor, or a CPU tensor standing in without CUD
 3. loads the hits into free GPU blocks through the real CPU->GPU handler, and compares every
    loaded block byte for byte with what was stored;
 4. "computes" the rest: writes each block's deterministic bytes (derived from its key);
-5. offers the computed blocks for storing and starts their GPU->CPU copy through the real
-   handler; then finishes the request and ends the step. Like vLLM's connector, it does not
+5. offers the computed blocks for storing — with the GPU prefix before them when nothing
+   was loaded, as vLLM 0.33's connector does (a present block offered again is how the
+   manager learns it is in use: the connector never calls ``touch``) — and starts their
+   GPU->CPU copy through the real handler; then finishes the request and ends the step. Like vLLM's connector, it does not
    wait for the copy: the store completes at the first step after the handler reports it,
    and until then its GPU blocks are neither evicted nor reused.
 
@@ -367,8 +369,6 @@ class ReplayEngine:
             self._gpu_cache.move_to_end(keys[gpu_hits])
             gpu_hits += 1
         counts.hits["gpu"] += gpu_hits
-        if gpu_hits:
-            manager.touch(keys[:gpu_hits], ctx)
         # Only the blocks the request uses are held: its later keys that happen to be cached
         # are computed or loaded again (the prefix broke before them), into new blocks.
         keep = set(keys[:gpu_hits])
@@ -392,7 +392,11 @@ class ReplayEngine:
             counts.engine_s += time.perf_counter() - start
             self._cache_put(computed, blocks)
             counts.computed_blocks += len(computed)
-            self._store(computed, ctx)
+        # vLLM's connector (chunk-level offloading) offers a request's blocks from its first
+        # unless it loaded some, then from the first after the loaded ones.
+        offer = computed if loaded else keys[:gpu_hits] + computed
+        if offer:
+            self._store(offer, ctx)
         manager.on_request_finished(ctx)
         self.step()
 
@@ -409,7 +413,6 @@ class ReplayEngine:
             counts.failed_transfers += 1
             self._free_gpu.extend(blocks)
             return False
-        manager.touch(hits, ctx)
         start = time.perf_counter()
         nbytes = self.block_bytes
         expected = [_payload(key, nbytes) for key in hits]

@@ -599,8 +599,12 @@ class IndexedTier(SecondaryTier):
         if not adopted:
             return
         own = policy.clear()
+        # Oldest first here, while a policy makes the first key of a call the newest (a
+        # request's head): hand them over newest first.
+        adopted.reverse()
         policy.insert([e[0] for e in adopted], [e[2] for e in adopted])
         if own:
+            own.reverse()
             policy.insert([key for key, _ in own], [block_id for _, block_id in own])
         self._foreign_blocks = max(0, self._foreign_blocks - len(adopted))
         self._counters.add("adopted", len(adopted))
@@ -625,7 +629,10 @@ class IndexedTier(SecondaryTier):
             else:
                 pending.failed[key] = reason
         if stored:
-            self._policy.insert(stored, block_ids)
+            # A job's keys come coldest first (the stack saves its coldest blocks first), and
+            # a policy makes the first key of a call the newest: hand them over reversed, so
+            # the coldest stays the oldest here too.
+            self._policy.insert(stored[::-1], block_ids[::-1])
             pending.ok.extend(stored)
             self._events.append(OffloadingEvent(stored, self.block_bytes, self.medium, False))
             self._counters.add("stored", len(stored))

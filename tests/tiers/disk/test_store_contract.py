@@ -219,7 +219,9 @@ def test_random_workload_never_exceeds_capacity_and_evicts_per_policy(kind, poli
                 model_lru.pop(k)
             for k in new:
                 model_lru[k] = True
-            model_arc.insert(new, [0] * len(new))
+            # a job's keys are coldest first; the tier hands them to its policy reversed
+            # (a policy makes the first key of a call the newest)
+            model_arc.insert(new[::-1], [0] * len(new))
         elif action < 0.8 and model_lru:
             batch = rng.sample(list(model_lru), min(len(model_lru), rng.randint(1, 3)))
             result = load(tier, shm.rows, batch, first_row=40)

@@ -17,7 +17,13 @@ from kvtier.config import format_size
 from kvtier.tiers.cpu.config import PIN_MEMORY_CHOICES, CPUTierConfig
 from kvtier.errors import ConfigError
 from kvtier.mediums import CPULoadStoreSpec
-from kvtier.tiers.cpu.region import HEADER_BYTES, SharedRegion, default_directory, row_stride_for
+from kvtier.tiers.cpu.region import (
+    HEADER_BYTES,
+    SharedRegion,
+    default_directory,
+    row_stride_for,
+    sweep_stale_regions,
+)
 from kvtier.tiers.cpu.slots import SlotBackend
 
 __all__ = ["CPUBackend"]
@@ -136,6 +142,9 @@ class CPUBackend(SlotBackend):
         directory = (
             os.path.dirname(os.path.abspath(config.path)) if config.path else default_directory()
         )
+        # Regions of runs that were killed (SIGKILL, a crash) first: they hold the room this
+        # one needs, and may sit at this very path (under vLLM: kvtier-<engine id>).
+        sweep_stale_regions(directory)
         free_space = _free_space_bytes(directory)
         if free_space is not None and region_bytes > free_space:
             raise ConfigError(

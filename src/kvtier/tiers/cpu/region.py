@@ -4,7 +4,8 @@ The region is a file (by default under ``/dev/shm``, so it lives in RAM) mapped 
 ``MAP_SHARED``. One process creates it; others (GPU workers, a disk mover) attach to it by
 name and see the same bytes with no copy between processes. Layout of the file::
 
-    offset 0      one 4096-byte header page: magic, format version, geometry, creator pid
+    offset 0      one 4096-byte header page: magic, format version, geometry, and the
+                  creator's pid, start time, uid and pid namespace (for the stale sweep)
     offset 4096   row 0, row 1, ... each ``row_stride`` bytes apart (row_bytes rounded up
                   to 4096), the first ``row_bytes`` of each row used
 
@@ -22,6 +23,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import struct
 import tempfile
 import weakref
@@ -33,7 +35,16 @@ from kvtier.config import format_size, positive_int
 from kvtier.tiers.cpu.config import PIN_MEMORY_CHOICES
 from kvtier.errors import ConfigError, KvtierError
 
-__all__ = ["SharedRegion", "ROW_ALIGNMENT", "HEADER_BYTES", "row_stride_for", "default_directory"]
+__all__ = [
+    "HEADER_BYTES",
+    "NAME_PREFIX",
+    "ROW_ALIGNMENT",
+    "SharedRegion",
+    "default_directory",
+    "process_start_ticks",
+    "row_stride_for",
+    "sweep_stale_regions",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +57,104 @@ _MAGIC = b"KVTIERSH"
 _FORMAT_VERSION = 1
 # magic, format version, header bytes, num_rows, row_bytes, row_stride, creator pid
 _HEADER = struct.Struct("<8sIIQQQQ")
+# right after it (zeros in a region of an older kvtier: unknown): the creator's start time
+# (clock ticks since boot, /proc/<pid>/stat), which tells a live creator from a process that
+# reused its pid; the creator's uid; the inode of its pid namespace (a creator in another
+# container sharing /dev/shm has pids this process cannot see: never swept from here)
+_CREATOR = struct.Struct("<QQQ")
+#: what every region's file name starts with; a start sweeps such files left by dead creators
+NAME_PREFIX = "kvtier-"
+
+
+def process_start_ticks(pid: int) -> int:
+    """When process ``pid`` started, in clock ticks since boot; 0 if unknown (no /proc, or no
+    such process). Two processes that share a pid at different times differ here."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])  # field 22 of the whole line: starttime
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _pid_namespace() -> int:
+    """The inode of this process's pid namespace; 0 if unknown."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _creator_alive(pid: int, start_ticks: int) -> bool:
+    """Whether the process that created a region (``pid``, started at ``start_ticks``, 0 if
+    the region does not say) still runs. A pid now used by a process that started at another
+    time is a dead creator; without a start time a live pid counts as alive (the safe side)."""
+    if pid <= 0:
+        return True  # not a header this kvtier wrote: never swept
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, as another user: a reused pid if its start time differs
+    if start_ticks:
+        now = process_start_ticks(pid)
+        return now == 0 or now == start_ticks
+    return True
+
+
+def sweep_stale_regions(directory: str | None = None) -> list[str]:
+    """Remove the regions in ``directory`` (default :func:`default_directory`) whose creator
+    is dead: files named ``kvtier-*``, regular, owned by this user, with a kvtier region
+    header naming a process that no longer runs (or a pid reused since, told apart by its
+    start time). Never follows a symlink, never touches another user's file or a file
+    without a complete header (a region still being created). The removed paths.
+
+    Called by :meth:`SharedRegion.create` (so a start cleans up after a run that was killed
+    with SIGKILL, or crashed); best effort: a file it cannot read is left, and it never raises.
+    """
+    directory = directory or default_directory()
+    removed: list[str] = []
+    uid, own_namespace = os.geteuid(), _pid_namespace()
+    try:
+        names = [name for name in os.listdir(directory) if name.startswith(NAME_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue  # a symlink (ELOOP), gone, or not ours to read
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+                continue
+            raw = os.pread(fd, _HEADER.size + _CREATOR.size, 0)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        if len(raw) < _HEADER.size + _CREATOR.size or raw[: len(_MAGIC)] != _MAGIC:
+            continue
+        pid = _HEADER.unpack_from(raw)[6]
+        start_ticks, _, namespace = _CREATOR.unpack_from(raw, _HEADER.size)
+        if namespace != own_namespace or not own_namespace or _creator_alive(pid, start_ticks):
+            continue  # alive, or a pid this process cannot judge
+        try:
+            # the same file we read (not one swapped in since): same inode, still ours
+            now = os.lstat(path)
+            if (now.st_ino, now.st_dev, now.st_uid) != (info.st_ino, info.st_dev, uid):
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        logger.warning(
+            "removed %s: a kvtier shared region (%s) whose creator, pid %d, is gone",
+            path, format_size(info.st_size), pid,
+        )
+        removed.append(path)
+    return removed
 
 
 def row_stride_for(row_bytes: int) -> int:
@@ -227,7 +336,13 @@ class SharedRegion:
 
     @classmethod
     def create(
-        cls, num_rows: int, row_bytes: int, *, path: str | None = None, field: str = "capacity"
+        cls,
+        num_rows: int,
+        row_bytes: int,
+        *,
+        path: str | None = None,
+        field: str = "capacity",
+        sweep: bool = True,
     ) -> SharedRegion:
         """Create a fresh region, zero-filled, and map it.
 
@@ -236,7 +351,9 @@ class SharedRegion:
         ``path`` defaults to ``/dev/shm/kvtier-<pid>-<random hex>``; an explicit path must
         not exist yet (a stale file of a crashed run is never reused silently). A filesystem
         without room for the whole region raises :class:`ConfigError` naming ``field``, the
-        size, the free room and the fix.
+        size, the free room and the fix. The file is 0600 whatever the umask, and its header
+        records the creator's pid, start time and uid. ``sweep``: first remove this user's
+        regions in the same directory whose creator is dead (:func:`sweep_stale_regions`).
         """
         num_rows = positive_int(num_rows, "num_rows")
         row_bytes = positive_int(row_bytes, "row_bytes")
@@ -244,12 +361,17 @@ class SharedRegion:
         file_bytes = HEADER_BYTES + num_rows * row_stride
         if path is None:
             path = os.path.join(
-                default_directory(), f"kvtier-{os.getpid()}-{secrets.token_hex(6)}"
+                default_directory(), f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
             )
+        if sweep:
+            sweep_stale_regions(os.path.dirname(path) or ".")
         try:
-            # O_EXCL: never adopt (and later unlink) a file somebody else owns; 0o600 because
-            # the region holds users' KV data.
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            # O_EXCL: never adopt (and later unlink) a file somebody else owns, nor follow a
+            # symlink planted at the path (O_NOFOLLOW says so explicitly); 0o600 because the
+            # region holds users' KV data.
+            fd = os.open(
+                path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+            )
         except FileExistsError:
             raise KvtierError(
                 f"cannot create shared region {path}: the file already exists (left by a "
@@ -259,6 +381,9 @@ class SharedRegion:
             raise KvtierError(f"cannot create shared region {path}: {exc.strerror}") from exc
         mm = None
         try:
+            # The umask may have taken bits off 0o600 (a 0o400 region could not be attached
+            # for writing by the user's own workers); never more than 0o600 either way.
+            os.fchmod(fd, 0o600)
             # Size first, header last: the file reads as all zeros (bad magic) until the
             # header is complete, so an attacher racing the creator fails cleanly instead of
             # reading a half-written geometry.
@@ -270,8 +395,8 @@ class SharedRegion:
             header = _HEADER.pack(
                 _MAGIC, _FORMAT_VERSION, HEADER_BYTES, num_rows, row_bytes, row_stride,
                 os.getpid(),
-            )
-            mm[len(_MAGIC) : _HEADER.size] = header[len(_MAGIC) :]
+            ) + _CREATOR.pack(process_start_ticks(os.getpid()), os.geteuid(), _pid_namespace())
+            mm[len(_MAGIC) : len(header)] = header[len(_MAGIC) :]
             mm[: len(_MAGIC)] = _MAGIC
             return cls(mm, path, num_rows, row_bytes, row_stride, creator=True)
         except BaseException as exc:
@@ -290,23 +415,52 @@ class SharedRegion:
             os.close(fd)
 
     @classmethod
-    def attach(cls, path_or_name: str) -> SharedRegion:
+    def attach(cls, path_or_name: str, *, owner_uid: int | None = None) -> SharedRegion:
         """Map a region another process created, by path or by bare name (in ``/dev/shm``).
 
         Called by workers and movers at start-up, after the creator returned from
         :meth:`create` (the name travels to them through configuration or IPC). Blocks only
         to open and map the file. Raises :class:`KvtierError`, naming the path, if the file is
         missing or is not a complete kvtier region. The attacher never removes the file.
+
+        ``owner_uid`` is the creator's user (default: this process's, as every process of
+        one engine runs as one user). The file must be a regular file owned by it, not
+        writable by group or others, reached without a symlink: another local user cannot
+        plant a region (names are predictable under vLLM: ``kvtier-<engine id>``) that the
+        engine would then fill with its users' KV data, nor point it at a file of theirs.
         """
         path = path_or_name
         if os.sep not in path_or_name:
             path = os.path.join(default_directory(), path_or_name)
+        expected_uid = os.geteuid() if owner_uid is None else owner_uid
         try:
-            fd = os.open(path, os.O_RDWR)
+            # O_NOFOLLOW: a symlink at the path fails (ELOOP) instead of being followed;
+            # O_NONBLOCK: a FIFO planted there cannot hang the open.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise KvtierError(
+                    f"cannot attach shared region {path}: it is a symlink; a region is never "
+                    f"reached through one (remove it, and check who put it there)"
+                ) from exc
             raise KvtierError(f"cannot attach shared region {path}: {exc.strerror}") from exc
         try:
-            file_bytes = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise KvtierError(f"cannot attach shared region {path}: not a regular file")
+            if info.st_uid != expected_uid:
+                raise KvtierError(
+                    f"cannot attach shared region {path}: it is owned by uid {info.st_uid}, "
+                    f"not by its creator's user (uid {expected_uid}); refusing a region another "
+                    f"user may have planted (remove it, and check who put it there)"
+                )
+            if info.st_mode & 0o022:
+                raise KvtierError(
+                    f"cannot attach shared region {path}: its mode is "
+                    f"{stat.S_IMODE(info.st_mode):#o}, writable by other users; kvtier regions "
+                    f"are 0600 (chmod 600 it if it is yours, or remove it)"
+                )
+            file_bytes = info.st_size
             if file_bytes < HEADER_BYTES:
                 raise KvtierError(
                     f"{path} is not a kvtier shared region: {file_bytes} bytes is too small "

@@ -280,7 +280,8 @@ class DiskTier(IndexedTier):
 
     def _build_index(self, entries: list[tuple[OffloadKey, int, int]]) -> None:
         """Fill the policy from ``(key, recency stamp, block id)`` entries, oldest use first."""
-        entries.sort(key=lambda entry: entry[1])
+        # newest first: a policy makes the first key of a call the most recent
+        entries.sort(key=lambda entry: entry[1], reverse=True)
         self._policy.insert([e[0] for e in entries], [e[2] for e in entries])
 
     # -- the medium, as IndexedTier sees it (scheduler thread; never waits) ----------------------
