@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from kvtier.config import DiskTierConfig
+from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.soak.blocks import block_key, is_exact, payload
 from kvtier.tiers.base import TierJob
 from kvtier.tiers.cpu.region import SharedRegion

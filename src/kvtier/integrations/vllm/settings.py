@@ -29,7 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.config import CPUTierConfig, KvtierConfig, load_config
+from kvtier.config import KvtierConfig, load_config
+from kvtier.tiers.cpu.config import CPUTierConfig
 from kvtier.errors import ConfigError
 from kvtier.tiers.disk.format import LayoutFingerprint
 from kvtier.tiers.cpu.region import default_directory

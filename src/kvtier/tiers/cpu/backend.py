@@ -10,21 +10,25 @@ which workers attach to and pin for DMA, and which the disk mover reads and writ
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.config import format_size
-from kvtier.tiers.cpu.config import PIN_MEMORY_CHOICES, CPUTierConfig
+from kvtier.config.units import format_size
 from kvtier.errors import ConfigError
 from kvtier.mediums import CPULoadStoreSpec
 from kvtier.tiers.cpu.region import (
     HEADER_BYTES,
+    PIN_MEMORY_CHOICES,
     SharedRegion,
     default_directory,
     row_stride_for,
     sweep_stale_regions,
 )
 from kvtier.tiers.cpu.slots import SlotBackend
+
+if TYPE_CHECKING:  # the section opens this tier (CPUTierConfig.open_first), not the reverse
+    from kvtier.tiers.cpu.config import CPUTierConfig
 
 __all__ = ["CPUBackend"]
 

@@ -10,15 +10,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from kvtier.config import TierConfig, non_empty_str, parse_choice
+from kvtier.config.checks import non_empty_str, parse_choice
+from kvtier.config.schema import TierConfig
+# the region implements the pin modes; the section only checks the key against them
+from kvtier.tiers.cpu.region import PIN_MEMORY_CHOICES
 
 if TYPE_CHECKING:
     from kvtier.tiers.cpu.backend import CPUBackend
 
 __all__ = ["PIN_MEMORY_CHOICES", "CPUTierConfig"]
-
-#: ``pin_memory`` values: auto (pin when CUDA is present), on (fail if it cannot), off
-PIN_MEMORY_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)

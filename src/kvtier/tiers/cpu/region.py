@@ -31,9 +31,12 @@ import weakref
 import numpy as np
 
 from kvtier import cuda as _cuda
-from kvtier.config import format_size, positive_int
-from kvtier.tiers.cpu.config import PIN_MEMORY_CHOICES
+from kvtier.config.units import format_size, positive_int
 from kvtier.errors import ConfigError, KvtierError
+
+#: ``pin_memory`` modes (:meth:`SharedRegion.pin`): auto (pin when CUDA is present), on (fail
+#: if it cannot), off
+PIN_MEMORY_CHOICES = ("auto", "on", "off")
 
 __all__ = [
     "HEADER_BYTES",

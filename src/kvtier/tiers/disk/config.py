@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtier.config import MISSING, TierConfig, non_empty_str, parse_choice, positive_int
+from kvtier.config.checks import MISSING, non_empty_str, parse_choice
+from kvtier.config.schema import TierConfig
+from kvtier.config.units import positive_int
 from kvtier.errors import ConfigError
 from kvtier.policies.admission import ADMIT_MODES
 from kvtier.registry import Registry

@@ -18,15 +18,4 @@ __all__ = ["PASSWORD_ENV", "VALKEY_KINDS", "ValkeyTierConfig", "open_valkey", "p
 
 def open_valkey(config: ValkeyTierConfig, rows, fingerprint, field: str = "tiers[1]"):
     """Open the valkey tier ``config`` describes over CPU rows ``rows`` (see ``ValkeyTier.open``)."""
-    import importlib.util
-
-    if importlib.util.find_spec("valkey") is None:  # the client the tier needs
-        from kvtier.errors import ConfigError
-
-        raise ConfigError(
-            f"{field}.kind", config.kind, "a tier whose client is installed",
-            "pip install 'kvtier[valkey]' (the valkey client and its libvalkey parser)",
-        )
-    from kvtier.tiers.valkey.tier import ValkeyTier
-
-    return ValkeyTier.open(config, rows, fingerprint, field=field)
+    return config.open_lower(rows, fingerprint, field=field)

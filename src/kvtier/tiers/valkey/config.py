@@ -29,6 +29,7 @@ no ``capacity`` or ``eviction``, and refuses them with a fix rather than ignore 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -38,8 +39,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
-from kvtier.config import TierConfig, parse_size
+from kvtier.config.parse import parse_tier
+from kvtier.config.schema import TierConfig
+from kvtier.config.units import parse_size
 from kvtier.errors import ConfigError
+from kvtier.registry import Registry
+from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.secret import parse_secret_options
 
 __all__ = ["PASSWORD_ENV", "VALKEY_KINDS", "ValkeyTLS", "ValkeyTierConfig", "parse", "read_password", "redact_url"]
@@ -210,9 +215,16 @@ class ValkeyTierConfig(TierConfig):
         return self.username, password
 
     def open_lower(self, rows: Any, fingerprint: Any, *, field: str, **options: Any) -> Any:
-        from kvtier.tiers.valkey import open_valkey
-
-        return open_valkey(self, rows, fingerprint, field=field)
+        """Open the tier over CPU rows ``rows`` (see ``ValkeyTier.open``); a
+        :class:`ConfigError` with the install command when the ``valkey`` client is missing."""
+        if importlib.util.find_spec("valkey") is None:  # the client the tier needs
+            raise ConfigError(
+                f"{field}.kind", self.kind, "a tier whose client is installed",
+                "pip install 'kvtier[valkey]' (the valkey client and its libvalkey parser)",
+            )
+        # By name, as the kind registry finds this section: the tier imports this module.
+        cls = VALKEY_MEDIA.resolve(self.kind, field=f"{field}.kind")
+        return cls.open(self, rows, fingerprint, field=field)  # type: ignore[attr-defined]
 
 
 def redact_url(url: str | None) -> str:
@@ -372,9 +384,16 @@ def parse(section: Mapping, field: str) -> ValkeyTierConfig:
     for code that builds one valkey tier on its own (benchmarks, the fleet replay). Raises
     :class:`~kvtier.errors.ConfigError` naming the key, the value, what is valid and the fix.
     """
-    from kvtier.config import parse_tier
-
     tier = parse_tier(section, field)
     if not isinstance(tier, ValkeyTierConfig):
         raise ConfigError(f"{field}.kind", tier.kind, "one of " + ", ".join(VALKEY_KINDS), "write kind: valkey")
     return tier
+
+
+#: valkey kind -> the tier class serving it ("module:Class", imported when a tier opens)
+VALKEY_MEDIA: Registry[SecondaryTier] = Registry(
+    "valkey-tier kind",
+    SecondaryTier,
+    {kind: "kvtier.tiers.valkey.tier:ValkeyTier" for kind in VALKEY_KINDS},
+    module_key="module_path",
+)
