@@ -7,8 +7,8 @@ from kvtier.config import CascadeConfig
 from kvtier.manager.stack import TierStackManager
 from kvtier.metrics import StatsCollector, serve_metrics
 from kvtier.policies.lru import LRUPolicy
-from kvtier.tiers.memory import MemoryTier
-from kvtier.tiers.memory import MemoryBackend
+from kvtier.testing import MemoryTier
+from kvtier.testing import MemoryBackend
 
 prometheus_client = pytest.importorskip("prometheus_client")
 

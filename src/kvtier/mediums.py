@@ -68,7 +68,7 @@ class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
 
 
 class MemoryLoadStoreSpec(BlockIDsLoadStoreSpec):
-    """Rows of an in-process test tier (:class:`kvtier.tiers.memory.MemoryBackend`)."""
+    """Rows of an in-process test tier (:class:`kvtier.testing.memory.MemoryBackend`)."""
 
     @staticmethod
     def medium() -> str:

@@ -28,7 +28,7 @@ from vllm_support import (
     run_steps_until,
 )
 
-from kvtier.tiers.memory import MemoryTier
+from kvtier.testing import MemoryTier
 
 
 def stack(tmp_path, **options):
@@ -153,7 +153,7 @@ def test_a_remote_tier_is_told_from_a_disk_by_locality():
     from kvtier.integrations.vllm import KvtierOffloadingManager
     from kvtier.manager.stack import TierStackManager
     from kvtier.policies.lru import LRUPolicy
-    from kvtier.tiers.memory import MemoryBackend
+    from kvtier.testing import MemoryBackend
 
     backend = MemoryBackend(4, 64)
     near, far = MemoryTier("near", backend.rows, 8), FarTier("far", backend.rows, 8)

@@ -18,7 +18,7 @@ from kvtier.integrations.vllm import KvtierOffloadingManager
 from kvtier.manager.stack import TierStackManager
 from kvtier.policies.lru import LRUPolicy
 from kvtier.tiers.base import TierJob
-from kvtier.tiers.memory import MemoryBackend, MemoryTier
+from kvtier.testing import MemoryBackend, MemoryTier
 
 ROW = 64
 

@@ -13,7 +13,7 @@ from kvtier.errors import ConfigError
 from kvtier.manager.stack import TierStackManager
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.lru import LRUPolicy
-from kvtier.tiers.memory import MemoryBackend, MemoryTier
+from kvtier.testing import MemoryBackend, MemoryTier
 
 CTX = ReqContext("r")
 BLOCK = 64

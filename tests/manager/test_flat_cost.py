@@ -18,7 +18,7 @@ from kvtier.manager.stack import TierStackManager
 from kvtier.policies import get_policy_class, registered_policies
 from kvtier.policies.s3fifo import MAX_FREQ, S3FIFOPolicy
 from kvtier.policies.sieve import SIEVEPolicy
-from kvtier.tiers.memory import MemoryBackend, MemoryTier
+from kvtier.testing import MemoryBackend, MemoryTier
 
 BLOCK = 8
 STORES, LOOKUPS, LOADS = 64, 64, 16

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kvtier.base import ReqContext
 from kvtier.manager.single import SingleTierManager
 from kvtier.policies import get_policy_class, registered_policies
-from kvtier.tiers.memory import MemoryBackend
+from kvtier.testing import MemoryBackend
 
 BLOCK = 16
 #: the policies that keep a recency order a refresh can move (S3-FIFO and SIEVE keep arrival

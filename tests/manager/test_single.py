@@ -7,7 +7,7 @@ from kvtier.errors import BlockStateError
 from kvtier.manager.single import SingleTierManager
 from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.lru import LRUPolicy
-from kvtier.tiers.memory import MemoryBackend, NullBackend
+from kvtier.testing import MemoryBackend, NullBackend
 
 CTX = ReqContext("req-0")
 BLOCK = 64

@@ -15,7 +15,7 @@ from kvtier.base import ReqContext
 from kvtier.manager.single import SingleTierManager
 from kvtier.policies import get_policy_class, registered_policies
 from kvtier.policies.lru import LRUPolicy
-from kvtier.tiers.memory import MemoryBackend
+from kvtier.testing import MemoryBackend
 
 CAPACITY = 5
 BLOCK = 32

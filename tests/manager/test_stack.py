@@ -7,8 +7,8 @@ from kvtier.config import CascadeConfig
 from kvtier.manager.stack import TierStackManager
 from kvtier.policies.arc import ARCPolicy
 from kvtier.policies.lru import LRUPolicy
-from kvtier.tiers.memory import MemoryTier
-from kvtier.tiers.memory import MemoryBackend
+from kvtier.testing import MemoryTier
+from kvtier.testing import MemoryBackend
 
 CTX = ReqContext("r")
 BLOCK = 64

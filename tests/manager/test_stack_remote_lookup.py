@@ -9,7 +9,7 @@ from kvtier.base import ReqContext
 from kvtier.config import CascadeConfig
 from kvtier.manager.stack import TierStackManager
 from kvtier.policies.lru import LRUPolicy
-from kvtier.tiers.memory import MemoryBackend, MemoryTier
+from kvtier.testing import MemoryBackend, MemoryTier
 
 CTX = ReqContext("r")
 BLOCK = 64

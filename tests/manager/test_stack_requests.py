@@ -9,7 +9,7 @@ from kvtier.base import LoadTiers, ReqContext
 from kvtier.config import CascadeConfig
 from kvtier.manager.stack import REFUSED_OFFER_MEMORY_STEPS, TierStackManager
 from kvtier.policies.lru import LRUPolicy
-from kvtier.tiers.memory import MemoryBackend, MemoryTier
+from kvtier.testing import MemoryBackend, MemoryTier
 
 BLOCK = 64
 

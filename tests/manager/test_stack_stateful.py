@@ -20,8 +20,8 @@ from kvtier.manager.stack import TierStackManager
 from kvtier.policies import get_policy_class, registered_policies
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.lru import LRUPolicy
-from kvtier.tiers.memory import MemoryTier
-from kvtier.tiers.memory import MemoryBackend
+from kvtier.testing import MemoryTier
+from kvtier.testing import MemoryBackend
 
 CPU_BLOCKS = 4
 DISK_BLOCKS = 6

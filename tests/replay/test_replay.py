@@ -10,7 +10,7 @@ from kvtier.replay.engine import ReplayEngine, block_bytes_of, block_key
 from kvtier.replay.run import replay
 from kvtier.replay.trace import Request, bundled_trace_path, load_trace
 from kvtier.spec import TieredOffloadingSpec
-from kvtier.tiers.memory import MemoryTier
+from kvtier.testing import MemoryTier
 from kvtier.tiers.cpu.backend import CPUBackend
 
 BLOCK = 4096

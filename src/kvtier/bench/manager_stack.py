@@ -19,8 +19,8 @@ Protocol (the same for kvtier and the baseline, at each size):
   ``us_per_step[largest] / us_per_step[smallest]``.
 
 kvtier's side is :class:`~kvtier.manager.stack.TierStackManager` over a
-:class:`~kvtier.tiers.memory.MemoryBackend` CPU tier and a
-:class:`~kvtier.tiers.memory.MemoryTier` lower tier. Their rows are ``BLOCK_BYTES`` (64) bytes,
+:class:`~kvtier.testing.memory.MemoryBackend` CPU tier and a
+:class:`~kvtier.testing.memory.MemoryTier` lower tier. Their rows are ``BLOCK_BYTES`` (64) bytes,
 so 10^6 rows are 64 MB, not the gigabytes real blocks would take: this measures bookkeeping,
 and the lower tier still copies and checksums every saved row.
 
@@ -33,7 +33,7 @@ materialised.
 ``bytes_per_block``: what tracemalloc sees the scheduler side allocate for the full CPU tier
 of the middle size, at steady state, divided by its blocks — the manager, its policy, the
 CPU tier's slot allocator; not the keys (the engine owns them), nor the rows, nor the lower
-tier's own store and index (whatever is allocated under ``kvtier/tiers/base.py``'s frames,
+tier's own store and index (whatever is allocated under ``kvtier/tiers/indexed.py``'s frames,
 where the lower tier keeps its own policy object).
 """
 
@@ -182,7 +182,7 @@ class _KvtierDriver(_ManagerDriver):
         from kvtier.config import CascadeConfig
         from kvtier.manager.stack import TierStackManager
         from kvtier.policies.lru import LRUPolicy
-        from kvtier.tiers.memory import MemoryBackend, MemoryTier
+        from kvtier.testing import MemoryBackend, MemoryTier
 
         self._make_context = ReqContext
         backend = MemoryBackend(capacity, BLOCK_BYTES)
@@ -425,7 +425,7 @@ def run(
     # The lower tier's store, the rows and the shared region are not scheduler metadata.
     memory = {
         "kvtier": _bytes_per_block(
-            _KvtierDriver, middle, ["*/kvtier/tiers/memory.py"], exclude_below=["*/kvtier/tiers/base.py"]
+            _KvtierDriver, middle, ["*/kvtier/testing/memory.py"], exclude_below=["*/kvtier/tiers/indexed.py"]
         ),
     }
     if _VllmDriver in subjects:

@@ -22,10 +22,19 @@ BATCH_SHARE = 1 / 8
 #: the score forgets with a time constant of this many sampled references, so the choice
 #: follows a workload that changes, and a phase long past does not outvote the present
 SCORE_WINDOW = 4096
-#: an odd 32-bit constant: the sample bits are taken from the middle of ``hash(key) * _MIX``,
+#: an odd 32-bit constant: the sample bits are taken from the middle of ``_stable_hash(key) * _MIX``,
 #: so integer ids that follow a pattern (a trace's consecutive ids, chains of 16) still
 #: sample evenly; an engine's digest keys hash uniformly either way
 _MIX = 0x9E3779B1
+
+
+def _stable_hash(key: object) -> int:
+    """A key's hash that is the same in every process: Python's ``hash`` of bytes changes
+    with ``PYTHONHASHSEED``, which made the sample, hence the race, differ run to run. An
+    offload key starts with a digest, so its first 8 bytes are already uniform."""
+    if key.__class__ is bytes:
+        return int.from_bytes(key[:8], "little")
+    return hash(key)
 
 
 class Shadow:
@@ -98,7 +107,7 @@ class SettingTuner:
         shift = 0
         while shift < MAX_SAMPLE_SHIFT and capacity_blocks >> (shift + 1) >= MIN_SHADOW_BLOCKS:
             shift += 1
-        #: keys are sampled when ``hash(key) * _MIX >> 20`` has these bits clear
+        #: keys are sampled when ``_stable_hash(key) * _MIX >> 20`` has these bits clear
         self.sample_mask = (1 << shift) - 1
         self.shadow_blocks = max(1, capacity_blocks >> shift)
         self.batch_keys = max(1, min(BATCH_KEYS, int(self.shadow_blocks * BATCH_SHARE)))
@@ -125,7 +134,7 @@ class SettingTuner:
         """``keys`` were referenced (found and touched, or stored) by the owner."""
         mask, pending = self.sample_mask, self._pending
         if mask:
-            pending.extend([key for key in keys if not (hash(key) * _MIX >> 20) & mask])
+            pending.extend([key for key in keys if not (_stable_hash(key) * _MIX >> 20) & mask])
         else:
             pending.extend(keys)
         if len(pending) >= self.batch_keys:

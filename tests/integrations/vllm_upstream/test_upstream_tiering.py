@@ -34,7 +34,7 @@ from kvtier.manager.single import SingleTierManager
 from kvtier.manager.stack import TierStackManager
 from kvtier.policies.lru import LRUPolicy
 from kvtier.tiers.base import TierJob
-from kvtier.tiers.memory import MemoryBackend, MemoryTier
+from kvtier.testing import MemoryBackend, MemoryTier
 
 CTX = ReqContext(req_id="test")
 BLOCK = 256

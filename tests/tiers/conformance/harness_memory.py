@@ -1,4 +1,4 @@
-"""Conformance harness of the in-memory lower tier (``kvtier.tiers.memory.MemoryTier``).
+"""Conformance harness of the in-memory lower tier (``kvtier.testing.memory.MemoryTier``).
 
 ``MemoryTier`` is a test double with no kind in ``TIER_KINDS``; :class:`MemoryTierConfig` here
 gives it a section (named by class path, as any out-of-tree kind is), so that the same
@@ -15,7 +15,7 @@ from typing import ClassVar
 from tier_harness import Harness, register
 
 from kvtier.config import TierConfig
-from kvtier.tiers.memory import MemoryTier
+from kvtier.testing import MemoryTier
 
 #: jobs that fail while the "medium is down" (more than any scenario submits)
 _DOWN_JOBS = 1 << 20

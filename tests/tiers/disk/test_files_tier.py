@@ -108,7 +108,7 @@ def test_group_flush_shares_a_flush_begun_after_each_caller_asked():
     caller returns on a flush that began before it asked."""
     import threading
 
-    from kvtier.tiers.disk.files import _GroupFlush
+    from kvtier.tiers.disk.group_flush import GroupFlush as _GroupFlush
 
     started: list[int] = []
     finished: list[int] = []
@@ -150,7 +150,7 @@ def test_group_flush_reports_a_failed_flush_to_its_callers_only():
 
     import pytest
 
-    from kvtier.tiers.disk.files import _GroupFlush
+    from kvtier.tiers.disk.group_flush import GroupFlush as _GroupFlush
 
     outcomes = iter([OSError(errno.EIO, "flush failed"), None])
 

@@ -27,7 +27,7 @@ from kvtier.tiers.disk import check_store, get_store_class, open_store
 from kvtier.tiers.disk import store as disk_module
 from kvtier.tiers.base import Failure, TierJob
 from kvtier.errors import DiskTierError
-from kvtier.tiers.memory import MemoryTier
+from kvtier.testing import MemoryTier
 from kvtier.tiers.disk.blockio import ODirectProbe, probe_o_direct
 
 

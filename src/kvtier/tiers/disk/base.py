@@ -42,7 +42,8 @@ from kvtier.base import OffloadKey
 from kvtier.config import format_size
 from kvtier.errors import ConfigError
 from kvtier.policies import EvictionPolicy, get_policy_class
-from kvtier.tiers.base import CheckReport, Failure, FailureKind, IndexedTier, TierWork
+from kvtier.tiers.indexed import IndexedTier
+from kvtier.tiers.jobs import CheckReport, Failure, FailureKind, TierWork
 from kvtier.tiers.disk.blockio import BlockIO, RowIO
 from kvtier.tiers.disk.config import FSYNC_CHOICES, O_DIRECT_CHOICES, DiskTierConfig
 from kvtier.tiers.disk.format import LayoutFingerprint, on_disk_block_bytes

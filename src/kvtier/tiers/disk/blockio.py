@@ -26,7 +26,8 @@ import numpy as np
 import xxhash
 
 from kvtier.base import OffloadKey
-from kvtier.tiers.base import Failure, TierCounters
+from kvtier.tiers.indexed import TierCounters
+from kvtier.tiers.jobs import Failure
 from kvtier.tiers.disk.format import (
     HEADER_BYTES,
     PAGE_BYTES,

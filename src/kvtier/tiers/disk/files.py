@@ -40,7 +40,7 @@ policy — a block is fully written before its name appears):
 * ``batch``: blocks are published as written, and the job reports them stored only after a
   ``syncfs`` of the store's filesystem, begun after they were published, made their data and
   names durable together; jobs that finish while one runs share the next (see
-  ``_GroupFlush``), run by the mover's finisher threads. Until then
+  ``GroupFlush`` in :mod:`~kvtier.tiers.disk.group_flush`), run by the mover's finisher threads. Until then
   an OS crash may leave a just-published block that fails verification — a miss, never
   served. syncfs flushes other writers' dirty data on that filesystem too: give the store its
   own disk if it shares one with heavy buffered writers. Where there is no syncfs: each file
@@ -59,10 +59,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import logging
 import os
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,8 +73,12 @@ from kvtier.errors import ConfigError
 from kvtier.tiers.base import CheckReport, Failure
 from kvtier.tiers.disk.base import DiskTier
 from kvtier.tiers.disk.blockio import O_DIRECT
+from kvtier.tiers.disk.group_flush import GroupFlush
 from kvtier.tiers.disk.mover import MoverJob
+from kvtier.tiers.disk.recency import encode_records, read_recency
 from kvtier.tiers.disk.store import open_private, open_private_dir, pid_alive
+from kvtier.tiers.disk.syscalls import RENAME_NOREPLACE, renameat2, syncfs
+from kvtier.tiers.disk.usage import SharedCount
 
 __all__ = ["FilesTier"]
 
@@ -88,28 +90,6 @@ _RECENCY = "recency.log"
 _SUFFIX = ".kvb"
 _TEMP_SUFFIX = ".tmp"
 _FANOUT = 256
-_COUNT = struct.Struct("<Q")
-# a recency record: stamp (ns), key length, key, then xxh32 of those bytes
-_RECORD = struct.Struct("<QB")
-_RECORD_SUM = struct.Struct("<I")
-
-
-def _libc_function(name: str, argtypes: list):
-    """A libc function by name (Linux-only ones: syncfs, renameat2), or None where there is none."""
-    try:
-        function = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (AttributeError, OSError):
-        return None
-    function.argtypes = argtypes
-    function.restype = ctypes.c_int
-    return function
-
-
-_syncfs = _libc_function("syncfs", [ctypes.c_int])
-_renameat2 = _libc_function(
-    "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-)
-_RENAME_NOREPLACE = 1
 
 
 @dataclass
@@ -123,145 +103,6 @@ class _FilesStoreState:
     #: ``batch`` without syncfs: written temp files, flushed and published by the epilogue
     temps: dict[int, str] = field(default_factory=dict)
 
-
-class _GroupFlush:
-    """Group commit of ``syncfs``: a caller returns once a flush that *started after it asked*
-    has finished, and callers that ask while one runs share the next one.
-
-    Why: each syncfs commits the filesystem's journal, and while a commit runs, every file
-    creation and rename of the tier's I/O threads waits for it (measured here: renames took
-    18 ms on average, 15% of the I/O threads' time, with one syncfs per 16-block job). Jobs
-    that finish while a flush runs need the same work done once more, not once each.
-    Correct because a flush that starts after a job's blocks are written and published
-    covers them. Any thread; blocks the caller for up to two flushes.
-    """
-
-    def __init__(self, flush):
-        self._flush = flush
-        self._cond = threading.Condition(threading.Lock())
-        self._started = 0  # flushes begun
-        self._finished = 0  # flushes ended
-        self._running = False
-        self._errors: dict[int, OSError] = {}  # flush number -> its error, while anyone may ask
-
-    def flush(self) -> None:
-        """Return once a flush begun after this call has ended; raise its OSError if it failed."""
-        with self._cond:
-            # a flush running now may have started before our blocks were published: only
-            # the next one counts
-            needed = self._started + 1
-            while self._finished < needed:
-                if self._running:
-                    self._cond.wait()
-                    continue
-                self._running = True
-                self._started += 1
-                number = self._started
-                self._cond.release()
-                error = None
-                try:
-                    self._flush()
-                except OSError as exc:
-                    error = exc
-                finally:
-                    self._cond.acquire()
-                    self._running = False
-                    self._finished = number
-                    if error is not None:
-                        self._errors[number] = error
-                    # errors older than a few flushes can no longer be asked for
-                    for old in [n for n in self._errors if n < number - 64]:
-                        del self._errors[old]
-                    self._cond.notify_all()
-            # flushes run one at a time and are numbered in order, so flush `needed` is the
-            # first one begun after we asked: its outcome is ours
-            error = self._errors.get(needed)
-        if error is not None:
-            raise error
-
-
-class _SharedCount:
-    """The store's block count shared by every process: a u64 in a file.
-
-    Changed under ``flock`` (other processes) and a thread lock (``flock`` is per open file,
-    so it does not exclude this process's own threads). Any thread; blocks for a few syscalls.
-    """
-
-    def __init__(self, name: str, *, dir_fd: int, read_only: bool = False):
-        if read_only:  # `kvtier check`: read the count, never create or write it
-            try:
-                self._fd = open_private(name, os.O_RDONLY, dir_fd=dir_fd)
-            except FileNotFoundError:
-                self._fd = os.open(os.devnull, os.O_RDONLY)  # reads as 0
-        else:
-            self._fd = open_private(name, os.O_RDWR | os.O_CREAT, dir_fd=dir_fd)
-        self._lock = threading.Lock()
-
-    def _update(self, change) -> tuple[int, int]:
-        with self._lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                raw = os.pread(self._fd, _COUNT.size, 0)
-                value = _COUNT.unpack(raw)[0] if len(raw) == _COUNT.size else 0
-                result, new = change(value)
-                if new != value:
-                    os.pwrite(self._fd, _COUNT.pack(new), 0)
-                return result, new
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-    def get(self) -> int:
-        return self._update(lambda value: (value, value))[1]
-
-    def set(self, value: int) -> None:
-        self._update(lambda _: (None, value))
-
-    def add(self, delta: int) -> int:
-        return self._update(lambda value: (None, max(0, value + delta)))[1]
-
-    def reserve(self, wanted: int, capacity: int) -> tuple[int, int]:
-        """Raise the count by up to ``wanted`` within ``capacity``; ``(granted, count after)``."""
-
-        def change(value: int) -> tuple[int, int]:
-            granted = max(0, min(wanted, capacity - value))
-            return granted, value + granted
-
-        return self._update(change)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
-
-
-def _read_recency(name: str, dir_fd: int) -> tuple[dict[bytes, int], int]:
-    """The last stamp of each key in the log, and how many records it holds."""
-    try:
-        with open(open_private(name, os.O_RDONLY, dir_fd=dir_fd), "rb") as stream:
-            data = stream.read()
-    except FileNotFoundError:
-        return {}, 0
-    stamps: dict[bytes, int] = {}
-    offset = records = 0
-    end = len(data)
-    while offset + _RECORD.size <= end:
-        stamp, key_len = _RECORD.unpack_from(data, offset)
-        stop = offset + _RECORD.size + key_len
-        if stop + _RECORD_SUM.size > end:
-            break
-        if xxhash.xxh32_intdigest(data[offset:stop]) != _RECORD_SUM.unpack_from(data, stop)[0]:
-            break  # a torn or damaged tail: what follows cannot be framed
-        stamps[data[offset + _RECORD.size : stop]] = stamp
-        records += 1
-        offset = stop + _RECORD_SUM.size
-    return stamps, records
-
-
-def _records(keys, stamp: int) -> bytes:
-    parts = []
-    for key in keys:
-        record = _RECORD.pack(stamp, len(key)) + key
-        parts.append(record + _RECORD_SUM.pack(xxhash.xxh32_intdigest(record)))
-    return b"".join(parts)
 
 
 class FilesTier(DiskTier):
@@ -281,9 +122,9 @@ class FilesTier(DiskTier):
 
     def _open_medium(self, alone: bool, created: bool) -> list[tuple[OffloadKey, int, int]]:
         # typed as always there: it is, from just below until the tier closes
-        self._count: _SharedCount = None  # type: ignore[assignment]
+        self._count: SharedCount = None  # type: ignore[assignment]
         self._log_fd = self._dir_fd = self._bfd = -1
-        self._publish_mode = "renameat2" if _renameat2 is not None else "link"
+        self._publish_mode = "renameat2" if renameat2 is not None else "link"
         self._blocks_dir = os.path.join(self.path, _BLOCKS_DIR)
         # Fan-out directories by name, relative to blocks/: every block file is reached
         # through the descriptor of blocks/ (self._bfd), never through a symlink.
@@ -301,12 +142,12 @@ class FilesTier(DiskTier):
                 f"{os.path.join(self._blocks_dir, str(exc.filename or ''))}: {exc.strerror} (a symlink, "
                 f"or not a directory of this user's): remove {self.path} and let kvtier recreate it",
             ) from None
-        self._count = _SharedCount(_USAGE, dir_fd=self._store_fd, read_only=self.read_only)
+        self._count = SharedCount(_USAGE, dir_fd=self._store_fd, read_only=self.read_only)
         self._dir_fd = os.dup(self._store_fd)
-        self._group_flush = _GroupFlush(self._syncfs)
+        self._group_flush = GroupFlush(self._syncfs)
         # `kvtier check` (with or without --fix) reports stale temp files rather than sweep them
         keys = self._scan(alone and self._access == "serve")
-        stamps, records = _read_recency(_RECENCY, self._store_fd)
+        stamps, records = read_recency(_RECENCY, self._store_fd)
         entries = [(key, stamps.get(key, 0), 0) for key in keys]
         if self.read_only:  # `kvtier check`: nothing is written, not even the recency log
             return entries
@@ -368,7 +209,7 @@ class FilesTier(DiskTier):
 
     def _compact_recency(self, entries: list[tuple[OffloadKey, int, int]]) -> None:
         temp = f"{_RECENCY}.{os.getpid()}.tmp"
-        data = b"".join(_records([key], stamp) for key, stamp, _ in sorted(entries, key=lambda e: e[1]))
+        data = b"".join(encode_records([key], stamp) for key, stamp, _ in sorted(entries, key=lambda e: e[1]))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp, dir_fd=self._store_fd)  # left by a crash
         with open(open_private(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=self._store_fd), "wb") as stream:
@@ -439,7 +280,7 @@ class FilesTier(DiskTier):
         if not keys or self._log_fd < 0:
             return
         try:
-            os.write(self._log_fd, _records(keys, stamp))
+            os.write(self._log_fd, encode_records(keys, stamp))
         except OSError as exc:
             # recency is a hint: losing a batch of it costs eviction quality, not data
             logger.warning("kvtier tier %s: could not record recency of %d blocks: %s", self.name, len(keys), exc)
@@ -489,7 +330,7 @@ class FilesTier(DiskTier):
         except OSError as exc:
             return Failure.from_exception(exc)
         assert job.state is not None  # _store_before set it for every block it let through
-        if self._fsync == "batch" and _syncfs is None:
+        if self._fsync == "batch" and syncfs is None:
             job.state.temps[index] = temp  # flushed, then published, by the epilogue
             return None
         return self._publish_one(job, index, temp)
@@ -541,7 +382,7 @@ class FilesTier(DiskTier):
         mode = self._publish_mode
         fd = self._bfd
         if mode == "renameat2":
-            if _renameat2(fd, temp.encode(), fd, final.encode(), _RENAME_NOREPLACE) == 0:
+            if renameat2(fd, temp.encode(), fd, final.encode(), RENAME_NOREPLACE) == 0:
                 return True
             code = ctypes.get_errno()
             if code == errno.EEXIST:
@@ -610,13 +451,13 @@ class FilesTier(DiskTier):
         self._append_recency(stored, time.time_ns())
 
     def _flush_filesystem(self) -> None:
-        """Make everything published so far durable: one shared syncfs (see _GroupFlush)."""
+        """Make everything published so far durable: one shared syncfs (see GroupFlush)."""
         self._group_flush.flush()
 
     def _syncfs(self) -> None:
         """syncfs(2) of the store's filesystem; raises OSError."""
         self._counters.add("flushes")
-        if _syncfs(self._dir_fd) != 0:
+        if syncfs(self._dir_fd) != 0:
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code))
 

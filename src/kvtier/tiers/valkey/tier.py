@@ -36,41 +36,47 @@ come back empty), answers lookups ``False`` and fails jobs at once, and pings th
 exponential backoff from the step's end; the first answer ends the outage. ``outages`` and ``outage_ms`` count them.
 
 Threads: the scheduler thread calls every public method; the worker threads (a writer, a
-reader, and a copier to which the reader hands half of a large load) only run ``_run_*``
-functions, which touch the CPU rows of their job and hand their outcome back through
-``_done`` (a deque), folded in by the scheduler thread. ``_lock`` guards the outage state,
-which both sides change.
+reader, and a copier to which the reader hands half of a large load) only run the ``run_*``
+methods of :class:`~kvtier.tiers.valkey.worker.ValueIO`, which touch the CPU rows of their
+job and hand their outcome back through ``_done`` (a deque), folded in by the scheduler
+thread. The outage state (:mod:`~kvtier.tiers.valkey.outage`) is shared by both sides, under
+its own lock; a step's reads are :mod:`~kvtier.tiers.valkey.probe` batches.
+
+Why this is not an :class:`~kvtier.tiers.indexed.IndexedTier`: that bookkeeping's index is
+its eviction policy, and it admits a store only within ``capacity_blocks``, evicting to make
+room. Here the server owns capacity and eviction (its ``maxmemory`` policy, other engines'
+writes), so this process's view is a bounded memory of keys it saw present or missing, which
+may be wrong either way and is forgotten in an outage; a lookup may be ``None`` because a
+read is in flight, not only because a store is; a job fails at once while the server is
+away; and results fold in from worker threads rather than medium hooks on the scheduler
+thread. What the two share is small (a pending-job map, an events list, reading counts), and
+a common base for it would change the counters ``stats()`` reports (IndexedTier's ``stored``,
+``loaded``, ``blocks``; this tier's ``stored_blocks``, ``loaded_blocks``, ``known_blocks``),
+which dashboards read.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
 
 from kvtier.base import OffloadingEvent, OffloadKey
 from kvtier.errors import ValkeyCheckError
-from kvtier.tiers.base import CheckReport, Failure, FailureKind, SecondaryTier, TierJob, TierJobResult
-from kvtier.tiers.disk.format import (
-    FLAG_ENCRYPTED,
-    HEADER_BYTES,
-    LayoutFingerprint,
-    decode_header,
-    encode_header_into,
-    header_flags,
-    verify,
-)
+from kvtier.tiers.contract import SecondaryTier
+from kvtier.tiers.disk.format import HEADER_BYTES, LayoutFingerprint
+from kvtier.tiers.jobs import CheckReport, Failure, FailureKind, TierJob, TierJobResult
 from kvtier.tiers.secret import tier_keys
 from kvtier.tiers.valkey.check import check_namespace, namespace_names
 from kvtier.tiers.valkey.config import ValkeyTierConfig, redact_url
 from kvtier.tiers.valkey.connection import ValkeyConnection, fix_for, is_outage, reason_of
+from kvtier.tiers.valkey.outage import BACKOFF_MAX_S, Outage
+from kvtier.tiers.valkey.probe import Probe, ProbeOutcome
+from kvtier.tiers.valkey.worker import ValueIO
 
 __all__ = ["ValkeyTier", "default_namespace"]
 
@@ -79,52 +85,19 @@ logger = logging.getLogger(__name__)
 #: the most keys the tier remembers as present, or as missing; the oldest are forgotten first
 #: (a forgotten key is asked again: one GET, never a wrong answer)
 MAX_REMEMBERED_KEYS = 1 << 18
-#: first and longest pause between reconnect attempts during an outage
-BACKOFF_FIRST_S = 0.05
-BACKOFF_MAX_S = 5.0
 #: how often the server's memory and hit counters are refreshed (from the step's end)
 SERVER_FIGURES_PERIOD_S = 1.0
 #: how long a read value waits here for its load before it is dropped
 STAGED_TTL_S = 30.0
-#: a load of at least this many bytes of read values copies them on two threads
-PARALLEL_COPY_BYTES = 8 << 20
 
 
 #: a job's keys while the tier is down and no reason is known (it always is, but never crash)
 _UNAVAILABLE = Failure(FailureKind.UNAVAILABLE)
 
 
-def _unexpected(tier: str, job: str, error: BaseException) -> Failure:
-    """Any thread: an exception nobody expected, logged with its traceback; the keys' reason."""
-    logger.error("valkey tier %r: a %s failed unexpectedly", tier, job, exc_info=error)
-    return Failure(FailureKind.UNEXPECTED, detail=type(error).__name__)
-
-
 def default_namespace(fingerprint: LayoutFingerprint) -> str:
     """``kvtier:`` and 16 hex digits of the layout's digest: one namespace per model and layout."""
     return "kvtier:" + fingerprint.digest()[:8].hex()
-
-
-@dataclass
-class _Probe:
-    """A step's batch of reads: its keys, and when the scheduler stops waiting for it."""
-
-    keys: list[OffloadKey]
-    deadline: float
-
-
-@dataclass
-class _ProbeOutcome:
-    """What a batch of reads found, key by key (built on a worker thread)."""
-
-    batch: int
-    #: key -> (value whose header passed, its payload checksum, checked on load)
-    found: dict[OffloadKey, tuple[np.ndarray, int]] = field(default_factory=dict)
-    missing: list[OffloadKey] = field(default_factory=list)
-    #: key -> why its value is not this key's block of this layout (a ``CORRUPT`` failure)
-    corrupt: dict[OffloadKey, Failure] = field(default_factory=dict)
-    #: key -> why the server could not be asked
-    failed: dict[OffloadKey, Failure] = field(default_factory=dict)
 
 
 class ValkeyTier(SecondaryTier):
@@ -162,8 +135,6 @@ class ValkeyTier(SecondaryTier):
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{config.name}-w")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{config.name}-r")
         self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{config.name}-c")
-        # the writer thread's ciphertext buffers, one per value of a batch (encrypt only)
-        self._cipher_buffers: list[np.ndarray] = []
         self._futures: set[Future] = set()
         self._load_futures: set[Future] = set()  # of those, the reads (what wait_loads waits for)
 
@@ -175,7 +146,7 @@ class ValkeyTier(SecondaryTier):
         self._staged_bytes = 0
         self._wanted: dict[OffloadKey, None] = {}
         self._probing: dict[OffloadKey, int] = {}  # key -> batch
-        self._probes: dict[int, _Probe] = {}
+        self._probes: dict[int, Probe] = {}
         self._probe_ids = 0
         self._writing: set[OffloadKey] = set()
         self._reading: dict[OffloadKey, int] = {}
@@ -183,6 +154,10 @@ class ValkeyTier(SecondaryTier):
         self._finished: list[TierJobResult] = []
         self._events: list[OffloadingEvent] = []
         self._done: deque = deque()  # outcomes from the worker threads
+        self._io = ValueIO(
+            config.name, self._conn, rows, self._keys, self._digest, self._prefix, self._batch_keys,
+            config.ttl_s, self._copier, self._done, self._went_down,
+        )
         self._next_figures = 0.0
         self._server_figures: dict[str, int] = {}
         self.counters = dict.fromkeys(
@@ -195,14 +170,7 @@ class ValkeyTier(SecondaryTier):
         )
 
         # outage state, shared with the worker threads
-        self._lock = threading.Lock()
-        self._down_since: float | None = None  # guarded by _lock
-        self._down_reason: Failure | None = None
-        self._warned: set[str] = set()  # reasons (denied commands ...) warned about once
-        self._outage_s = 0.0
-        self._backoff_s = BACKOFF_FIRST_S
-        self._next_ping = 0.0
-        self._pinging = False
+        self._outage = Outage(self.counters)
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -224,12 +192,11 @@ class ValkeyTier(SecondaryTier):
         return tier
 
     def _header_key(self, key: OffloadKey) -> bytes:
-        """What stands for ``key`` in a value's name and header: the key, or with a secret its
-        keyed digest (the public block hash would tell anyone which prefixes are cached)."""
-        return key if self._keys is None else self._keys.name_digest(key)
+        """What stands for ``key`` in a value's name and header (see :meth:`ValueIO.header_key`)."""
+        return self._io.header_key(key)
 
     def _name(self, key: OffloadKey) -> bytes:
-        return self._prefix + self._header_key(key).hex().encode()
+        return self._io.name_of(key)
 
     # -- outage ----------------------------------------------------------------------------------
 
@@ -238,15 +205,8 @@ class ValkeyTier(SecondaryTier):
         if not is_outage(reason):  # an ACL's refusal or an error reply: the server is there
             self._warn_once(reason)
             return
-        with self._lock:
-            if self._down_since is not None:
-                return
-            now = time.monotonic()
-            self._down_since = now
-            self._down_reason = reason
-            self._backoff_s = BACKOFF_FIRST_S
-            self._next_ping = now + BACKOFF_FIRST_S
-            self.counters["outages"] += 1
+        if not self._outage.begin(reason):
+            return
         target = redact_url(self._conn.location)
         if reason.kind is FailureKind.AUTH:
             what = f"refused the credentials ({reason.detail})"
@@ -262,11 +222,8 @@ class ValkeyTier(SecondaryTier):
 
     def _warn_once(self, reason: Failure) -> None:
         """Log an ACL's refusal (or another error reply) once per kind and detail."""
-        tag = str(reason)
-        with self._lock:
-            if tag in self._warned:
-                return
-            self._warned.add(tag)
+        if not self._outage.first_warning(str(reason)):
+            return
         if reason.kind is FailureKind.DENIED:
             logger.warning(
                 "valkey tier %r: the server's ACL denies %s to this user on %s: those keys fail "
@@ -299,29 +256,18 @@ class ValkeyTier(SecondaryTier):
     @property
     def down(self) -> bool:
         """Whether the tier is in an outage now."""
-        return self._down_since is not None
+        return self._outage.down
 
     def _ping_done(self, ok: bool) -> None:
         """Worker thread: the outcome of a reconnect attempt."""
-        with self._lock:
-            self._pinging = False
-            if self._down_since is None:
-                return
-            now = time.monotonic()
-            if not ok:
-                self._backoff_s = min(BACKOFF_MAX_S, self._backoff_s * 2)
-                self._next_ping = now + self._backoff_s
-                return
-            lasted = now - self._down_since
-            self._outage_s += lasted
-            self._down_since = None
+        lasted = self._outage.ping_done(ok)
+        if lasted is None:
+            return
         logger.info("valkey tier %r: server answers again after %.1f s", self.name, lasted)
 
     def _try_reconnect(self) -> None:
-        with self._lock:
-            if self._pinging or time.monotonic() < self._next_ping:
-                return
-            self._pinging = True
+        if not self._outage.ping_due():
+            return
 
         def attempt() -> None:
             try:
@@ -356,7 +302,7 @@ class ValkeyTier(SecondaryTier):
             if until > time.monotonic():
                 return False
             del self._missing[key]
-        if self._down_since is not None:
+        if self._outage.down:
             return False  # nobody to ask: a miss now beats an engine that waits
         batch = self._probing.get(key)
         if batch is not None:
@@ -379,7 +325,7 @@ class ValkeyTier(SecondaryTier):
             self._expire_probe(batch)
         if self._staged:
             self._drop_stale_staged(now)
-        if self._down_since is not None:
+        if self._outage.down:
             self._wanted.clear()
             self._try_reconnect()
             return
@@ -398,13 +344,13 @@ class ValkeyTier(SecondaryTier):
     def _send_probe(self, keys: list[OffloadKey], now: float) -> None:
         self._probe_ids += 1
         batch = self._probe_ids
-        self._probes[batch] = _Probe(keys, now + self.config.timeout_s)
+        self._probes[batch] = Probe(keys, now + self.config.timeout_s)
         for key in keys:
             self._probing[key] = batch
         self.counters["probe_batches"] += 1
         self.counters["probed_keys"] += len(keys)
         # A probe is the read that answers a lookup: who waits for loads waits for it too
-        self._load_futures.add(future := self._submit(self._reader, self._run_probe, batch, keys))
+        self._load_futures.add(future := self._submit(self._reader, self._io.run_probe, batch, keys))
         future.add_done_callback(self._load_futures.discard)
 
     def _expire_probe(self, batch: int) -> None:
@@ -456,15 +402,15 @@ class ValkeyTier(SecondaryTier):
                 result.ok.append(key)  # the server has it (as far as this process knows)
             else:
                 todo.append((key, row))
-        if self._down_since is not None:
+        if self._outage.down:
             for key, _ in todo:
-                result.failed[key] = self._down_reason or _UNAVAILABLE
+                result.failed[key] = self._outage.reason or _UNAVAILABLE
             todo = []
         if not todo:
             self._done.append(("store", result, []))
             return
         self._writing.update(key for key, _ in todo)
-        self._submit(self._writer, self._run_store, result, todo)
+        self._submit(self._writer, self._io.run_store, result, todo)
 
     def submit_load(self, job: TierJob) -> None:
         self._jobs[job.job_id] = time.perf_counter()
@@ -478,11 +424,11 @@ class ValkeyTier(SecondaryTier):
                 staged[key] = entry[:2]
                 self._staged_bytes -= len(entry[0])
         result = TierJobResult(job.job_id, is_load=True)
-        if self._down_since is not None and len(staged) < len(job.keys):
+        if self._outage.down and len(staged) < len(job.keys):
             for key in job.keys:
                 if key not in staged:
-                    result.failed[key] = self._down_reason or _UNAVAILABLE
-        future = self._submit(self._reader, self._run_load, result, list(zip(job.keys, job.rows)), staged)
+                    result.failed[key] = self._outage.reason or _UNAVAILABLE
+        future = self._submit(self._reader, self._io.run_load, result, list(zip(job.keys, job.rows)), staged)
         self._load_futures.add(future)
         future.add_done_callback(self._load_futures.discard)
 
@@ -513,202 +459,6 @@ class ValkeyTier(SecondaryTier):
         events, self._events = self._events, []
         return events
 
-    # -- the worker threads ----------------------------------------------------------------------
-
-    def _encode(self, key: OffloadKey, row: int, slot: int = 0) -> tuple[bytes, memoryview]:
-        """The value of ``key``: its header page, then the CPU row itself (sent as it is), or
-        encrypting, its ciphertext in the writer's buffer ``slot`` (one per value of a batch)."""
-        payload = self._rows[row]
-        header = bytearray(HEADER_BYTES)
-        keys = self._keys
-        if keys is None:
-            encode_header_into(
-                header, layout_digest=self._digest, key=key, payload_bytes=self.block_bytes,
-                checksum=xxhash.xxh3_64_intdigest(payload),
-            )
-            return bytes(header), payload.data
-        encode_header_into(
-            header, layout_digest=self._digest, key=keys.name_digest(key),
-            payload_bytes=self.block_bytes, checksum=0, flags=keys.flags, salt=keys.new_salt(),
-        )
-        out = None
-        if keys.encrypt:
-            # Reused from batch to batch: a fresh 2 MiB buffer per value cost more than the
-            # cipher (page faults: 64 MiB of new buffers took 140 ms here, AES-GCM 15 ms).
-            buffers = self._cipher_buffers
-            while len(buffers) <= slot:
-                buffers.append(np.empty(self.block_bytes, dtype=np.uint8))
-            out = buffers[slot]
-        sealed = keys.seal(header, payload, out)  # the ciphertext when encrypting, else the row
-        return bytes(header), memoryview(sealed).cast("B")
-
-    def _run_store(self, result: TierJobResult, todo: list[tuple[OffloadKey, int]]) -> None:
-        stored: list[OffloadKey] = []
-        ttl = self.config.ttl_s
-        outage = None
-        try:
-            for start in range(0, len(todo), self._batch_keys):
-                chunk = todo[start : start + self._batch_keys]
-                if outage is not None:
-                    for key, _ in chunk:
-                        result.failed[key] = outage
-                    continue
-                names = [self._name(key) for key, _ in chunk]
-                values = [self._encode(key, row, slot) for slot, (key, row) in enumerate(chunk)]
-                reasons = self._conn.set_many(names, values, ttl)
-                del values
-                for (key, _), reason in zip(chunk, reasons):
-                    if reason is None:
-                        stored.append(key)
-                    else:
-                        result.failed[key] = reason
-                if reasons and all(r is not None and is_outage(r) for r in reasons):
-                    outage = reasons[0]
-        except Exception as error:  # a bug or an unexpected client error: fail, never crash
-            failure = _unexpected(self.name, "store", error)
-            for key, _ in todo:
-                if key not in stored:
-                    result.failed.setdefault(key, failure)
-        if outage is not None:
-            self._went_down(outage)
-        result.ok.extend(stored)
-        result.nbytes = len(stored) * self.block_bytes
-        self._done.append(("store", result, stored))
-
-    def _place(self, key: OffloadKey, target: np.ndarray, value, checksum: int | None = None) -> Failure | None:
-        """Copy ``value``'s payload into ``target`` (a CPU row) and verify it there; why not, or None.
-
-        ``checksum``: the payload checksum of a value whose header was checked already (when
-        it was read at the end of a step); only the payload is checked then.
-        """
-        if isinstance(value, Failure):
-            return value
-        if not isinstance(value, (bytes, bytearray, memoryview, np.ndarray)):
-            return Failure.MISSING
-        view = memoryview(value)  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
-        if checksum is not None and self._keys is None and len(view) == self._value_bytes:
-            target[:] = np.frombuffer(view, dtype=np.uint8, offset=HEADER_BYTES)
-            digest = xxhash.xxh3_64_intdigest(target)  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
-            return None if digest == checksum else Failure.corrupt("checksum")
-        if len(view) < self._value_bytes:
-            return Failure.corrupt("truncated")
-        if len(view) > self._value_bytes:
-            return Failure.corrupt("payload length")
-        received = np.frombuffer(view, dtype=np.uint8, offset=HEADER_BYTES)
-        source = None
-        if self._keys is not None and header_flags(view) & FLAG_ENCRYPTED:
-            source = received  # decrypted straight into the row: a copy first would cost as much
-        else:
-            target[:] = received
-        # Verified where the bytes will be served from, after the copy: nothing else is trusted.
-        reason = verify(
-            view[:HEADER_BYTES], target, len(view), key=self._header_key(key),
-            layout_digest=self._digest, payload_bytes=self.block_bytes, keys=self._keys,
-            source=source,
-        )
-        return None if reason is None else Failure.corrupt(reason)
-
-    def _place_all(self, pairs: list[tuple[OffloadKey, int]], values: dict[OffloadKey, tuple[np.ndarray, int]]) -> dict:
-        """:meth:`_place` each key's read value (and checksum) into its row: key -> why not, or None."""
-        rows = self._rows
-        return {key: self._place(key, rows[row], *values[key]) for key, row in pairs}
-
-    def _run_load(self, result: TierJobResult, pairs: list[tuple[OffloadKey, int]],
-                  staged: dict[OffloadKey, tuple[np.ndarray, int]]) -> None:
-        try:
-            fetch = [(key, row) for key, row in pairs if key not in staged and key not in result.failed]
-            local = [(key, row) for key, row in pairs if key in staged]
-            if len(local) > 1 and len(local) * self._value_bytes >= PARALLEL_COPY_BYTES:
-                # Copy and checksum release the GIL: a second thread halves a large job's
-                # time on an otherwise idle core (the server has nothing to do meanwhile).
-                half = len(local) // 2
-                theirs = self._copier.submit(self._place_all, local[:half], staged)
-                reasons = {**self._place_all(local[half:], staged), **theirs.result()}
-            else:
-                reasons = self._place_all(local, staged)
-            for key, _ in local:
-                if reasons[key] is None:
-                    result.ok.append(key)
-                else:
-                    result.failed[key] = reasons[key]
-            outage: Failure | None = None
-            for start in range(0, len(fetch), self._batch_keys):
-                chunk = fetch[start : start + self._batch_keys]
-                if outage is not None:
-                    for key, _ in chunk:
-                        result.failed[key] = outage
-                    continue
-                values = self._conn.get_many([self._name(key) for key, _ in chunk], self._value_bytes)
-                for (key, row), value in zip(chunk, values):
-                    reason = self._place(key, self._rows[row], value)
-                    if reason is None:
-                        result.ok.append(key)
-                    else:
-                        result.failed[key] = reason
-                first = values[0] if values else None
-                if isinstance(first, Failure) and all(is_outage(v) for v in values):
-                    outage = first
-            if outage is not None:
-                self._went_down(outage)
-        except Exception as error:
-            failure = _unexpected(self.name, "load", error)
-            for key, _ in pairs:
-                if key not in result.ok:
-                    result.failed.setdefault(key, failure)
-        result.nbytes = len(result.ok) * self.block_bytes
-        self._done.append(("load", result, None))
-
-    def _check_header(self, key: OffloadKey, value: np.ndarray) -> str | int:
-        """The cheap checks of a read value (all but the payload checksum, left to the load):
-        why it is not this key's block of this layout, or its payload checksum."""
-        if len(value) < HEADER_BYTES:
-            return "truncated"
-        header = decode_header(memoryview(value)[:HEADER_BYTES])  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
-        if isinstance(header, str):
-            return header
-        if header.layout_digest != self._digest:
-            return "other layout"
-        if header.key != self._header_key(key):
-            return "other key"
-        if bool(header.flags) != (self._keys is not None):
-            # the tag itself is checked on load, where the payload lands (see _place)
-            return "unkeyed" if self._keys is not None else "keyed (no secret here)"
-        if header.payload_bytes != self.block_bytes or len(value) != self._value_bytes:
-            return "truncated" if len(value) < self._value_bytes else "payload length"
-        return header.checksum
-
-    def _run_probe(self, batch: int, keys: list[OffloadKey]) -> None:
-        outcome = _ProbeOutcome(batch)
-        try:
-            values = self._conn.get_many([self._name(key) for key in keys], self._value_bytes)
-            for key, value in zip(keys, values):
-                if isinstance(value, Failure):
-                    if value.kind is FailureKind.CORRUPT:  # a value of the wrong length, never held
-                        outcome.corrupt[key] = value
-                    else:
-                        outcome.failed[key] = value
-                elif value is None:
-                    outcome.missing.append(key)
-                else:
-                    checked = self._check_header(key, value)
-                    if isinstance(checked, int):
-                        outcome.found[key] = (value, checked)
-                    else:
-                        outcome.corrupt[key] = Failure.corrupt(checked)
-            if len(outcome.found) * 2 < len(keys):
-                # The values are slices of one array for the whole batch, and a held slice
-                # keeps all of it: with few hits, copy them out so the batch can go (the held
-                # bytes then are what the staging budget counts).
-                outcome.found = {key: (value.copy(), checksum) for key, (value, checksum) in outcome.found.items()}
-            first = values[0] if values else None
-            if isinstance(first, Failure) and all(is_outage(v) for v in values):
-                self._went_down(first)
-        except Exception as error:
-            failure = _unexpected(self.name, "probe", error)
-            for key in keys:
-                outcome.failed[key] = failure
-        self._done.append(("probe", outcome, None))
-
     def _refresh_figures(self) -> None:
         try:
             self._server_figures = self._conn.server_figures()
@@ -719,7 +469,7 @@ class ValkeyTier(SecondaryTier):
 
     def _fold(self) -> None:
         done = self._done
-        if self._down_since is not None and (self._present or self._staged):
+        if self._outage.down and (self._present or self._staged):
             self._forget_server()
         while done:
             kind, outcome, extra = done.popleft()
@@ -733,7 +483,7 @@ class ValkeyTier(SecondaryTier):
             if kind == "store":
                 self._writing.difference_update(extra)
                 self._writing.difference_update(result.failed)
-                if self._down_since is None:
+                if not self._outage.down:
                     for key in extra:
                         self._remember_present(key)
                         self._missing.pop(key, None)
@@ -760,7 +510,7 @@ class ValkeyTier(SecondaryTier):
                         reading.pop(key, None)
             self._finished.append(result)
 
-    def _fold_probe(self, outcome: _ProbeOutcome) -> None:
+    def _fold_probe(self, outcome: ProbeOutcome) -> None:
         if self._probes.pop(outcome.batch, None) is None:
             return  # expired: its keys already answered False
         until = time.monotonic() + self.config.miss_ttl_s
@@ -788,13 +538,10 @@ class ValkeyTier(SecondaryTier):
 
     def stats(self) -> dict[str, int]:
         """The tier's counters, the outage figures and the server's (refreshed every second)."""
-        with self._lock:
-            outage_s = self._outage_s
-            if self._down_since is not None:
-                outage_s += time.monotonic() - self._down_since
+        outage_s = self._outage.seconds()
         figures = dict(self.counters)
         figures.update(
-            down=int(self._down_since is not None),
+            down=int(self._outage.down),
             outage_ms=int(outage_s * 1000),
             staged_blocks=len(self._staged),
             staged_bytes=self._staged_bytes,

@@ -5,7 +5,7 @@
   rows, nothing else; the manager and the policy do the rest.
 - :class:`MemoryTier`: a lower tier keeping the whole :class:`~kvtier.tiers.base.SecondaryTier`
   contract: the bookkeeping (reserved-while-written keys, eviction that spares keys being
-  read, events) is :class:`~kvtier.tiers.base.IndexedTier`'s, the medium a dict with verified
+  read, events) is :class:`~kvtier.tiers.indexed.IndexedTier`'s, the medium a dict with verified
   loads — none of a disk's machinery. It runs jobs when asked rather than on
   threads, so tests decide exactly when a job finishes. Failure injection
   (:meth:`MemoryTier.fail_next`, :meth:`MemoryTier.corrupt`) drives the manager's error paths.
@@ -24,7 +24,8 @@ import xxhash
 from kvtier.base import OffloadKey
 from kvtier.mediums import MemoryLoadStoreSpec
 from kvtier.policies.lru import LRUPolicy
-from kvtier.tiers.base import CheckReport, Failure, IndexedTier, TierJobResult, TierWork
+from kvtier.tiers.indexed import IndexedTier
+from kvtier.tiers.jobs import CheckReport, Failure, TierJobResult, TierWork
 from kvtier.tiers.cpu.slots import SlotBackend
 
 __all__ = ["MemoryBackend", "MemoryTier", "NullBackend"]
@@ -52,7 +53,7 @@ class MemoryTier(IndexedTier):
 
     ``rows`` is the CPU tier's ``(num_rows, block_bytes)`` uint8 view that jobs copy from and
     into. The scheduler-side bookkeeping (reservations, readers, eviction, events, counters)
-    is :class:`~kvtier.tiers.base.IndexedTier`'s; this class is only the medium: a dict.
+    is :class:`~kvtier.tiers.indexed.IndexedTier`'s; this class is only the medium: a dict.
     Jobs queue on submission and run at the next :meth:`get_finished_jobs` (or
     :meth:`drain_jobs`), unless :attr:`paused` holds them back.
     """

@@ -1,0 +1,184 @@
+"""``kvtier check``: verify a disk tier's store, or a shared valkey tier's values per namespace."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kvtier.cli.common import warn_password_in_url
+from kvtier.errors import ConfigError, KvtierError
+
+
+def add_parser(sub: Any) -> None:
+    """``kvtier check``: its options."""
+    check_path = sub.add_parser(
+        "check",
+        help="verify a disk tier's store, or a shared valkey tier's values (exit 0 healthy, 1 problems found)",
+        description="Read and verify every block of the disk-tier store at PATH (its manifest says "
+        "which kind and layout); report what is wrong. Safe while an engine uses the store. "
+        "Given a server URL (valkey://HOST:PORT[/DB], valkeys:// for TLS, redis://, rediss://, "
+        "unix:///path) or --cluster, read every value of the shared tier's namespaces with SCAN and "
+        "pipelined GETs and verify each against its own header (decodes, names the key in the "
+        "value's name, payload length and checksum hold) and its namespace (one layout digest); "
+        "report per namespace. Safe while engines use the tier.",
+    )
+    check_path.add_argument(
+        "path", nargs="?", metavar="PATH|URL",
+        help="the store directory (a disk tier's path:), or a server URL (valkey://HOST:PORT[/DB])",
+    )
+    check_path.add_argument("--fix", action="store_true", help="drop bad blocks and repair the index (valkey: DEL bad values)")
+    check_path.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    check_path.add_argument(
+        "--namespace", metavar="NS",
+        help="valkey: check only the values NS:<key> (default: every kvtier:* namespace, i.e. every tier "
+        "whose namespace was derived from its layout; name a tier's own namespace: to check it)",
+    )
+    check_path.add_argument(
+        "--config", metavar="FILE",
+        help="valkey: check the shared tier a kvtier YAML names (its url or cluster_nodes, username, "
+        "password_file, tls and namespace), instead of a URL",
+    )
+    check_path.add_argument("--tier", metavar="NAME", help="valkey: with --config, which valkey tier (if several)")
+    check_path.add_argument(
+        "--layout", metavar="DIGEST",
+        help="valkey: the layout digest (32 hex digits) every value of the namespace must carry; "
+        "without it a namespace whose values carry several layouts is reported and none of those "
+        "values is deleted, whatever their numbers (default namespaces kvtier:<digest> name theirs)",
+    )
+    check_path.add_argument(
+        "--cluster", metavar="HOST:PORT,...",
+        help="valkey: a cluster, instead of a URL: some of its nodes (the rest are discovered)",
+    )
+    check_path.add_argument(
+        "--secret-file", metavar="FILE",
+        help="the tier's secret_file: verify keyed blocks/values (without it, a store of keyed blocks "
+        "reports them as problems and --fix is refused; keyed values on a server are counted unverified)",
+    )
+    check_path.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from kvtier.tiers.disk import check_store
+    from kvtier.tiers.valkey.check import is_valkey_target
+
+    if args.cluster or args.config or (args.path and is_valkey_target(args.path)):
+        return _check_valkey(args)
+    for option, value in (("--namespace", args.namespace), ("--layout", args.layout), ("--tier", args.tier)):
+        if value is not None:
+            print(f"kvtier check: {option} is for a server (valkey://HOST:PORT), not the store {args.path!r}",
+                  file=sys.stderr)
+            return 2
+    if args.path is None:
+        print("kvtier check: give a store directory, a server URL (valkey://HOST:PORT[/DB]) or "
+              "--cluster HOST:PORT,...", file=sys.stderr)
+        return 2
+    try:
+        report = check_store(args.path, fix=args.fix, secret_file=args.secret_file)
+    except KvtierError as exc:
+        if args.json:
+            print(json.dumps({"path": args.path, "healthy": False, "error": str(exc)}, sort_keys=True))
+        else:
+            print(f"{args.path}: cannot check: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(
+            {"path": report.tier, "healthy": report.healthy, "blocks_checked": report.blocks_checked,
+             "problems": report.problems, "fixed": report.fixed},
+            sort_keys=True,
+        ))
+    else:
+        state = "healthy" if report.healthy else f"{len(report.problems)} problems"
+        print(f"{report.tier}: {report.blocks_checked} blocks checked, {state}")
+        for problem in report.problems:
+            print(f"  problem: {problem}")
+        for fixed in report.fixed:
+            print(f"  fixed: {fixed}")
+    return 0 if report.healthy else 1
+
+
+def _valkey_tier_of(path: str, name: str | None):
+    """The valkey tier named ``name`` (or the only one) of the configuration at ``path``."""
+    from kvtier.config import load_config
+    from kvtier.tiers.valkey.config import ValkeyTierConfig
+
+    config = load_config(path)
+    tiers = [tier for tier in config.tiers if isinstance(tier, ValkeyTierConfig)]
+    if name is not None:
+        tiers = [tier for tier in tiers if tier.name == name]
+    if len(tiers) != 1:
+        names = [tier.name for tier in config.tiers if isinstance(tier, ValkeyTierConfig)]
+        raise ConfigError(
+            "--tier", name, f"the name of one valkey tier of {path} (it has: {', '.join(names) or 'none'})",
+            "give --tier NAME" if names else "give a configuration with a kind: valkey tier",
+        )
+    return tiers[0]
+
+
+def _layout_digest(text: str | None) -> bytes | None:
+    """``--layout``'s digest (32 hex digits, as a check report prints it), or None."""
+    if text is None:
+        return None
+    try:
+        digest = bytes.fromhex(text)
+    except ValueError:
+        digest = b""
+    if len(digest) != 16:
+        raise ConfigError(
+            "--layout", text, "a layout digest: 32 hex digits",
+            "copy it from the report's layout_digests (kvtier check URL --namespace NS --json)",
+        )
+    return digest
+
+
+def _check_valkey(args: argparse.Namespace) -> int:
+    """``kvtier check valkey://...`` (or ``--cluster``): the shared tier's values, per namespace."""
+    import json
+
+    from kvtier.errors import ValkeyCheckError
+    from kvtier.tiers.valkey.check import check_valkey
+    from kvtier.tiers.valkey.config import redact_url
+
+    nodes = [node.strip() for node in args.cluster.split(",") if node.strip()] if args.cluster else []
+    target = args.cluster or redact_url(args.path) or args.config
+    if sum(map(bool, (args.cluster, args.path, args.config))) > 1:
+        print("kvtier check: give one of a server URL, --cluster and --config", file=sys.stderr)
+        return 2
+    warn_password_in_url(args.path, "check")
+    try:
+        layout = _layout_digest(args.layout)
+        tier = _valkey_tier_of(args.config, args.tier) if args.config else None
+        if tier is not None:
+            target = tier.location()
+        report = check_valkey(
+            args.path, cluster_nodes=nodes, namespace=args.namespace, fix=args.fix, layout_digest=layout,
+            config=tier, secret_file=args.secret_file,
+        )
+    except (KvtierError, ImportError) as exc:
+        if args.json:
+            print(json.dumps({"path": target, "healthy": False, "error": str(exc)}, sort_keys=True))
+        elif isinstance(exc, ValkeyCheckError):  # its message starts with the target already
+            print(f"cannot check {exc}", file=sys.stderr)
+        else:
+            print(f"{target}: cannot check: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report.to_record(), sort_keys=True))
+        return 0 if report.healthy else 1
+    state = "healthy" if report.healthy else f"{len(report.problems)} problems"
+    print(f"{report.target}: {len(report.namespaces)} namespaces, {report.blocks_checked} blocks checked, {state}")
+    for found in report.namespaces:
+        state = "healthy" if found.healthy else f"{len(found.problems)} problems"
+        print(f"  {found.namespace}: {found.blocks_checked} blocks, {found.value_bytes} bytes, "
+              f"layout {found.layout_digest or '-'}, {state}")
+        if found.unverified:
+            print(f"    unverified: {found.unverified} keyed values (give --secret-file to verify them)")
+        if len(found.layout_digests) > 1:
+            print("    layouts found: " + ", ".join(f"{d} ({n})" for d, n in found.layout_digests.items()))
+        for problem in found.problems:
+            print(f"    problem: {problem}")
+        for fixed in found.fixed:
+            print(f"    fixed: {fixed}")
+    return 0 if report.healthy else 1

@@ -1,0 +1,53 @@
+"""What several commands share: the report-or-JSON printing, the password warning, disk kinds."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from kvtier.bench.report import print_json
+
+__all__ = ["disk_kinds", "report", "warn_password_in_url"]
+
+
+def report(args: argparse.Namespace, run: Callable[[TextIO], dict[str, Any]]) -> dict[str, Any]:
+    """Run a reporter (table, then JSON line, on the stream it is given); its JSON record.
+
+    With ``--json`` only the JSON line reaches stdout: every reporter's last line is
+    ``print_json(record)``, so printing the returned record gives the same line.
+    """
+    if not args.json:
+        return run(sys.stdout)
+    record = run(io.StringIO())
+    print_json(record, sys.stdout)
+    return record
+
+
+def warn_password_in_url(url: str | None, command: str) -> None:
+    """Say so when a password came on the command line: every local user sees it in ps."""
+    from urllib.parse import urlsplit
+
+    if not url or "://" not in url:
+        return
+    try:
+        has_password = urlsplit(url).password is not None or "password=" in url.lower()
+    except ValueError:
+        return
+    if has_password:
+        print(f"kvtier {command}: warning: a password in a URL on the command line is visible to every "
+              "local user (ps); put it in KVTIER_VALKEY_PASSWORD, or in a password_file: of the "
+              "tier's config (kvtier check --config FILE)", file=sys.stderr)
+
+
+def disk_kinds() -> list[str]:
+    """The registered kinds whose section is the disk tiers' (what ``--disk``/``--backend`` take)."""
+    from kvtier.config import TIER_KINDS
+    from kvtier.tiers.disk.config import DiskTierConfig
+
+    return [
+        kind for kind in TIER_KINDS.names()
+        if issubclass(TIER_KINDS.resolve(kind, field="kind"), DiskTierConfig)
+    ]

@@ -1,0 +1,53 @@
+"""SIGTERM and SIGHUP as a clean exit: what every command runs under (see :func:`stop_on_signals`)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+__all__ = ["STOP_SIGNALS", "Stopped", "stop_on_signals"]
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP arrived: unwind like an interrupt, so every ``with`` and ``finally``
+    on the way out runs (a BaseException, so no ``except Exception`` swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+#: the signals a service manager stops a process with (systemd, Docker and Kubernetes send
+#: SIGTERM; a closed terminal or session sends SIGHUP)
+STOP_SIGNALS = ("SIGTERM", "SIGHUP")
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While a command runs, SIGTERM and SIGHUP become a normal exit that cleans up.
+
+    By default either kills the process outright: the CPU tier's region (the tier's whole
+    capacity, holding users' KV data) stays in ``/dev/shm`` and ``kvtier replay``'s temporary
+    store in the working directory. Here the first one raises :class:`Stopped` in the main
+    thread, which unwinds through the stack's shutdown and the temporary directories; later
+    ones are ignored until that is done, so they cannot cut the clean-up short. Outside the
+    main thread (signals cannot be caught there) nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    numbers = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
+
+    def stop(signum: int, frame: object) -> None:
+        for number in numbers:
+            signal.signal(number, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    previous = {number: signal.signal(number, stop) for number in numbers}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)

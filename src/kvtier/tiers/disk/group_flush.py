@@ -1,0 +1,63 @@
+"""Group commit of a filesystem flush, shared by the threads that ask while one runs."""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["GroupFlush"]
+
+
+class GroupFlush:
+    """Group commit of ``syncfs``: a caller returns once a flush that *started after it asked*
+    has finished, and callers that ask while one runs share the next one.
+
+    Why: each syncfs commits the filesystem's journal, and while a commit runs, every file
+    creation and rename of the tier's I/O threads waits for it (measured here: renames took
+    18 ms on average, 15% of the I/O threads' time, with one syncfs per 16-block job). Jobs
+    that finish while a flush runs need the same work done once more, not once each.
+    Correct because a flush that starts after a job's blocks are written and published
+    covers them. Any thread; blocks the caller for up to two flushes.
+    """
+
+    def __init__(self, flush):
+        self._flush = flush
+        self._cond = threading.Condition(threading.Lock())
+        self._started = 0  # flushes begun
+        self._finished = 0  # flushes ended
+        self._running = False
+        self._errors: dict[int, OSError] = {}  # flush number -> its error, while anyone may ask
+
+    def flush(self) -> None:
+        """Return once a flush begun after this call has ended; raise its OSError if it failed."""
+        with self._cond:
+            # a flush running now may have started before our blocks were published: only
+            # the next one counts
+            needed = self._started + 1
+            while self._finished < needed:
+                if self._running:
+                    self._cond.wait()
+                    continue
+                self._running = True
+                self._started += 1
+                number = self._started
+                self._cond.release()
+                error = None
+                try:
+                    self._flush()
+                except OSError as exc:
+                    error = exc
+                finally:
+                    self._cond.acquire()
+                    self._running = False
+                    self._finished = number
+                    if error is not None:
+                        self._errors[number] = error
+                    # errors older than a few flushes can no longer be asked for
+                    for old in [n for n in self._errors if n < number - 64]:
+                        del self._errors[old]
+                    self._cond.notify_all()
+            # flushes run one at a time and are numbered in order, so flush `needed` is the
+            # first one begun after we asked: its outcome is ours
+            error = self._errors.get(needed)
+        if error is not None:
+            raise error
