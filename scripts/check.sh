@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What CI runs after the install (.ci/run), and the README's second command: the linter, the
-# type checker, then the test suite, stopping at the first that fails.
+# type checker, the docs build, then the test suite, stopping at the first that fails.
 #
 #   scripts/check.sh [pytest arguments...]
 #
@@ -9,8 +9,9 @@
 # worker. `scripts/check.sh -n 0` runs it serially; `-m "not slow"` leaves out the slow tests.
 #
 # Uses .venv/bin/python where there is one, else python3 (PYTHON=... overrides); that Python
-# needs the '.[test]' extra (ruff, mypy, pytest and the test dependencies). The settings of
-# all three live in pyproject.toml.
+# needs the '.[test]' extra (ruff, mypy, mkdocs, pytest and the test dependencies). The settings
+# of ruff, mypy and pytest live in pyproject.toml, the docs' in mkdocs.yml. Where mkdocs is not
+# installed the docs build is skipped with a note, unless KVTIER_REQUIRE_DOCS=1 (CI sets it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
@@ -20,6 +21,17 @@ echo "== ruff check" >&2
 "$PYTHON" -m ruff check src tests benchmarks
 echo "== mypy" >&2
 "$PYTHON" -m mypy
+echo "== mkdocs build --strict" >&2
+if "$PYTHON" -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null; then
+    site=$(mktemp -d)
+    trap 'rm -rf "$site"' EXIT
+    NO_MKDOCS_2_WARNING=1 "$PYTHON" -m mkdocs build --strict --quiet --site-dir "$site"
+elif [ "${KVTIER_REQUIRE_DOCS:-0}" = 1 ]; then
+    echo "mkdocs, mkdocs-material or mkdocstrings[python] is missing: pip install -e '.[docs]'" >&2
+    exit 1
+else
+    echo "skipped: mkdocs is not installed here (pip install -e '.[docs]')" >&2
+fi
 echo "== pytest" >&2
 if "$PYTHON" -c "import xdist" 2>/dev/null; then
     "$PYTHON" -m pytest -n auto --dist loadgroup "$@"

@@ -1,6 +1,6 @@
 """An OffloadingManager over an ordered stack: the CPU tier, then secondary tiers (disk ...).
 
-The CPU tier is the gateway (DESIGN.md section 2): every load into the GPU comes from it and
+The CPU tier is the gateway (docs/architecture.md): every load into the GPU comes from it and
 every store from the GPU lands in it first. Secondary tiers only exchange blocks with it:
 
 * **promotion** — a key found only below makes :meth:`TierStackManager.lookup` queue the read

@@ -1,7 +1,7 @@
 """The interface of every tier below the CPU tier ("secondary" tiers: disk, and test doubles).
 
 A secondary tier never sees the GPU. Blocks reach it from the CPU tier and go back to the CPU
-tier (DESIGN.md section 2): a store job copies CPU rows down, a load job copies blocks up into
+tier (docs/architecture.md): a store job copies CPU rows down, a load job copies blocks up into
 CPU rows the manager reserved. The tier owns everything about its own medium — the index that
 survives restarts, capacity and eviction, the on-disk format and its checksums — and the
 manager owns the CPU rows and when to move what.
