@@ -100,19 +100,27 @@ def run(calls: int = 400, rounds: int = 5, directory: str | None = None, out=sys
                 for _ in range(rounds):
                     for size in SIZES:
                         samples["preadv_thread", size].append(
-                            asyncio.run(_preadv_thread(fd, rows, calls, pool, size)))
+                            asyncio.run(_preadv_thread(fd, rows, calls, pool, size))
+                        )
                         samples["aiofiles_read", size].append(
-                            asyncio.run(_aiofiles(handle.name, rows, calls, pool, False, size)))
+                            asyncio.run(_aiofiles(handle.name, rows, calls, pool, False, size))
+                        )
                         samples["aiofiles_readinto", size].append(
-                            asyncio.run(_aiofiles(handle.name, rows, calls, pool, True, size)))
+                            asyncio.run(_aiofiles(handle.name, rows, calls, pool, True, size))
+                        )
                         samples["preadv_direct_call", size].append(_direct(fd, rows, calls, size))
         finally:
             os.close(fd)
     us = {key: median(values) * 1e6 for key, values in samples.items()}
     table = [
-        {"path": name, "bytes": size, "us_per_call": us[name, size],
-         "minus_preadv_thread_us": us[name, size] - us["preadv_thread", size]}
-        for size in SIZES for name in paths
+        {
+            "path": name,
+            "bytes": size,
+            "us_per_call": us[name, size],
+            "minus_preadv_thread_us": us[name, size] - us["preadv_thread", size],
+        }
+        for size in SIZES
+        for name in paths
     ]
     print(f"reads from the page cache, {calls} calls x {rounds} rounds (medians)", file=out)
     print_table(table, ["path", "bytes", "us_per_call", "minus_preadv_thread_us"], out)

@@ -62,30 +62,44 @@ def main(argv: list[str] | None = None) -> int:
             median = {name: statistics.median(values) for name, values in speed.items()}
             fastest_fixed = max(median[f"fixed {s}"] for s in SHARES)
             best_fixed = max(ratio[f"fixed {s}"] for s in SHARES)
-            rows.append({
-                "trace": trace,
-                "capacity": capacity,
-                "lru": ratio["lru"],
-                **{f"fixed_{s}": ratio[f"fixed {s}"] for s in SHARES},
-                "learnt": ratio["learnt"],
-                "learnt_minus_lru": round(ratio["learnt"] - ratio["lru"], 4),
-                "learnt_minus_best_fixed": round(ratio["learnt"] - best_fixed, 4),
-                "final_share": share,
-                "share_changes": changes,
-                "learnt_refs_per_s": round(median["learnt"]),
-                "fixed_refs_per_s": round(fastest_fixed),
-                "overhead": round(fastest_fixed / median["learnt"], 2),
-            })
+            rows.append(
+                {
+                    "trace": trace,
+                    "capacity": capacity,
+                    "lru": ratio["lru"],
+                    **{f"fixed_{s}": ratio[f"fixed {s}"] for s in SHARES},
+                    "learnt": ratio["learnt"],
+                    "learnt_minus_lru": round(ratio["learnt"] - ratio["lru"], 4),
+                    "learnt_minus_best_fixed": round(ratio["learnt"] - best_fixed, 4),
+                    "final_share": share,
+                    "share_changes": changes,
+                    "learnt_refs_per_s": round(median["learnt"]),
+                    "fixed_refs_per_s": round(fastest_fixed),
+                    "overhead": round(fastest_fixed / median["learnt"], 2),
+                }
+            )
     if not args.json:
-        columns = ["trace", "capacity", "lru", *(f"fixed_{s}" for s in SHARES), "learnt",
-                   "final_share", "learnt_refs_per_s", "fixed_refs_per_s", "overhead"]
+        columns = [
+            "trace",
+            "capacity",
+            "lru",
+            *(f"fixed_{s}" for s in SHARES),
+            "learnt",
+            "final_share",
+            "learnt_refs_per_s",
+            "fixed_refs_per_s",
+            "overhead",
+        ]
         print_table(rows, columns, sys.stdout)
-    print_json({
-        "bench": "chain_share",
-        "rows": rows,
-        "worst_learnt_minus_lru": min(row["learnt_minus_lru"] for row in rows),
-        "worst_learnt_minus_best_fixed": min(row["learnt_minus_best_fixed"] for row in rows),
-    }, sys.stdout)
+    print_json(
+        {
+            "bench": "chain_share",
+            "rows": rows,
+            "worst_learnt_minus_lru": min(row["learnt_minus_lru"] for row in rows),
+            "worst_learnt_minus_best_fixed": min(row["learnt_minus_best_fixed"] for row in rows),
+        },
+        sys.stdout,
+    )
     return 0
 
 

@@ -66,9 +66,7 @@ class Setup:
         self.dma = CpuGpuOffloadingHandlers(kv, self.region, 1, engine="cuda")
         self.kernel = CpuGpuOffloadingHandlers(kv, self.region, 1, engine="kernel")
         self.host = self.dma.buffers.cpu
-        self.device_buffer = torch.empty(
-            num_blocks * self.block_bytes, dtype=torch.int8, device="cuda"
-        )
+        self.device_buffer = torch.empty(num_blocks * self.block_bytes, dtype=torch.int8, device="cuda")
         rng = np.random.default_rng(0)
         self.store_ids = rng.permutation(num_blocks)
         self.load_ids = rng.permutation(num_blocks)
@@ -130,7 +128,8 @@ def throughput(setup: Setup, programs: list[int], runs: int, clock: Clock) -> li
             }
             for p in programs:
                 timed[p] = lambda p=p, count=count, store=store: (
-                    set_programs(setup, p), setup.job(setup.kernel, count, store)
+                    set_programs(setup, p),
+                    setup.job(setup.kernel, count, store),
                 )
             seconds = {key: [] for key in timed}
             for _ in range(runs):  # interleaved rounds: drift hits every variant alike
@@ -264,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stdout
     if not args.json:
         flat = [
-            {**{k: v for k, v in row.items() if k != "kernel_ratio"},
-             **{f"p{p}": ratio for p, ratio in row["kernel_ratio"].items()}}
+            {
+                **{k: v for k, v in row.items() if k != "kernel_ratio"},
+                **{f"p{p}": ratio for p, ratio in row["kernel_ratio"].items()},
+            }
             for row in speed
         ]
         print_table(flat, list(flat[0]), out)

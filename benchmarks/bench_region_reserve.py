@@ -59,10 +59,15 @@ def run(sizes_gib: list[float], rounds: int, directory: str, out=sys.stdout) -> 
             reserve.append(_time_reserved(rows, directory))
             touch.append(_time_first_touch(rows, directory))
         reserve_s, touch_s = statistics.median(reserve), statistics.median(touch)
-        table.append({
-            "gib": gib, "reserve_s": round(reserve_s, 4), "first_touch_s": round(touch_s, 4),
-            "ratio": round(reserve_s / touch_s, 3), "reserve_s_per_gib": round(reserve_s / gib, 4),
-        })
+        table.append(
+            {
+                "gib": gib,
+                "reserve_s": round(reserve_s, 4),
+                "first_touch_s": round(touch_s, 4),
+                "ratio": round(reserve_s / touch_s, 3),
+                "reserve_s_per_gib": round(reserve_s / gib, 4),
+            }
+        )
     print_table(table, ["gib", "reserve_s", "first_touch_s", "ratio", "reserve_s_per_gib"], out)
     record = {"benchmark": "region_reserve", "directory": directory, "rounds": rounds, "rows": table}
     print_json(record, out)

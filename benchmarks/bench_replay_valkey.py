@@ -35,8 +35,12 @@ def _valkey_config(url: str, block_bytes: int) -> dict:
     return {
         "block_size_tokens": 512,
         "tiers": [
-            {"name": "cpu", "kind": "cpu", "capacity": DEFAULT_CPU_BLOCKS * row_stride_for(block_bytes),
-             "eviction": "lru"},
+            {
+                "name": "cpu",
+                "kind": "cpu",
+                "capacity": DEFAULT_CPU_BLOCKS * row_stride_for(block_bytes),
+                "eviction": "lru",
+            },
             {"name": "disk", "kind": "valkey", "url": url, "timeout_s": 5.0},
         ],
     }
@@ -45,9 +49,17 @@ def _valkey_config(url: str, block_bytes: int) -> dict:
 def _run(label: str, config: dict, args: argparse.Namespace) -> dict:
     import io
 
-    record = replay(args.trace, config, gpu_blocks=args.gpu_blocks, block_bytes=args.block_bytes,
-                    limit=args.limit, baseline=False, progress=False, out=io.StringIO(),
-                    deterministic=args.deterministic)
+    record = replay(
+        args.trace,
+        config,
+        gpu_blocks=args.gpu_blocks,
+        block_bytes=args.block_bytes,
+        limit=args.limit,
+        baseline=False,
+        progress=False,
+        out=io.StringIO(),
+        deterministic=args.deterministic,
+    )
     return {
         "stack": label,
         "requests": record["requests"],
@@ -68,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-blocks", type=int, default=2000)
     parser.add_argument("--block-bytes", type=int, default=16 * 1024)
     parser.add_argument("--deterministic", action="store_true")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of each stack, alternating; the best counts")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="runs of each stack, alternating; the best counts"
+    )
     args = parser.parse_args(argv)
     args.limit = args.limit or None
     binary = find_server_binary()
@@ -84,31 +98,42 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(1, args.rounds + 1):
         # each round from cold: a fresh LMDB folder and a fresh, empty server
         with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=Path.cwd()) as directory:
-            rows.append({"round": round_, **_run("cpu->lmdb", default_config(directory, args.block_bytes, "lmdb"),
-                                                 args)})
+            rows.append(
+                {
+                    "round": round_,
+                    **_run("cpu->lmdb", default_config(directory, args.block_bytes, "lmdb"), args),
+                }
+            )
         server = LocalValkeyServer(binary, maxmemory=maxmemory)
         server.start()
         try:
-            rows.append({"round": round_, **_run("cpu->valkey", _valkey_config(server.url, args.block_bytes), args)})
+            rows.append(
+                {"round": round_, **_run("cpu->valkey", _valkey_config(server.url, args.block_bytes), args)}
+            )
         finally:
             server.stop()
     print_table(rows, list(rows[0]), sys.stdout)
     # best round of each: on a shared machine the slow rounds measure the neighbours
     lmdb = max((row for row in rows if row["stack"] == "cpu->lmdb"), key=lambda row: row["block_refs_per_s"])
-    valkey = max((row for row in rows if row["stack"] == "cpu->valkey"), key=lambda row: row["block_refs_per_s"])
-    print_json({
-        "bench": "replay_valkey",
-        "trace": args.trace,
-        "limit": args.limit,
-        "rounds": args.rounds,
-        "deterministic": args.deterministic,
-        "lmdb_block_refs_per_s": lmdb["block_refs_per_s"],
-        "valkey_block_refs_per_s": valkey["block_refs_per_s"],
-        "ratio": round(valkey["block_refs_per_s"] / max(1, lmdb["block_refs_per_s"]), 3),
-        "lmdb_steps_per_request": lmdb["steps_per_request"],
-        "valkey_steps_per_request": valkey["steps_per_request"],
-        "runs": rows,
-    }, sys.stdout)
+    valkey = max(
+        (row for row in rows if row["stack"] == "cpu->valkey"), key=lambda row: row["block_refs_per_s"]
+    )
+    print_json(
+        {
+            "bench": "replay_valkey",
+            "trace": args.trace,
+            "limit": args.limit,
+            "rounds": args.rounds,
+            "deterministic": args.deterministic,
+            "lmdb_block_refs_per_s": lmdb["block_refs_per_s"],
+            "valkey_block_refs_per_s": valkey["block_refs_per_s"],
+            "ratio": round(valkey["block_refs_per_s"] / max(1, lmdb["block_refs_per_s"]), 3),
+            "lmdb_steps_per_request": lmdb["steps_per_request"],
+            "valkey_steps_per_request": valkey["steps_per_request"],
+            "runs": rows,
+        },
+        sys.stdout,
+    )
     return 1 if any(row["mismatched_blocks"] for row in rows) else 0
 
 

@@ -99,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     record.update({f"{name}_gbps": round(rate, 3) for name, rate in rates.items()})
     record.update({f"{name}_vs_xxh3": round(rate / rates["xxh3_64"], 4) for name, rate in rates.items()})
     record["per_block_setup_us"] = round(median(setup), 2)
-    table = [{"candidate": name, "gbps": rate, "vs_xxh3_64": rate / rates["xxh3_64"]} for name, rate in rates.items()]
+    table = [
+        {"candidate": name, "gbps": rate, "vs_xxh3_64": rate / rates["xxh3_64"]}
+        for name, rate in rates.items()
+    ]
     print(f"keyed MAC candidates on {len(block)} bytes, one thread, median of {args.rounds} rounds")
     print_table(table, ["candidate", "gbps", "vs_xxh3_64"], sys.stdout)
     print(f"per block: key derivation + GCM context {record['per_block_setup_us']} us")

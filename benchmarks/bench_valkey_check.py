@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                 report = check_valkey(server.url, namespace=namespace)
                 check_s.append(time.perf_counter() - start)
                 if not report.healthy or report.blocks_checked != count:
-                    raise RuntimeError(f"the check found {report.problems[:3]} in {report.blocks_checked} values")
+                    raise RuntimeError(
+                        f"the check found {report.problems[:3]} in {report.blocks_checked} values"
+                    )
                 start = time.perf_counter()
                 if raw_get(client, names, batch_keys) != count * (HEADER_BYTES + block_bytes):
                     raise RuntimeError("the raw GETs read other bytes than were stored")
@@ -92,10 +94,16 @@ def main(argv: list[str] | None = None) -> int:
             check, raw = statistics.median(check_s), statistics.median(raw_s)
             total = count * (HEADER_BYTES + block_bytes)
             label = f"{block_bytes >> 10}k_{mib}mib"
-            rows.append({
-                "block": f"{block_bytes >> 10} KiB", "values": count, "check_s": check,
-                "check_gbps": total / check / 1e9, "raw_get_gbps": total / raw / 1e9, "ratio": raw / check,
-            })
+            rows.append(
+                {
+                    "block": f"{block_bytes >> 10} KiB",
+                    "values": count,
+                    "check_s": check,
+                    "check_gbps": total / check / 1e9,
+                    "raw_get_gbps": total / raw / 1e9,
+                    "ratio": raw / check,
+                }
+            )
             record[f"{label}_check_s"] = round(check, 4)
             record[f"{label}_check_gbps"] = round(total / check / 1e9, 3)
             record[f"{label}_raw_get_gbps"] = round(total / raw / 1e9, 3)

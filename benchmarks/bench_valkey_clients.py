@@ -77,7 +77,9 @@ def run(mib: int = 64, rounds: int = 5, out=sys.stdout) -> dict:
     record: dict = {"mib": mib, "rounds": rounds}
     rows = []
     with LocalValkeyServer(maxmemory=4 * mib << 20) as server:
-        clients = {"valkey": (valkey.Valkey(host="127.0.0.1", port=server.port, socket_timeout=30), _valkey_round)}
+        clients = {
+            "valkey": (valkey.Valkey(host="127.0.0.1", port=server.port, socket_timeout=30), _valkey_round)
+        }
         try:
             import valkey.utils
 
@@ -106,12 +108,20 @@ def run(mib: int = 64, rounds: int = 5, out=sys.stdout) -> dict:
                 get = statistics.median(t[1] for t in times[name])
                 record[f"{name}_{size >> 10}k_set_gbps"] = total / put / 1e9
                 record[f"{name}_{size >> 10}k_get_gbps"] = total / get / 1e9
-                rows.append({"client": name, "value": f"{size >> 10} KiB", "set_GB/s": total / put / 1e9,
-                             "get_GB/s": total / get / 1e9})
+                rows.append(
+                    {
+                        "client": name,
+                        "value": f"{size >> 10} KiB",
+                        "set_GB/s": total / put / 1e9,
+                        "get_GB/s": total / get / 1e9,
+                    }
+                )
             if "glide" in clients:
                 for way in ("set", "get"):
                     key = f"{size >> 10}k_{way}"
-                    record[f"glide_over_valkey_{key}"] = record[f"glide_{key}_gbps"] / record[f"valkey_{key}_gbps"]
+                    record[f"glide_over_valkey_{key}"] = (
+                        record[f"glide_{key}_gbps"] / record[f"valkey_{key}_gbps"]
+                    )
         for client, _ in clients.values():
             client.close()
     print_table(rows, ["client", "value", "set_GB/s", "get_GB/s"], out)

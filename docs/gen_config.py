@@ -58,7 +58,11 @@ def _default(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         value = f.default
     elif f.default_factory is not dataclasses.MISSING:
-        return "see below" if dataclasses.is_dataclass(f.default_factory) else "`" + repr(f.default_factory()) + "`"
+        return (
+            "see below"
+            if dataclasses.is_dataclass(f.default_factory)
+            else "`" + repr(f.default_factory()) + "`"
+        )
     else:
         return "required"
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1 << 20 and value % (1 << 20) == 0:
@@ -119,8 +123,10 @@ def render() -> str:
         "bytes.",
         "",
     ]
-    for title, cls in (("The whole file", getattr(config, "KvtierConfig", None)),
-                       ("cascade", getattr(config, "CascadeConfig", None))):
+    for title, cls in (
+        ("The whole file", getattr(config, "KvtierConfig", None)),
+        ("cascade", getattr(config, "CascadeConfig", None)),
+    ):
         if cls is None:
             continue
         out += [f"## {title}", "", (inspect.getdoc(cls) or "").split("\n\n")[0], ""]
@@ -129,11 +135,18 @@ def render() -> str:
     out += _table(TierConfig, []) + [""]
     for cls, names in kinds.items():
         label = ", ".join(f"`{n}`" for n in names)
-        out += [f"## kind: {label}", "", f"`{cls.__module__}.{cls.__qualname__}`: "
-                + (inspect.getdoc(cls) or "").split("\n\n")[0], ""]
+        out += [
+            f"## kind: {label}",
+            "",
+            f"`{cls.__module__}.{cls.__qualname__}`: " + (inspect.getdoc(cls) or "").split("\n\n")[0],
+            "",
+        ]
         if getattr(cls, "bounded_by_server", False):
-            out += ["Bounded by its server: the section takes no `capacity`, `eviction` or "
-                    "`eviction_module_path`.", ""]
+            out += [
+                "Bounded by its server: the section takes no `capacity`, `eviction` or "
+                "`eviction_module_path`.",
+                "",
+            ]
         own = _table(cls, common)
         out += (own if len(own) > 2 else ["No keys of its own."]) + [""]
         for sub in _nested(cls):

@@ -72,8 +72,10 @@ def second_run(cfg: dict, count: int) -> None:
         served += 1
     stats = manager.stats()
     manager.shutdown()
-    print(f"second run: served {served}/{count} blocks byte for byte, "
-          f"{stats['disk.promotions']} of them read back from disk")
+    print(
+        f"second run: served {served}/{count} blocks byte for byte, "
+        f"{stats['disk.promotions']} of them read back from disk"
+    )
 
 
 def main() -> None:

@@ -27,9 +27,7 @@ def test_bench_transfer_json_has_every_figure(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
     record = json.loads(lines[0])
-    assert (
-        record["bench"] == "transfer" and record["device"] == "cpu" and record["engine"] == "thread"
-    )
+    assert record["bench"] == "transfer" and record["device"] == "cpu" and record["engine"] == "thread"
     assert record["verified"] is True
     combos = [(row["layout"], row["page_bytes"], row["batch_blocks"]) for row in record["rows"]]
     assert combos == [

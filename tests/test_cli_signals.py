@@ -46,7 +46,10 @@ def test_a_replay_stopped_mid_run_removes_its_region_and_store(tmp_path, signum)
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     process = subprocess.Popen(
         [sys.executable, "-m", "kvtier.cli.main", "replay", "--no-progress", "--no-baseline", "--json"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     try:
         # mid-run: the region and the temporary store exist, requests are being served

@@ -282,9 +282,7 @@ def test_kvtier_config_instance_is_returned_as_is() -> None:
     assert load_config(STACK) is STACK
 
 
-def test_extra_config_with_kvtier_config_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_extra_config_with_kvtier_config_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "tiers.yaml").write_text(STACK_YAML)
     extra = {
         "spec_name": "TieredOffloadingSpec",
@@ -326,9 +324,7 @@ def test_vllm_block_size_fills_in_for_an_included_file(tmp_path: Path) -> None:
 
 def test_defaults() -> None:
     config = load_config({"tiers": [{"kind": "cpu", "capacity": 4096}]})
-    assert config == KvtierConfig(
-        tiers=(CPUTierConfig(name="cpu", kind="cpu", capacity_bytes=4096),)
-    )
+    assert config == KvtierConfig(tiers=(CPUTierConfig(name="cpu", kind="cpu", capacity_bytes=4096),))
     assert config.block_size_tokens is None
     assert config.cascade == CascadeConfig()
     tier = config.tiers[0]
@@ -336,9 +332,7 @@ def test_defaults() -> None:
 
 
 def test_disk_tier_defaults_and_name_from_kind() -> None:
-    config = load_config(
-        "tiers:\n- {kind: cpu, capacity: 1GiB}\n- {kind: files, capacity: 1GiB, path: /x}\n"
-    )
+    config = load_config("tiers:\n- {kind: cpu, capacity: 1GiB}\n- {kind: files, capacity: 1GiB, path: /x}\n")
     disk = config.tiers[1]
     assert isinstance(disk, DiskTierConfig)
     assert (disk.name, disk.o_direct, disk.fsync) == ("files", "auto", "batch")
@@ -364,8 +358,7 @@ def test_yaml_booleans_map_to_on_off_for_cpu(text: str, option: str, expected: s
 )
 def test_yaml_booleans_map_to_on_off_for_disk(text: str, expected: str) -> None:
     config = load_config(
-        f"tiers:\n- {{kind: cpu, capacity: 1GiB}}\n- {{kind: lmdb, capacity: 1GiB, path: /x, "
-        f"{text}}}\n"
+        f"tiers:\n- {{kind: cpu, capacity: 1GiB}}\n- {{kind: lmdb, capacity: 1GiB, path: /x, {text}}}\n"
     )
     assert config.tiers[1].o_direct == expected
 
@@ -696,12 +689,20 @@ def test_non_utf8_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "text, where, shown, problem",
     [
-        ("tiers:\n  - {kind: cpu, capacity: 1GiB\n", "line 3, column 1", "<end of input>",
-         "flow mapping at line 2, column 5"),
+        (
+            "tiers:\n  - {kind: cpu, capacity: 1GiB\n",
+            "line 3, column 1",
+            "<end of input>",
+            "flow mapping at line 2, column 5",
+        ),
         ("a: b: c\n", "line 1, column 5", "a: b: c", "mapping values are not allowed"),
         ("tiers:\n\t- x\n", "line 2, column 1", "- x", "cannot start any token"),
-        ("tiers:\n- kind: cpu\n  capacity: 1GiB\n  capacity: 2GiB\n", "line 4, column 3",
-         "capacity: 2GiB", "duplicate key 'capacity'"),
+        (
+            "tiers:\n- kind: cpu\n  capacity: 1GiB\n  capacity: 2GiB\n",
+            "line 4, column 3",
+            "capacity: 2GiB",
+            "duplicate key 'capacity'",
+        ),
         ("tiers: []\ntiers: []\n", "line 2, column 1", "tiers: []", "duplicate key 'tiers'"),
     ],
 )
@@ -770,12 +771,31 @@ def test_only_config_errors_escape_on_wrong_types_everywhere() -> None:
 
 # Values drawn near the schema, so that the fuzzing reaches the deep branches.
 _KEYS = st.sampled_from(
-    ["tiers", "cascade", "block_size_tokens", "block_size", "kind", "name", "capacity",
-     "eviction", "eviction_module_path", "path", "pin_memory", "o_direct", "fsync",
-     "write_policy", "max_demote_bytes_per_step", "spec_name", "x"]
+    [
+        "tiers",
+        "cascade",
+        "block_size_tokens",
+        "block_size",
+        "kind",
+        "name",
+        "capacity",
+        "eviction",
+        "eviction_module_path",
+        "path",
+        "pin_memory",
+        "o_direct",
+        "fsync",
+        "write_policy",
+        "max_demote_bytes_per_step",
+        "spec_name",
+        "x",
+    ]
 )
 _LEAVES = st.one_of(
-    st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True),
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.floats(allow_nan=True),
     st.sampled_from(["cpu", "lmdb", "files", "lru", "arc", "64GiB", "64G", "on", "batch", "/x"]),
 )
 _NODES = st.recursive(
@@ -819,9 +839,21 @@ def test_config_objects_are_frozen(target: object, name: str) -> None:
 def test_describe_names_every_tier_and_setting() -> None:
     text = describe(STACK)
     for expected in (
-        "cpu", "nvme", "lmdb", "64 GiB", "2 TiB", "arc", "lru", "/mnt/nvme/kvtier",
-        "pin_memory=auto", "o_direct=auto", "fsync=batch", "256", "write_back",
-        "512 MiB", "256 MiB",
+        "cpu",
+        "nvme",
+        "lmdb",
+        "64 GiB",
+        "2 TiB",
+        "arc",
+        "lru",
+        "/mnt/nvme/kvtier",
+        "pin_memory=auto",
+        "o_direct=auto",
+        "fsync=batch",
+        "256",
+        "write_back",
+        "512 MiB",
+        "256 MiB",
     ):
         assert expected in text
     lines = text.splitlines()

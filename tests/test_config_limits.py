@@ -37,8 +37,13 @@ def test_nested_aliases_are_refused_before_anything_is_built(tmp_path):
 def test_nested_aliases_through_the_cli_exit_1_without_a_traceback(tmp_path):
     path = tmp_path / "laughs.yaml"
     path.write_text(BILLION_LAUGHS)
-    done = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "config", "check", str(path)],
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "config", "check", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 1
     assert "line 4" in done.stderr and "Traceback" not in done.stderr
 
@@ -49,8 +54,10 @@ def test_a_recursive_alias_is_refused_with_its_line():
 
 
 def test_a_merge_of_a_few_aliases_still_loads():
-    text = ("tiers:\n- {kind: cpu, capacity: 1GiB}\n- &disk {kind: files, capacity: 1GiB, path: /x, name: a}\n"
-            "- {<<: *disk, name: b}\n- {<<: *disk, name: c}\n")
+    text = (
+        "tiers:\n- {kind: cpu, capacity: 1GiB}\n- &disk {kind: files, capacity: 1GiB, path: /x, name: a}\n"
+        "- {<<: *disk, name: b}\n- {<<: *disk, name: c}\n"
+    )
     assert [tier.name for tier in load_config(text).tiers[1:]] == ["a", "b", "c"]
 
 
@@ -75,7 +82,9 @@ def test_shown_value_is_bounded_for_any_shape():
     assert shown_value("tiers") == "'tiers'" and shown_value(4096) == "4096"
 
 
-@pytest.mark.parametrize("value", ["1" * 41, 10**41, "1" * 41 + "GiB", "9" * 5000, float(2**64), "1" * 5000 + "B"])
+@pytest.mark.parametrize(
+    "value", ["1" * 41, 10**41, "1" * 41 + "GiB", "9" * 5000, float(2**64), "1" * 5000 + "B"]
+)
 def test_sizes_past_8_eib_are_named_errors(value):
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.capacity"):
         parse_size(value, "tiers[1].capacity")
@@ -97,7 +106,12 @@ def test_the_largest_size_still_parses_and_formats():
 def test_a_41_digit_capacity_through_config_check_exits_1_without_a_traceback(tmp_path):
     path = tmp_path / "big.yaml"
     path.write_text("tiers:\n  - {name: cpu, kind: cpu, capacity: " + "1" * 41 + "}\n")
-    done = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "config", "check", str(path)],
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "config", "check", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 1
     assert "tiers[0].capacity" in done.stderr and "Traceback" not in done.stderr

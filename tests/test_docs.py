@@ -22,7 +22,9 @@ import kvtier
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-_FENCE = re.compile(r"^(?:<!-- docs-test: (?P<mark>[^>]*?) -->\n)?```(?P<lang>\w+)\n(?P<body>.*?)^```", re.M | re.S)
+_FENCE = re.compile(
+    r"^(?:<!-- docs-test: (?P<mark>[^>]*?) -->\n)?```(?P<lang>\w+)\n(?P<body>.*?)^```", re.M | re.S
+)
 
 
 def _blocks(lang: str) -> list:
@@ -32,8 +34,11 @@ def _blocks(lang: str) -> list:
         for m in _FENCE.finditer(text):
             if m.group("lang") == lang:
                 line = text.count("\n", 0, m.start("body")) + 1
-                found.append(pytest.param(page, line, m.group("mark"), m.group("body"),
-                                          id=f"{page.relative_to(DOCS)}:{line}"))
+                found.append(
+                    pytest.param(
+                        page, line, m.group("mark"), m.group("body"), id=f"{page.relative_to(DOCS)}:{line}"
+                    )
+                )
     return found
 
 
@@ -56,7 +61,7 @@ def test_docs_python_block_runs(page, line, mark, body):
     reason = _skip_reason(mark)
     if reason:
         pytest.skip(reason)
-    code = compile("\n" * (line - 1) + body, str(page), "exec")   # tracebacks name the page's line
+    code = compile("\n" * (line - 1) + body, str(page), "exec")  # tracebacks name the page's line
     exec(code, {"__name__": "__docs__"})
 
 

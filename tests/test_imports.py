@@ -124,14 +124,17 @@ def test_every_module_imports_alone_in_a_fresh_interpreter() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     request = json.dumps([sorted(MODULES), _third_party(), max(2, os.cpu_count() or 1)])
     done = subprocess.run(
-        [sys.executable, "-c", _ZYGOTE], input=request, capture_output=True, text=True, env=env,
+        [sys.executable, "-c", _ZYGOTE],
+        input=request,
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
     results: dict[str, str] = json.loads(done.stdout.splitlines()[-1])
     assert set(results) == set(MODULES)
-    skipped = {name: text.removeprefix(_ABSENT) for name, text in results.items()
-               if text.startswith(_ABSENT)}
+    skipped = {name: text.removeprefix(_ABSENT) for name, text in results.items() if text.startswith(_ABSENT)}
     failed = {name: text for name, text in results.items() if text and name not in skipped}
     for name, missing in sorted(skipped.items()):  # shown with -rA or -s
         print(f"skipped {name}: needs {missing}, not installed here")
@@ -200,7 +203,7 @@ def _find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
                 state[path.pop()] = 2
                 stack.pop()
             elif state.get(step) == 1:
-                return path[path.index(step):] + [step]
+                return path[path.index(step) :] + [step]
             elif step not in state:
                 state[step] = 1
                 path.append(step)

@@ -49,7 +49,9 @@ def test_register_adds_a_short_name():
 def test_cli_choices_come_from_the_registry(monkeypatch):
     from kvtier.cli import main as cli
 
-    monkeypatch.setattr(TIER_KINDS, "_entries", {**TIER_KINDS._entries, "nvme2": "kvtier.tiers.disk.config:DiskTierConfig"})
+    monkeypatch.setattr(
+        TIER_KINDS, "_entries", {**TIER_KINDS._entries, "nvme2": "kvtier.tiers.disk.config:DiskTierConfig"}
+    )
     parser = cli.build_parser()
     args = parser.parse_args(["bench", "disk", "--backend", "nvme2"])
     assert args.backend == "nvme2"

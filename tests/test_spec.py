@@ -49,8 +49,7 @@ def kv_caches(pages, num_blocks=8, seed=0):
 
     generator = torch.Generator().manual_seed(seed)
     layers = [
-        torch.randint(-128, 128, (num_blocks, page), dtype=torch.int8, generator=generator)
-        for page in pages
+        torch.randint(-128, 128, (num_blocks, page), dtype=torch.int8, generator=generator) for page in pages
     ]
     return layers, canonicalize(layers)
 
@@ -236,9 +235,7 @@ def test_shutdown_releases_both_sides(specs):
     handlers = [h for _, _, h in spec.get_handlers(kv)]
     spec.shutdown()
     assert not os.path.exists(spec.region_path)
-    assert (
-        handlers[0].transfer_async(1, (GPULoadStoreSpec([0], [1]), CPULoadStoreSpec([0]))) is False
-    )
+    assert handlers[0].transfer_async(1, (GPULoadStoreSpec([0], [1]), CPULoadStoreSpec([0]))) is False
     spec.shutdown()  # idempotent
 
 

@@ -71,7 +71,12 @@ def build_manager(
         admission.append(AdmissionFilter(admit, min_reuse, sketch_width=width))
         endurance.append(endurance_tbw)
     return TierStackManager(
-        backend, policy, lower, config.cascade, enable_events=enable_events,
-        admission=admission, endurance_tbw=endurance,
+        backend,
+        policy,
+        lower,
+        config.cascade,
+        enable_events=enable_events,
+        admission=admission,
+        endurance_tbw=endurance,
         receives=[tier.receives for tier in config.tiers[1:]],
     )

@@ -102,8 +102,7 @@ def host_register(ptr: int, nbytes: int) -> bool:
         code = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
     except Exception as exc:  # no CUDA build, no device, driver gone: all mean "stay pageable"
         logger.warning(
-            "cannot pin %d bytes at 0x%x for DMA (%s); GPU copies will use pageable memory "
-            "and be slower",
+            "cannot pin %d bytes at 0x%x for DMA (%s); GPU copies will use pageable memory and be slower",
             nbytes,
             ptr,
             exc,
@@ -210,4 +209,3 @@ def stream_create(priority: int) -> int | None:
         logger.debug("cuStreamCreateWithPriority returned %d", code)
         return None
     return handle.value
-

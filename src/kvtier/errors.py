@@ -11,8 +11,17 @@ from __future__ import annotations
 
 import reprlib
 
-__all__ = ["BlockStateError", "ConfigError", "DiskTierError", "IndexDamagedError", "KvtierError", "ManifestError",
-           "TraceError", "ValkeyCheckError", "shown_value"]
+__all__ = [
+    "BlockStateError",
+    "ConfigError",
+    "DiskTierError",
+    "IndexDamagedError",
+    "KvtierError",
+    "ManifestError",
+    "TraceError",
+    "ValkeyCheckError",
+    "shown_value",
+]
 
 #: the longest text :func:`shown_value` gives for one value
 SHOWN_VALUE_CHARS = 200

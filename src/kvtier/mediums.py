@@ -48,9 +48,7 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
                 f"but there are {len(self.block_ids)} block ids"
             )
         if block_indices is not None and len(block_indices) != len(group_sizes):
-            raise ValueError(
-                f"block_indices has {len(block_indices)} entries for {len(group_sizes)} groups"
-            )
+            raise ValueError(f"block_indices has {len(block_indices)} entries for {len(group_sizes)} groups")
         self.group_sizes = tuple(group_sizes)
         self.block_indices = None if block_indices is None else tuple(block_indices)
 

@@ -36,9 +36,7 @@ class StatsCollector:
             metric = f"{self._prefix}_{counter}"
             family = families.get(metric)
             if family is None:
-                family = GaugeMetricFamily(
-                    metric, f"kvtier manager stat {counter!r}", labels=["tier"]
-                )
+                family = GaugeMetricFamily(metric, f"kvtier manager stat {counter!r}", labels=["tier"])
                 families[metric] = family
             family.add_metric([tier or "cpu"], float(value))
         yield from families.values()

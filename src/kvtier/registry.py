@@ -73,8 +73,7 @@ class Registry(Generic[T]):
                 field,
                 name,
                 f"a {self.what}: one of {', '.join(self._entries)}, or a class path 'module:Class'",
-                f"pick a registered name, or name your own class as module:Class (or set "
-                f"{self.module_key})",
+                f"pick a registered name, or name your own class as module:Class (or set {self.module_key})",
             )
         module_name, class_name = target.split(":")
         return self._load(module_name, class_name, field, field, name)

@@ -40,9 +40,23 @@ KILLS = 10
 
 def start_writer(kind, path, first_key, shm_dir):
     return subprocess.Popen(
-        [sys.executable, "-m", "kvtier.soak.store_process", "writer", kind, str(path), str(CAPACITY),
-         str(BLOCK), str(first_key), "kill-loop", "--shm-dir", str(shm_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "kvtier.soak.store_process",
+            "writer",
+            kind,
+            str(path),
+            str(CAPACITY),
+            str(BLOCK),
+            str(first_key),
+            "kill-loop",
+            "--shm-dir",
+            str(shm_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONPATH": SRC},
     )
 
@@ -108,7 +122,11 @@ def test_a_writer_killed_again_and_again(kind, tmp_path):
             tier = open_tier(kind, str(store), CAPACITY, BLOCK, region.rows)
             try:
                 # every key any writer may have written, reported or not (the job in flight)
-                written = [block_key(n, "kill-loop") for run in range(kill + 1) for n in range(run * 1000, run * 1000 + 1000)]
+                written = [
+                    block_key(n, "kill-loop")
+                    for run in range(kill + 1)
+                    for n in range(run * 1000, run * 1000 + 1000)
+                ]
                 job_of = {k: i // JOB_KEYS for i, k in enumerate(written)}  # write order, by job
                 present = [k for k in written if tier.lookup(k)]
                 assert len(present) == tier.num_blocks() <= CAPACITY  # nothing unknown, nothing over

@@ -39,10 +39,28 @@ MIN_JOBS = 20  # however loaded the machine, each does this much
 
 def sharer(kind, path, seed, shm_dir):
     return subprocess.Popen(
-        [sys.executable, "-m", "kvtier.soak.store_process", "sharer", kind, str(path), str(CAPACITY),
-         str(BLOCK), str(seed), str(SECONDS), str(UNIVERSE), "shared", str(MIN_JOBS), "--shm-dir", str(shm_dir),
-         "--wait-go"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "kvtier.soak.store_process",
+            "sharer",
+            kind,
+            str(path),
+            str(CAPACITY),
+            str(BLOCK),
+            str(seed),
+            str(SECONDS),
+            str(UNIVERSE),
+            "shared",
+            str(MIN_JOBS),
+            "--shm-dir",
+            str(shm_dir),
+            "--wait-go",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONPATH": SRC},
     )
 
@@ -134,7 +152,6 @@ def test_two_processes_store_load_and_evict_at_once(kind, tmp_path):
         region.close()
 
 
-
 @pytest.mark.parametrize("kind", ["lmdb", "files"])
 def test_a_store_filled_by_another_process_takes_new_blocks_again(kind, tmp_path):
     """A process that holds too few blocks to make room by evicting its own learns the other
@@ -145,9 +162,24 @@ def test_a_store_filled_by_another_process_takes_new_blocks_again(kind, tmp_path
     tier = open_tier(kind, str(store), CAPACITY, BLOCK, region.rows)
     try:
         writer = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.soak.store_process", "writer", kind, str(store), str(CAPACITY),
-             str(BLOCK), "0", "filler", "--shm-dir", str(tmp_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": SRC},
+            [
+                sys.executable,
+                "-m",
+                "kvtier.soak.store_process",
+                "writer",
+                kind,
+                str(store),
+                str(CAPACITY),
+                str(BLOCK),
+                "0",
+                "filler",
+                "--shm-dir",
+                str(tmp_path),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": SRC},
         )
         committed = []
         assert writer.stdout.readline().strip() == "ready", writer.stderr.read()

@@ -52,7 +52,10 @@ def test_a_shm_filled_after_start_never_kills_the_engine(reserved, tmp_path):
     with tmpfs(tmp_path / "shm", "4m") as mnt:
         done = subprocess.run(
             [sys.executable, "-c", FILL_AFTER_START, SRC, str(mnt), "reserved" if reserved else "unreserved"],
-            capture_output=True, text=True, timeout=60, check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
         )
     if reserved:
         assert done.returncode == 0, done.stderr
@@ -84,8 +87,19 @@ def test_build_manager_names_the_cpu_tier_when_shm_is_short(tmp_path, monkeypatc
     turns the shortfall into a ConfigError naming the field."""
     monkeypatch.setattr(backend_module, "_free_space_bytes", lambda directory: None)
     with tmpfs(tmp_path / "shm", "1m") as mnt:
-        config = {"tiers": [{"name": "cpu", "kind": "cpu", "capacity": "4MiB", "pin_memory": "off",
-                             "path": str(mnt / "region")}]}
-        with pytest.raises(ConfigError, match=r"tiers\[0\]\.capacity.*free there.*Fix: lower the CPU tier's capacity"):
+        config = {
+            "tiers": [
+                {
+                    "name": "cpu",
+                    "kind": "cpu",
+                    "capacity": "4MiB",
+                    "pin_memory": "off",
+                    "path": str(mnt / "region"),
+                }
+            ]
+        }
+        with pytest.raises(
+            ConfigError, match=r"tiers\[0\]\.capacity.*free there.*Fix: lower the CPU tier's capacity"
+        ):
             kvtier.build_manager(config, 16384)
         assert not (mnt / "region").exists()

@@ -19,9 +19,27 @@ SRC = os.path.dirname(os.path.dirname(kvtier.__file__))
 @pytest.mark.slow
 def test_a_short_soak_with_faults_serves_nothing_wrong_and_loses_nothing(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli.main", "soak", "--minutes", "0.04", "--faults", "--json",
-         "--kind", "files", "--dir", str(tmp_path), "--seed", "3"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": SRC}, check=False,
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli.main",
+            "soak",
+            "--minutes",
+            "0.04",
+            "--faults",
+            "--json",
+            "--kind",
+            "files",
+            "--dir",
+            str(tmp_path),
+            "--seed",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": SRC},
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(done.stdout.strip().splitlines()[-1])

@@ -62,9 +62,7 @@ from kvtier.integrations.vllm import KvtierOffloadingManager, TieredOffloadingSp
 BLOCK_TOKENS = 16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 NUM_GPU_BLOCKS = 96
-ATTENTION = FullAttentionSpec(
-    block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
-)
+ATTENTION = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
 PAGE = ATTENTION.page_size_bytes  # K and V of one block of one layer: 4096 bytes
 
 
@@ -161,9 +159,7 @@ class EngineLoop:
         self.aggregator = KVOutputAggregator(tp_size)
         scheduler_spec = OffloadingSpecFactory.create_spec(config)
         assert isinstance(scheduler_spec, TieredOffloadingSpec)
-        self.scheduler = OffloadingConnectorScheduler(
-            scheduler_spec, self.vllm_config, self.kv_config
-        )
+        self.scheduler = OffloadingConnectorScheduler(scheduler_spec, self.vllm_config, self.kv_config)
         self.manager = self.scheduler.manager
         assert isinstance(self.manager, KvtierOffloadingManager)
         self.hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
@@ -189,9 +185,7 @@ class EngineLoop:
         for rank, caches in enumerate(self.rank_caches):
             data = torch.from_numpy(payload(self.shard_key(key, rank), len(LAYERS) * PAGE).copy())
             for i, name in enumerate(LAYERS):
-                caches[name][block].view(torch.uint8).reshape(-1)[:] = data[
-                    i * PAGE : (i + 1) * PAGE
-                ]
+                caches[name][block].view(torch.uint8).reshape(-1)[:] = data[i * PAGE : (i + 1) * PAGE]
 
     # -- one engine step -----------------------------------------------------------------------
 
@@ -240,9 +234,7 @@ class EngineLoop:
     def serve(self, req_id: str, prompt: list[int]) -> int:
         """Admit, load what the offload tiers hold, compute the rest, finish. Returns the
         number of tokens loaded from kvtier."""
-        request = Request(
-            req_id, prompt, SamplingParams(max_tokens=1), None, block_hasher=self.hasher
-        )
+        request = Request(req_id, prompt, SamplingParams(max_tokens=1), None, block_hasher=self.hasher)
         self.scheduler.on_new_request(request)
         while True:
             hit, is_async = self.scheduler.get_num_new_matched_tokens(request, 0)
@@ -263,9 +255,7 @@ class EngineLoop:
         self.scheduler.update_state_after_alloc(request, vllm_blocks, hit)
         if hit:
             assert is_async
-            for source, tokens in self.scheduler.get_external_cache_hit_sources(
-                request, hit
-            ).items():
+            for source, tokens in self.scheduler.get_external_cache_hit_sources(request, hit).items():
                 self.sources[source] = self.sources.get(source, 0) + tokens
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             self.step()  # the load runs
@@ -317,9 +307,7 @@ def test_vllms_connector_drives_the_whole_stack_through_cpu_and_disk(tmp_path):
         rng = np.random.default_rng(3)
         hits = 0
         for r in range(30):
-            tokens = engine.serve(
-                f"req-{r}", prompt(int(rng.integers(0, 6)), int(rng.integers(2, 9)))
-            )
+            tokens = engine.serve(f"req-{r}", prompt(int(rng.integers(0, 6)), int(rng.integers(2, 9))))
             hits += tokens > 0
         figures = engine.manager.stats()
         assert hits > 10 and engine.loaded_chunks > 20
@@ -374,9 +362,7 @@ def test_kvtiers_statistics_reach_vllms_prometheus_metrics(tmp_path):
         figures = engine.manager.stats()
         assert figures["nvme.demotions"] == 4
         for name in ("nvme.demotions", "nvme.blocks", "ready_blocks", "lookups"):
-            sample = registry.get_sample_value(
-                "vllm:kv_offload_kvtier_stat", {"engine": "0", "stat": name}
-            )
+            sample = registry.get_sample_value("vllm:kv_offload_kvtier_stat", {"engine": "0", "stat": name})
             assert sample == figures[name], name
         info = registry.get_sample_value(
             "vllm:kv_offload_config_info",

@@ -42,18 +42,14 @@ def stack(tmp_path, **options):
             "capacity": "8MiB",
         },
     ]
-    spec = OffloadingSpecFactory.create_spec(
-        offloading_config(kvtier_extra(tiers), **options)
-    )
+    spec = OffloadingSpecFactory.create_spec(offloading_config(kvtier_extra(tiers), **options))
     return spec.get_manager()
 
 
 def request_context(req_id: str, load_tiers=None):
     """The ReqContext vLLM's connector makes for a request with these kv_transfer_params."""
     params = None if load_tiers is None else {KV_LOAD_TIERS_KEY: load_tiers}
-    return _create_req_context(
-        Namespace(request_id=req_id, kv_transfer_params=params, kv_hints=None)
-    )
+    return _create_req_context(Namespace(request_id=req_id, kv_transfer_params=params, kv_hints=None))
 
 
 def store_then_forget_cpu(manager, keys) -> None:
@@ -77,29 +73,21 @@ def store_then_forget_cpu(manager, keys) -> None:
     ],
     ids=["no-tier", "cpu-only", "remote-only", "remote-storage"],
 )
-def test_a_request_kept_off_the_disk_misses_and_starts_no_promotion(
-    tmp_path, load_tiers
-):
+def test_a_request_kept_off_the_disk_misses_and_starts_no_promotion(tmp_path, load_tiers):
     manager = stack(tmp_path)
     try:
         keys = [key(i) for i in range(3)]
         store_then_forget_cpu(manager, keys)
         ctx = request_context("limited", load_tiers)
         manager.on_new_request(ctx)
-        for _ in range(
-            3
-        ):  # asked again step after step, it stays a miss and reads nothing
+        for _ in range(3):  # asked again step after step, it stays a miss and reads nothing
             assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 3
             manager.on_schedule_end(STEP_END)
             drain_disk(manager)
         figures = manager.stats()
-        assert (
-            figures["nvme.promote_jobs"] == 0 and figures["nvme.queued_promotions"] == 0
-        )
+        assert figures["nvme.promote_jobs"] == 0 and figures["nvme.queued_promotions"] == 0
         manager.on_request_finished(ctx)
-        free = request_context(
-            "free"
-        )  # the blocks are there for a request that may read them
+        free = request_context("free")  # the blocks are there for a request that may read them
         manager.on_new_request(free)
         assert run_steps_until(manager, keys, free) == [LookupResult.HIT] * 3
         manager.on_request_finished(free)
@@ -158,15 +146,9 @@ def test_a_remote_tier_is_told_from_a_disk_by_locality():
     backend = MemoryBackend(4, 64)
     near, far = MemoryTier("near", backend.rows, 8), FarTier("far", backend.rows, 8)
     inner = TierStackManager(backend, LRUPolicy(4), [near, far])
-    manager = KvtierOffloadingManager(
-        inner, events=False, config_info={}, stats_log_interval_s=0
-    )
-    local = manager._load_tiers(
-        request_context("a", [{"locality": "local"}]).load_tier_filter
-    )
-    remote = manager._load_tiers(
-        request_context("b", [{"locality": "remote"}]).load_tier_filter
-    )
+    manager = KvtierOffloadingManager(inner, events=False, config_info={}, stats_log_interval_s=0)
+    local = manager._load_tiers(request_context("a", [{"locality": "local"}]).load_tier_filter)
+    remote = manager._load_tiers(request_context("b", [{"locality": "remote"}]).load_tier_filter)
     assert (local.names, remote.names) == ({"near"}, {"far"})
 
 
@@ -202,21 +184,15 @@ def test_a_failed_store_leaves_no_event_state_in_vllms_connector(tmp_path, monke
             raise OSError("injected DMA failure")
 
         copy_engine.copy = fail_once
-        assert (
-            engine.serve("first", connector.prompt(5, 3)) == 0
-        )  # its store fails on rank 1
+        assert engine.serve("first", connector.prompt(5, 3)) == 0  # its store fails on rank 1
         published = list(engine.scheduler.take_events())
         assert published == []  # never stored, so nothing to announce or retract
-        assert (
-            tracker._pending_event_metadata == {}
-        )  # no entry for a block that does not exist
+        assert tracker._pending_event_metadata == {}  # no entry for a block that does not exist
         assert engine.serve("second", connector.prompt(5, 3)) == 0  # stored this time
         published = list(engine.scheduler.take_events())
         assert [type(e).__name__ for e in published] == ["BlockStored"] * 3
         assert len(tracker._pending_event_metadata) == 3
-        assert (
-            engine.serve("third", connector.prompt(5, 3)) == 3 * connector.BLOCK_TOKENS
-        )
+        assert engine.serve("third", connector.prompt(5, 3)) == 3 * connector.BLOCK_TOKENS
     finally:
         engine.shutdown()
 
@@ -234,9 +210,7 @@ def test_a_failed_store_event_is_metadata_only_and_dropped_once_retried(tmp_path
             ([key(1)], Medium.CPU, True, True)
         ]  # key 2's retraction would drop the state of its new store: left out
         manager.complete_store([key(2)], ctx)
-        assert [(e.keys, e.removed) for e in manager.take_events()] == [
-            ([key(2)], False)
-        ]
+        assert [(e.keys, e.removed) for e in manager.take_events()] == [([key(2)], False)]
     finally:
         manager.shutdown()
 
@@ -246,9 +220,7 @@ def test_a_failed_store_event_is_metadata_only_and_dropped_once_retried(tmp_path
     [(True, 5), (False, 0)],
     ids=["mla-replicated", "per-rank-heads"],
 )
-def test_blocks_stored_at_tp2_are_read_at_tp4_when_every_rank_holds_the_same(
-    tmp_path, mla, hit_chunks
-):
+def test_blocks_stored_at_tp2_are_read_at_tp4_when_every_rank_holds_the_same(tmp_path, mla, hit_chunks):
     """A replicated (MLA) row is the same bytes at any TP size, so its fingerprint names none;
     rows of per-rank heads differ with the TP size and stay apart."""
     extra = {
@@ -271,15 +243,10 @@ def test_blocks_stored_at_tp2_are_read_at_tp4_when_every_rank_holds_the_same(
         tp2.shutdown()  # saves the CPU tier's rows to disk
     tp4 = connector.EngineLoop(extra, f"kvtier-tp4-{mla}", tp_size=4, mla=mla)
     try:
-        assert (
-            tp4.serve("after", connector.prompt(4, 5))
-            == hit_chunks * connector.BLOCK_TOKENS
-        )
+        assert tp4.serve("after", connector.prompt(4, 5)) == hit_chunks * connector.BLOCK_TOKENS
         if hit_chunks:
             # every one of the 4 ranks got the bytes rank 0 of the TP=2 engine wrote
-            assert tp4.sources == {
-                CacheHitSource.DISK: hit_chunks * connector.BLOCK_TOKENS
-            }
+            assert tp4.sources == {CacheHitSource.DISK: hit_chunks * connector.BLOCK_TOKENS}
     finally:
         tp4.shutdown()
 
@@ -296,9 +263,7 @@ def test_a_block_being_stored_is_hit_pending_until_its_store_ends(tmp_path, succ
         assert out.keys_to_store == [key(1)]
         assert manager.lookup(key(1), reader) is LookupResult.HIT_PENDING
         manager.on_schedule_end(STEP_END)
-        assert (
-            manager.lookup(key(1), reader) is LookupResult.HIT_PENDING
-        )  # still in flight
+        assert manager.lookup(key(1), reader) is LookupResult.HIT_PENDING  # still in flight
         manager.complete_store([key(1)], writer, success=success)
         manager.on_schedule_end(STEP_END)
         answer = manager.lookup(key(1), reader)

@@ -578,9 +578,7 @@ def test_a_corrupted_block_on_disk_is_a_miss_never_wrong_bytes(tmp_path, kind):
 
 
 def test_events_name_vllms_media_and_stay_silent_when_vllm_publishes_none(tmp_path):
-    extra = kvtier_extra(
-        [cpu_tier(), disk_tier(tmp_path / "on")], cascade={"write_policy": "write_through"}
-    )
+    extra = kvtier_extra([cpu_tier(), disk_tier(tmp_path / "on")], cascade={"write_policy": "write_through"})
     engine = Engine(extra)
     try:
         ctx = ReqContext("r")
@@ -588,9 +586,7 @@ def test_events_name_vllms_media_and_stay_silent_when_vllm_publishes_none(tmp_pa
         engine.manager.on_schedule_end(STEP_END)
         drain_disk(engine.manager)
         engine.manager.on_schedule_end(STEP_END)
-        stored = {
-            (e.medium, e.removed, tuple(sorted(e.keys))) for e in engine.manager.take_events()
-        }
+        stored = {(e.medium, e.removed, tuple(sorted(e.keys))) for e in engine.manager.take_events()}
         both = tuple(sorted([key(1), key(2)]))
         assert stored == {(Medium.CPU, False, both), (Medium.STORAGE, False, both)}
         assert list(engine.manager.take_events()) == []  # each event once
@@ -598,9 +594,7 @@ def test_events_name_vllms_media_and_stay_silent_when_vllm_publishes_none(tmp_pa
         engine.shutdown()
 
     quiet = Engine(
-        kvtier_extra(
-            [cpu_tier(), disk_tier(tmp_path / "off")], cascade={"write_policy": "write_through"}
-        ),
+        kvtier_extra([cpu_tier(), disk_tier(tmp_path / "off")], cascade={"write_policy": "write_through"}),
         events=False,
     )
     try:

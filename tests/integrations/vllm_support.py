@@ -66,9 +66,7 @@ def offloading_config(
         extra_config=extra_config,
         engine_id=engine_id or f"test-{uuid.uuid4().hex}",
         model=OffloadingModelConfig(name=model, dtype=dtype, max_model_len=4096),
-        cache=OffloadingCacheConfig(
-            tokens_per_hash=TOKENS_PER_BLOCK, blocks_per_chunk=blocks_per_chunk
-        ),
+        cache=OffloadingCacheConfig(tokens_per_hash=TOKENS_PER_BLOCK, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(
             rank=rank,
             world_size=world_size,
@@ -120,9 +118,7 @@ class StandInGPU:
     """CPU tensors standing in for the engine's KV cache: NUM_LAYERS of (num_blocks, PAGE_BYTES)."""
 
     def __init__(self, num_blocks: int):
-        self.layers = [
-            torch.zeros((num_blocks, PAGE_BYTES), dtype=torch.int8) for _ in range(NUM_LAYERS)
-        ]
+        self.layers = [torch.zeros((num_blocks, PAGE_BYTES), dtype=torch.int8) for _ in range(NUM_LAYERS)]
 
     def canonical(self) -> CanonicalKVCaches:
         """The caches as vLLM's connector worker hands them to ``spec.get_worker``."""
@@ -148,9 +144,7 @@ class StandInGPU:
             layer[list(block_ids)] = 0x55
 
 
-def run_steps_until(
-    manager: OffloadingManager, keys, ctx: ReqContext, max_steps: int = 200
-) -> list:
+def run_steps_until(manager: OffloadingManager, keys, ctx: ReqContext, max_steps: int = 200) -> list:
     """Look ``keys`` up once per step, as the connector does for a deferred request, until no
     answer is pending (HIT_PENDING / RETRY); the final answers."""
     for _ in range(max_steps):
@@ -209,8 +203,6 @@ def prometheus(extra_config: dict):
             prometheus_client.Histogram,
         )
     }
-    config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra_config)
-    )
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra_config))
     sink = OffloadPromMetrics(config, types, ["engine"], {0: ["0"]})
     return sink, registry

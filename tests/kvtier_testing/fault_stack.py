@@ -26,12 +26,22 @@ class Stack:
     :meth:`save` waits for the disk's answer.
     """
 
-    def __init__(self, kind: str, path: Path, cpu_blocks: int = 64, disk_blocks: int = 128, fsync: str = "batch"):
+    def __init__(
+        self, kind: str, path: Path, cpu_blocks: int = 64, disk_blocks: int = 128, fsync: str = "batch"
+    ):
         self.config = {
             "tiers": [
-                {"name": "cpu", "kind": "cpu", "capacity": cpu_blocks * row_stride_for(BLOCK), "pin_memory": "off"},
                 {
-                    "name": "disk", "kind": kind, "path": str(path), "fsync": fsync,
+                    "name": "cpu",
+                    "kind": "cpu",
+                    "capacity": cpu_blocks * row_stride_for(BLOCK),
+                    "pin_memory": "off",
+                },
+                {
+                    "name": "disk",
+                    "kind": kind,
+                    "path": str(path),
+                    "fsync": fsync,
                     "capacity": disk_blocks * on_disk_block_bytes(BLOCK),
                 },
             ],

@@ -28,16 +28,24 @@ _job_ids = itertools.count(1_000_000)
 
 def fingerprint(block_bytes: int = BLOCK, model: str = "test-model") -> LayoutFingerprint:
     return LayoutFingerprint(
-        model=model, dtype="bfloat16", tokens_per_block=16, page_bytes=(block_bytes,),
-        rank=0, world_size=1, block_bytes=block_bytes,
+        model=model,
+        dtype="bfloat16",
+        tokens_per_block=16,
+        page_bytes=(block_bytes,),
+        rank=0,
+        world_size=1,
+        block_bytes=block_bytes,
     )
 
 
 def config(kind: str, path, blocks: int, block_bytes: int = BLOCK, **options) -> DiskTierConfig:
     """A tier config holding exactly ``blocks`` blocks."""
     return DiskTierConfig(
-        name="disk", kind=kind, capacity_bytes=blocks * on_disk_block_bytes(block_bytes),
-        path=str(path), **options,
+        name="disk",
+        kind=kind,
+        capacity_bytes=blocks * on_disk_block_bytes(block_bytes),
+        path=str(path),
+        **options,
     )
 
 

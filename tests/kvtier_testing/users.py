@@ -25,7 +25,10 @@ def throwaway_user(prefix: str, *options: str) -> Iterator[pwd.struct_passwd]:
     name = f"{prefix}{secrets.token_hex(3)}"
     for _ in range(50):
         made = subprocess.run(
-            ["useradd", "-M", "-s", "/usr/sbin/nologin", *options, name], capture_output=True, text=True, check=False,
+            ["useradd", "-M", "-s", "/usr/sbin/nologin", *options, name],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if made.returncode == 0:
             break

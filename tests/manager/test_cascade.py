@@ -23,8 +23,12 @@ def make(receives, cpu_blocks=4, lower_blocks=(32, 32), write_policy="write_back
     backend = MemoryBackend(cpu_blocks, BLOCK)
     tiers = [MemoryTier(f"t{i}", backend.rows, n) for i, n in enumerate(lower_blocks)]
     manager = TierStackManager(
-        backend, LRUPolicy(cpu_blocks), tiers, CascadeConfig(write_policy=write_policy),
-        receives=receives, admission=admission,
+        backend,
+        LRUPolicy(cpu_blocks),
+        tiers,
+        CascadeConfig(write_policy=write_policy),
+        receives=receives,
+        admission=admission,
     )
     return manager, tiers
 
@@ -48,8 +52,10 @@ def assert_holds_own_bytes(tier, keys):
 
 def evicted_from_cpu(manager):
     return {
-        k for event in manager.take_events()
-        if event.medium == "MEMORY" and event.removed and not event.metadata_only for k in event.keys
+        k
+        for event in manager.take_events()
+        if event.medium == "MEMORY" and event.removed and not event.metadata_only
+        for k in event.keys
     }
 
 

@@ -40,7 +40,10 @@ def fill_and_step(
         lower = MemoryTier("lower", backend.rows, 4 * capacity)
         lower.paused = True  # saves stay in flight: their blocks stay dirty and held
         manager = TierStackManager(
-            backend, policy, [lower], CascadeConfig(write_policy=write_policy, max_demote_bytes_per_step=64 * BLOCK),
+            backend,
+            policy,
+            [lower],
+            CascadeConfig(write_policy=write_policy, max_demote_bytes_per_step=64 * BLOCK),
             receives=["evicted"] if stack == "victim" else None,
         )
     else:

@@ -63,7 +63,13 @@ def test_failed_store_removes_only_the_blocks_being_written(manager):
     manager.complete_store([key(0), key(1)], CTX, success=False)
     assert manager.lookup(key(0), CTX) is True  # was ready: stays
     assert manager.lookup(key(1), CTX) is False
-    assert block_counts(manager) == {"ready_blocks": 1, "pending_blocks": 0, "held_blocks": 0, "free_blocks": 3, "evictions": 0}
+    assert block_counts(manager) == {
+        "ready_blocks": 1,
+        "pending_blocks": 0,
+        "held_blocks": 0,
+        "free_blocks": 3,
+        "evictions": 0,
+    }
 
 
 def test_eviction_spares_pinned_and_offered_blocks(manager):
@@ -158,7 +164,13 @@ def test_reset_cache_forgets_everything_and_ignores_stale_completions(manager):
     manager.prepare_load([key(0)], CTX)
     manager.prepare_store([key(2)], CTX)
     manager.reset_cache()
-    assert block_counts(manager) == {"ready_blocks": 0, "pending_blocks": 0, "held_blocks": 0, "free_blocks": 4, "evictions": 0}
+    assert block_counts(manager) == {
+        "ready_blocks": 0,
+        "pending_blocks": 0,
+        "held_blocks": 0,
+        "free_blocks": 4,
+        "evictions": 0,
+    }
     manager.complete_load([key(0)], CTX)
     manager.complete_store([key(2)], CTX)
     assert not any(manager.lookup(key(i), CTX) for i in range(3))

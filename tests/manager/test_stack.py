@@ -236,7 +236,10 @@ def test_reuse_admission_keeps_one_off_blocks_off_the_disk_and_counts_wear():
     backend = MemoryBackend(4, BLOCK)
     disk = MemoryTier("disk", backend.rows, 8)
     manager = TierStackManager(
-        backend, LRUPolicy(4), [disk], CascadeConfig(write_policy="write_through"),
+        backend,
+        LRUPolicy(4),
+        [disk],
+        CascadeConfig(write_policy="write_through"),
         admission=[AdmissionFilter("reuse", min_reuse=2, sketch_width=1 << 10)],
         endurance_tbw=[600.0],
     )

@@ -57,9 +57,7 @@ def test_a_request_allowed_the_disk_is_served_from_it():
     manager.on_schedule_end()
     manager.on_schedule_end()
     assert manager.lookup(key(0), ctx) is True
-    np.testing.assert_array_equal(
-        read_blocks(manager, [key(0)], ctx)[0], payload(key(0), BLOCK)
-    )
+    np.testing.assert_array_equal(read_blocks(manager, [key(0)], ctx)[0], payload(key(0), BLOCK))
 
 
 def test_the_cpu_tier_answers_whatever_the_limit():
@@ -67,9 +65,7 @@ def test_the_cpu_tier_answers_whatever_the_limit():
     store_blocks(manager, [key(0)], ReqContext("writer"))
     ctx = limited("r")
     assert manager.lookup(key(0), ctx) is True
-    np.testing.assert_array_equal(
-        read_blocks(manager, [key(0)], ctx)[0], payload(key(0), BLOCK)
-    )
+    np.testing.assert_array_equal(read_blocks(manager, [key(0)], ctx)[0], payload(key(0), BLOCK))
 
 
 def test_a_block_another_request_is_promoting_is_pending_for_a_limited_one_too():
@@ -85,9 +81,7 @@ def test_a_block_another_request_is_promoting_is_pending_for_a_limited_one_too()
 
 @pytest.mark.parametrize(("capacity", "offer"), [(5, 2), (64, 17), (1024, 257)])
 @pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
-def test_an_offer_larger_than_the_clean_headroom_is_placed_within_a_few_steps(
-    capacity, offer, write_policy
-):
+def test_an_offer_larger_than_the_clean_headroom_is_placed_within_a_few_steps(capacity, offer, write_policy):
     """A CPU tier full of unsaved blocks: write_back used to keep a quarter of it clean and no
     more, so an offer larger than that was refused for ever."""
     manager, disk = make(cpu_blocks=capacity, write_policy=write_policy)
@@ -101,9 +95,7 @@ def test_an_offer_larger_than_the_clean_headroom_is_placed_within_a_few_steps(
             break
         manager.on_schedule_end()
     else:
-        raise AssertionError(
-            f"an offer of {offer} into {capacity} rows was never placed"
-        )
+        raise AssertionError(f"an offer of {offer} into {capacity} rows was never placed")
     assert placed_at <= 3
     assert out.keys_to_store == new and all(disk.lookup(k) for k in out.evicted_keys)
     rows = manager.backend.rows

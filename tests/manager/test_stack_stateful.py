@@ -231,7 +231,6 @@ TestStackLRUWriteBackAdmitReuse = ReuseAdmissionMachine.TestCase
 TestStackLRUWriteBackAdmitReuse.settings = SETTINGS_NEWER
 
 
-
 class VictimTierMachine(StackMachine):
     """Below the disk (a mirror), a victim tier (``receives: evicted``) that fails and evicts
     too. The disk takes every block, or (``admit: reuse``) only blocks wanted twice."""

@@ -44,7 +44,9 @@ class RemoteTierConfig(TierConfig):
     @classmethod
     def parse_options(cls, section, field, name):
         url = non_empty_str(
-            section.get("url", MISSING), f"{field}.url", "a service URL such as mem://shared",
+            section.get("url", MISSING),
+            f"{field}.url",
+            "a service URL such as mem://shared",
             "add url: mem://<bucket>",
         )
         if not url.startswith("mem://"):

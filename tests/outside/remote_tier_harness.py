@@ -22,12 +22,19 @@ class RemoteTierHarness(Harness):
     kind = "remote_tier:RemoteTierConfig"
     label = "remote_tier"
     counters: ClassVar[dict[str, str | None]] = {
-        "stored": "stored", "loaded": "loaded", "missing": "missing", "corrupt": "corrupt", "failed": "failed_keys",
-        "full": None, "down": None,
+        "stored": "stored",
+        "loaded": "loaded",
+        "missing": "missing",
+        "corrupt": "corrupt",
+        "failed": "failed_keys",
+        "full": None,
+        "down": None,
     }
 
     checks: ClassVar[dict[str, str]] = {
-        "corrupt": "corrupt_digest", "short": "corrupt_truncated", "other layout": "corrupt_digest",
+        "corrupt": "corrupt_digest",
+        "short": "corrupt_truncated",
+        "other layout": "corrupt_digest",
     }
 
     def __init__(self, request, tmp_path):

@@ -127,12 +127,16 @@ def test_signals_by_hand():
     # refs later. Age 0-2: 4 blocks end the bucket inside the trace (not 5), none reused in it.
     # Age 2-4: 1, 2, 3 (4 would end past the trace); 1 and 2 reused: 2 of 3 in 2 refs.
     by_age = reuse_signals([(1, 2, 3), (1, 2, 4), (5,)], age_edges=(0, 2, 4))["first_reuse_by_age"]
-    assert by_age == [{"age_refs": [0, 2], "blocks": 4, "p_per_1k_refs": 0.0},
-                      {"age_refs": [2, 4], "blocks": 3, "p_per_1k_refs": round(1000 * 2 / 3 / 2, 4)}]
+    assert by_age == [
+        {"age_refs": [0, 2], "blocks": 4, "p_per_1k_refs": 0.0},
+        {"age_refs": [2, 4], "blocks": 3, "p_per_1k_refs": round(1000 * 2 / 3 / 2, 4)},
+    ]
     # By request length: the 3-block requests bring 1, 2, 3 and 4 (1 and 2 come back), the
     # 1-block one brings 5 (never back); no other bucket has a new block.
-    by_length = {tuple(row["request_blocks"]): (row["refs"], row["p_again"])
-                 for row in signals["new_by_request_blocks"]}
+    by_length = {
+        tuple(row["request_blocks"]): (row["refs"], row["p_again"])
+        for row in signals["new_by_request_blocks"]
+    }
     assert by_length.pop((1, 1)) == (1, 0.0)
     assert by_length.pop((2, 3)) == (4, 0.5)
     assert set(by_length.values()) == {(0, None)} and (128, None) in by_length
@@ -141,15 +145,40 @@ def test_signals_by_hand():
 def test_plan_json_has_the_bounds_and_keeps_its_keys(tmp_path, capsys):
     chains = [(1, 2, 3), (5,), (1, 2, 3), (6, 7), (1, 2, 8)] * 4
     trace = tmp_path / "t.jsonl"
-    trace.write_text("\n".join(json.dumps({"timestamp": i, "input_length": 512 * len(c), "output_length": 1,
-                                           "hash_ids": list(c)}) for i, c in enumerate(chains)))
-    assert main(["plan", str(trace), "--capacities", "3", "6", "--policies", "lru", "chain",
-                 "--signals", "--min-reuse", "3", "--json"]) == 0
+    trace.write_text(
+        "\n".join(
+            json.dumps(
+                {"timestamp": i, "input_length": 512 * len(c), "output_length": 1, "hash_ids": list(c)}
+            )
+            for i, c in enumerate(chains)
+        )
+    )
+    assert (
+        main(
+            [
+                "plan",
+                str(trace),
+                "--capacities",
+                "3",
+                "6",
+                "--policies",
+                "lru",
+                "chain",
+                "--signals",
+                "--min-reuse",
+                "3",
+                "--json",
+            ]
+        )
+        == 0
+    )
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("capacities", "hit_ratio", "opt", "ceiling", "recommend", "refs_per_s"):
         assert key in record
-    told = {name: [round(reuse_oracle(chains, get_policy_class(name), c).hit_ratio, 4) for c in (3, 6)]
-            for name in ("lru", "chain")}
+    told = {
+        name: [round(reuse_oracle(chains, get_policy_class(name), c).hit_ratio, 4) for c in (3, 6)]
+        for name in ("lru", "chain")
+    }
     assert record["reuse_oracle"] == [max(told["lru"][i], told["chain"][i]) for i in (0, 1)]
     assert [told[name][i] for i, name in enumerate(record["reuse_oracle_policy"])] == record["reuse_oracle"]
     admission = record["admission"]

@@ -47,8 +47,10 @@ def test_no_policy_beats_belady_or_the_ceiling(name):
     chains = []
     for _ in range(300):  # a few shared prefixes with random private tails
         prefix = rng.randrange(8)
-        chains.append(tuple(range(prefix * 100, prefix * 100 + rng.randrange(1, 6)))
-                      + tuple(rng.randrange(10_000, 10_050) for _ in range(rng.randrange(4))))
+        chains.append(
+            tuple(range(prefix * 100, prefix * 100 + rng.randrange(1, 6)))
+            + tuple(rng.randrange(10_000, 10_050) for _ in range(rng.randrange(4)))
+        )
     cls = get_policy_class(name)
     for capacity in (4, 16, 64):
         ours = simulate(chains, cls(capacity), capacity)
@@ -63,12 +65,34 @@ def test_smallest_reaching():
 
 def test_plan_record_and_cli_json_line(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
-    lines = [{"timestamp": i, "input_length": 512 * len(c), "output_length": 1, "hash_ids": list(c)}
-             for i, c in enumerate(CHAINS * 20)]
+    lines = [
+        {"timestamp": i, "input_length": 512 * len(c), "output_length": 1, "hash_ids": list(c)}
+        for i, c in enumerate(CHAINS * 20)
+    ]
     trace.write_text("\n".join(json.dumps(line) for line in lines))
     plot = tmp_path / "p.png"
-    assert main(["plan", str(trace), "--capacities", "3", "10", "--policies", "lru", "chain",
-                 "--block-bytes", "1024", "--target", "0.9", "--plot", str(plot), "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(trace),
+                "--capacities",
+                "3",
+                "10",
+                "--policies",
+                "lru",
+                "chain",
+                "--block-bytes",
+                "1024",
+                "--target",
+                "0.9",
+                "--plot",
+                str(plot),
+                "--json",
+            ]
+        )
+        == 0
+    )
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["capacities"] == [3, 10] and set(record["hit_ratio"]) == {"lru", "chain"}
     direct = plan(trace, [3, 10], ["lru", "chain"], target=0.9, block_bytes=1024)
@@ -88,14 +112,21 @@ def test_worker_processes_give_the_same_record(tmp_path):
     # a policy named by its path too) instead of here: only the timings and `jobs` differ.
     trace = tmp_path / "t.jsonl"
     chains = [(1, 2, 3), (5,), (1, 2, 3), (6, 7), (1, 2, 8)] * 6
-    trace.write_text("\n".join(json.dumps({"timestamp": i, "input_length": 512 * len(c), "output_length": 1,
-                                           "hash_ids": list(c)}) for i, c in enumerate(chains)))
+    trace.write_text(
+        "\n".join(
+            json.dumps(
+                {"timestamp": i, "input_length": 512 * len(c), "output_length": 1, "hash_ids": list(c)}
+            )
+            for i, c in enumerate(chains)
+        )
+    )
     names = ["lru", "chain", "kvtier.policies.arc:ARCPolicy"]
     here = plan(trace, [2, 4, 8], names, admission_policy="chain", jobs=1)
     apart = plan(trace, [2, 4, 8], names, admission_policy="chain", jobs=2)
     timings = {"refs_per_s", "opt_refs_per_s", "wall_s", "jobs"}
     assert {k: v for k, v in here.items() if k not in timings} == {
-        k: v for k, v in apart.items() if k not in timings}
+        k: v for k, v in apart.items() if k not in timings
+    }
     assert (here["jobs"], apart["jobs"]) == (1, 2)
     assert set(apart["refs_per_s"]) == set(names) and all(v > 0 for v in apart["refs_per_s"].values())
     assert set(apart["learnt"]) == {"chain", names[2]}  # what the workers' policies learnt came back

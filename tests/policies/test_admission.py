@@ -50,8 +50,10 @@ def test_all_mode_admits_everything():
     assert (admission.admitted, admission.refused) == (5, 0)
 
 
-@pytest.mark.parametrize("kwargs, field", [({"mode": "some"}, "admit"), ({"min_reuse": 0}, "min_reuse"),
-                                           ({"min_reuse": True}, "min_reuse")])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"mode": "some"}, "admit"), ({"min_reuse": 0}, "min_reuse"), ({"min_reuse": True}, "min_reuse")],
+)
 def test_bad_settings_name_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         AdmissionFilter(**kwargs)

@@ -25,9 +25,7 @@ def test_shadow_counts_the_keys_it_holds_and_stores_the_rest_evicting_its_own_vi
 
 @pytest.mark.parametrize("capacity", [10, 200, 1_000, 10_000, 1_000_000])
 def test_sampling_shrinks_shadows_to_no_less_than_the_floor_and_no_rarer_than_the_cap(capacity):
-    tuner = SettingTuner(
-        capacity, (0.0, 0.5), 0.0, lambda share, blocks: ChainPolicy(blocks, share), print
-    )
+    tuner = SettingTuner(capacity, (0.0, 0.5), 0.0, lambda share, blocks: ChainPolicy(blocks, share), print)
     shift = tuner.sample_mask.bit_length()
     assert tuner.shadow_blocks == capacity >> shift
     assert shift <= MAX_SAMPLE_SHIFT
@@ -44,9 +42,7 @@ def test_the_tuner_applies_whichever_setting_leads_and_counts_the_changes():
     """Two shadows of different sizes stand in for two settings: the bigger cache must win
     on a loop that only it holds whole, and the owner is told once."""
     told = []
-    tuner = SettingTuner(
-        64, (1.0, 2.0), 1.0, lambda size, blocks: LRUPolicy(int(size * 20)), told.append
-    )
+    tuner = SettingTuner(64, (1.0, 2.0), 1.0, lambda size, blocks: LRUPolicy(int(size * 20)), told.append)
     assert tuner.sample_mask == 0 and tuner.batch_keys == int(64 * BATCH_SHARE)  # every key sampled
     loop = [key(i) for i in range(30)]
     for _ in range(20):

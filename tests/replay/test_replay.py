@@ -17,7 +17,10 @@ BLOCK = 4096
 
 
 def cpu_config(blocks: int) -> dict:
-    return {"block_size_tokens": 512, "tiers": [{"kind": "cpu", "capacity": blocks * BLOCK, "pin_memory": "off"}]}
+    return {
+        "block_size_tokens": 512,
+        "tiers": [{"kind": "cpu", "capacity": blocks * BLOCK, "pin_memory": "off"}],
+    }
 
 
 def test_block_bytes_are_distinct_per_key():
@@ -50,8 +53,17 @@ def test_cpu_only_replay_of_a_trace_slice_verifies_every_load(tmp_path, capsys):
 
 def stack_engine(tmp_path, cpu_blocks: int, store_blocks: int, gpu_blocks: int):
     spec = TieredOffloadingSpec(
-        {"block_size_tokens": 512, "tiers": [{"kind": "cpu", "capacity": cpu_blocks * BLOCK,
-                                              "path": str(tmp_path / "cpu-region"), "pin_memory": "off"}]},
+        {
+            "block_size_tokens": 512,
+            "tiers": [
+                {
+                    "kind": "cpu",
+                    "capacity": cpu_blocks * BLOCK,
+                    "path": str(tmp_path / "cpu-region"),
+                    "pin_memory": "off",
+                }
+            ],
+        },
         gpu_block_size_tokens=512,
         page_bytes=[BLOCK],
     )
@@ -114,8 +126,13 @@ def test_replay_plot_draws_tiers_ceiling_and_cpu_only_run(tmp_path, monkeypatch)
     monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
     target = tmp_path / "hits.png"
     replay(
-        str(bundled_trace_path()), None, gpu_blocks=400, block_bytes=BLOCK,
-        limit=100, progress=False, plot=str(target),
+        str(bundled_trace_path()),
+        None,
+        gpu_blocks=400,
+        block_bytes=BLOCK,
+        limit=100,
+        progress=False,
+        plot=str(target),
     )
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {"all tiers", "ceiling (unbounded cache)", "CPU tier alone", "gpu", "cpu", "disk"} <= set(labels)
@@ -138,8 +155,12 @@ def test_requests_larger_than_the_gpu_cache_are_reported_and_skipped_before_the_
     too_big = [r for r in requests if len(r.hash_ids) > gpu_blocks]
     assert too_big
     record = replay(
-        str(bundled_trace_path()), json.dumps(cpu_config(3000)), gpu_blocks=gpu_blocks,
-        block_bytes=BLOCK, limit=200, progress=False,
+        str(bundled_trace_path()),
+        json.dumps(cpu_config(3000)),
+        gpu_blocks=gpu_blocks,
+        block_bytes=BLOCK,
+        limit=200,
+        progress=False,
     )
     err = capsys.readouterr().err
     assert f"skipping {len(too_big)} of 200 requests" in err and "raise --gpu-blocks" in err
@@ -152,10 +173,15 @@ def test_a_gpu_cache_too_small_for_every_request_is_an_error_before_the_replay(t
     from kvtier.errors import KvtierError
 
     trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(
-        json.dumps({"timestamp": i, "input_length": 1, "output_length": 1, "hash_ids": list(range(i, i + 5 + i))}) + "\n"
-        for i in range(3)
-    ))
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {"timestamp": i, "input_length": 1, "output_length": 1, "hash_ids": list(range(i, i + 5 + i))}
+            )
+            + "\n"
+            for i in range(3)
+        )
+    )
     with pytest.raises(KvtierError, match="raise --gpu-blocks to at least 7"):
         replay(str(trace), json.dumps(cpu_config(100)), gpu_blocks=4, progress=False)
     with pytest.raises(KvtierError, match="--gpu-blocks must be at least 1"):
@@ -195,8 +221,9 @@ def test_replay_reports_each_lower_tiers_admission(tmp_path):
     config["tiers"][1].update(admit="reuse", min_reuse=2, endurance_tbw=600)
     path = tmp_path / "stack.yaml"
     path.write_text(yaml.safe_dump(config))
-    record = replay(config=str(path), limit=300, gpu_blocks=200, block_bytes=BLOCK, baseline=False,
-                    progress=False)
+    record = replay(
+        config=str(path), limit=300, gpu_blocks=200, block_bytes=BLOCK, baseline=False, progress=False
+    )
     admission = record["admission"]["disk"]
     assert admission["refused_blocks"] > 0 and admission["admitted_blocks"] > 0
     assert admission["bytes_written"] == record["bytes_written"]["disk"] > 0
@@ -222,13 +249,32 @@ def test_deterministic_replays_repeat_every_figure_but_the_times(tmp_path):
         config["tiers"][0]["capacity"] = 400 * BLOCK
         path = tmp_path / f"stack{run}.yaml"
         path.write_text(yaml.safe_dump(config))
-        records.append(replay(config=str(path), limit=600, gpu_blocks=200, block_bytes=BLOCK,
-                              baseline=False, progress=False, deterministic=True))
+        records.append(
+            replay(
+                config=str(path),
+                limit=600,
+                gpu_blocks=200,
+                block_bytes=BLOCK,
+                baseline=False,
+                progress=False,
+                deterministic=True,
+            )
+        )
     first, second = records
     assert first["deterministic"] and first["promotions"] > 0 and first["hits"]["cpu"] > 0
     assert first["mismatched_blocks"] == 0
-    for name in ("hits", "bytes_read", "bytes_written", "promotions", "demotions", "steps",
-                 "stored_blocks", "computed_blocks", "verified_blocks", "store_waits"):
+    for name in (
+        "hits",
+        "bytes_read",
+        "bytes_written",
+        "promotions",
+        "demotions",
+        "steps",
+        "stored_blocks",
+        "computed_blocks",
+        "verified_blocks",
+        "store_waits",
+    ):
         assert first[name] == second[name], name
 
 

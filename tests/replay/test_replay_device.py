@@ -34,8 +34,13 @@ def test_auto_without_cuda_runs_on_cpu_and_says_so():
     if _cuda():
         pytest.skip("auto picks cuda here")
     record = replay(
-        str(bundled_trace_path()), CPU_ONLY, gpu_blocks=400, block_bytes=BLOCK, limit=50,
-        progress=False, device="auto",
+        str(bundled_trace_path()),
+        CPU_ONLY,
+        gpu_blocks=400,
+        block_bytes=BLOCK,
+        limit=50,
+        progress=False,
+        device="auto",
     )
     assert record["device"] == "cpu" and record["mismatched_blocks"] == 0
 
@@ -45,8 +50,13 @@ def test_replay_on_cuda_serves_every_load_byte_for_byte():
     if not _cuda():
         pytest.skip("needs CUDA")
     record = replay(
-        str(bundled_trace_path()), CPU_ONLY, gpu_blocks=400, block_bytes=BLOCK, limit=300,
-        progress=False, device="cuda",
+        str(bundled_trace_path()),
+        CPU_ONLY,
+        gpu_blocks=400,
+        block_bytes=BLOCK,
+        limit=300,
+        progress=False,
+        device="cuda",
     )
     assert record["device"] == "cuda" and record["failed_transfers"] == 0
     assert record["hits"]["cpu"] > 0 and record["verified_blocks"] == record["hits"]["cpu"]

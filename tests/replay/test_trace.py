@@ -36,14 +36,16 @@ def test_bundled_conversation_trace_by_name_matches_its_facts(tmp_path, monkeypa
     assert set(BUNDLED_TRACES) == {"synthetic", "conversation"}
     # a file of that name in the working folder is the user's, and wins
     monkeypatch.chdir(tmp_path)
-    write_trace(tmp_path / "conversation", [{"timestamp": 0, "input_length": 1,
-                                             "output_length": 1, "hash_ids": [7]}])
+    write_trace(
+        tmp_path / "conversation", [{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [7]}]
+    )
     assert [r.hash_ids for r in load_trace("conversation")] == [(7,)]
 
 
 def test_gzip_traces_load_like_plain_ones_and_a_damaged_one_is_named(tmp_path):
-    records = [{"timestamp": i, "input_length": 10, "output_length": 1, "hash_ids": [i, i + 1]}
-               for i in range(50)]
+    records = [
+        {"timestamp": i, "input_length": 10, "output_length": 1, "hash_ids": [i, i + 1]} for i in range(50)
+    ]
     plain = write_trace(tmp_path / "t.jsonl", records)
     packed = tmp_path / "t.jsonl.gz"
     packed.write_bytes(gzip.compress(plain.read_bytes()))
@@ -68,9 +70,10 @@ def test_ceiling_counts_leading_blocks_seen_before():
 
 
 def test_limit_and_blank_lines(tmp_path):
-    path = write_trace(tmp_path / "t.jsonl", [
-        {"timestamp": i, "input_length": 10, "output_length": 1, "hash_ids": [i]} for i in range(5)
-    ])
+    path = write_trace(
+        tmp_path / "t.jsonl",
+        [{"timestamp": i, "input_length": 10, "output_length": 1, "hash_ids": [i]} for i in range(5)],
+    )
     path.write_text(path.read_text() + "\n\n")
     assert [r.hash_ids for r in load_trace(path, limit=2)] == [(0,), (1,)]
     assert len(load_trace(path)) == 5
@@ -81,6 +84,8 @@ def test_missing_file_and_bad_line_name_the_problem(tmp_path):
     with pytest.raises(KvtierError, match=named):
         load_trace(tmp_path / "nope.jsonl")
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 1}\n')
+    bad.write_text(
+        '{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 1}\n'
+    )
     with pytest.raises(KvtierError, match="line 2"):
         load_trace(bad)

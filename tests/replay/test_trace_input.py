@@ -19,7 +19,11 @@ FIELDS = '"input_length": 1, "output_length": 1'
 
 # (name, the bad line, the field the message must name)
 BAD_LINES = [
-    ("hash id of 2^64", f'{{"timestamp": 0, {FIELDS}, "hash_ids": [5, 18446744073709551616]}}', "hash_ids[1]"),
+    (
+        "hash id of 2^64",
+        f'{{"timestamp": 0, {FIELDS}, "hash_ids": [5, 18446744073709551616]}}',
+        "hash_ids[1]",
+    ),
     ("negative hash id", f'{{"timestamp": 0, {FIELDS}, "hash_ids": [-1]}}', "hash_ids[0]"),
     ("float hash id", f'{{"timestamp": 0, {FIELDS}, "hash_ids": [1.5]}}', "hash_ids[0]"),
     ("hash_ids a string", f'{{"timestamp": 0, {FIELDS}, "hash_ids": "123"}}', "hash_ids"),
@@ -27,10 +31,16 @@ BAD_LINES = [
     ("timestamp NaN", f'{{"timestamp": NaN, {FIELDS}, "hash_ids": [1]}}', "timestamp"),
     ("timestamp a bool", f'{{"timestamp": true, {FIELDS}, "hash_ids": [1]}}', "timestamp"),
     ("timestamp a string", f'{{"timestamp": "0", {FIELDS}, "hash_ids": [1]}}', "timestamp"),
-    ("negative length", '{"timestamp": 0, "input_length": -5, "output_length": 1, "hash_ids": [1]}',
-     "input_length"),
-    ("huge length", '{"timestamp": 0, "input_length": 1, "output_length": ' + "9" * 40 + ', "hash_ids": [1]}',
-     "output_length"),
+    (
+        "negative length",
+        '{"timestamp": 0, "input_length": -5, "output_length": 1, "hash_ids": [1]}',
+        "input_length",
+    ),
+    (
+        "huge length",
+        '{"timestamp": 0, "input_length": 1, "output_length": ' + "9" * 40 + ', "hash_ids": [1]}',
+        "output_length",
+    ),
     ("missing field", '{"timestamp": 0, "input_length": 1, "hash_ids": [1]}', "output_length"),
     ("deeply nested", "[" * 100_000 + "]" * 100_000, "nested"),
     ("not an object", "[1, 2, 3]", "JSON object"),
@@ -59,8 +69,13 @@ def test_a_bad_line_is_named_by_both_commands(tmp_path, capsys, command, name, l
 @pytest.mark.parametrize("command", ["replay", "plan"])
 def test_dev_zero_is_refused_at_its_first_line_without_reading_it_all(command):
     extra = ["--no-progress"] if command == "replay" else ["--jobs", "1"]
-    done = subprocess.run([sys.executable, "-m", "kvtier.cli.main", command, "/dev/zero", *extra],
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", command, "/dev/zero", *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 2
     assert "/dev/zero line 1" in done.stderr and "longer than" in done.stderr
     assert "Traceback" not in done.stderr
@@ -74,8 +89,13 @@ def test_a_long_line_in_a_gzip_is_refused_too(tmp_path):
 
 
 def test_edge_values_are_accepted_by_both_commands_alike(tmp_path):
-    record = {"timestamp": 2**63 - 1, "input_length": 0, "output_length": 0,
-              "hash_ids": [0, 2**64 - 1], "extra": "ignored"}
+    record = {
+        "timestamp": 2**63 - 1,
+        "input_length": 0,
+        "output_length": 0,
+        "hash_ids": [0, 2**64 - 1],
+        "extra": "ignored",
+    }
     path = tmp_path / "edge.jsonl"
     path.write_text(json.dumps(record) + "\n")
     (request,) = load_trace(path)
@@ -87,15 +107,23 @@ def test_edge_values_are_accepted_by_both_commands_alike(tmp_path):
 
 @pytest.mark.slow
 @settings(max_examples=300, deadline=None)
-@given(st.one_of(
-    st.text(max_size=200),
-    st.recursive(
-        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
-        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-            st.sampled_from(["timestamp", "input_length", "output_length", "hash_ids", "x"]), inner, max_size=5),
-        max_leaves=20,
-    ).map(json.dumps),
-))
+@given(
+    st.one_of(
+        st.text(max_size=200),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+            lambda inner: (
+                st.lists(inner, max_size=4)
+                | st.dictionaries(
+                    st.sampled_from(["timestamp", "input_length", "output_length", "hash_ids", "x"]),
+                    inner,
+                    max_size=5,
+                )
+            ),
+            max_leaves=20,
+        ).map(json.dumps),
+    )
+)
 def test_the_loader_raises_only_its_own_error_on_any_line(line):
     try:
         request = parse_record(line, "t.jsonl line 1")
@@ -103,5 +131,7 @@ def test_the_loader_raises_only_its_own_error_on_any_line(line):
         assert "t.jsonl line 1" in str(error)
     else:
         assert all(0 <= h < 2**64 for h in request.hash_ids)
-        assert all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                   for v in (request.timestamp_ms, request.input_length, request.output_length))
+        assert all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for v in (request.timestamp_ms, request.input_length, request.output_length)
+        )

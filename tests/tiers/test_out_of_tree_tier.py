@@ -48,8 +48,10 @@ def test_the_kind_is_not_registered_in_kvtier(remote):
 
 @pytest.mark.parametrize(
     "remote_keys",
-    ["kind: 'remote_tier:RemoteTierConfig', url: 'mem://a'",
-     "kind: RemoteTierConfig, module_path: remote_tier, url: 'mem://a'"],
+    [
+        "kind: 'remote_tier:RemoteTierConfig', url: 'mem://a'",
+        "kind: RemoteTierConfig, module_path: remote_tier, url: 'mem://a'",
+    ],
     ids=["class path", "module_path"],
 )
 def test_yaml_names_the_kind_by_class_path_or_module_path(remote, remote_keys):
@@ -66,8 +68,16 @@ def test_yaml_names_the_kind_by_class_path_or_module_path(remote, remote_keys):
     [
         ("kind: 'remote_tier:RemoteTierConfig'", "tiers[1].url", "got <missing>"),
         ("kind: 'remote_tier:RemoteTierConfig', url: 'http://x'", "tiers[1].url", "mem://"),
-        ("kind: 'remote_tier:RemoteTierConfig', url: 'mem://a', path: /x", "tiers[1].path", "applies only to tiers of kind cpu"),
-        ("kind: 'remote_tier:RemoteTierConfig', url: 'mem://a', batch_blocks: 0", "tiers[1].batch_blocks", ">= 1"),
+        (
+            "kind: 'remote_tier:RemoteTierConfig', url: 'mem://a', path: /x",
+            "tiers[1].path",
+            "applies only to tiers of kind cpu",
+        ),
+        (
+            "kind: 'remote_tier:RemoteTierConfig', url: 'mem://a', batch_blocks: 0",
+            "tiers[1].batch_blocks",
+            ">= 1",
+        ),
         ("kind: 'remote_tier:Missing', url: 'mem://a'", "tiers[1].kind", "TierConfig subclass"),
         ("kind: 'remote_tier:RemoteTier', url: 'mem://a'", "tiers[1].kind", "TierConfig subclass"),
         ("kind: RemoteTierConfig, module_path: no_such_mod_kvtier", "tiers[1].module_path", "importable"),
@@ -85,9 +95,23 @@ def test_it_serves_kvtier_replay(remote, tmp_path, capsys):
 
     config = tmp_path / "stack.yaml"
     # a CPU tier of 600 blocks: most reuse of the trace's slice must come back from below
-    config.write_text(stack_yaml(str(600 * 4096), "kind: 'remote_tier:RemoteTierConfig', url: 'mem://replay'"))
-    argv = ["replay", "--config", str(config), "--limit", "150", "--gpu-blocks", "400",
-            "--block-bytes", "4096", "--no-progress", "--no-baseline", "--json"]
+    config.write_text(
+        stack_yaml(str(600 * 4096), "kind: 'remote_tier:RemoteTierConfig', url: 'mem://replay'")
+    )
+    argv = [
+        "replay",
+        "--config",
+        str(config),
+        "--limit",
+        "150",
+        "--gpu-blocks",
+        "400",
+        "--block-bytes",
+        "4096",
+        "--no-progress",
+        "--no-baseline",
+        "--json",
+    ]
     assert main(argv) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["tiers"] == ["cpu:cpu", "far:remote_tier:RemoteTierConfig"]
@@ -102,13 +126,18 @@ def test_it_serves_a_tiered_offloading_spec(remote):
     from kvtier.worker.worker import OffloadingWorker
 
     pages = [256, 512]
-    yaml_text = stack_yaml("1MiB", "kind: RemoteTierConfig, module_path: remote_tier, url: 'mem://spec'",
-                           write_policy="write_through")
+    yaml_text = stack_yaml(
+        "1MiB",
+        "kind: RemoteTierConfig, module_path: remote_tier, url: 'mem://spec'",
+        write_policy="write_through",
+    )
     spec = TieredOffloadingSpec(yaml_text, gpu_block_size_tokens=16, page_bytes=pages)
     try:
         manager = spec.get_manager()
-        layers = [torch.randint(-128, 128, (8, p), dtype=torch.int8, generator=torch.Generator().manual_seed(p))
-                  for p in pages]
+        layers = [
+            torch.randint(-128, 128, (8, p), dtype=torch.int8, generator=torch.Generator().manual_seed(p))
+            for p in pages
+        ]
         worker = OffloadingWorker.from_spec(spec, canonicalize(layers))
         keys = [key(i) for i in range(3)]
         sources = [5, 0, 7]
@@ -150,8 +179,12 @@ def test_a_damaged_remote_block_is_a_counted_miss(remote):
     """The kind's verification goes through the shared bookkeeping: dropped, counted, never served."""
     from kvtier import build_manager
 
-    manager = build_manager(stack_yaml("1MiB", "kind: 'remote_tier:RemoteTierConfig', url: 'mem://rot'",
-                                       write_policy="write_through"), block_bytes=4096)
+    manager = build_manager(
+        stack_yaml(
+            "1MiB", "kind: 'remote_tier:RemoteTierConfig', url: 'mem://rot'", write_policy="write_through"
+        ),
+        block_bytes=4096,
+    )
     try:
         from kvtier_testing import store_blocks
 

@@ -97,13 +97,28 @@ def test_the_section_keys_parse_and_encrypt_needs_a_secret(tmp_path):
 def test_a_secret_without_the_cryptography_package_names_the_extra(tmp_path, monkeypatch):
     from kvtier.tiers import secret
 
-    tier = parse_tier({"kind": "files", "name": "nvme", "capacity": "1GiB", "path": str(tmp_path),
-                       "secret_file": secret_file(tmp_path)}, "tiers[1]")
+    tier = parse_tier(
+        {
+            "kind": "files",
+            "name": "nvme",
+            "capacity": "1GiB",
+            "path": str(tmp_path),
+            "secret_file": secret_file(tmp_path),
+        },
+        "tiers[1]",
+    )
     monkeypatch.setattr(secret, "_crypto", lambda: None)  # as where the package is not installed
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.secret_file.*kvtier\[secure\]"):
         secret.tier_keys(tier, "tiers[1]")
-    assert secret.tier_keys(parse_tier({"kind": "files", "name": "nvme", "capacity": "1GiB",
-                                        "path": str(tmp_path)}, "tiers[1]"), "tiers[1]") is None
+    assert (
+        secret.tier_keys(
+            parse_tier(
+                {"kind": "files", "name": "nvme", "capacity": "1GiB", "path": str(tmp_path)}, "tiers[1]"
+            ),
+            "tiers[1]",
+        )
+        is None
+    )
 
 
 # -- blocks ------------------------------------------------------------------------------------
@@ -129,15 +144,23 @@ def plaintext() -> np.ndarray:
 
 def sealed(keys, payload):
     page = bytearray(HEADER_BYTES)
-    encode_header_into(page, layout_digest=DIGEST, key=KEY, payload_bytes=NBYTES, checksum=0,
-                       flags=keys.flags, salt=keys.new_salt())
+    encode_header_into(
+        page,
+        layout_digest=DIGEST,
+        key=KEY,
+        payload_bytes=NBYTES,
+        checksum=0,
+        flags=keys.flags,
+        salt=keys.new_salt(),
+    )
     stored = np.frombuffer(bytes(keys.seal(page, payload)), dtype=np.uint8).copy()
     return page, stored
 
 
 def check(page, payload, keys):
-    return verify(page, payload, HEADER_BYTES + NBYTES, key=KEY, layout_digest=DIGEST,
-                  payload_bytes=NBYTES, keys=keys)
+    return verify(
+        page, payload, HEADER_BYTES + NBYTES, key=KEY, layout_digest=DIGEST, payload_bytes=NBYTES, keys=keys
+    )
 
 
 def test_a_keyed_block_verifies_only_under_its_secret(keys_of):
@@ -164,16 +187,21 @@ def test_an_unkeyed_block_is_refused_with_a_secret_even_when_well_formed(keys_of
     """A planted block: a correct header and xxh3, made without the secret."""
     payload = plaintext()
     page = bytearray(HEADER_BYTES)
-    encode_header_into(page, layout_digest=DIGEST, key=KEY, payload_bytes=NBYTES,
-                       checksum=xxhash.xxh3_64_intdigest(payload))
+    encode_header_into(
+        page, layout_digest=DIGEST, key=KEY, payload_bytes=NBYTES, checksum=xxhash.xxh3_64_intdigest(payload)
+    )
     assert check(page, payload, None) is None
     assert check(page, payload, keys_of()) == "unkeyed"
 
 
 def test_a_version_1_block_is_still_read_without_a_secret(keys_of):
     payload = plaintext()
-    fixed = struct.pack("<8sHHI16sQQH", b"KVTBLOCK", 1, 0, 0, DIGEST, NBYTES,
-                        xxhash.xxh3_64_intdigest(payload), len(KEY)) + KEY
+    fixed = (
+        struct.pack(
+            "<8sHHI16sQQH", b"KVTBLOCK", 1, 0, 0, DIGEST, NBYTES, xxhash.xxh3_64_intdigest(payload), len(KEY)
+        )
+        + KEY
+    )
     page = bytearray(HEADER_BYTES)
     page[: len(fixed) + 8] = fixed + struct.pack("<Q", xxhash.xxh3_64_intdigest(fixed))
     header = decode_header(page)

@@ -47,8 +47,13 @@ def main() -> None:
     target = np.zeros(64, dtype=np.uint8)
     u64 = lambda *values: np.array(values, dtype=np.uint64)  # noqa: E731
     try:
-        batch(u64(target.ctypes.data, 0), u64(source.ctypes.data, source.ctypes.data), u64(8, 8),
-              STREAM, src_access_any=False)
+        batch(
+            u64(target.ctypes.data, 0),
+            u64(source.ctypes.data, source.ctypes.data),
+            u64(8, 8),
+            STREAM,
+            src_access_any=False,
+        )
     except MemcpyBatchError as exc:
         assert (exc.code, exc.fail_index) == (1, 1), (exc.code, exc.fail_index)
     else:
@@ -64,8 +69,7 @@ def main() -> None:
     assert cuda.device_address_offset(source.ctypes.data) is None
     os.environ["STANDIN_CUDA_VERSION"] = "12060"  # a driver before cuMemcpyBatchAsync
     assert MemcpyBatch.load() is None
-    print(f"ok: {compared} planned copies through the batched call; refusal, streams, mapping, "
-          "old driver")
+    print(f"ok: {compared} planned copies through the batched call; refusal, streams, mapping, old driver")
 
 
 if __name__ == "__main__":

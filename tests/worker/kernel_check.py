@@ -54,8 +54,13 @@ def odd_copies() -> int:
     target = np.zeros(40_000, dtype=np.uint8)
     want = target.copy()
     looping = MAX_PARTS * BLOCK + 809
-    ranges = [(1, 7, 3), (101, 2003, 17), (5000, 3001, BLOCK * 3 + 5), (9000, 20001, looping),
-              (39000, 35000, 1)]
+    ranges = [
+        (1, 7, 3),
+        (101, 2003, 17),
+        (5000, 3001, BLOCK * 3 + 5),
+        (9000, 20001, looping),
+        (39000, 35000, 1),
+    ]
     for src_at, dst_at, size in ranges:
         want[dst_at : dst_at + size] = source[src_at : src_at + size]
     u64 = lambda values: np.array(values, dtype=np.uint64)  # noqa: E731

@@ -26,14 +26,10 @@ def flat_numpy(pages: torch.Tensor) -> np.ndarray:
     """Every byte a (num_blocks, page) CPU tensor spans, as a writable numpy view."""
     num_blocks, page = pages.shape
     extent = (num_blocks - 1) * pages.stride(0) + page
-    return (
-        torch.as_strided(pages, (extent,), (1,), pages.storage_offset()).view(torch.uint8).numpy()
-    )
+    return torch.as_strided(pages, (extent,), (1,), pages.storage_offset()).view(torch.uint8).numpy()
 
 
-def model_copies(
-    kv: CanonicalKVCaches, factor, row_stride, gpu_ids, group_sizes, block_indices, cpu_ids
-):
+def model_copies(kv: CanonicalKVCaches, factor, row_stride, gpu_ids, group_sizes, block_indices, cpu_ids):
     """(tensor, gpu byte offset, cpu byte offset, size) per page the transfer must copy."""
     pages = [entry.page_size_bytes for entry in kv.tensors]
     offsets = [factor * sum(pages[:t]) for t in range(len(pages))]
@@ -87,9 +83,7 @@ class Rig:
         self.groups = groups
         shape = ((2,) if kv_first else ()) + (num_blocks, *block_shape)
         generator = torch.Generator().manual_seed(seed)
-        self.layers = [
-            torch.randn(shape, generator=generator).to(dtype).to(device) for _ in range(layers)
-        ]
+        self.layers = [torch.randn(shape, generator=generator).to(dtype).to(device) for _ in range(layers)]
         self.kv = canonicalize(self.layers, kv_first=kv_first, groups=groups)
         self.block_bytes = factor * sum(entry.page_size_bytes for entry in self.kv.tensors)
         self.region = region or SharedRegion.create(num_rows, self.block_bytes)
@@ -119,9 +113,7 @@ class Rig:
         for layer in self.layers if gpu else ():
             raw = layer.view(torch.uint8)
             raw.copy_(
-                torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator).to(
-                    self.device
-                )
+                torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator).to(self.device)
             )
         if region:
             flat = self.region_bytes()
@@ -168,9 +160,7 @@ class Rig:
         )
         expected = self.expected_after(copies, store)
         handler = self.store_handler if store else self.load_handler
-        assert handler.transfer_async(
-            job_id, self.specs(gpu_ids, group_sizes, cpu_ids, block_indices, store)
-        )
+        assert handler.transfer_async(job_id, self.specs(gpu_ids, group_sizes, cpu_ids, block_indices, store))
         handler.wait({job_id})
         results = handler.get_finished()
         assert [(r.job_id, r.success, r.transfer_size) for r in results] == [

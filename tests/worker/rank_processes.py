@@ -53,16 +53,12 @@ class _Rank:
         self.worker = None
         self.kwargs: dict = {}
 
-    def configure(
-        self, config, world_size: int, rank: int, kv_replicas: int, device: str = "cpu"
-    ) -> dict:
+    def configure(self, config, world_size: int, rank: int, kv_replicas: int, device: str = "cpu") -> dict:
         import torch
 
         if device == "cuda":  # a GPU per rank where there are several (one machine: all on 0)
             device = f"cuda:{rank % torch.cuda.device_count()}"
-        self.layers = [
-            torch.zeros((NUM_GPU_BLOCKS, page), dtype=torch.int8, device=device) for page in PAGES
-        ]
+        self.layers = [torch.zeros((NUM_GPU_BLOCKS, page), dtype=torch.int8, device=device) for page in PAGES]
         self.kwargs = dict(
             config=config,
             gpu_block_size_tokens=GPU_BLOCK_TOKENS,

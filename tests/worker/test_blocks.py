@@ -89,9 +89,7 @@ def test_coalesce_empty():
 # the layout
 
 
-def layout(
-    pages=(8, 16), factor=1, groups=None, num_blocks=10, strides=None, rows=6, row_stride=None
-):
+def layout(pages=(8, 16), factor=1, groups=None, num_blocks=10, strides=None, rows=6, row_stride=None):
     groups = groups if groups is not None else [list(pages)]
     block = factor * sum(pages)
     return TransferLayout(
@@ -168,9 +166,7 @@ def test_plan_respects_padded_cpu_rows():
 
 def test_plan_empty_spec():
     lay = layout()
-    seg = lay.plan(
-        np.zeros(0, dtype=np.int64), [0], None, np.zeros(0, dtype=np.int64), gpu_to_cpu=True
-    )
+    seg = lay.plan(np.zeros(0, dtype=np.int64), [0], None, np.zeros(0, dtype=np.int64), gpu_to_cpu=True)
     assert len(seg) == 0 and seg.nbytes == 0
 
 
@@ -250,9 +246,7 @@ def reference_copies(lay, gpu_ids, group_sizes, block_indices, cpu_ids):
                         (
                             t,
                             gpu_ids[gpu_at + i] * lay.gpu_block_strides[t],
-                            row * lay.cpu_row_stride
-                            + lay.tensor_offsets[t]
-                            + slot * lay.page_bytes[t],
+                            row * lay.cpu_row_stride + lay.tensor_offsets[t] + slot * lay.page_bytes[t],
                             copy,
                         )
                     )
@@ -275,9 +269,7 @@ def transfers(draw):
     pages = [draw(st.sampled_from([8, 16, 24])) for _ in range(num_tensors)]
     factor = draw(st.integers(1, 3))
     num_groups = draw(st.integers(1, 3))
-    groups = [
-        [draw(st.sampled_from([0, page // 2, page])) for page in pages] for _ in range(num_groups)
-    ]
+    groups = [[draw(st.sampled_from([0, page // 2, page])) for page in pages] for _ in range(num_groups)]
     strides = [page + draw(st.sampled_from([0, 0, 8])) for page in pages]
     num_blocks, num_rows = 16, 12
     row_stride = factor * sum(pages) + draw(st.sampled_from([0, 8]))
@@ -317,11 +309,7 @@ def transfers(draw):
         if consecutive
         else draw(st.permutations(range(num_blocks)))[: sum(sizes)]
     )
-    cpu_ids = (
-        np.arange(rows_needed)
-        if consecutive
-        else draw(st.permutations(range(num_rows)))[:rows_needed]
-    )
+    cpu_ids = np.arange(rows_needed) if consecutive else draw(st.permutations(range(num_rows)))[:rows_needed]
     return (
         lay,
         np.array(gpu_ids, dtype=np.int64),

@@ -101,10 +101,7 @@ def test_round_trip_is_byte_exact_and_touches_nothing_else(device, rigs, factor,
     rows = [5, 2]
     halves = range(1 + kv_first)
     before = {
-        (layer, b, half): rig.page(layer, b, half)
-        for layer in range(3)
-        for b in sources
-        for half in halves
+        (layer, b, half): rig.page(layer, b, half) for layer in range(3) for b in sources for half in halves
     }
 
     rig.scramble(seed=1, gpu=False)  # a sentinel in every CPU byte, padding included
@@ -114,9 +111,7 @@ def test_round_trip_is_byte_exact_and_touches_nothing_else(device, rigs, factor,
     for layer in range(3):
         for half in halves:
             for source, target in zip(sources, targets):
-                np.testing.assert_array_equal(
-                    rig.page(layer, target, half), before[(layer, source, half)]
-                )
+                np.testing.assert_array_equal(rig.page(layer, target, half), before[(layer, source, half)])
 
 
 @pytest.mark.parametrize("kv_first", [False, True], ids=["blocks-first", "kv-first"])
@@ -202,9 +197,7 @@ def test_completions_come_in_submission_order(device, rigs):
     jobs = list(range(100, 110))
     for i, job in enumerate(jobs):
         count = 1 + (i * 7) % 5  # mixed sizes, so later jobs are often smaller
-        assert store.transfer_async(
-            job, rig.specs(list(range(count)), [count], list(range(i, i + count)))
-        )
+        assert store.transfer_async(job, rig.specs(list(range(count)), [count], list(range(i, i + count))))
     seen = []
     while len(seen) < len(jobs):
         seen += store.get_finished()

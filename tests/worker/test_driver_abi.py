@@ -28,8 +28,17 @@ COMPILER = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 def test_driver_calls_match_the_cuda_prototypes(tmp_path):
     library = tmp_path / "libcuda.so.1"
     subprocess.run(
-        [COMPILER, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", str(library),
-         str(HERE / "driver_standin.c")],
+        [
+            COMPILER,
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-Wall",
+            "-Werror",
+            "-o",
+            str(library),
+            str(HERE / "driver_standin.c"),
+        ],
         check=True,
     )
     env = {**os.environ, "LD_LIBRARY_PATH": f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}"}

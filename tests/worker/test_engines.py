@@ -48,8 +48,7 @@ def test_descriptors_are_base_plus_offset(setup):
     assert dsts.dtype == srcs.dtype == sizes.dtype == np.uint64
     bases = [t.data_ptr() for t in gpu]
     assert srcs.tolist() == [
-        bases[t] + off
-        for t, off in zip(segments.tensor_idx.tolist(), segments.gpu_offsets.tolist())
+        bases[t] + off for t, off in zip(segments.tensor_idx.tolist(), segments.gpu_offsets.tolist())
     ]
     assert dsts.tolist() == [region.address + off for off in segments.cpu_offsets.tolist()]
     assert sizes.tolist() == segments.sizes.tolist()
@@ -59,6 +58,7 @@ def test_descriptors_are_base_plus_offset(setup):
 
 def test_descriptors_refuse_a_copy_outside_the_buffers(setup):
     _, _, buffers, _ = setup
+
     def one(v):
         return np.array([v], dtype=np.int64)
 
@@ -88,9 +88,7 @@ def test_torch_fallback_copies_what_memmove_copies(setup, gpu_to_cpu):
     np.testing.assert_array_equal(region.rows, after_memmove[1])
     for t, want in zip(gpu, after_memmove[0]):
         assert torch.equal(t, want)
-    changed = (region.rows != start[1]).any() or any(
-        not torch.equal(t, s) for t, s in zip(gpu, start[0])
-    )
+    changed = (region.rows != start[1]).any() or any(not torch.equal(t, s) for t, s in zip(gpu, start[0]))
     assert changed  # the plan was not empty
 
 
@@ -129,6 +127,7 @@ def test_batched_copy_moves_bytes_both_ways():
         device = torch.zeros((2, 8192), dtype=torch.uint8, device="cuda")
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())  # after the zeros are written
+
         def u64(*v):
             return np.array(v, dtype=np.uint64)
 

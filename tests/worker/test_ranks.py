@@ -120,9 +120,7 @@ class Engine:
         )
         done = []
         for rank, results in enumerate(answers):
-            done += self.aggregator.add(
-                rank, [_result(job, ok, size) for job, ok, size in results]
-            )
+            done += self.aggregator.add(rank, [_result(job, ok, size) for job, ok, size in results])
         assert [r.job_id for r in done] == [job_id] and not self.aggregator.pending()
         return done[0]
 
@@ -218,9 +216,7 @@ def test_ranks_on_cuda_share_one_pinned_region(pool, tmp_path, world_size, kv_re
 def round_trip(pool, tmp_path, world_size, kv_replicas, device):
     """Store 8 blocks through a CPU tier of 4 rows (evicting to disk), restart the whole stack,
     bring every block up from disk and load it into every rank, checking bytes throughout."""
-    config = stack_config(
-        tmp_path, world_size // kv_replicas, pin="on" if device == "cuda" else "off"
-    )
+    config = stack_config(tmp_path, world_size // kv_replicas, pin="on" if device == "cuda" else "off")
     engine = Engine(pool, config, world_size, kv_replicas, device)
     try:
         # on CUDA every rank registered the shared rows in its own process (or failed to start)
@@ -291,9 +287,7 @@ def test_a_store_written_at_tp2_is_never_read_at_tp4(tmp_path):
     tp2.shutdown()  # saves the block to disk
 
     half = [p // 2 for p in PAGES]
-    tp4 = TieredOffloadingSpec(
-        config, gpu_block_size_tokens=GPU_BLOCK_TOKENS, page_bytes=half, world_size=4
-    )
+    tp4 = TieredOffloadingSpec(config, gpu_block_size_tokens=GPU_BLOCK_TOKENS, page_bytes=half, world_size=4)
     assert tp4.block_bytes == tp2.block_bytes and tp4.fingerprint() != tp2.fingerprint()
     try:
         assert tp4.get_manager().lookup(key(0), CTX) is False
@@ -316,7 +310,10 @@ def test_a_replicated_store_written_at_tp2_is_read_at_tp4(tmp_path):
     and its fingerprint leaves the world size out, so a TP=4 engine reads what TP=2 wrote."""
     config = stack_config(tmp_path, 1)
     tp2 = TieredOffloadingSpec(
-        config, gpu_block_size_tokens=GPU_BLOCK_TOKENS, page_bytes=list(PAGES), world_size=2,
+        config,
+        gpu_block_size_tokens=GPU_BLOCK_TOKENS,
+        page_bytes=list(PAGES),
+        world_size=2,
         kv_replicas=2,
     )
     manager = tp2.get_manager()
@@ -326,7 +323,10 @@ def test_a_replicated_store_written_at_tp2_is_read_at_tp4(tmp_path):
     tp2.shutdown()  # saves the block to disk
 
     tp4 = TieredOffloadingSpec(
-        config, gpu_block_size_tokens=GPU_BLOCK_TOKENS, page_bytes=list(PAGES), world_size=4,
+        config,
+        gpu_block_size_tokens=GPU_BLOCK_TOKENS,
+        page_bytes=list(PAGES),
+        world_size=4,
         kv_replicas=4,
     )
     assert tp4.block_bytes == tp2.block_bytes and tp4.fingerprint() == tp2.fingerprint()

@@ -43,9 +43,7 @@ def test_a_job_completes_once_every_rank_reported_it():
     assert aggregator.add(0, [TransferResult(7, True, 10, 0.5)]) == []
     assert aggregator.add(2, [TransferResult(7, True, 10, 0.25)]) == []
     assert aggregator.pending() == {7: {1}}
-    assert aggregator.add(1, [TransferResult(7, True, 0, 0.75)]) == [
-        TransferResult(7, True, 20, 0.75)
-    ]
+    assert aggregator.add(1, [TransferResult(7, True, 0, 0.75)]) == [TransferResult(7, True, 20, 0.75)]
     assert aggregator.pending() == {}
 
 

@@ -53,8 +53,13 @@ def _config(name: str, directory: Path, block_bytes: int) -> dict[str, Any]:
 
 
 def run(
-    *, trace: str | None = None, limit: int | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
-    gpu_blocks: int = 2000, progress: bool = False, out: TextIO | None = None,
+    *,
+    trace: str | None = None,
+    limit: int | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    gpu_blocks: int = 2000,
+    progress: bool = False,
+    out: TextIO | None = None,
 ) -> dict[str, Any]:
     """Replay ``trace`` (default: the bundled one) through each of :data:`STACKS`; print the
     table and one JSON line; the JSON record."""
@@ -65,8 +70,14 @@ def run(
         with tempfile.TemporaryDirectory(prefix="kvtier-cascade-", dir=Path.cwd()) as directory:
             config = _config(name, Path(directory), block_bytes)
             record = replay(
-                trace, yaml.safe_dump(config), gpu_blocks=gpu_blocks, block_bytes=block_bytes,
-                limit=limit, baseline=False, progress=progress, out=cast(TextIO, _Discard()),
+                trace,
+                yaml.safe_dump(config),
+                gpu_blocks=gpu_blocks,
+                block_bytes=block_bytes,
+                limit=limit,
+                baseline=False,
+                progress=progress,
+                out=cast(TextIO, _Discard()),
             )
         lower = [tier["name"] for tier in config["tiers"][1:]]
         results[name] = {
@@ -90,17 +101,27 @@ def run(
     rows = []
     for name, figures in results.items():
         written = figures["lower_bytes_written"]
-        figures["written_vs_mirror"] = written / base["lower_bytes_written"] if base["lower_bytes_written"] else None
+        figures["written_vs_mirror"] = (
+            written / base["lower_bytes_written"] if base["lower_bytes_written"] else None
+        )
         total = figures["total_bytes_written"]
-        figures["total_vs_mirror"] = total / base["total_bytes_written"] if base["total_bytes_written"] else None
+        figures["total_vs_mirror"] = (
+            total / base["total_bytes_written"] if base["total_bytes_written"] else None
+        )
         figures["hit_ratio_vs_mirror"] = figures["hit_ratio"] - base["hit_ratio"]
-        rows.append({
-            "stack": name, "hit_ratio": figures["hit_ratio"],
-            "written_MB": total / 1e6, "vs_mirror": figures["total_vs_mirror"],
-            "in_run_MB": written / 1e6, "at_shutdown_MB": (total - written) / 1e6,
-            "read_back_MB": figures["lower_bytes_read"] / 1e6,
-            "elapsed_s": figures["elapsed_s"], "shutdown_s": figures["shutdown_s"],
-        })
+        rows.append(
+            {
+                "stack": name,
+                "hit_ratio": figures["hit_ratio"],
+                "written_MB": total / 1e6,
+                "vs_mirror": figures["total_vs_mirror"],
+                "in_run_MB": written / 1e6,
+                "at_shutdown_MB": (total - written) / 1e6,
+                "read_back_MB": figures["lower_bytes_read"] / 1e6,
+                "elapsed_s": figures["elapsed_s"],
+                "shutdown_s": figures["shutdown_s"],
+            }
+        )
     result = {
         "bench": "cascade",
         "baseline": STACKS[0],
@@ -116,8 +137,21 @@ def run(
         f"(bytes written below: in all, during the run, and by the shutdown's save)",
         file=out,
     )
-    print_table(rows, ["stack", "hit_ratio", "written_MB", "vs_mirror", "in_run_MB", "at_shutdown_MB",
-                       "read_back_MB", "elapsed_s", "shutdown_s"], out)
+    print_table(
+        rows,
+        [
+            "stack",
+            "hit_ratio",
+            "written_MB",
+            "vs_mirror",
+            "in_run_MB",
+            "at_shutdown_MB",
+            "read_back_MB",
+            "elapsed_s",
+            "shutdown_s",
+        ],
+        out,
+    )
     print_json(result, out)
     return result
 

@@ -154,14 +154,20 @@ def secret_variants(secret_file: str | None) -> list[tuple[str, dict[str, Any]]]
 
 
 def _keys(count: int, salt: bytes) -> list[OffloadKey]:
-    return [OffloadKey(xxhash.xxh3_128_digest(salt + i.to_bytes(8, "little")) + b"\0\0\0\0") for i in range(count)]
+    return [
+        OffloadKey(xxhash.xxh3_128_digest(salt + i.to_bytes(8, "little")) + b"\0\0\0\0") for i in range(count)
+    ]
 
 
 def _run_jobs(tier, keys: list[OffloadKey], rows: list[int], load: bool, job_base: int) -> float:
     """Submit every block as jobs of JOB_BLOCKS, wait for all; seconds. Raises if any key failed."""
     start = time.perf_counter()
     for job_index, first in enumerate(range(0, len(keys), JOB_BLOCKS)):
-        job = TierJob(job_base + job_index, tuple(keys[first : first + JOB_BLOCKS]), tuple(rows[first : first + JOB_BLOCKS]))
+        job = TierJob(
+            job_base + job_index,
+            tuple(keys[first : first + JOB_BLOCKS]),
+            tuple(rows[first : first + JOB_BLOCKS]),
+        )
         (tier.submit_load if load else tier.submit_store)(job)
     tier.drain_jobs()
     seconds = time.perf_counter() - start
@@ -175,20 +181,32 @@ def _run_jobs(tier, keys: list[OffloadKey], rows: list[int], load: bool, job_bas
 
 
 def _kvtier_round(
-    kind: str, region: SharedRegion, directory: str, threads: int, sums: list[int], drop_caches: bool,
-    fsync: str, **secret_options: Any,
+    kind: str,
+    region: SharedRegion,
+    directory: str,
+    threads: int,
+    sums: list[int],
+    drop_caches: bool,
+    fsync: str,
+    **secret_options: Any,
 ) -> dict[str, Any]:
     rows = region.rows
     count = region.num_rows
     os.sync()  # the previous run's writes and deletions land before this run's clock starts
     path = tempfile.mkdtemp(prefix=f"kvtier-bench-{kind}-", dir=directory)
     config = DiskTierConfig(
-        name="bench", kind=kind, capacity_bytes=count * on_disk_block_bytes(BLOCK_BYTES), path=path,
-        fsync=fsync, **secret_options,
+        name="bench",
+        kind=kind,
+        capacity_bytes=count * on_disk_block_bytes(BLOCK_BYTES),
+        path=path,
+        fsync=fsync,
+        **secret_options,
     )
     keys = _keys(count, kind.encode())
     try:
-        tier = open_store(config, rows, LayoutFingerprint.standalone(BLOCK_BYTES), field="bench", threads=threads)
+        tier = open_store(
+            config, rows, LayoutFingerprint.standalone(BLOCK_BYTES), field="bench", threads=threads
+        )
         try:
             cpu = time.process_time()
             write_s = _run_jobs(tier, keys, list(range(count)), load=False, job_base=0)
@@ -219,7 +237,9 @@ def _kvtier_round(
     }
 
 
-def _baseline_round(region: SharedRegion, directory: str, threads: int, drop_caches: bool) -> dict[str, float]:
+def _baseline_round(
+    region: SharedRegion, directory: str, threads: int, drop_caches: bool
+) -> dict[str, float]:
     rows = region.rows
     count = region.num_rows
     nbytes = count * BLOCK_BYTES
@@ -275,12 +295,19 @@ def _vllm_fs_round(region: SharedRegion, directory: str, drop_caches: bool) -> d
     use_o_direct = vllm_io.probe_o_direct(root)
     pool = DualQueueThreadPool(16, 16, thread_name_prefix="bench_vllm_fs")
     try:
+
         def timed(load: bool) -> float:
             function = vllm_io.batch_load_block if load else vllm_io.batch_store_block
             start = time.perf_counter()
             for job_id, first in enumerate(range(0, count, JOB_BLOCKS)):
-                task = partial(function, paths[first : first + JOB_BLOCKS], view,
-                               offsets[first : first + JOB_BLOCKS], BLOCK_BYTES, use_o_direct)
+                task = partial(
+                    function,
+                    paths[first : first + JOB_BLOCKS],
+                    view,
+                    offsets[first : first + JOB_BLOCKS],
+                    BLOCK_BYTES,
+                    use_o_direct,
+                )
                 (pool.enqueue_load if load else pool.enqueue_store)(job_id, 1, [task])
             pool.wait_idle()
             seconds = time.perf_counter() - start
@@ -305,8 +332,11 @@ def _open_time(kind: str, directory: str, threads: int, blocks: int, drop_caches
     path = tempfile.mkdtemp(prefix=f"kvtier-bench-open-{kind}-", dir=directory)
     fingerprint = LayoutFingerprint.standalone(OPEN_BLOCK_BYTES)
     config = DiskTierConfig(
-        name="bench-open", kind=kind, capacity_bytes=blocks * on_disk_block_bytes(OPEN_BLOCK_BYTES),
-        path=path, fsync="none",
+        name="bench-open",
+        kind=kind,
+        capacity_bytes=blocks * on_disk_block_bytes(OPEN_BLOCK_BYTES),
+        path=path,
+        fsync="none",
     )
     try:
         region.rows[:] = np.random.default_rng(1).integers(0, 256, region.rows.shape, dtype=np.uint8)
@@ -316,7 +346,9 @@ def _open_time(kind: str, directory: str, threads: int, blocks: int, drop_caches
             start = time.perf_counter()
             for job_index, first in enumerate(range(0, blocks, 256)):
                 chunk = keys[first : first + 256]
-                tier.submit_store(TierJob(job_index, tuple(chunk), tuple(i % 1024 for i in range(len(chunk)))))
+                tier.submit_store(
+                    TierJob(job_index, tuple(chunk), tuple(i % 1024 for i in range(len(chunk))))
+                )
                 if job_index % 16 == 15:
                     tier.drain_jobs()
                     tier.get_finished_jobs()
@@ -369,7 +401,9 @@ def run(
     directory = os.path.abspath(directory or default_directory())
     if not os.path.isdir(directory):
         raise ConfigError(
-            "--dir", directory, "an existing directory on the disk to measure",
+            "--dir",
+            directory,
+            "an existing directory on the disk to measure",
             f"create it first (mkdir -p {directory}), or leave --dir out for {default_directory()}",
         )
     threads = threads or DEFAULT_THREADS
@@ -417,13 +451,22 @@ def run(
         region.close()
         if secret_dir is not None:
             shutil.rmtree(secret_dir, ignore_errors=True)
-    names = ["write_gbps", "read_gbps", "baseline_write_gbps", "baseline_read_gbps",
-             "write_cpu_s_per_gb", "read_cpu_s_per_gb"]
+    names = [
+        "write_gbps",
+        "read_gbps",
+        "baseline_write_gbps",
+        "baseline_read_gbps",
+        "write_cpu_s_per_gb",
+        "read_cpu_s_per_gb",
+    ]
     if "vllm_fs_write_gbps" in samples[0]:
         names += ["vllm_fs_write_gbps", "vllm_fs_read_gbps"]
     for name, _ in variants:
-        names += [f"{name}_{phase}_{what}" for phase in ("write", "read")
-                  for what in ("gbps", "cost", "extra_cpu_s_per_gb")]
+        names += [
+            f"{name}_{phase}_{what}"
+            for phase in ("write", "read")
+            for what in ("gbps", "cost", "extra_cpu_s_per_gb")
+        ]
     figures = {name: median(sample[name] for sample in samples) for name in names}
     # Ratios pair each round's kvtier figure with that round's baseline, then take the median:
     # the disk's speed drifts by +-25% over a minute here, and pairing cancels the drift that a
@@ -446,7 +489,9 @@ def run(
         "cold_read_method": samples[-1]["cold_read_method"],
         "dir": directory,
         "filesystem": _filesystem(directory),
-        "samples": [{k: v for k, v in s.items() if k.endswith(("gbps", "ratio", "cost", "_gb"))} for s in samples],
+        "samples": [
+            {k: v for k, v in s.items() if k.endswith(("gbps", "ratio", "cost", "_gb"))} for s in samples
+        ],
         "secrets": [name for name, _ in variants],
         # "measured": vLLM's fs tier ran in this run (vllm_fs_*_gbps); else its reference figures
         "vllm_fs": "measured" if "vllm_fs_write_gbps" in figures else "reference",
@@ -456,12 +501,20 @@ def run(
         record.update(_open_time(backend, directory, threads, open_blocks, drop_caches))
     measured_vllm = record["vllm_fs"] == "measured"
     table = [
-        {"phase": "write", "kvtier_gbps": figures["write_gbps"], "baseline_gbps": figures["baseline_write_gbps"],
-         "ratio": record["write_ratio"],
-         "vllm_fs_gbps": figures["vllm_fs_write_gbps"] if measured_vllm else "2.6-3.3 (ref)"},
-        {"phase": "read (cold)", "kvtier_gbps": figures["read_gbps"], "baseline_gbps": figures["baseline_read_gbps"],
-         "ratio": record["read_ratio"],
-         "vllm_fs_gbps": figures["vllm_fs_read_gbps"] if measured_vllm else "0.5-1.7 (ref)"},
+        {
+            "phase": "write",
+            "kvtier_gbps": figures["write_gbps"],
+            "baseline_gbps": figures["baseline_write_gbps"],
+            "ratio": record["write_ratio"],
+            "vllm_fs_gbps": figures["vllm_fs_write_gbps"] if measured_vllm else "2.6-3.3 (ref)",
+        },
+        {
+            "phase": "read (cold)",
+            "kvtier_gbps": figures["read_gbps"],
+            "baseline_gbps": figures["baseline_read_gbps"],
+            "ratio": record["read_ratio"],
+            "vllm_fs_gbps": figures["vllm_fs_read_gbps"] if measured_vllm else "0.5-1.7 (ref)",
+        },
     ]
     print(
         f"kvtier bench disk: backend {backend}, {record['gib']:.2f} GiB as 2 MiB blocks, {threads} threads, "
@@ -472,18 +525,31 @@ def run(
     print_table(table, ["phase", "kvtier_gbps", "baseline_gbps", "ratio", "vllm_fs_gbps"], out)
     if variants:
         print_table(
-            [{"tier": name, "phase": phase, "gbps": figures[f"{name}_{phase}_gbps"],
-              "plain_gbps": figures[f"{phase}_gbps"], "cost": figures[f"{name}_{phase}_cost"],
-              "plain_cpu_s/GB": figures[f"{phase}_cpu_s_per_gb"],
-              "extra_cpu_s/GB": figures[f"{name}_{phase}_extra_cpu_s_per_gb"]}
-             for name, _ in variants for phase in ("write", "read")],
-            ["tier", "phase", "gbps", "plain_gbps", "cost", "plain_cpu_s/GB", "extra_cpu_s/GB"], out,
+            [
+                {
+                    "tier": name,
+                    "phase": phase,
+                    "gbps": figures[f"{name}_{phase}_gbps"],
+                    "plain_gbps": figures[f"{phase}_gbps"],
+                    "cost": figures[f"{name}_{phase}_cost"],
+                    "plain_cpu_s/GB": figures[f"{phase}_cpu_s_per_gb"],
+                    "extra_cpu_s/GB": figures[f"{name}_{phase}_extra_cpu_s_per_gb"],
+                }
+                for name, _ in variants
+                for phase in ("write", "read")
+            ],
+            ["tier", "phase", "gbps", "plain_gbps", "cost", "plain_cpu_s/GB", "extra_cpu_s/GB"],
+            out,
         )
     if open_blocks:
         cold = record["open_cold_s"]
         print(
             f"open with {open_blocks} blocks indexed: open_s {record['open_s']:.3f}"
-            + (f", open_cold_s {cold:.3f}" if cold is not None else ", open_cold_s not measured (needs root, and no --no-drop-caches)"),
+            + (
+                f", open_cold_s {cold:.3f}"
+                if cold is not None
+                else ", open_cold_s not measured (needs root, and no --no-drop-caches)"
+            ),
             file=out,
         )
     print_json(record, out)

@@ -99,7 +99,9 @@ def _chunks(keys: list[bytes], size: int) -> list[list[bytes]]:
     return [keys[i : i + size] for i in range(0, len(keys), size)]
 
 
-def run_once(subject: Subject, policy: str, keys_per_call: int, keys: list[bytes], capacity: int) -> dict[str, float]:
+def run_once(
+    subject: Subject, policy: str, keys_per_call: int, keys: list[bytes], capacity: int
+) -> dict[str, float]:
     """One pass of the protocol; seconds per block for each phase."""
     manager = subject.make_manager(policy, capacity)
     end_step = subject.end_step
@@ -145,7 +147,9 @@ def _is_hit(answer: Any) -> bool:
     return answer is True or getattr(answer, "name", None) == "HIT"
 
 
-def metadata_bytes(subject: Subject, policy: str, capacity: int, keys: list[bytes], keys_owned: bool) -> float:
+def metadata_bytes(
+    subject: Subject, policy: str, capacity: int, keys: list[bytes], keys_owned: bool
+) -> float:
     """Bytes tracemalloc sees a fresh manager allocate while taking ``capacity`` blocks."""
     gc.collect()
     tracemalloc.start()
@@ -189,7 +193,9 @@ def run(
                 for subject in subjects:
                     samples = [run_once(subject, policy, keys_per_call, keys, capacity) for _ in range(runs)]
                     figures = {phase: median(s[phase] for s in samples) for phase in samples[0]}
-                    figures["metadata_bytes_per_block"] = metadata_bytes(subject, policy, capacity, keys, False)
+                    figures["metadata_bytes_per_block"] = metadata_bytes(
+                        subject, policy, capacity, keys, False
+                    )
                     figures["metadata_bytes_per_block_incl_keys"] = metadata_bytes(
                         subject, policy, capacity, keys, True
                     )

@@ -69,7 +69,9 @@ _FILLER_KEYS = 1 << 40
 
 def _keys(start: int, count: int) -> list[bytes]:
     """Keys ``start .. start+count``, 36 bytes like vLLM's (32-byte hash, 4-byte group)."""
-    return [hashlib.sha256(i.to_bytes(8, "little")).digest() + b"\0\0\0\0" for i in range(start, start + count)]
+    return [
+        hashlib.sha256(i.to_bytes(8, "little")).digest() + b"\0\0\0\0" for i in range(start, start + count)
+    ]
 
 
 class _Driver:
@@ -144,7 +146,9 @@ class _ManagerDriver(_Driver):
         self._end_step(())
 
     def _step(self, new_keys: list[bytes], lookups: list[bytes], loads: list[bytes]) -> None:
-        self._request(f"r{self.step_no}", new_keys, lookups, loads, f"at step {self.step_no} (not at steady state)")
+        self._request(
+            f"r{self.step_no}", new_keys, lookups, loads, f"at step {self.step_no} (not at steady state)"
+        )
 
     def _request(
         self, req_id: str, new_keys: list[bytes], lookups: list[bytes], loads: list[bytes], when: str
@@ -193,7 +197,10 @@ class _KvtierDriver(_ManagerDriver):
         self.lower = MemoryTier("lower", backend.rows, capacity)
         self._fill_lower(capacity)
         self.manager = TierStackManager(
-            backend, LRUPolicy(capacity), [self.lower], CascadeConfig(write_policy="write_back"),
+            backend,
+            LRUPolicy(capacity),
+            [self.lower],
+            CascadeConfig(write_policy="write_back"),
             enable_events=False,
         )
 
@@ -311,8 +318,15 @@ class _VllmDriver(_ManagerDriver):
             model=OffloadingModelConfig(name="bench/none", dtype="float16", max_model_len=0),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
             parallel=OffloadingParallelConfig(
-                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                rank=0,
+                world_size=1,
+                tp_size=1,
+                pp_size=1,
+                pcp_size=1,
+                dcp_size=1,
+                data_parallel_index=0,
+                data_parallel_size=1,
+                data_parallel_rank_local=None,
                 is_parallelism_agnostic=True,
             ),
         )
@@ -387,7 +401,9 @@ def run(
     sizes = sorted(sizes)
     if not sizes or sizes[0] < MIN_SIZE:
         raise ConfigError(
-            "--sizes", ",".join(map(str, sizes)), f"CPU-tier sizes of at least {MIN_SIZE} blocks",
+            "--sizes",
+            ",".join(map(str, sizes)),
+            f"CPU-tier sizes of at least {MIN_SIZE} blocks",
             f"a step looks up the blocks stored {LOOKBACK_STEPS} steps before, which a smaller "
             "tier has evicted: e.g. --sizes 10000,100000",
         )
@@ -444,8 +460,14 @@ def run(
     record: dict[str, Any] = {
         "bench": "manager_stack",
         "baseline": "vllm" if "vllm" in us_per_step else None,
-        "protocol": {"stores": STORES, "lookups": LOOKUPS, "loads": LOADS, "write_policy": "write_back",
-                     "policy": "lru", "block_bytes": BLOCK_BYTES},
+        "protocol": {
+            "stores": STORES,
+            "lookups": LOOKUPS,
+            "loads": LOADS,
+            "write_policy": "write_back",
+            "policy": "lru",
+            "block_bytes": BLOCK_BYTES,
+        },
         "steps": steps,
         "runs": runs,
         "us_per_step": us_per_step["kvtier"],
@@ -473,7 +495,9 @@ def run(
     if "vllm" in us_per_step:
         columns += ["vllm_us_per_step", "vllm_us_per_block", "speedup"]
     print_table(rows, columns, out)
-    summary = f"growth {sizes[-1]}/{sizes[0]}: kvtier {record['growth']:.2f}, floor {record['floor_growth']:.2f}"
+    summary = (
+        f"growth {sizes[-1]}/{sizes[0]}: kvtier {record['growth']:.2f}, floor {record['floor_growth']:.2f}"
+    )
     if "vllm" in us_per_step:
         summary += f", vLLM {record['vllm_growth']:.2f}"
     summary += f"; bytes per tracked block at {middle}: kvtier {memory['kvtier']:.0f}"

@@ -56,7 +56,14 @@ def _config(url: str, namespace: str, **secret_options: Any):
     from kvtier.tiers.valkey.config import parse
 
     return parse(
-        {"kind": "valkey", "name": "bench", "url": url, "namespace": namespace, "timeout_s": 30, **secret_options},
+        {
+            "kind": "valkey",
+            "name": "bench",
+            "url": url,
+            "namespace": namespace,
+            "timeout_s": 30,
+            **secret_options,
+        },
         "bench",
     )
 
@@ -86,8 +93,11 @@ def _delete_run(client, prefix: bytes) -> None:
     try:
         _delete(client, list(set(client.scan_iter(match=prefix + b"*", count=1000))))
     except ValkeyError as exc:  # the server went away: say what is left, keep the first error
-        print(f"kvtier bench remote: could not delete the keys {prefix.decode()}* ({exc}); "
-              "delete them once the server answers", file=sys.stderr)
+        print(
+            f"kvtier bench remote: could not delete the keys {prefix.decode()}* ({exc}); "
+            "delete them once the server answers",
+            file=sys.stderr,
+        )
 
 
 def _run_job(tier, job, load: bool) -> None:
@@ -101,8 +111,15 @@ def _run_job(tier, job, load: bool) -> None:
         raise RuntimeError(f"a {what} failed: {', '.join(sorted({str(r) for r in result.failed.values()}))}")
 
 
-def _tier_round(url: str, rows: np.ndarray, out_rows: np.ndarray, keys, namespace: str,
-                warm: bool = False, **secret_options: Any) -> tuple[float, float]:
+def _tier_round(
+    url: str,
+    rows: np.ndarray,
+    out_rows: np.ndarray,
+    keys,
+    namespace: str,
+    warm: bool = False,
+    **secret_options: Any,
+) -> tuple[float, float]:
     from kvtier.tiers.base import TierJob
 
     writer = _tier(url, rows, namespace, **secret_options)
@@ -163,8 +180,14 @@ def _raw_round(client, names, values, batch: int) -> tuple[float, float]:
     return put, get
 
 
-def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | None = None,
-        allow_nonempty: bool = False, secrets: bool = False) -> dict[str, Any]:
+def run(
+    mib: int = 128,
+    rounds: int = 5,
+    url: str | None = None,
+    out: TextIO | None = None,
+    allow_nonempty: bool = False,
+    secrets: bool = False,
+) -> dict[str, Any]:
     """Measure, print a table and one JSON line; the JSON record.
 
     ``url``: a server of the user's (default: a local one started for the run). ``secrets``:
@@ -209,7 +232,11 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
             keys_before = client.dbsize()
         except valkey.exceptions.ValkeyError as exc:
             reason = reason_of(exc)
-            what = "cannot reach the server" if reason.kind is FailureKind.UNAVAILABLE else "cannot use the server"
+            what = (
+                "cannot reach the server"
+                if reason.kind is FailureKind.UNAVAILABLE
+                else "cannot use the server"
+            )
             raise KvtierError(
                 f"--url {shown}: {what} ({reason}). Fix: "
                 + fix_for(reason, "check the server's log; leave --url out to start a local one")
@@ -266,26 +293,50 @@ def run(mib: int = 128, rounds: int = 5, url: str | None = None, out: TextIO | N
             for name, times in variant_times.items():
                 costs = {}
                 for phase, at in (("store", 0), ("load", 1)):
-                    record[f"{label}_{name}_{phase}_gbps"] = total / statistics.median(t[at] for t in times) / 1e9
+                    record[f"{label}_{name}_{phase}_gbps"] = (
+                        total / statistics.median(t[at] for t in times) / 1e9
+                    )
                     # a time ratio per round: plain / variant is the variant's rate over the plain one's
                     costs[phase] = record[f"{label}_{name}_{phase}_cost"] = 1 - statistics.median(
                         p[at] / v[at] for p, v in zip(tier_times, times)
                     )
-                cost_rows.append({
-                    "block": f"{size >> 10} KiB", "tier": name,
-                    "store_GB/s": record[f"{label}_{name}_store_gbps"], "store_cost": costs["store"],
-                    "load_GB/s": record[f"{label}_{name}_load_gbps"], "load_cost": costs["load"],
-                })
-            rows_out.append({
-                "block": f"{size >> 10} KiB", "blocks": count,
-                "tier_store_GB/s": figures["tier_store"], "raw_set_GB/s": figures["raw_store"],
-                "store_ratio": store_ratio,
-                "tier_load_GB/s": figures["tier_load"], "raw_get_GB/s": figures["raw_load"],
-                "load_ratio": load_ratio,
-            })
+                cost_rows.append(
+                    {
+                        "block": f"{size >> 10} KiB",
+                        "tier": name,
+                        "store_GB/s": record[f"{label}_{name}_store_gbps"],
+                        "store_cost": costs["store"],
+                        "load_GB/s": record[f"{label}_{name}_load_gbps"],
+                        "load_cost": costs["load"],
+                    }
+                )
+            rows_out.append(
+                {
+                    "block": f"{size >> 10} KiB",
+                    "blocks": count,
+                    "tier_store_GB/s": figures["tier_store"],
+                    "raw_set_GB/s": figures["raw_store"],
+                    "store_ratio": store_ratio,
+                    "tier_load_GB/s": figures["tier_load"],
+                    "raw_get_GB/s": figures["raw_load"],
+                    "load_ratio": load_ratio,
+                }
+            )
     print(f"kvtier bench remote: {mib} MiB per size, median of {rounds} paired rounds", file=out)
-    print_table(rows_out, ["block", "blocks", "tier_store_GB/s", "raw_set_GB/s", "store_ratio",
-                           "tier_load_GB/s", "raw_get_GB/s", "load_ratio"], out)
+    print_table(
+        rows_out,
+        [
+            "block",
+            "blocks",
+            "tier_store_GB/s",
+            "raw_set_GB/s",
+            "store_ratio",
+            "tier_load_GB/s",
+            "raw_get_GB/s",
+            "load_ratio",
+        ],
+        out,
+    )
     if cost_rows:
         print_table(cost_rows, ["block", "tier", "store_GB/s", "store_cost", "load_GB/s", "load_cost"], out)
     print_json(record, out)

@@ -66,9 +66,7 @@ def fill_layer(layer: Any, layer_index: int, torch: Any) -> None:
     """Bytes unique to each (block, layer): a random page plus the block id, and both ids stamped in."""
     num_blocks, page = layer.shape
     generator = torch.Generator(device="cpu").manual_seed(layer_index)
-    pattern = torch.randint(0, 256, (page,), dtype=torch.uint8, generator=generator).to(
-        layer.device
-    )
+    pattern = torch.randint(0, 256, (page,), dtype=torch.uint8, generator=generator).to(layer.device)
     raw = layer.view(torch.uint8)
     raw.copy_(pattern.unsqueeze(0).expand(num_blocks, page))
     raw += (torch.arange(num_blocks, device=layer.device) % 256).to(torch.uint8).unsqueeze(1)
@@ -128,10 +126,7 @@ def _bench_layout(
     clock = Clock(torch, cuda)
     num_blocks = max_batch
     block_bytes = layers * page_bytes
-    caches = [
-        torch.empty((num_blocks, page_bytes), dtype=torch.int8, device=device)
-        for _ in range(layers)
-    ]
+    caches = [torch.empty((num_blocks, page_bytes), dtype=torch.int8, device=device) for _ in range(layers)]
     for index, layer in enumerate(caches):
         fill_layer(layer, index, torch)
     kv_caches = canonicalize(caches)
@@ -208,12 +203,13 @@ def _bench_layout(
             }
             if kernel_handlers is not None:
                 actions["d2h_kernel"] = lambda count=batch: store_job(
-                    count, kernel_handlers.gpu_to_cpu_handler)
+                    count, kernel_handlers.gpu_to_cpu_handler
+                )
                 actions["h2d_kernel"] = lambda count=batch: load_job(
-                    count, kernel_handlers.cpu_to_gpu_handler)
+                    count, kernel_handlers.cpu_to_gpu_handler
+                )
             figures = {
-                name: median(clock.time(action) for _ in range(runs))
-                for name, action in actions.items()
+                name: median(clock.time(action) for _ in range(runs)) for name, action in actions.items()
             }
             gbps = {key: nbytes / seconds / 1e9 for key, seconds in figures.items()}
             row = {
@@ -232,8 +228,9 @@ def _bench_layout(
                 # the copies alone, from events on the job's stream: against the wall-clock
                 # figure above, what planning and submitting cost on the host
                 for direction in ("d2h", "h2d"):
-                    row[f"{direction}_device_gbps"] = nbytes / median(
-                        device_s[(direction, batch)][-runs:]) / 1e9
+                    row[f"{direction}_device_gbps"] = (
+                        nbytes / median(device_s[(direction, batch)][-runs:]) / 1e9
+                    )
             for direction in ("d2h", "h2d") if kernel_handlers is not None else ():
                 row[f"{direction}_kernel_gbps"] = gbps[f"{direction}_kernel"]
                 row[f"{direction}_kernel_ratio"] = gbps[f"{direction}_kernel"] / gbps[f"baseline_{direction}"]
@@ -243,8 +240,13 @@ def _bench_layout(
         verified = _verify(caches, store, load, min(VERIFY_BLOCKS, max_batch), rng, torch)
         if kernel_handlers is not None:
             verified = verified and _verify(
-                caches, kernel_handlers.gpu_to_cpu_handler, kernel_handlers.cpu_to_gpu_handler,
-                min(VERIFY_BLOCKS, max_batch), rng, torch)
+                caches,
+                kernel_handlers.gpu_to_cpu_handler,
+                kernel_handlers.cpu_to_gpu_handler,
+                min(VERIFY_BLOCKS, max_batch),
+                rng,
+                torch,
+            )
         return rows, verified
     finally:
         for pair in (kernel_handlers, handlers):
@@ -253,9 +255,7 @@ def _bench_layout(
         region.close()
 
 
-def _verify(
-    caches: list, store: Any, load: Any, count: int, rng: np.random.Generator, torch: Any
-) -> bool:
+def _verify(caches: list, store: Any, load: Any, count: int, rng: np.random.Generator, torch: Any) -> bool:
     """Store ``count`` blocks, load them into other blocks, compare every byte."""
     from kvtier.mediums import CPULoadStoreSpec, GPULoadStoreSpec
 
@@ -273,8 +273,7 @@ def _verify(
     run_job(load, -2, (CPULoadStoreSpec(rows), GPULoadStoreSpec(targets, [count])))
     target_index = torch.from_numpy(targets).to(caches[0].device)
     return all(
-        torch.equal(layer.index_select(0, target_index).cpu(), want)
-        for layer, want in zip(caches, expected)
+        torch.equal(layer.index_select(0, target_index).cpu(), want) for layer, want in zip(caches, expected)
     )
 
 

@@ -24,34 +24,45 @@ def add_parser(sub: Any) -> None:
         "report per namespace. Safe while engines use the tier.",
     )
     check_path.add_argument(
-        "path", nargs="?", metavar="PATH|URL",
+        "path",
+        nargs="?",
+        metavar="PATH|URL",
         help="the store directory (a disk tier's path:), or a server URL (valkey://HOST:PORT[/DB])",
     )
-    check_path.add_argument("--fix", action="store_true", help="drop bad blocks and repair the index (valkey: DEL bad values)")
+    check_path.add_argument(
+        "--fix", action="store_true", help="drop bad blocks and repair the index (valkey: DEL bad values)"
+    )
     check_path.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     check_path.add_argument(
-        "--namespace", metavar="NS",
+        "--namespace",
+        metavar="NS",
         help="valkey: check only the values NS:<key> (default: every kvtier:* namespace, i.e. every tier "
         "whose namespace was derived from its layout; name a tier's own namespace: to check it)",
     )
     check_path.add_argument(
-        "--config", metavar="FILE",
+        "--config",
+        metavar="FILE",
         help="valkey: check the shared tier a kvtier YAML names (its url or cluster_nodes, username, "
         "password_file, tls and namespace), instead of a URL",
     )
-    check_path.add_argument("--tier", metavar="NAME", help="valkey: with --config, which valkey tier (if several)")
     check_path.add_argument(
-        "--layout", metavar="DIGEST",
+        "--tier", metavar="NAME", help="valkey: with --config, which valkey tier (if several)"
+    )
+    check_path.add_argument(
+        "--layout",
+        metavar="DIGEST",
         help="valkey: the layout digest (32 hex digits) every value of the namespace must carry; "
         "without it a namespace whose values carry several layouts is reported and none of those "
         "values is deleted, whatever their numbers (default namespaces kvtier:<digest> name theirs)",
     )
     check_path.add_argument(
-        "--cluster", metavar="HOST:PORT,...",
+        "--cluster",
+        metavar="HOST:PORT,...",
         help="valkey: a cluster, instead of a URL: some of its nodes (the rest are discovered)",
     )
     check_path.add_argument(
-        "--secret-file", metavar="FILE",
+        "--secret-file",
+        metavar="FILE",
         help="the tier's secret_file: verify keyed blocks/values (without it, a store of keyed blocks "
         "reports them as problems and --fix is refused; keyed values on a server are counted unverified)",
     )
@@ -68,12 +79,17 @@ def run(args: argparse.Namespace) -> int:
         return _check_valkey(args)
     for option, value in (("--namespace", args.namespace), ("--layout", args.layout), ("--tier", args.tier)):
         if value is not None:
-            print(f"kvtier check: {option} is for a server (valkey://HOST:PORT), not the store {args.path!r}",
-                  file=sys.stderr)
+            print(
+                f"kvtier check: {option} is for a server (valkey://HOST:PORT), not the store {args.path!r}",
+                file=sys.stderr,
+            )
             return 2
     if args.path is None:
-        print("kvtier check: give a store directory, a server URL (valkey://HOST:PORT[/DB]) or "
-              "--cluster HOST:PORT,...", file=sys.stderr)
+        print(
+            "kvtier check: give a store directory, a server URL (valkey://HOST:PORT[/DB]) or "
+            "--cluster HOST:PORT,...",
+            file=sys.stderr,
+        )
         return 2
     try:
         report = check_store(args.path, fix=args.fix, secret_file=args.secret_file)
@@ -84,11 +100,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"{args.path}: cannot check: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(
-            {"path": report.tier, "healthy": report.healthy, "blocks_checked": report.blocks_checked,
-             "problems": report.problems, "fixed": report.fixed},
-            sort_keys=True,
-        ))
+        print(
+            json.dumps(
+                {
+                    "path": report.tier,
+                    "healthy": report.healthy,
+                    "blocks_checked": report.blocks_checked,
+                    "problems": report.problems,
+                    "fixed": report.fixed,
+                },
+                sort_keys=True,
+            )
+        )
     else:
         state = "healthy" if report.healthy else f"{len(report.problems)} problems"
         print(f"{report.tier}: {report.blocks_checked} blocks checked, {state}")
@@ -111,7 +134,9 @@ def _valkey_tier_of(path: str, name: str | None):
     if len(tiers) != 1:
         names = [tier.name for tier in config.tiers if isinstance(tier, ValkeyTierConfig)]
         raise ConfigError(
-            "--tier", name, f"the name of one valkey tier of {path} (it has: {', '.join(names) or 'none'})",
+            "--tier",
+            name,
+            f"the name of one valkey tier of {path} (it has: {', '.join(names) or 'none'})",
             "give --tier NAME" if names else "give a configuration with a kind: valkey tier",
         )
     return tiers[0]
@@ -127,7 +152,9 @@ def _layout_digest(text: str | None) -> bytes | None:
         digest = b""
     if len(digest) != 16:
         raise ConfigError(
-            "--layout", text, "a layout digest: 32 hex digits",
+            "--layout",
+            text,
+            "a layout digest: 32 hex digits",
             "copy it from the report's layout_digests (kvtier check URL --namespace NS --json)",
         )
     return digest
@@ -153,8 +180,13 @@ def _check_valkey(args: argparse.Namespace) -> int:
         if tier is not None:
             target = tier.location()
         report = check_valkey(
-            args.path, cluster_nodes=nodes, namespace=args.namespace, fix=args.fix, layout_digest=layout,
-            config=tier, secret_file=args.secret_file,
+            args.path,
+            cluster_nodes=nodes,
+            namespace=args.namespace,
+            fix=args.fix,
+            layout_digest=layout,
+            config=tier,
+            secret_file=args.secret_file,
         )
     except (KvtierError, ImportError) as exc:
         if args.json:
@@ -168,11 +200,15 @@ def _check_valkey(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_record(), sort_keys=True))
         return 0 if report.healthy else 1
     state = "healthy" if report.healthy else f"{len(report.problems)} problems"
-    print(f"{report.target}: {len(report.namespaces)} namespaces, {report.blocks_checked} blocks checked, {state}")
+    print(
+        f"{report.target}: {len(report.namespaces)} namespaces, {report.blocks_checked} blocks checked, {state}"
+    )
     for found in report.namespaces:
         state = "healthy" if found.healthy else f"{len(found.problems)} problems"
-        print(f"  {found.namespace}: {found.blocks_checked} blocks, {found.value_bytes} bytes, "
-              f"layout {found.layout_digest or '-'}, {state}")
+        print(
+            f"  {found.namespace}: {found.blocks_checked} blocks, {found.value_bytes} bytes, "
+            f"layout {found.layout_digest or '-'}, {state}"
+        )
         if found.unverified:
             print(f"    unverified: {found.unverified} keyed values (give --secret-file to verify them)")
         if len(found.layout_digests) > 1:

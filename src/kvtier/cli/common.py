@@ -37,9 +37,12 @@ def warn_password_in_url(url: str | None, command: str) -> None:
     except ValueError:
         return
     if has_password:
-        print(f"kvtier {command}: warning: a password in a URL on the command line is visible to every "
-              "local user (ps); put it in KVTIER_VALKEY_PASSWORD, or in a password_file: of the "
-              "tier's config (kvtier check --config FILE)", file=sys.stderr)
+        print(
+            f"kvtier {command}: warning: a password in a URL on the command line is visible to every "
+            "local user (ps); put it in KVTIER_VALKEY_PASSWORD, or in a password_file: of the "
+            "tier's config (kvtier check --config FILE)",
+            file=sys.stderr,
+        )
 
 
 def disk_kinds() -> list[str]:
@@ -48,6 +51,7 @@ def disk_kinds() -> list[str]:
     from kvtier.tiers.disk.config import DiskTierConfig
 
     return [
-        kind for kind in TIER_KINDS.names()
+        kind
+        for kind in TIER_KINDS.names()
         if issubclass(TIER_KINDS.resolve(kind, field="kind"), DiskTierConfig)
     ]

@@ -25,26 +25,66 @@ def add_parser(sub: Any) -> None:
         "show what is left to gain: reuse_oracle (the policies told which blocks never come back) "
         "and the disk-admission table (writes an oracle could skip at no loss vs admit: reuse).",
     )
-    plan.add_argument("trace", nargs="?", metavar="TRACE", help="JSONL trace (default: bundled Mooncake trace)")
-    plan.add_argument("--capacities", type=int, nargs="+", default=list(DEFAULT_CAPACITIES), metavar="N",
-                      help="cache sizes in blocks (default: %(default)s)")
-    plan.add_argument("--policies", nargs="+", metavar="NAME", help="policies to simulate (default: all registered)")
-    plan.add_argument("--target", type=float, default=0.95,
-                      help="share of the ceiling the disk tier must reach (default 0.95)")
-    plan.add_argument("--cpu-target", type=float, default=0.5,
-                      help="share of the ceiling the CPU tier alone must reach (default 0.5)")
-    plan.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES,
-                      help="bytes per block, for sizes in bytes (default %(default)s: 512 tokens of Llama-3-8B fp16)")
-    plan.add_argument("--plot", metavar="FILE.png", help="draw the hit-ratio curves, Belady's and the ceiling")
-    plan.add_argument("--admission-policy", default="lru", metavar="NAME",
-                      help="CPU tier policy of the disk-admission table (default: lru)")
-    plan.add_argument("--min-reuse", type=int, default=2, metavar="N",
-                      help="admit: reuse threshold compared in the disk-admission table (default: 2)")
-    plan.add_argument("--signals", action="store_true",
-                      help="also report P(referenced again) by what a policy knows at store time")
-    plan.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
-                      help="simulations run side by side in N processes (default: the CPU count, "
-                      "%(default)s here)")
+    plan.add_argument(
+        "trace", nargs="?", metavar="TRACE", help="JSONL trace (default: bundled Mooncake trace)"
+    )
+    plan.add_argument(
+        "--capacities",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_CAPACITIES),
+        metavar="N",
+        help="cache sizes in blocks (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--policies", nargs="+", metavar="NAME", help="policies to simulate (default: all registered)"
+    )
+    plan.add_argument(
+        "--target",
+        type=float,
+        default=0.95,
+        help="share of the ceiling the disk tier must reach (default 0.95)",
+    )
+    plan.add_argument(
+        "--cpu-target",
+        type=float,
+        default=0.5,
+        help="share of the ceiling the CPU tier alone must reach (default 0.5)",
+    )
+    plan.add_argument(
+        "--block-bytes",
+        type=int,
+        default=DEFAULT_BLOCK_BYTES,
+        help="bytes per block, for sizes in bytes (default %(default)s: 512 tokens of Llama-3-8B fp16)",
+    )
+    plan.add_argument(
+        "--plot", metavar="FILE.png", help="draw the hit-ratio curves, Belady's and the ceiling"
+    )
+    plan.add_argument(
+        "--admission-policy",
+        default="lru",
+        metavar="NAME",
+        help="CPU tier policy of the disk-admission table (default: lru)",
+    )
+    plan.add_argument(
+        "--min-reuse",
+        type=int,
+        default=2,
+        metavar="N",
+        help="admit: reuse threshold compared in the disk-admission table (default: 2)",
+    )
+    plan.add_argument(
+        "--signals",
+        action="store_true",
+        help="also report P(referenced again) by what a policy knows at store time",
+    )
+    plan.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        metavar="N",
+        help="simulations run side by side in N processes (default: the CPU count, %(default)s here)",
+    )
     plan.add_argument("--json", action="store_true", help="print only the JSON line")
     plan.set_defaults(func=run)
 
@@ -53,20 +93,23 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.plan.run import plan
 
     try:
-        report(args, lambda out: plan(
-            args.trace,
-            capacities=args.capacities,
-            policies=args.policies,
-            target=args.target,
-            cpu_target=args.cpu_target,
-            block_bytes=args.block_bytes,
-            plot=args.plot,
-            out=out,
-            admission_policy=args.admission_policy,
-            min_reuse=args.min_reuse,
-            signals=args.signals,
-            jobs=args.jobs,
-        ))
+        report(
+            args,
+            lambda out: plan(
+                args.trace,
+                capacities=args.capacities,
+                policies=args.policies,
+                target=args.target,
+                cpu_target=args.cpu_target,
+                block_bytes=args.block_bytes,
+                plot=args.plot,
+                out=out,
+                admission_policy=args.admission_policy,
+                min_reuse=args.min_reuse,
+                signals=args.signals,
+                jobs=args.jobs,
+            ),
+        )
     except KvtierError as exc:
         print(f"kvtier plan: {exc}", file=sys.stderr)
         return 2

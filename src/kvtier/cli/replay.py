@@ -18,35 +18,55 @@ def add_parser(sub: Any) -> None:
         description="Replay a Mooncake-format trace (default: the bundled one) through a simulated "
         "engine over the real manager, tiers and bytes; print hits per tier and one JSON line.",
     )
-    replay.add_argument("trace", nargs="?", metavar="TRACE", help="JSONL trace (default: bundled Mooncake trace)")
-    replay.add_argument("--config", metavar="CFG", help="kvtier YAML (default: CPU + disk tier in a temp folder)")
-    replay.add_argument("--gpu-blocks", type=int, default=2000, help="blocks in the simulated GPU cache (default 2000)")
+    replay.add_argument(
+        "trace", nargs="?", metavar="TRACE", help="JSONL trace (default: bundled Mooncake trace)"
+    )
+    replay.add_argument(
+        "--config", metavar="CFG", help="kvtier YAML (default: CPU + disk tier in a temp folder)"
+    )
+    replay.add_argument(
+        "--gpu-blocks", type=int, default=2000, help="blocks in the simulated GPU cache (default 2000)"
+    )
     replay.add_argument(
         "--block-bytes", type=int, default=16 * 1024, help="payload bytes per block (default 16384)"
     )
     replay.add_argument("--limit", type=int, help="replay only the first N requests")
-    replay.add_argument("--disk", choices=disk_kinds(), default="lmdb", help="disk tier kind of the default stack")
+    replay.add_argument(
+        "--disk", choices=disk_kinds(), default="lmdb", help="disk tier kind of the default stack"
+    )
     replay.add_argument("--no-baseline", action="store_true", help="skip the CPU-tier-only comparison run")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
-    replay.add_argument("--deterministic", action="store_true",
-                        help="each step waits for its copies and tier jobs: the same figures every "
-                        "run (the hits per tier too), a little slower")
     replay.add_argument(
-        "--plot", metavar="FILE.png",
+        "--deterministic",
+        action="store_true",
+        help="each step waits for its copies and tier jobs: the same figures every "
+        "run (the hits per tier too), a little slower",
+    )
+    replay.add_argument(
+        "--plot",
+        metavar="FILE.png",
         help="draw the hit ratio per tier over time, the ceiling, and the CPU-tier-only run",
     )
     replay.add_argument("--json", action="store_true", help="print only the JSON line")
     replay.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="cpu",
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="cpu",
         help="where the simulated GPU cache lives: CPU tensors (default), cuda, or cuda if available (auto)",
     )
     replay.add_argument(
-        "--engines", type=int, metavar="N",
+        "--engines",
+        type=int,
+        metavar="N",
         help="a fleet: N engine processes, requests dealt round-robin, run with a shared valkey tier and "
         "with local disks only (--config is then each engine's local stack)",
     )
-    replay.add_argument("--valkey", metavar="URL", help="the fleet's shared server (default: a local valkey-server)")
-    replay.add_argument("--valkey-cluster", metavar="HOST:PORT,...", help="the fleet's shared cluster, instead of --valkey")
+    replay.add_argument(
+        "--valkey", metavar="URL", help="the fleet's shared server (default: a local valkey-server)"
+    )
+    replay.add_argument(
+        "--valkey-cluster", metavar="HOST:PORT,...", help="the fleet's shared cluster, instead of --valkey"
+    )
     replay.set_defaults(func=run)
 
 
@@ -55,31 +75,38 @@ def run(args: argparse.Namespace) -> int:
 
     if args.engines is not None:
         if args.deterministic:
-            print("kvtier replay: --deterministic is for one engine; engine processes sharing a "
-                  "server interleave as the OS schedules them (drop --engines or --deterministic)",
-                  file=sys.stderr)
+            print(
+                "kvtier replay: --deterministic is for one engine; engine processes sharing a "
+                "server interleave as the OS schedules them (drop --engines or --deterministic)",
+                file=sys.stderr,
+            )
             return 2
         if args.device != "cpu":
-            print("kvtier replay: --engines runs each engine's cache as CPU tensors (the fleet "
-                  "measures the shared tier, not the GPU copies); drop --device or --engines",
-                  file=sys.stderr)
+            print(
+                "kvtier replay: --engines runs each engine's cache as CPU tensors (the fleet "
+                "measures the shared tier, not the GPU copies); drop --device or --engines",
+                file=sys.stderr,
+            )
             return 2
         return _run_fleet(args)
     try:
-        record = report(args, lambda out: replay(
-            args.trace,
-            args.config,
-            gpu_blocks=args.gpu_blocks,
-            block_bytes=args.block_bytes,
-            limit=args.limit,
-            baseline=not args.no_baseline,
-            progress=not args.no_progress,
-            plot=args.plot,
-            disk_kind=args.disk,
-            out=out,
-            device=args.device,
-            deterministic=args.deterministic,
-        ))  # the JSON line only with --json (printed by report): a person gets the table
+        record = report(
+            args,
+            lambda out: replay(
+                args.trace,
+                args.config,
+                gpu_blocks=args.gpu_blocks,
+                block_bytes=args.block_bytes,
+                limit=args.limit,
+                baseline=not args.no_baseline,
+                progress=not args.no_progress,
+                plot=args.plot,
+                disk_kind=args.disk,
+                out=out,
+                device=args.device,
+                deterministic=args.deterministic,
+            ),
+        )  # the JSON line only with --json (printed by report): a person gets the table
     except KvtierError as exc:
         print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2
@@ -94,10 +121,20 @@ def _run_fleet(args: argparse.Namespace) -> int:
     nodes = [node.strip() for node in args.valkey_cluster.split(",")] if args.valkey_cluster else None
     warn_password_in_url(args.valkey, "replay")
     try:
-        record = report(args, lambda out: replay_fleet(
-            args.trace, args.config, engines=args.engines, valkey_url=args.valkey, cluster_nodes=nodes,
-            gpu_blocks=args.gpu_blocks, block_bytes=args.block_bytes, limit=args.limit, out=out,
-        ))
+        record = report(
+            args,
+            lambda out: replay_fleet(
+                args.trace,
+                args.config,
+                engines=args.engines,
+                valkey_url=args.valkey,
+                cluster_nodes=nodes,
+                gpu_blocks=args.gpu_blocks,
+                block_bytes=args.block_bytes,
+                limit=args.limit,
+                out=out,
+            ),
+        )
     except (KvtierError, OSError, ImportError) as exc:
         print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2

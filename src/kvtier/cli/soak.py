@@ -19,9 +19,13 @@ def add_parser(sub: Any) -> None:
         "block served; with --faults, kill a writer, fill the filesystem (root), corrupt blocks and share "
         "the store with a second process, in turn. Prints counts and one JSON line.",
     )
-    soak.add_argument("--minutes", type=float, default=1.0, help="how long to run (default 1; fractions allowed)")
+    soak.add_argument(
+        "--minutes", type=float, default=1.0, help="how long to run (default 1; fractions allowed)"
+    )
     soak.add_argument("--faults", action="store_true", help="inject faults on a schedule")
-    soak.add_argument("--kind", choices=("lmdb", "files"), default="lmdb", help="disk tier kind (default lmdb)")
+    soak.add_argument(
+        "--kind", choices=("lmdb", "files"), default="lmdb", help="disk tier kind (default lmdb)"
+    )
     soak.add_argument("--dir", default=None, help="where the stores go (default: the temp directory)")
     soak.add_argument("--seed", type=int, default=0, help="random seed of the load and the schedule")
     soak.add_argument("--json", action="store_true", help="print only the JSON line")
@@ -32,9 +36,17 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.soak.run import run
 
     try:
-        record = report(args, lambda out: run(
-            minutes=args.minutes, faults=args.faults, kind=args.kind, directory=args.dir, seed=args.seed, out=out,
-        ))
+        record = report(
+            args,
+            lambda out: run(
+                minutes=args.minutes,
+                faults=args.faults,
+                kind=args.kind,
+                directory=args.dir,
+                seed=args.seed,
+                out=out,
+            ),
+        )
     except KvtierError as exc:
         print(f"kvtier soak: {exc}", file=sys.stderr)
         return 2

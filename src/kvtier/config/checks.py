@@ -12,7 +12,13 @@ from collections.abc import Mapping
 from kvtier.errors import ConfigError, shown_value
 
 __all__ = [
-    "MISSING", "check_keys", "choice_fix", "closest", "join_key", "non_empty_str", "parse_choice",
+    "MISSING",
+    "check_keys",
+    "choice_fix",
+    "closest",
+    "join_key",
+    "non_empty_str",
+    "parse_choice",
     "require_mapping",
 ]
 
@@ -60,9 +66,7 @@ def check_keys(section: Mapping, valid: tuple[str, ...], path: str, what: str) -
             continue
         guess = closest(key, valid)
         fix = f"did you mean '{guess}'?" if guess else "remove it or use one of the keys above"
-        raise ConfigError(
-            join_key(path, key), key, f"a key of {what}: " + ", ".join(valid), fix
-        )
+        raise ConfigError(join_key(path, key), key, f"a key of {what}: " + ", ".join(valid), fix)
 
 
 def require_mapping(value: object, path: str, what: str, fix: str) -> Mapping:

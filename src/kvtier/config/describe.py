@@ -38,10 +38,7 @@ def describe(config: KvtierConfig) -> str:
         cells = [cell.ljust(width) for cell, width in zip(row, widths)]
         lines.append("  " + "  ".join(cells).rstrip())
     block = config.block_size_tokens
-    lines.append(
-        "block_size_tokens: "
-        + (f"{block}" if block is not None else "the engine's GPU block size")
-    )
+    lines.append("block_size_tokens: " + (f"{block}" if block is not None else "the engine's GPU block size"))
     cascade = config.cascade
     lines.append(
         f"cascade: write_policy={cascade.write_policy}  "

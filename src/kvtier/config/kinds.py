@@ -47,25 +47,26 @@ def tier_keys(cls: type[TierConfig]) -> tuple[str, ...]:
     return tuple(_TIER_KEY_BY_FIELD.get(f.name, f.name) for f in fields(cls) if f.name not in skipped)
 
 
-
 def section_class(section: Mapping, path: str) -> type[TierConfig]:
     """The section class ``kind`` (and ``module_path``) name: registered or out-of-tree."""
     kind = section.get("kind", MISSING)
     module_path = section.get("module_path")
     if module_path is not None:
         module_path = non_empty_str(
-            module_path, join_key(path, "module_path"), "a dotted module path such as my_pkg.tiers",
+            module_path,
+            join_key(path, "module_path"),
+            "a dotted module path such as my_pkg.tiers",
             "write the module that defines the kind's section class",
         )
     out_of_tree = module_path is not None or TIER_KINDS.is_class_path(kind)
     if not isinstance(kind, str) or not (kind in TIER_KINDS or out_of_tree):
         names = TIER_KINDS.names()
-        fix = choice_fix(kind, names) if kind is not MISSING else (
-            "add kind: " + ", kind: ".join(names)
-        )
+        fix = choice_fix(kind, names) if kind is not MISSING else ("add kind: " + ", kind: ".join(names))
         raise ConfigError(
-            join_key(path, "kind"), kind,
-            "one of " + ", ".join(names) + " (or a class path module:Class of your own kind)", fix,
+            join_key(path, "kind"),
+            kind,
+            "one of " + ", ".join(names) + " (or a class path module:Class of your own kind)",
+            fix,
         )
     return TIER_KINDS.resolve(kind, module_path, field=join_key(path, "kind"))
 

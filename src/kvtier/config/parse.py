@@ -12,7 +12,13 @@ from dataclasses import fields
 from typing import Any
 
 from kvtier.config.checks import (
-    MISSING, check_keys, choice_fix, join_key, non_empty_str, parse_choice, require_mapping,
+    MISSING,
+    check_keys,
+    choice_fix,
+    join_key,
+    non_empty_str,
+    parse_choice,
+    require_mapping,
 )
 from kvtier.config.kinds import TIER_KINDS, first_kinds, kinds_taking, section_class, tier_keys
 from kvtier.config.schema import RECEIVES, WRITE_POLICIES, CascadeConfig, KvtierConfig, TierConfig
@@ -51,7 +57,9 @@ def _parse_tier(section: object, path: str) -> TierConfig:
         for key in ("capacity", "eviction", "eviction_module_path"):
             if key in section:
                 raise ConfigError(
-                    join_key(path, key), section[key], f"no {key} in a {kind} tier",
+                    join_key(path, key),
+                    section[key],
+                    f"no {key} in a {kind} tier",
                     "remove it: the server's own limit and eviction (maxmemory with "
                     "allkeys-lru, say) bound and evict this tier",
                 )
@@ -73,7 +81,8 @@ def _parse_tier(section: object, path: str) -> TierConfig:
     if "receives" in section:
         if cls.role == "first":
             raise ConfigError(
-                join_key(path, "receives"), section["receives"],
+                join_key(path, "receives"),
+                section["receives"],
                 "no receives in the first tier: it receives every block from the GPU",
                 "remove it here; set receives: saved or evicted on the tiers below",
             )
@@ -92,16 +101,18 @@ def _parse_tier(section: object, path: str) -> TierConfig:
     if cls.bounded_by_server:
         options: dict[str, Any] = cls.parse_options(section, path, name)
         return cls(
-            name=name, kind=kind, capacity_bytes=0, eviction="server",
-            module_path=section.get("module_path"), receives=receives,
+            name=name,
+            kind=kind,
+            capacity_bytes=0,
+            eviction="server",
+            module_path=section.get("module_path"),
+            receives=receives,
             **options,
         )
 
     capacity = section.get("capacity", MISSING)
     if capacity is MISSING:
-        raise ConfigError(
-            join_key(path, "capacity"), capacity, SIZE_FORMS, "add capacity: such as 64GiB"
-        )
+        raise ConfigError(join_key(path, "capacity"), capacity, SIZE_FORMS, "add capacity: such as 64GiB")
     capacity_bytes = positive_size(capacity, join_key(path, "capacity"))
 
     eviction_module_path = section.get("eviction_module_path")
@@ -119,10 +130,8 @@ def _parse_tier(section: object, path: str) -> TierConfig:
             raise ConfigError(
                 join_key(path, "eviction"),
                 eviction,
-                "one of " + ", ".join(builtin)
-                + " (or any class name when eviction_module_path is set)",
-                choice_fix(eviction, builtin)
-                + "; set eviction_module_path to load an out-of-tree policy",
+                "one of " + ", ".join(builtin) + " (or any class name when eviction_module_path is set)",
+                choice_fix(eviction, builtin) + "; set eviction_module_path to load an out-of-tree policy",
             )
     else:
         eviction = non_empty_str(
@@ -192,8 +201,10 @@ def _parse_tiers(value: object) -> tuple[TierConfig, ...]:
     # Checked after every tier parsed, so that a misplaced cpu tier gets the better message.
     first_indexes = [i for i, tier in enumerate(tiers) if tier.role == "first"]
     if tiers[0].role != "first":
-        where = f"move tiers[{first_indexes[0]}] (kind {tiers[first_indexes[0]].kind}) first" if first_indexes else (
-            "add a tier of kind cpu first"
+        where = (
+            f"move tiers[{first_indexes[0]}] (kind {tiers[first_indexes[0]].kind}) first"
+            if first_indexes
+            else ("add a tier of kind cpu first")
         )
         raise ConfigError(
             "tiers[0].kind",
@@ -208,7 +219,8 @@ def _parse_tiers(value: object) -> tuple[TierConfig, ...]:
             tiers[extra].kind,
             "exactly one cpu tier (tiers[0])",
             "merge the cpu tiers into one, or make this one a lower kind ("
-            + ", ".join(k for k in TIER_KINDS.names() if k not in first_kinds()) + ")",
+            + ", ".join(k for k in TIER_KINDS.names() if k not in first_kinds())
+            + ")",
         )
     return tuple(tiers)
 
@@ -253,9 +265,7 @@ def parse_document(document: object, root: str, from_yaml: bool) -> KvtierConfig
                 if key == _INCLUDE_KEY
                 else f"move '{key}' to vLLM's kv_connector_extra_config"
             )
-            raise ConfigError(
-                key, document[key], "a kvtier key: " + ", ".join(_TOP_KEYS), fix
-            )
+            raise ConfigError(key, document[key], "a kvtier key: " + ", ".join(_TOP_KEYS), fix)
     check_keys(document, valid, "", "the kvtier configuration")
 
     if not from_yaml and _INCLUDE_KEY in document:
@@ -266,9 +276,7 @@ def parse_document(document: object, root: str, from_yaml: bool) -> KvtierConfig
     if block_size_tokens is not None:
         block_size_tokens = positive_int(block_size_tokens, "block_size_tokens")
     block_size_tokens = _merge_block_size(document, block_size_tokens)
-    cascade = (
-        _parse_cascade(document["cascade"]) if "cascade" in document else CascadeConfig()
-    )
+    cascade = _parse_cascade(document["cascade"]) if "cascade" in document else CascadeConfig()
     return KvtierConfig(tiers=tiers, block_size_tokens=block_size_tokens, cascade=cascade)
 
 
@@ -296,8 +304,7 @@ def _parse_include(document: Mapping) -> KvtierConfig:
             _INCLUDE_KEY,
             document[_INCLUDE_KEY],
             f"no inline kvtier keys beside it (found {', '.join(inline)})",
-            "give either kvtier_config or inline keys (tiers, cascade, block_size_tokens), "
-            "not both",
+            "give either kvtier_config or inline keys (tiers, cascade, block_size_tokens), not both",
         )
     include = non_empty_str(
         document[_INCLUDE_KEY],
@@ -310,6 +317,4 @@ def _parse_include(document: Mapping) -> KvtierConfig:
     block_size_tokens = _merge_block_size(document, loaded.block_size_tokens)
     if block_size_tokens == loaded.block_size_tokens:
         return loaded
-    return KvtierConfig(
-        tiers=loaded.tiers, block_size_tokens=block_size_tokens, cascade=loaded.cascade
-    )
+    return KvtierConfig(tiers=loaded.tiers, block_size_tokens=block_size_tokens, cascade=loaded.cascade)

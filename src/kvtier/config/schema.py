@@ -98,7 +98,9 @@ class TierConfig:
         every lower tier copies from and into) holding blocks of ``block_bytes``; for kinds
         whose :attr:`role` is ``"first"``. Called once, by whoever builds the stack."""
         raise ConfigError(
-            f"{field}.kind", self.kind, "a kind that can head the stack (cpu)",
+            f"{field}.kind",
+            self.kind,
+            "a kind that can head the stack (cpu)",
             "put a cpu tier first",
         )
 
@@ -113,7 +115,9 @@ class TierConfig:
         whoever builds the stack; may block (opening files, connecting).
         """
         raise ConfigError(
-            f"{field}.kind", self.kind, "a kind that can sit below the first tier",
+            f"{field}.kind",
+            self.kind,
+            "a kind that can sit below the first tier",
             "use this kind as tiers[0] only",
         )
 

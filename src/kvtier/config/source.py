@@ -79,8 +79,11 @@ def _check_expanded_size(root: yaml.Node) -> None:
             return known
         if id(node) in visiting:
             raise _ExpansionError(
-                None, None, "found an alias of a node that contains it (a recursive document)",
-                node.start_mark)
+                None,
+                None,
+                "found an alias of a node that contains it (a recursive document)",
+                node.start_mark,
+            )
         visiting.add(id(node))
         total = 1 + sum(size(child) for child in children(node))
         visiting.discard(id(node))
@@ -96,10 +99,12 @@ def _check_expanded_size(root: yaml.Node) -> None:
             break
         node = larger[0]
     raise _ExpansionError(
-        None, None,
+        None,
+        None,
         f"this node expands to {sizes[id(node)]:,} nodes through its aliases, more than the "
         f"{MAX_YAML_NODES:,} a kvtier configuration may hold (nested aliases)",
-        node.start_mark)
+        node.start_mark,
+    )
 
 
 def load_yaml(text: str, where: str) -> object:
@@ -109,11 +114,13 @@ def load_yaml(text: str, where: str) -> object:
     except yaml.YAMLError as error:
         raise _yaml_error(error, text, where) from None
     except RecursionError:  # PyYAML composes and builds recursively
-        raise ConfigError(where, text[:80], "YAML nested at most a few hundred levels deep",
-                          "flatten the document") from None
+        raise ConfigError(
+            where, text[:80], "YAML nested at most a few hundred levels deep", "flatten the document"
+        ) from None
     except ValueError as error:  # e.g. an int of more than 4,300 digits
-        raise ConfigError(where, text[:80], f"valid YAML values ({error})",
-                          "check the numbers in the document") from None
+        raise ConfigError(
+            where, text[:80], f"valid YAML values ({error})", "check the numbers in the document"
+        ) from None
 
 
 def _at(mark: yaml.Mark) -> str:
@@ -132,9 +139,11 @@ def _yaml_error(error: yaml.YAMLError, text: str, where: str) -> ConfigError:
         return ConfigError(where, text[:80], f"valid YAML ({problem})")
     lines = text.splitlines()
     line = lines[mark.line].strip() if mark.line < len(lines) else ""
-    fix = (f"write the values at {_at(mark)} out instead of through nested aliases"
-           if isinstance(error, _ExpansionError) else
-           f"check the indentation, quoting and brackets at {_at(mark)}")
+    fix = (
+        f"write the values at {_at(mark)} out instead of through nested aliases"
+        if isinstance(error, _ExpansionError)
+        else f"check the indentation, quoting and brackets at {_at(mark)}"
+    )
     return ConfigError(f"{where} {_at(mark)}", line or "<end of input>", f"valid YAML ({problem})", fix)
 
 
@@ -148,18 +157,13 @@ def read_file(path: str | os.PathLike, field: str) -> str:
             field,
             shown,
             "the path of an existing kvtier YAML file",
-            f"check the path (it resolves to {os.path.abspath(shown)}), or pass the YAML text "
-            "itself",
+            f"check the path (it resolves to {os.path.abspath(shown)}), or pass the YAML text itself",
         ) from None
     except IsADirectoryError:
-        raise ConfigError(
-            field, shown, "a YAML file, not a directory", "name the file inside it"
-        ) from None
+        raise ConfigError(field, shown, "a YAML file, not a directory", "name the file inside it") from None
     except UnicodeDecodeError as error:
         raise ConfigError(
             field, shown, "a UTF-8 text file", f"re-save it as UTF-8 ({error.reason})"
         ) from None
     except OSError as error:
-        raise ConfigError(
-            field, shown, "a readable YAML file", f"fix the file: {error.strerror}"
-        ) from None
+        raise ConfigError(field, shown, "a readable YAML file", f"fix the file: {error.strerror}") from None

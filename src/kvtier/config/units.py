@@ -14,8 +14,15 @@ from kvtier.config.checks import closest
 from kvtier.errors import ConfigError
 
 __all__ = [
-    "MAX_FIELD_INT", "MAX_SIZE_TEXT", "MiB", "SIZE_FORMS", "describe_size", "format_size", "parse_size",
-    "positive_int", "positive_size",
+    "MAX_FIELD_INT",
+    "MAX_SIZE_TEXT",
+    "MiB",
+    "SIZE_FORMS",
+    "describe_size",
+    "format_size",
+    "parse_size",
+    "positive_int",
+    "positive_size",
 ]
 
 MiB = 1 << 20
@@ -76,8 +83,9 @@ def parse_size(value: object, field: str) -> int:
     if not isinstance(value, str):
         raise ConfigError(field, value, SIZE_FORMS, "write a size such as 64GiB")
     if len(value) > MAX_SIZE_TEXT:  # before the regex and Decimal see thousands of digits
-        raise ConfigError(field, value, SIZE_FORMS + f", at most {MAX_SIZE_TEXT} characters",
-                          "write a size such as 64GiB")
+        raise ConfigError(
+            field, value, SIZE_FORMS + f", at most {MAX_SIZE_TEXT} characters", "write a size such as 64GiB"
+        )
 
     match = _SIZE_RE.fullmatch(value)
     if match is None:
@@ -92,18 +100,13 @@ def parse_size(value: object, field: str) -> int:
             field,
             value,
             SIZE_FORMS,
-            f"'{unit}' is ambiguous: write {number}{binary} (binary) or {number}{decimal} "
-            "(decimal)",
+            f"'{unit}' is ambiguous: write {number}{binary} (binary) or {number}{decimal} (decimal)",
         )
     if folded in _KUBERNETES_UNITS:
-        raise ConfigError(
-            field, value, SIZE_FORMS, f"write {number}{_KUBERNETES_UNITS[folded]}"
-        )
+        raise ConfigError(field, value, SIZE_FORMS, f"write {number}{_KUBERNETES_UNITS[folded]}")
     if folded not in _SIZE_UNITS:
         guess = closest(unit, _CANONICAL_UNITS)
-        hint = f"did you mean {number}{guess}?" if guess else "use one of " + ", ".join(
-            _CANONICAL_UNITS
-        )
+        hint = f"did you mean {number}{guess}?" if guess else "use one of " + ", ".join(_CANONICAL_UNITS)
         raise ConfigError(field, value, SIZE_FORMS, f"unknown unit '{unit}'; {hint}")
     # Enough digits that the product is exact: a rounded product could pass a fraction of a
     # byte off as a whole one.
@@ -119,9 +122,7 @@ def _whole_bytes(amount: Decimal, value: object, field: str) -> int:
     except InvalidOperation:  # a signalling NaN
         whole = False
     if not whole:
-        raise ConfigError(
-            field, value, SIZE_FORMS, "the size must come to a whole number of bytes"
-        )
+        raise ConfigError(field, value, SIZE_FORMS, "the size must come to a whole number of bytes")
     if amount < 0:
         raise ConfigError(field, value, SIZE_FORMS, "sizes cannot be negative")
     return _bounded(int(amount), value, field)
@@ -129,8 +130,7 @@ def _whole_bytes(amount: Decimal, value: object, field: str) -> int:
 
 def _bounded(number: int, value: object, field: str) -> int:
     if number > MAX_FIELD_INT:
-        raise ConfigError(field, value, f"at most {MAX_FIELD_INT} (8 EiB)",
-                          "check the number of digits")
+        raise ConfigError(field, value, f"at most {MAX_FIELD_INT} (8 EiB)", "check the number of digits")
     return number
 
 
@@ -164,7 +164,6 @@ def _format_size(n: int) -> tuple[str, bool]:
             text = f"{shown:f}".rstrip("0").rstrip(".")
             return f"{text} {unit}", shown * size == n
     return f"{n} B", True
-
 
 
 def positive_int(value: object, field: str) -> int:

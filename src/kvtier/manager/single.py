@@ -263,9 +263,7 @@ class SingleTierManager(OffloadingManager):
 
         block_ids = backend.allocate_block_ids(len(to_store))
         pending.update(zip(to_store, block_ids))
-        return PrepareStoreOutput(
-            to_store, backend.get_load_store_spec(to_store, block_ids), evicted_keys
-        )
+        return PrepareStoreOutput(to_store, backend.get_load_store_spec(to_store, block_ids), evicted_keys)
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
@@ -287,9 +285,7 @@ class SingleTierManager(OffloadingManager):
                 self._policy.insert(done, block_ids)
             if self._events is not None:
                 backend = self._backend
-                self._events.append(
-                    OffloadingEvent(done, backend.block_size, backend.medium, removed=False)
-                )
+                self._events.append(OffloadingEvent(done, backend.block_size, backend.medium, removed=False))
             state = req_context.get_state(_RequestKeys)
             if state is not None and state.finished and state.owner is self:
                 # Ready after its request ended: inserted as the newest, so lay the request's

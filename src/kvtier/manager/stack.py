@@ -334,9 +334,7 @@ class TierStackManager(SingleTierManager):
         return set(new_dirty).union(new_spill)
 
     def _held_otherwise(self, key: OffloadKey) -> bool:
-        return (
-            key in self._dirty or key in self._demoting or key in self._spill or key in self._spilling
-        )
+        return key in self._dirty or key in self._demoting or key in self._spill or key in self._spilling
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._policy.touch(keys)

@@ -108,10 +108,8 @@ def simulate_admission(
                 disk.add(block)
                 writes += 1
                 needless += last[block] <= index
-        slots = free[-len(store):]
-        del free[-len(store):]
+        slots = free[-len(store) :]
+        del free[-len(store) :]
         insert(store, slots)
         finished(chain, reused)
-    return AdmissionResult(
-        hits, refs, writes=writes, reads=reads, refused=refused, needless_writes=needless
-    )
+    return AdmissionResult(hits, refs, writes=writes, reads=reads, refused=refused, needless_writes=needless)

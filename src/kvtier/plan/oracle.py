@@ -84,7 +84,9 @@ class ReuseOracle(EvictionPolicy):
     def release(self, key: OffloadKey) -> None:
         self._inner.release(key)
 
-    def _take(self, count: int, rest: list[tuple[OffloadKey, int]] | None) -> list[tuple[OffloadKey, int]] | None:
+    def _take(
+        self, count: int, rest: list[tuple[OffloadKey, int]] | None
+    ) -> list[tuple[OffloadKey, int]] | None:
         if rest is None:
             return None
         dead = self._dead

@@ -35,12 +35,21 @@ def smallest_reaching(capacities: Sequence[int], ratios: Sequence[float], goal: 
     return min(reaching) if reaching else None
 
 
-def _check(capacities: Sequence[int], policies: Sequence[str], target: float, cpu_target: float,
-           admission_policy: str) -> None:
+def _check(
+    capacities: Sequence[int],
+    policies: Sequence[str],
+    target: float,
+    cpu_target: float,
+    admission_policy: str,
+) -> None:
     get_policy_class(admission_policy, field="--admission-policy")
     if not capacities or any(c < 1 for c in capacities):
-        raise ConfigError("--capacities", list(capacities), "one or more positive block counts",
-                          "give sizes in blocks, e.g. --capacities 1000 5000 20000")
+        raise ConfigError(
+            "--capacities",
+            list(capacities),
+            "one or more positive block counts",
+            "give sizes in blocks, e.g. --capacities 1000 5000 20000",
+        )
     for name in policies:
         get_policy_class(name, field="--policies")  # names the choices if unknown
     for flag, value in (("--target", target), ("--cpu-target", cpu_target)):
@@ -125,8 +134,11 @@ def plan(
     oracle_policy = [max(policies, key=lambda name: told[name][i]) for i in range(len(capacities))]
     reuse_bound = [told[name][i] for i, name in enumerate(oracle_policy)]
     rows = [done["admission", admitting, c] for c in capacities]
-    admission = {"cpu_policy": admission_policy, "min_reuse": min_reuse,
-                 **{key: [row[key] for row in rows] for key in _ADMISSION_KEYS}}
+    admission = {
+        "cpu_policy": admission_policy,
+        "min_reuse": min_reuse,
+        **{key: [row[key] for row in rows] for key in _ADMISSION_KEYS},
+    }
 
     best = [max(hit_ratio[name][i] for name in policies) for i in range(len(capacities))]
     best_policy = [max(policies, key=lambda name: hit_ratio[name][i]) for i in range(len(capacities))]
@@ -171,8 +183,16 @@ def plan(
 
 
 #: the admission table's rows, one value per CPU size each
-_ADMISSION_KEYS = ("writes_all", "reads_all", "hit_ratio_all", "oracle_refusable", "writes_reuse",
-                   "reuse_writes_cut", "hit_ratio_reuse", "reuse_hit_loss")
+_ADMISSION_KEYS = (
+    "writes_all",
+    "reads_all",
+    "hit_ratio_all",
+    "oracle_refusable",
+    "writes_reuse",
+    "reuse_writes_cut",
+    "hit_ratio_reuse",
+    "reuse_hit_loss",
+)
 
 
 def _class_path(cls: type) -> str:
@@ -180,8 +200,7 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def _simulate_task(task: tuple[str, str | None, int], chains: Sequence[Sequence[int]],
-                   min_reuse: int) -> Any:
+def _simulate_task(task: tuple[str, str | None, int], chains: Sequence[Sequence[int]], min_reuse: int) -> Any:
     """One of :func:`plan`'s simulations: ``(kind, policy class path, capacity)``."""
     kind, target, capacity = task
     if kind == "belady":
@@ -198,8 +217,9 @@ def _simulate_task(task: tuple[str, str | None, int], chains: Sequence[Sequence[
     return _admission_row(chains, cls, capacity, min_reuse)
 
 
-def _admission_row(chains: Sequence[Sequence[int]], cls: type, capacity: int,
-                   min_reuse: int) -> dict[str, Any]:
+def _admission_row(
+    chains: Sequence[Sequence[int]], cls: type, capacity: int, min_reuse: int
+) -> dict[str, Any]:
     """For a CPU tier of ``capacity`` blocks: disk writes with ``admit: all``, the share of them
     an oracle could refuse at no loss, and what ``admit: reuse`` cuts and costs."""
     every = simulate_admission(chains, cls(capacity), capacity)
@@ -228,8 +248,9 @@ def _worker_task(task: tuple[str, str | None, int]) -> Any:
     return _simulate_task(task, _WORKER["chains"], _WORKER["min_reuse"])
 
 
-def _run_all(tasks: list[tuple[str, str | None, int]], chains: Sequence[Sequence[int]],
-             min_reuse: int, jobs: int) -> list[Any]:
+def _run_all(
+    tasks: list[tuple[str, str | None, int]], chains: Sequence[Sequence[int]], min_reuse: int, jobs: int
+) -> list[Any]:
     """Each task's result, in order: here, or in ``jobs`` spawned worker processes."""
     if jobs == 1 or len(tasks) == 1:
         return [_simulate_task(task, chains, min_reuse) for task in tasks]
@@ -263,47 +284,105 @@ def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None
         row["opt"] = record["opt"][i]
         row["ceiling"] = record["ceiling"]
         rows.append(row)
-    print(f"{record['trace']}: {record['requests']} requests, {record['block_refs']} block refs "
-          "(prefix hits, one pooled cache)", file=out)
+    print(
+        f"{record['trace']}: {record['requests']} requests, {record['block_refs']} block refs "
+        "(prefix hits, one pooled cache)",
+        file=out,
+    )
     print_table(rows, ["blocks", *policies, "reuse_oracle", "opt", "ceiling"], out)
-    print("reuse_oracle: the best of these policies evicting first the blocks never referenced "
-          f"again (knows whether, not when): {record['reuse_oracle_policy']}", file=out)
+    print(
+        "reuse_oracle: the best of these policies evicting first the blocks never referenced "
+        f"again (knows whether, not when): {record['reuse_oracle_policy']}",
+        file=out,
+    )
     for name, states in record["learnt"].items():
-        print(f"{name} at the end of the trace, per size: "
-              + "; ".join(", ".join(f"{k} {v:g}" for k, v in state.items()) for state in states),
-              file=out)
+        print(
+            f"{name} at the end of the trace, per size: "
+            + "; ".join(", ".join(f"{k} {v:g}" for k, v in state.items()) for state in states),
+            file=out,
+        )
     adm = record["admission"]
-    columns = ["writes_all", "oracle_refusable", "writes_reuse", "reuse_writes_cut", "hit_ratio_all",
-               "hit_ratio_reuse", "reuse_hit_loss"]
-    print(f"disk admission: CPU tier of N blocks ({adm['cpu_policy']}) over an unbounded disk; "
-          f"admit: all vs an oracle vs admit: reuse, min_reuse {adm['min_reuse']}", file=out)
-    print_table([{"cpu_blocks": capacity, **{key: adm[key][i] for key in columns}}
-                 for i, capacity in enumerate(record["capacities"])], ["cpu_blocks", *columns], out)
+    columns = [
+        "writes_all",
+        "oracle_refusable",
+        "writes_reuse",
+        "reuse_writes_cut",
+        "hit_ratio_all",
+        "hit_ratio_reuse",
+        "reuse_hit_loss",
+    ]
+    print(
+        f"disk admission: CPU tier of N blocks ({adm['cpu_policy']}) over an unbounded disk; "
+        f"admit: all vs an oracle vs admit: reuse, min_reuse {adm['min_reuse']}",
+        file=out,
+    )
+    print_table(
+        [
+            {"cpu_blocks": capacity, **{key: adm[key][i] for key in columns}}
+            for i, capacity in enumerate(record["capacities"])
+        ],
+        ["cpu_blocks", *columns],
+        out,
+    )
     if "signals" in record:
         signals = record["signals"]
         print("P(referenced again) by what is known when a block is stored:", file=out)
-        print_table([{"signal": name, "refs": signals[name]["refs"], "p_again": signals[name]["p_again"]}
-                     for name in ("all", *SIGNALS)], ["signal", "refs", "p_again"], out)
+        print_table(
+            [
+                {"signal": name, "refs": signals[name]["refs"], "p_again": signals[name]["p_again"]}
+                for name in ("all", *SIGNALS)
+            ],
+            ["signal", "refs", "p_again"],
+            out,
+        )
         for kind in ("reuse_distance_median", "first_reuse_distance_median"):
-            print(f"{kind}: {signals[kind]['requests']} requests, {signals[kind]['block_refs']} block refs",
-                  file=out)
+            print(
+                f"{kind}: {signals[kind]['requests']} requests, {signals[kind]['block_refs']} block refs",
+                file=out,
+            )
         print("new blocks by the length of their request (blocks): P(referenced again)", file=out)
-        print_table([{"request_blocks": f"{row['request_blocks'][0]}-{row['request_blocks'][1] or ''}",
-                      "refs": row["refs"], "p_again": row["p_again"]}
-                     for row in signals["new_by_request_blocks"]], ["request_blocks", "refs", "p_again"], out)
-        print("first reuse by age (refs since stored): chance per 1,000 refs, of blocks not reused yet",
-              file=out)
-        print_table([{"age_refs": "-".join(map(str, row["age_refs"])), "blocks": row["blocks"],
-                      "p_per_1k_refs": row["p_per_1k_refs"]} for row in signals["first_reuse_by_age"]],
-                    ["age_refs", "blocks", "p_per_1k_refs"], out)
+        print_table(
+            [
+                {
+                    "request_blocks": f"{row['request_blocks'][0]}-{row['request_blocks'][1] or ''}",
+                    "refs": row["refs"],
+                    "p_again": row["p_again"],
+                }
+                for row in signals["new_by_request_blocks"]
+            ],
+            ["request_blocks", "refs", "p_again"],
+            out,
+        )
+        print(
+            "first reuse by age (refs since stored): chance per 1,000 refs, of blocks not reused yet",
+            file=out,
+        )
+        print_table(
+            [
+                {
+                    "age_refs": "-".join(map(str, row["age_refs"])),
+                    "blocks": row["blocks"],
+                    "p_per_1k_refs": row["p_per_1k_refs"],
+                }
+                for row in signals["first_reuse_by_age"]
+            ],
+            ["age_refs", "blocks", "p_per_1k_refs"],
+            out,
+        )
     rec = record["recommend"]
     for tier, share, key in (("CPU tier ", "cpu_target", "cpu"), ("disk tier", "target", "disk")):
         blocks = rec[f"{key}_blocks"]
-        size = "not reached: simulate larger sizes" if blocks is None else (
-            f"{blocks} blocks, {_gib(rec[f'{key}_bytes'])}")
+        size = (
+            "not reached: simulate larger sizes"
+            if blocks is None
+            else (f"{blocks} blocks, {_gib(rec[f'{key}_bytes'])}")
+        )
         print(f"{tier} ({record[share]:.0%} of ceiling): {size}", file=out)
-    print(f"(at {record['block_bytes']} bytes per block; block refs simulated per CPU second: "
-          f"{record['refs_per_s']}, Belady {record['opt_refs_per_s']})", file=out)
+    print(
+        f"(at {record['block_bytes']} bytes per block; block refs simulated per CPU second: "
+        f"{record['refs_per_s']}, Belady {record['opt_refs_per_s']})",
+        file=out,
+    )
     print_json(record, out)
 
 
@@ -319,8 +398,14 @@ def _plot(record: dict[str, Any], policies: Sequence[str], path: str) -> None:
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for name in policies:
         axes.plot(xs, record["hit_ratio"][name], marker="o", label=name)
-    axes.plot(xs, record["reuse_oracle"], marker="o", color="dimgrey", linestyle=":",
-              label="reuse oracle (knows which blocks come back)")
+    axes.plot(
+        xs,
+        record["reuse_oracle"],
+        marker="o",
+        color="dimgrey",
+        linestyle=":",
+        label="reuse oracle (knows which blocks come back)",
+    )
     axes.plot(xs, record["opt"], marker="o", color="black", label="Belady (offline optimum)")
     axes.axhline(record["ceiling"], color="grey", linestyle="--", label="ceiling (unbounded)")
     axes.set_xscale("log")

@@ -56,7 +56,9 @@ def reuse_signals(chains: Sequence[Sequence[int]], age_edges: Sequence[int] = AG
     stored_at: dict[int, int] = {}  # block -> block refs before its first reference
     first_gap: dict[int, int] = {}  # block -> block refs from its first to its second reference
     distances: dict[str, tuple[list[int], list[int]]] = {  # (in requests, in block refs)
-        "reuse_distance_median": ([], []), "first_reuse_distance_median": ([], [])}
+        "reuse_distance_median": ([], []),
+        "first_reuse_distance_median": ([], []),
+    }
     by_length = [[0, 0] for _ in LENGTH_EDGES]  # length bucket -> [new blocks, referenced again]
     refs = 0
     for index, chain in enumerate(chains):
@@ -66,8 +68,11 @@ def reuse_signals(chains: Sequence[Sequence[int]], age_edges: Sequence[int] = AG
         for position, block in enumerate(chain):
             seen = last_seen.get(block)
             if seen is None:
-                names = ["new", "new_last_block" if position == end else "new_body_block",
-                         "new_after_prefix_hit" if prefix_hit else "new_without_prefix_hit"]
+                names = [
+                    "new",
+                    "new_last_block" if position == end else "new_body_block",
+                    "new_after_prefix_hit" if prefix_hit else "new_without_prefix_hit",
+                ]
             else:
                 names = ["seen_before"]
                 for kind in ("reuse_distance_median", "first_reuse_distance_median"):
@@ -94,18 +99,22 @@ def reuse_signals(chains: Sequence[Sequence[int]], age_edges: Sequence[int] = AG
     reused = sum(counts[name][1] for name in ("new", "seen_before"))
     signals["all"] = {"refs": total, "p_again": round(reused / total, 3) if total else None}
     for kind, (in_requests, in_refs) in distances.items():
-        signals[kind] = {"requests": median(in_requests) if in_requests else None,
-                         "block_refs": median(in_refs) if in_refs else None}
+        signals[kind] = {
+            "requests": median(in_requests) if in_requests else None,
+            "block_refs": median(in_refs) if in_refs else None,
+        }
     signals["first_reuse_by_age"] = _hazard(stored_at, first_gap, refs, age_edges)
     highs = [*(edge - 1 for edge in LENGTH_EDGES[1:]), None]
     signals["new_by_request_blocks"] = [
         {"request_blocks": [low, high], "refs": n, "p_again": round(hit / n, 3) if n else None}
-        for low, high, (n, hit) in zip(LENGTH_EDGES, highs, by_length)]
+        for low, high, (n, hit) in zip(LENGTH_EDGES, highs, by_length)
+    ]
     return signals
 
 
-def _hazard(stored_at: dict[int, int], first_gap: dict[int, int], refs: int,
-            edges: Sequence[int]) -> list[dict[str, Any]]:
+def _hazard(
+    stored_at: dict[int, int], first_gap: dict[int, int], refs: int, edges: Sequence[int]
+) -> list[dict[str, Any]]:
     """Per age bucket: of the blocks unreferenced at its start whose bucket ends inside the
     trace, the share first referenced again within it, per 1,000 block references."""
     rows = []
@@ -119,6 +128,11 @@ def _hazard(stored_at: dict[int, int], first_gap: dict[int, int], refs: int,
                 continue
             at_risk += 1
             reused += gap is not None and gap < high
-        rows.append({"age_refs": [low, high], "blocks": at_risk,
-                     "p_per_1k_refs": round(1000 * reused / at_risk / (high - low), 4) if at_risk else None})
+        rows.append(
+            {
+                "age_refs": [low, high],
+                "blocks": at_risk,
+                "p_per_1k_refs": round(1000 * reused / at_risk / (high - low), 4) if at_risk else None,
+            }
+        )
     return rows

@@ -85,8 +85,8 @@ def simulate(
             if victims is None:  # cannot happen with nothing held; keep the cache consistent
                 raise RuntimeError(f"{type(policy).__name__} refused to evict {shortfall} blocks")
             free.extend(block_id for _, block_id in victims)
-        slots = free[-len(missing):]
-        del free[-len(missing):]
+        slots = free[-len(missing) :]
+        del free[-len(missing) :]
         insert(missing, slots)
         finished(chain, set(present))
     return SimResult(hits, refs, time.process_time() - start)

@@ -54,8 +54,14 @@ def write_synthetic_trace(path: str | Path, requests: int = 6000, seed: int = 1)
                 turns_left.append(rng.randint(1, 9))
         else:
             chain = fresh(rng.randint(20, 120))
-        records.append({"timestamp": index * 100, "input_length": 512 * len(chain),
-                        "output_length": 1, "hash_ids": chain})
+        records.append(
+            {
+                "timestamp": index * 100,
+                "input_length": 512 * len(chain),
+                "output_length": 1,
+                "hash_ids": chain,
+            }
+        )
     path = Path(path)
     path.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
     return path

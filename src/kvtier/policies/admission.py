@@ -90,11 +90,19 @@ class AdmissionFilter:
 
     def __post_init__(self) -> None:
         if self.mode not in ADMIT_MODES:
-            raise ConfigError("admit", self.mode, "one of " + ", ".join(ADMIT_MODES),
-                              "use admit: reuse to keep one-off blocks off the tier")
+            raise ConfigError(
+                "admit",
+                self.mode,
+                "one of " + ", ".join(ADMIT_MODES),
+                "use admit: reuse to keep one-off blocks off the tier",
+            )
         if isinstance(self.min_reuse, bool) or not isinstance(self.min_reuse, int) or self.min_reuse < 1:
-            raise ConfigError("min_reuse", self.min_reuse, "an integer >= 1",
-                              "2 writes a block below once it was seen twice")
+            raise ConfigError(
+                "min_reuse",
+                self.min_reuse,
+                "an integer >= 1",
+                "2 writes a block below once it was seen twice",
+            )
         self._sketch = CountMinSketch(self.sketch_width) if self.mode == "reuse" else None
 
     def record(self, key: Hashable) -> None:

@@ -89,9 +89,7 @@ class ChainPolicy(TwoQueuePolicy):
         if protected_share is None:
             start = SHARES[0]  # LRU order until protecting proven blocks is seen to pay
             self._set_share(start)
-            self._tuner = SettingTuner(
-                capacity_blocks, SHARES, start, _fixed_share, self._set_share
-            )
+            self._tuner = SettingTuner(capacity_blocks, SHARES, start, _fixed_share, self._set_share)
         else:
             self._set_share(protected_share)
 

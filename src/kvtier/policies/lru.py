@@ -113,4 +113,3 @@ class LRUPolicy(IndexedPolicy):
         for key in victims:
             del order[key]
         return [(key, pop(key)) for key in victims]
-

@@ -135,4 +135,3 @@ class S3FIFOPolicy(TwoQueuePolicy):
             ghost.popitem(last=False)
         self.entries_visited += walked
         return victims
-

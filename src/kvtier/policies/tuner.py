@@ -62,7 +62,7 @@ class Shadow:
             policy.request_finished(keys, reused)
             return len(found)
         missing = [key for key in keys if key not in reused] if found else list(keys)
-        del missing[policy.capacity_blocks:]
+        del missing[policy.capacity_blocks :]
         free = self._free
         shortfall = len(missing) - len(free)
         if shortfall > 0:
@@ -72,8 +72,8 @@ class Shadow:
             if victims is None:  # cannot happen: nothing is held and the batch fits
                 raise RuntimeError(f"{type(policy).__name__} refused to evict {shortfall} blocks")
             free.extend(block_id for _, block_id in victims)
-        slots = free[-len(missing):]
-        del free[-len(missing):]
+        slots = free[-len(missing) :]
+        del free[-len(missing) :]
         policy.insert(missing, slots)
         policy.request_finished(keys, reused)
         return len(found)

@@ -488,4 +488,3 @@ class ReplayEngine:
         self._wait_for_stores()
         self.worker.shutdown()
         self.manager.shutdown()
-

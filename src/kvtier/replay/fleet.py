@@ -48,8 +48,9 @@ DEFAULT_SERVER_MAXMEMORY = 2 << 30
 _ENGINE_TIMEOUT_S = 3600.0
 
 
-def _engine_main(index: int, configs: list[dict], requests: list, gpu_blocks: int, block_bytes: int,
-                 start, results) -> None:
+def _engine_main(
+    index: int, configs: list[dict], requests: list, gpu_blocks: int, block_bytes: int, start, results
+) -> None:
     """One engine process: replay its share of the trace once per config in ``configs`` (the
     fleet's runs, in order), putting ``(run, figures)`` on ``results`` after each.
 
@@ -62,7 +63,9 @@ def _engine_main(index: int, configs: list[dict], requests: list, gpu_blocks: in
     for run, config in enumerate(configs):
         record: dict[str, Any] = {"engine": index}
         try:
-            spec = TieredOffloadingSpec(config, gpu_block_size_tokens=TRACE_BLOCK_TOKENS, page_bytes=[block_bytes])
+            spec = TieredOffloadingSpec(
+                config, gpu_block_size_tokens=TRACE_BLOCK_TOKENS, page_bytes=[block_bytes]
+            )
             engine = ReplayEngine(spec, gpu_blocks)
             try:
                 start.wait()
@@ -72,13 +75,19 @@ def _engine_main(index: int, configs: list[dict], requests: list, gpu_blocks: in
                 engine.close()
             counts = engine.counts
             record.update(
-                requests=counts.requests, block_refs=counts.block_refs, hits=counts.hits,
-                verified_blocks=counts.verified_blocks, mismatched_blocks=counts.mismatched_blocks,
+                requests=counts.requests,
+                block_refs=counts.block_refs,
+                hits=counts.hits,
+                verified_blocks=counts.verified_blocks,
+                mismatched_blocks=counts.mismatched_blocks,
                 computed_blocks=counts.computed_blocks,
                 # the local tiers' corrupt reads, and every corrupt value the shared tier met
                 # (also those whose header failed when read at the end of a step)
-                corrupt_blocks=stats.get(f"{SHARED_TIER}.corrupt_values", 0) + sum(
-                    v for k, v in stats.items() if k.endswith(".corrupt_blocks") and not k.startswith(SHARED_TIER + ".")
+                corrupt_blocks=stats.get(f"{SHARED_TIER}.corrupt_values", 0)
+                + sum(
+                    v
+                    for k, v in stats.items()
+                    if k.endswith(".corrupt_blocks") and not k.startswith(SHARED_TIER + ".")
                 ),
                 shared_outages=stats.get(f"{SHARED_TIER}.outages", 0),
             )
@@ -90,7 +99,9 @@ def _engine_main(index: int, configs: list[dict], requests: list, gpu_blocks: in
             return
 
 
-def _run_fleet(configs: list[list[dict]], shares: list[list], gpu_blocks: int, block_bytes: int) -> list[list[dict]]:
+def _run_fleet(
+    configs: list[list[dict]], shares: list[list], gpu_blocks: int, block_bytes: int
+) -> list[list[dict]]:
     """Run engine ``i`` with ``configs[i]`` (one config per run) on ``shares[i]``; per run,
     the engines' figures in engine order."""
     context = multiprocessing.get_context("spawn")  # no forked copies of locks or threads
@@ -98,8 +109,11 @@ def _run_fleet(configs: list[list[dict]], shares: list[list], gpu_blocks: int, b
     start = context.Barrier(engines)
     results = context.Queue()
     processes = [
-        context.Process(target=_engine_main, args=(i, configs[i], shares[i], gpu_blocks, block_bytes, start, results),
-                        name=f"kvtier-engine-{i}")
+        context.Process(
+            target=_engine_main,
+            args=(i, configs[i], shares[i], gpu_blocks, block_bytes, start, results),
+            name=f"kvtier-engine-{i}",
+        )
         for i in range(engines)
     ]
     for process in processes:
@@ -125,7 +139,9 @@ def _run_fleet(configs: list[list[dict]], shares: list[list], gpu_blocks: int, b
     if failed or len(records) < engines * runs:
         reason = failed[0]["error"] if failed else "an engine process died without a report"
         raise KvtierError(f"fleet replay: engine failed: {reason}")
-    return [sorted((r for run_, r in records if run_ == run), key=lambda r: r["engine"]) for run in range(runs)]
+    return [
+        sorted((r for run_, r in records if run_ == run), key=lambda r: r["engine"]) for run in range(runs)
+    ]
 
 
 def _engine_configs(base: dict, engines: int, directory: str, shared: dict | None) -> list[dict]:
@@ -144,7 +160,9 @@ def _engine_configs(base: dict, engines: int, directory: str, shared: dict | Non
             tiers.append(tier)
         if shared is not None:
             tiers.append(shared)
-        configs.append({**base, "tiers": tiers, "cascade": {**base.get("cascade", {}), "write_policy": "write_through"}})
+        configs.append(
+            {**base, "tiers": tiers, "cascade": {**base.get("cascade", {}), "write_policy": "write_through"}}
+        )
     return configs
 
 
@@ -175,9 +193,14 @@ def _summary(records: list[dict]) -> dict[str, Any]:
     return {
         "hit_ratio": hits / refs if refs else 0.0,
         "engines": [
-            {"engine": r["engine"], "requests": r["requests"], "block_refs": r["block_refs"],
-             "hit_ratio": sum(r["hits"].values()) / r["block_refs"] if r["block_refs"] else 0.0,
-             "hits": r["hits"], "elapsed_s": r["elapsed_s"]}
+            {
+                "engine": r["engine"],
+                "requests": r["requests"],
+                "block_refs": r["block_refs"],
+                "hit_ratio": sum(r["hits"].values()) / r["block_refs"] if r["block_refs"] else 0.0,
+                "hits": r["hits"],
+                "elapsed_s": r["elapsed_s"],
+            }
             for r in records
         ],
         "hits": {name: sum(r["hits"].get(name, 0) for r in records) for name in records[0]["hits"]},
@@ -246,15 +269,22 @@ def replay_fleet(
             server = stack.enter_context(LocalValkeyServer(maxmemory=DEFAULT_SERVER_MAXMEMORY))
             target = {"url": server.url}
             where = f"local valkey-server {server.url}"
-        shared = {"name": SHARED_TIER, "kind": "valkey", "timeout_s": 2.0,
-                  "namespace": f"kvtier-fleet-{uuid.uuid4().hex[:12]}", **target}
+        shared = {
+            "name": SHARED_TIER,
+            "kind": "valkey",
+            "timeout_s": 2.0,
+            "namespace": f"kvtier-fleet-{uuid.uuid4().hex[:12]}",
+            **target,
+        }
         stack.callback(_delete_namespace, shared)
         runs = [
             _engine_configs(base, engines, str(Path(directory) / "shared"), shared),
             _engine_configs(base, engines, str(Path(directory) / "local"), None),
         ]
         per_engine = [[run[i] for run in runs] for i in range(engines)]
-        with_shared, local_only = (_summary(run) for run in _run_fleet(per_engine, shares, gpu_blocks, block_bytes))
+        with_shared, local_only = (
+            _summary(run) for run in _run_fleet(per_engine, shares, gpu_blocks, block_bytes)
+        )
 
     record: dict[str, Any] = {
         "engines": engines,
@@ -277,12 +307,26 @@ def replay_fleet(
     rows = []
     for run_name, summary in (("shared", with_shared), ("local", local_only)):
         for engine in summary["engines"]:
-            rows.append({"run": run_name, "engine": engine["engine"], "requests": engine["requests"],
-                         "block_refs": engine["block_refs"], "hit_ratio": engine["hit_ratio"],
-                         SHARED_TIER: engine["hits"].get(SHARED_TIER, 0)})
-        rows.append({"run": run_name, "engine": "all", "requests": sum(e["requests"] for e in summary["engines"]),
-                     "block_refs": sum(e["block_refs"] for e in summary["engines"]), "hit_ratio": summary["hit_ratio"],
-                     SHARED_TIER: summary["hits"].get(SHARED_TIER, 0)})
+            rows.append(
+                {
+                    "run": run_name,
+                    "engine": engine["engine"],
+                    "requests": engine["requests"],
+                    "block_refs": engine["block_refs"],
+                    "hit_ratio": engine["hit_ratio"],
+                    SHARED_TIER: engine["hits"].get(SHARED_TIER, 0),
+                }
+            )
+        rows.append(
+            {
+                "run": run_name,
+                "engine": "all",
+                "requests": sum(e["requests"] for e in summary["engines"]),
+                "block_refs": sum(e["block_refs"] for e in summary["engines"]),
+                "hit_ratio": summary["hit_ratio"],
+                SHARED_TIER: summary["hits"].get(SHARED_TIER, 0),
+            }
+        )
     print(
         f"kvtier replay --engines {engines}: {len(requests)} requests dealt round-robin; hit ratio "
         f"{with_shared['hit_ratio']:.4f} with the shared tier ({where}), {local_only['hit_ratio']:.4f} "
@@ -292,4 +336,3 @@ def replay_fleet(
     print_table(rows, ["run", "engine", "requests", "block_refs", "hit_ratio", SHARED_TIER], out)
     print_json(record, out)
     return record
-

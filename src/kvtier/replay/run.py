@@ -65,8 +65,14 @@ def _resolve_device(device: str) -> str:
 
 
 def _run_one(
-    config: KvtierConfig, requests, gpu_blocks: int, block_bytes: int, progress: bool, label: str,
-    device: str = "cpu", deterministic: bool = False,
+    config: KvtierConfig,
+    requests,
+    gpu_blocks: int,
+    block_bytes: int,
+    progress: bool,
+    label: str,
+    device: str = "cpu",
+    deterministic: bool = False,
 ):
     from tqdm import tqdm
 
@@ -86,7 +92,8 @@ def _run_one(
     final = engine.manager.stats() if hasattr(engine.manager, "stats") else {}
     engine.counts.shutdown_bytes_written = {
         name.removesuffix(".demoted_bytes"): value - stats.get(name, 0)
-        for name, value in final.items() if name.endswith(".demoted_bytes")
+        for name, value in final.items()
+        if name.endswith(".demoted_bytes")
     }
     return engine.counts, stats, elapsed
 
@@ -106,8 +113,14 @@ def _tier_bytes(config: KvtierConfig, counts, stats: dict[str, int], block_bytes
 
 
 #: the manager's per-tier admission and wear figures (``manager.stats()``, ``<tier>.<name>``)
-_ADMISSION_FIGURES = ("admitted_blocks", "refused_blocks", "bytes_written", "bytes_read_later",
-                      "write_amplification", "projected_life_days")
+_ADMISSION_FIGURES = (
+    "admitted_blocks",
+    "refused_blocks",
+    "bytes_written",
+    "bytes_read_later",
+    "write_amplification",
+    "projected_life_days",
+)
 
 
 def _admission(stats: dict[str, int], tier: str) -> dict[str, int | float]:
@@ -158,16 +171,27 @@ def replay(
     ceiling, refs = ceiling_hit_ratio(requests)
     with contextlib.ExitStack() as stack:
         if config is None:
-            directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=Path.cwd()))
+            directory = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=Path.cwd())
+            )
             parsed = load_config(default_config(directory, block_bytes, disk_kind))
         else:
             parsed = load_config(config)
         counts, stats, elapsed = _run_one(
-            parsed, requests, gpu_blocks, block_bytes, progress, "replay", device, deterministic)
+            parsed, requests, gpu_blocks, block_bytes, progress, "replay", device, deterministic
+        )
         cpu_only = None
         if baseline and len(parsed.tiers) > 1:
-            cpu_only, _, _ = _run_one(_cpu_only(parsed), requests, gpu_blocks, block_bytes, progress,
-                                      "cpu only", device, deterministic)
+            cpu_only, _, _ = _run_one(
+                _cpu_only(parsed),
+                requests,
+                gpu_blocks,
+                block_bytes,
+                progress,
+                "cpu only",
+                device,
+                deterministic,
+            )
     skipped_refs = sum(len(request.hash_ids) for request in skipped)
 
     lower = [tier.name for tier in parsed.tiers[1:]]
@@ -187,7 +211,8 @@ def replay(
         "dropped_blocks": counts.dropped_blocks,
         "verified_blocks": counts.verified_blocks,
         "mismatched_blocks": counts.mismatched_blocks,
-        "corrupt_blocks": counts.mismatched_blocks + sum(stats.get(f"{name}.corrupt_blocks", 0) for name in lower),
+        "corrupt_blocks": counts.mismatched_blocks
+        + sum(stats.get(f"{name}.corrupt_blocks", 0) for name in lower),
         "computed_blocks": counts.computed_blocks,
         "stored_blocks": counts.stored_blocks,
         "refused_stores": counts.refused_stores,
@@ -198,8 +223,10 @@ def replay(
         "engine_s": counts.engine_s,
         # the worker's copies between the GPU cache and the CPU tier, as its engine timed them
         "copies": {
-            direction: {**figures, "gbps": figures["bytes"] / figures["seconds"] / 1e9
-                        if figures["seconds"] else 0.0}
+            direction: {
+                **figures,
+                "gbps": figures["bytes"] / figures["seconds"] / 1e9 if figures["seconds"] else 0.0,
+            }
             for direction, figures in counts.copies.items()
         },
         # not in elapsed_s: closing the stack, which saves what only the CPU tier holds
@@ -222,8 +249,13 @@ def replay(
     assert refs == counts.block_refs  # the engine saw every reference of the trace
 
     rows = [
-        {"tier": name, "hits": hits, "hit_ratio": hits / counts.block_refs if counts.block_refs else 0.0,
-         "bytes_read": read.get(name), "bytes_written": written.get(name)}
+        {
+            "tier": name,
+            "hits": hits,
+            "hit_ratio": hits / counts.block_refs if counts.block_refs else 0.0,
+            "bytes_read": read.get(name),
+            "bytes_written": written.get(name),
+        }
         for name, hits in counts.hits.items()
     ]
     print(
@@ -299,8 +331,13 @@ def _plot(counts, path: str, ceiling: list[float], cpu_only=None) -> None:
     axes.plot(xs, ceiling, label="ceiling (unbounded cache)", color="grey", linestyle="--")
     if cpu_only is not None:
         alone = [sum(hits.values()) / refs if refs else 0.0 for _, hits, refs in cpu_only.timeline]
-        axes.plot([done for done, _, _ in cpu_only.timeline], alone, label="CPU tier alone",
-                  color="black", linestyle=":")
+        axes.plot(
+            [done for done, _, _ in cpu_only.timeline],
+            alone,
+            label="CPU tier alone",
+            color="black",
+            linestyle=":",
+        )
     axes.set_xlabel("requests replayed")
     axes.set_ylabel("cumulative hit ratio (of block refs)")
     axes.set_ylim(0, 1)

@@ -12,8 +12,15 @@ from pathlib import Path
 
 from kvtier.errors import TraceError, shown_value
 
-__all__ = ["BUNDLED_TRACES", "Request", "TraceError", "load_trace", "parse_record", "bundled_trace_path",
-           "ceiling_hit_ratio"]
+__all__ = [
+    "BUNDLED_TRACES",
+    "Request",
+    "TraceError",
+    "load_trace",
+    "parse_record",
+    "bundled_trace_path",
+    "ceiling_hit_ratio",
+]
 
 #: tokens per block of the Mooncake traces' ``hash_ids``
 TRACE_BLOCK_TOKENS = 512
@@ -122,10 +129,12 @@ def parse_record(line: str, where: str) -> Request:
     )
     ids = record["hash_ids"]
     if not isinstance(ids, list):
-        raise TraceError(f"{where}: hash_ids is {shown_value(ids)}; expected a list of integers "
-                         f"0 <= id < 2^64")
-    hash_ids = tuple(_integer(value, f"hash_ids[{index}]", where, HASH_ID_LIMIT)
-                     for index, value in enumerate(ids))
+        raise TraceError(
+            f"{where}: hash_ids is {shown_value(ids)}; expected a list of integers 0 <= id < 2^64"
+        )
+    hash_ids = tuple(
+        _integer(value, f"hash_ids[{index}]", where, HASH_ID_LIMIT) for index, value in enumerate(ids)
+    )
     return Request(timestamp, input_length, output_length, hash_ids)
 
 

@@ -36,7 +36,14 @@ from kvtier.tiers.disk import check_store
 from kvtier.tiers.disk.format import HEADER_BYTES
 from kvtier.tiers.disk.scan import find_blocks
 
-__all__ = ["KillOutcome", "SmallFilesystem", "corrupt_blocks", "kill_writer", "start_sharer", "sharer_outcome"]
+__all__ = [
+    "KillOutcome",
+    "SmallFilesystem",
+    "corrupt_blocks",
+    "kill_writer",
+    "start_sharer",
+    "sharer_outcome",
+]
 
 _SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,7 +52,11 @@ def _child(args: list[str], **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": _SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.Popen(
         [sys.executable, "-m", "kvtier.soak.store_process", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **popen,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **popen,
     )
 
 
@@ -61,7 +72,13 @@ class KillOutcome:
 
 
 def kill_writer(
-    kind: str, path: str, capacity_blocks: int, block_bytes: int, first_key: int, shm_dir: str, rng: random.Random
+    kind: str,
+    path: str,
+    capacity_blocks: int,
+    block_bytes: int,
+    first_key: int,
+    shm_dir: str,
+    rng: random.Random,
 ) -> tuple[KillOutcome, list[OffloadKey]]:
     """Run a writer on ``path``, SIGKILL it after a random 1-10 jobs and 0-20 ms, then check
     the store and read back every block it reported; ``(outcome, keys committed)``.
@@ -69,10 +86,19 @@ def kill_writer(
     The store must be large enough that the writer never evicts (the soak starts a new one
     before it could), so every reported block must still be there.
     """
-    writer = _child([
-        "writer", kind, path, str(capacity_blocks), str(block_bytes), str(first_key), "soak-writer",
-        "--shm-dir", shm_dir,
-    ])
+    writer = _child(
+        [
+            "writer",
+            kind,
+            path,
+            str(capacity_blocks),
+            str(block_bytes),
+            str(first_key),
+            "soak-writer",
+            "--shm-dir",
+            shm_dir,
+        ]
+    )
     assert writer.stdout is not None and writer.stderr is not None  # pipes (_child)
     committed: list[OffloadKey] = []
     try:
@@ -87,12 +113,16 @@ def kill_writer(
     finally:
         writer.send_signal(signal.SIGKILL)
         writer.wait()
-    committed.extend(OffloadKey(bytes.fromhex(h)) for line in writer.stdout.read().splitlines() for h in line.split())
+    committed.extend(
+        OffloadKey(bytes.fromhex(h)) for line in writer.stdout.read().splitlines() for h in line.split()
+    )
     outcome = KillOutcome(committed=len(committed))
     report = check_store(path)
     if not report.healthy:
         outcome.fixed = check_store(path, fix=True).fixed
-    region = SharedRegion.create(8, block_bytes, path=os.path.join(shm_dir, f"kvtier-soak-check-{os.getpid()}"))
+    region = SharedRegion.create(
+        8, block_bytes, path=os.path.join(shm_dir, f"kvtier-soak-check-{os.getpid()}")
+    )
     try:
         tier = open_tier(kind, path, capacity_blocks, block_bytes, region.rows)
         try:
@@ -146,7 +176,9 @@ class SmallFilesystem:
         os.makedirs(self.path, exist_ok=True)
         done = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", f"size={self.size_bytes}", "tmpfs", self.path],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if done.returncode:
             return f"cannot mount a tmpfs: {done.stderr.strip()}"
@@ -207,13 +239,31 @@ def corrupt_blocks(tier, keys: list[OffloadKey], rng: random.Random) -> list[Off
 
 
 def start_sharer(
-    kind: str, path: str, capacity_blocks: int, block_bytes: int, seed: int, seconds: float, universe: int, shm_dir: str
+    kind: str,
+    path: str,
+    capacity_blocks: int,
+    block_bytes: int,
+    seed: int,
+    seconds: float,
+    universe: int,
+    shm_dir: str,
 ) -> subprocess.Popen:
     """A second process storing, loading and evicting on ``path`` for ``seconds`` (its own keys)."""
-    return _child([
-        "sharer", kind, path, str(capacity_blocks), str(block_bytes), str(seed), str(seconds), str(universe),
-        "soak-sharer", "--shm-dir", shm_dir,
-    ])
+    return _child(
+        [
+            "sharer",
+            kind,
+            path,
+            str(capacity_blocks),
+            str(block_bytes),
+            str(seed),
+            str(seconds),
+            str(universe),
+            "soak-sharer",
+            "--shm-dir",
+            shm_dir,
+        ]
+    )
 
 
 def sharer_outcome(process: subprocess.Popen) -> dict:

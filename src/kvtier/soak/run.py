@@ -75,8 +75,14 @@ class _Engine:
         self.config = {
             "tiers": [
                 {"name": "cpu", "kind": "cpu", "capacity": CPU_BLOCKS * stride, "pin_memory": "off"},
-                {"name": "disk", "kind": kind, "path": path, "eviction": "lru", "fsync": "batch",
-                 "capacity": DISK_BLOCKS * on_disk_block_bytes(BLOCK_BYTES)},
+                {
+                    "name": "disk",
+                    "kind": kind,
+                    "path": path,
+                    "eviction": "lru",
+                    "fsync": "batch",
+                    "capacity": DISK_BLOCKS * on_disk_block_bytes(BLOCK_BYTES),
+                },
             ],
             "cascade": {"write_policy": "write_back"},
         }
@@ -203,10 +209,14 @@ def run(
     if kind not in ("lmdb", "files"):
         raise kvtier.ConfigError("--kind", kind, "lmdb or files")
     if not minutes > 0:
-        raise kvtier.ConfigError("--minutes", minutes, "a positive number of minutes", "e.g. --minutes 1 (0.1 for six seconds)")
+        raise kvtier.ConfigError(
+            "--minutes", minutes, "a positive number of minutes", "e.g. --minutes 1 (0.1 for six seconds)"
+        )
     if directory is not None and not os.path.isdir(directory):
         raise kvtier.ConfigError(
-            "--dir", directory, "an existing directory (the soak makes its stores in a new folder inside it)",
+            "--dir",
+            directory,
+            "an existing directory (the soak makes its stores in a new folder inside it)",
             f"create it first (mkdir -p {directory}) or leave --dir out for the system's temporary folder",
         )
     rng = random.Random(seed)
@@ -214,7 +224,9 @@ def run(
         work = tempfile.mkdtemp(prefix="kvtier-soak-", dir=directory)
     except OSError as exc:
         raise kvtier.ConfigError(
-            "--dir", directory, "a directory this user can create folders in",
+            "--dir",
+            directory,
+            "a directory this user can create folders in",
             f"it refused a new folder ({exc.strerror}): pick another --dir",
         ) from None
     counts: Counter = Counter()
@@ -222,7 +234,9 @@ def run(
     left_out: dict[str, str] = {}
     damaged: set[OffloadKey] = set()
     committed: dict[OffloadKey, None] = {}
-    small_fs = SmallFilesystem(os.path.join(work, "disk"), DISK_BLOCKS * on_disk_block_bytes(BLOCK_BYTES) + (24 << 20))
+    small_fs = SmallFilesystem(
+        os.path.join(work, "disk"), DISK_BLOCKS * on_disk_block_bytes(BLOCK_BYTES) + (24 << 20)
+    )
     if faults:
         reason = small_fs.mount()
         if reason:
@@ -243,12 +257,22 @@ def run(
         while True:
             now = time.monotonic()
             done_faults = not schedule or turn >= len(schedule)
-            if now - started >= duration and done_faults and sharer is None and not fill_until and counts["requests"]:
+            if (
+                now - started >= duration
+                and done_faults
+                and sharer is None
+                and not fill_until
+                and counts["requests"]
+            ):
                 break
             if fill_until:  # prefixes of their own: blocks the CPU tier must try to save
                 family, length, salt = rng.randrange(FILL_FAMILIES), FAMILY_BLOCKS, "soak-fill"
             else:
-                family, length, salt = rng.choices(range(FAMILIES), weights)[0], rng.randint(2, FAMILY_BLOCKS), "soak"
+                family, length, salt = (
+                    rng.choices(range(FAMILIES), weights)[0],
+                    rng.randint(2, FAMILY_BLOCKS),
+                    "soak",
+                )
             engine.request([block_key(family * FAMILY_BLOCKS + i, salt) for i in range(length)])
             if fill_until and now >= fill_until and counts["requests"] >= fill_requests:
                 small_fs.free()  # room again: stores succeed again from here
@@ -292,8 +316,14 @@ def run(
                 engine = _checkpoint(engine, kind, store, counts, damaged)
             else:
                 sharer = start_sharer(
-                    kind, store, DISK_BLOCKS, BLOCK_BYTES, rng.randrange(1 << 30), min(period / 2, 5.0),
-                    SHARER_UNIVERSE, work,
+                    kind,
+                    store,
+                    DISK_BLOCKS,
+                    BLOCK_BYTES,
+                    rng.randrange(1 << 30),
+                    min(period / 2, 5.0),
+                    SHARER_UNIVERSE,
+                    work,
                 )
         engine = _checkpoint(engine, kind, store, counts, damaged)
         _fold_disk_stats(engine, counts)
@@ -307,11 +337,17 @@ def run(
         shutil.rmtree(work, ignore_errors=True)
     elapsed = time.monotonic() - started
     operations = (
-        counts["lookups"] + counts["blocks_loaded"] + counts["blocks_stored"]
-        + counts["sharer_blocks"] + counts["writer_committed"]
+        counts["lookups"]
+        + counts["blocks_loaded"]
+        + counts["blocks_stored"]
+        + counts["sharer_blocks"]
+        + counts["writer_committed"]
     )
-    failures = {name[len("disk.failed_"):]: value for name, value in counts.items()
-                if name.startswith("disk.failed_") and name != "disk.failed_keys" and value}
+    failures = {
+        name[len("disk.failed_") :]: value
+        for name, value in counts.items()
+        if name.startswith("disk.failed_") and name != "disk.failed_keys" and value
+    }
     record = {
         "soak": kind,
         "seconds": round(elapsed, 1),
@@ -333,12 +369,24 @@ def run(
         "adopted_blocks": counts["disk.adopted"],
     }
     print_table(
-        [{"what": name, "count": record[name]} for name in (
-            "operations", "requests", "blocks_loaded", "blocks_stored", "faults_injected", "checkpoints",
-            "committed_verified", "blocks_damaged", "corrupt_detected", "committed_blocks_lost",
-            "wrong_blocks_served",
-        )],
-        ["what", "count"], out,
+        [
+            {"what": name, "count": record[name]}
+            for name in (
+                "operations",
+                "requests",
+                "blocks_loaded",
+                "blocks_stored",
+                "faults_injected",
+                "checkpoints",
+                "committed_verified",
+                "blocks_damaged",
+                "corrupt_detected",
+                "committed_blocks_lost",
+                "wrong_blocks_served",
+            )
+        ],
+        ["what", "count"],
+        out,
     )
     for name, reason in left_out.items():
         print(f"fault left out: {name}: {reason}", file=out)

@@ -43,7 +43,11 @@ JOB_KEYS = 4
 def open_tier(kind: str, path: str, capacity_blocks: int, block_bytes: int, rows, threads: int = 4):
     """The store at ``path`` as the soak's processes open it (LRU, ``fsync: batch``)."""
     config = DiskTierConfig(
-        name="soak", kind=kind, path=path, eviction="lru", fsync="batch",
+        name="soak",
+        kind=kind,
+        path=path,
+        eviction="lru",
+        fsync="batch",
         capacity_bytes=capacity_blocks * on_disk_block_bytes(block_bytes),
     )
     return open_store(config, rows, LayoutFingerprint.standalone(block_bytes), threads=threads)
@@ -75,8 +79,15 @@ def _sharer(tier, rows, seed: int, seconds: float, universe: int, salt: str, min
     rng = random.Random(seed)
     keys = [block_key(n, salt) for n in range(universe)]
     half = rows.shape[0] // 2
-    tally: dict[str, Any] = {"store_ok": 0, "store_failed": 0, "load_ok": 0, "load_failed": 0, "wrong": 0,
-             "reasons": {}, "jobs": 0}
+    tally: dict[str, Any] = {
+        "store_ok": 0,
+        "store_failed": 0,
+        "load_ok": 0,
+        "load_failed": 0,
+        "wrong": 0,
+        "reasons": {},
+        "jobs": 0,
+    }
     job_id = 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline or tally["jobs"] < min_jobs:
@@ -118,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("block_bytes", type=int)
     parser.add_argument("args", nargs="*")
     parser.add_argument("--shm-dir", default=None)
-    parser.add_argument("--wait-go", action="store_true", help="after 'ready', wait for a line on stdin (to start together)")
+    parser.add_argument(
+        "--wait-go", action="store_true", help="after 'ready', wait for a line on stdin (to start together)"
+    )
     options = parser.parse_args(argv)
     rows_needed = 2 * max(JOB_KEYS, 8)
     region_path = None

@@ -262,7 +262,7 @@ class IndexedTier(SecondaryTier):
         # blocks other processes removed since, and must not grow past the capacity
         room = self.capacity_blocks - len(policy) - len(writing)
         adopted.sort(key=lambda entry: entry[1])
-        del adopted[max(room, 0):]
+        del adopted[max(room, 0) :]
         if not adopted:
             return
         own = policy.clear()

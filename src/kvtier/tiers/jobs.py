@@ -194,6 +194,7 @@ class CheckReport:
     def healthy(self) -> bool:
         return not self.problems
 
+
 @dataclass(eq=False)
 class TierWork:
     """What a medium must do for one job: its keys not settled by the bookkeeping.

@@ -78,7 +78,9 @@ def parse_secret_options(section: Mapping[str, object], field: str) -> dict[str,
     if secret_file is not None:
         if not isinstance(secret_file, str) or not secret_file.strip():
             raise ConfigError(
-                f"{field}.secret_file", secret_file, "the path of a file of >= 32 random bytes",
+                f"{field}.secret_file",
+                secret_file,
+                "the path of a file of >= 32 random bytes",
                 _FIX_CREATE + ", and write its path",
             )
         options["secret_file"] = secret_file
@@ -87,12 +89,16 @@ def parse_secret_options(section: Mapping[str, object], field: str) -> dict[str,
         encrypt = "none"
     if encrypt not in ENCRYPT_CHOICES:
         raise ConfigError(
-            f"{field}.encrypt", encrypt, "one of " + ", ".join(ENCRYPT_CHOICES),
+            f"{field}.encrypt",
+            encrypt,
+            "one of " + ", ".join(ENCRYPT_CHOICES),
             "write encrypt: aes-gcm, or leave it out",
         )
     if encrypt != "none" and secret_file is None:
         raise ConfigError(
-            f"{field}.encrypt", encrypt, "encryption under a secret: secret_file set too",
+            f"{field}.encrypt",
+            encrypt,
+            "encryption under a secret: secret_file set too",
             "add secret_file: /path/to/secret (" + _FIX_CREATE + ")",
         )
     if "encrypt" in section:
@@ -108,7 +114,9 @@ def read_secret_file(path: str, field: str) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise ConfigError(
-            field, path, "a readable regular file, not a symlink",
+            field,
+            path,
+            "a readable regular file, not a symlink",
             f"{exc.strerror}; " + _FIX_CREATE,
         ) from None
     try:
@@ -117,17 +125,23 @@ def read_secret_file(path: str, field: str) -> bytes:
             raise ConfigError(field, path, "a regular file", _FIX_CREATE)
         if info.st_uid != os.geteuid():
             raise ConfigError(
-                field, path, f"a file owned by this user (uid {os.geteuid()}), not uid {info.st_uid}",
+                field,
+                path,
+                f"a file owned by this user (uid {os.geteuid()}), not uid {info.st_uid}",
                 "chown it to the user running kvtier",
             )
         if info.st_mode & 0o077:
             raise ConfigError(
-                field, path, f"mode 0600 or 0400, not {stat.S_IMODE(info.st_mode):04o}: readable by others is "
-                "not secret", f"chmod 600 {path} (and make a new secret: others may have read this one)",
+                field,
+                path,
+                f"mode 0600 or 0400, not {stat.S_IMODE(info.st_mode):04o}: readable by others is not secret",
+                f"chmod 600 {path} (and make a new secret: others may have read this one)",
             )
         if not SECRET_MIN_BYTES <= info.st_size <= SECRET_MAX_BYTES:
             raise ConfigError(
-                field, path, f"{SECRET_MIN_BYTES} to {SECRET_MAX_BYTES} bytes, not {info.st_size}",
+                field,
+                path,
+                f"{SECRET_MIN_BYTES} to {SECRET_MAX_BYTES} bytes, not {info.st_size}",
                 _FIX_CREATE,
             )
         secret = b""
@@ -164,7 +178,9 @@ def tier_keys(config: Any, field: str) -> TierKeys | None:
         return None
     if _crypto() is None:
         raise ConfigError(
-            f"{field}.secret_file", path, "the cryptography package installed (AES-GCM and GMAC)",
+            f"{field}.secret_file",
+            path,
+            "the cryptography package installed (AES-GCM and GMAC)",
             "pip install 'kvtier[secure]'",
         )
     secret = read_secret_file(path, f"{field}.secret_file")
@@ -186,7 +202,9 @@ class TierKeys:
         crypto = _crypto()
         if crypto is None:
             raise ConfigError(
-                "secret_file", "(a secret)", "the cryptography package installed (AES-GCM and GMAC)",
+                "secret_file",
+                "(a secret)",
+                "the cryptography package installed (AES-GCM and GMAC)",
                 "pip install 'kvtier[secure]'",
             )
         self._cipher, self._aes, self._gcm, self._aead, self._invalid = crypto
@@ -222,7 +240,9 @@ class TierKeys:
         """The block's own key: a keyed BLAKE2b of its header (all but the tag and the
         header's checksum; the salt makes it unique), so the tag, computed under it, vouches
         for every header field without being fed the header."""
-        digest = hashlib.blake2b(key=self._enc_key if flags & FLAG_ENCRYPTED else self._mac_key, digest_size=32)
+        digest = hashlib.blake2b(
+            key=self._enc_key if flags & FLAG_ENCRYPTED else self._mac_key, digest_size=32
+        )
         head, tail = mac_parts(header_view)
         digest.update(head)
         digest.update(tail)

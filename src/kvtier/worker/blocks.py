@@ -145,9 +145,7 @@ def coalesce(
     )
 
 
-def _check_disjoint(
-    buffer_idx: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, what: str
-) -> None:
+def _check_disjoint(buffer_idx: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, what: str) -> None:
     """Raise ValueError if two copies would write overlapping bytes of one buffer.
 
     Copies of one job may run concurrently (a batched DMA gives no order among its
@@ -209,9 +207,7 @@ class TransferLayout:
         self.group_copy_bytes = tuple(tuple(int(c) for c in group) for group in group_copy_bytes)
         for g, group in enumerate(self.group_copy_bytes):
             if len(group) != num_tensors:
-                raise ValueError(
-                    f"group {g} lists {len(group)} tensors, the cache has {num_tensors}"
-                )
+                raise ValueError(f"group {g} lists {len(group)} tensors, the cache has {num_tensors}")
             for t, copy in enumerate(group):
                 if not 0 <= copy <= self.page_bytes[t]:
                     raise ValueError(
@@ -221,9 +217,7 @@ class TransferLayout:
         self.gpu_block_strides = tuple(int(s) for s in gpu_block_strides)
         for t, (stride, page) in enumerate(zip(self.gpu_block_strides, self.page_bytes)):
             if stride < page:
-                raise ValueError(
-                    f"tensor {t}: block stride {stride} is smaller than its page {page}"
-                )
+                raise ValueError(f"tensor {t}: block stride {stride} is smaller than its page {page}")
         self.shard_offset = int(shard_offset)
         if self.shard_offset < 0:
             raise ValueError(f"shard_offset must be >= 0, got {shard_offset}")
@@ -292,9 +286,7 @@ class TransferLayout:
                 f"the GPU spec has {len(group_sizes)} groups, the KV cache has {self.num_groups}"
             )
         if block_indices is not None and len(block_indices) != len(group_sizes):
-            raise ValueError(
-                f"block_indices has {len(block_indices)} entries for {len(group_sizes)} groups"
-            )
+            raise ValueError(f"block_indices has {len(block_indices)} entries for {len(group_sizes)} groups")
         if any(size < 0 for size in group_sizes) or sum(group_sizes) != len(gpu_ids):
             raise ValueError(
                 f"group_sizes {list(group_sizes)} do not partition the {len(gpu_ids)} GPU block ids"
@@ -343,9 +335,7 @@ class TransferLayout:
             pieces_t.append(np.broadcast_to(tensors, shape).ravel())
             pieces_gpu.append((group_gpu[None, :] * strides).ravel())
             pieces_cpu.append(
-                (
-                    cpu_rows[None, :] * self.cpu_row_stride + offsets + cpu_slots[None, :] * pages
-                ).ravel()
+                (cpu_rows[None, :] * self.cpu_row_stride + offsets + cpu_slots[None, :] * pages).ravel()
             )
             pieces_size.append(np.broadcast_to(copies, shape).ravel())
             gpu_at += size

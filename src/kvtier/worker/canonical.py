@@ -54,11 +54,7 @@ def canonicalize(
     if groups is None:
         groups = [list(range(len(layers)))]
     refs = [
-        [
-            CanonicalKVCacheRef(t, tensors[t].page_size_bytes)
-            for layer in group
-            for t in per_layer[layer]
-        ]
+        [CanonicalKVCacheRef(t, tensors[t].page_size_bytes) for layer in group for t in per_layer[layer]]
         for group in groups
     ]
     return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)

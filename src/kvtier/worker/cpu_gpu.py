@@ -94,9 +94,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         try:
             src, dst = spec
         except (TypeError, ValueError):
-            raise ValueError(
-                f"a transfer spec is a (source, destination) pair; got {spec!r}"
-            ) from None
+            raise ValueError(f"a transfer spec is a (source, destination) pair; got {spec!r}") from None
         # ValueError, not TypeError: every malformed spec is one kind of caller error here
         if not isinstance(src, self.src_type) or not isinstance(dst, self.dst_type):
             raise ValueError(  # noqa: TRY004
@@ -182,9 +180,7 @@ def _group_copy_bytes(kv_caches: CanonicalKVCaches) -> list[list[int]]:
         for r, ref in enumerate(refs):
             field = f"kv_caches.group_data_refs[{g}][{r}]"
             if not 0 <= ref.tensor_idx < num_tensors:
-                raise ConfigError(
-                    f"{field}.tensor_idx", ref.tensor_idx, f"an index in [0, {num_tensors})"
-                )
+                raise ConfigError(f"{field}.tensor_idx", ref.tensor_idx, f"an index in [0, {num_tensors})")
             page = kv_caches.tensors[ref.tensor_idx].page_size_bytes
             if not 0 < ref.page_size_bytes <= page:
                 raise ConfigError(
@@ -238,14 +234,11 @@ class CpuGpuOffloadingHandlers:
             raise ConfigError("kv_caches.tensors", [], "at least one KV cache tensor")
         page_bytes = [entry.page_size_bytes for entry in kv_caches.tensors]
         pages = [
-            _pages_view(entry.tensor, entry.page_size_bytes, i)
-            for i, entry in enumerate(kv_caches.tensors)
+            _pages_view(entry.tensor, entry.page_size_bytes, i) for i, entry in enumerate(kv_caches.tensors)
         ]
         devices = {p.device for p in pages}
         if len(devices) != 1:
-            raise ConfigError(
-                "kv_caches.tensors", sorted(map(str, devices)), "tensors on one device"
-            )
+            raise ConfigError("kv_caches.tensors", sorted(map(str, devices)), "tensors on one device")
         shard_bytes = block_size_factor * sum(page_bytes)
         if shard is None:
             shard = ShardPlacement.single(shard_bytes)
@@ -287,9 +280,7 @@ class CpuGpuOffloadingHandlers:
 
         def load_handler() -> SingleDirectionOffloadingHandler:
             load = make_engine(engine, self.buffers, False, priority=LOAD_PRIORITY)
-            return SingleDirectionOffloadingHandler(
-                self.layout, load, on_shutdown=self._handler_stopped
-            )
+            return SingleDirectionOffloadingHandler(self.layout, load, on_shutdown=self._handler_stopped)
 
         self.cpu_to_gpu_handler = load_handler()
         self.expedited_load_handler = load_handler() if expedited_loads else None

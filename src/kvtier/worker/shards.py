@@ -101,6 +101,5 @@ class ShardPlacement:
     def describe(self) -> str:
         """The shard layout in a few words, for a layout fingerprint and for logs."""
         return (
-            f"shards={self.num_shards}x{self.shard_bytes};world={self.world_size};"
-            f"replicas={self.kv_replicas}"
+            f"shards={self.num_shards}x{self.shard_bytes};world={self.world_size};replicas={self.kv_replicas}"
         )

@@ -24,9 +24,7 @@ def make_cpu_manager():
 
     made = []
 
-    def make(
-        num_blocks: int = 4, cache_policy: str = "lru", enable_events: bool = False
-    ):
+    def make(num_blocks: int = 4, cache_policy: str = "lru", enable_events: bool = False):
         probe = offloading_config(kvtier_extra([{"kind": "cpu", "capacity": "1MiB"}]))
         row = OffloadingSpecFactory.create_spec(probe).layout.block_bytes
         tier = {

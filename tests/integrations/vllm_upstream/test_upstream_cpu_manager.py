@@ -62,9 +62,7 @@ def check_store(out: PrepareStoreOutput | None, expected: Expected) -> None:
 
 def check_load(spec, expected_ids: list[int]) -> None:
     assert isinstance(spec, CPULoadStoreSpec)
-    np.testing.assert_array_equal(
-        spec.chunk_ids, np.array(expected_ids, dtype=np.int64)
-    )
+    np.testing.assert_array_equal(spec.chunk_ids, np.array(expected_ids, dtype=np.int64))
 
 
 def check_events(
@@ -85,12 +83,8 @@ def slots(out: PrepareStoreOutput) -> list[int]:
 
 
 @pytest.mark.parametrize("eviction_policy", ["lru", "arc"])
-def test_already_stored_block_not_evicted_during_prepare_store(
-    make_cpu_manager, eviction_policy
-):
-    manager = make_cpu_manager(
-        num_blocks=4, cache_policy=eviction_policy, enable_events=True
-    )
+def test_already_stored_block_not_evicted_during_prepare_store(make_cpu_manager, eviction_policy):
+    manager = make_cpu_manager(num_blocks=4, cache_policy=eviction_policy, enable_events=True)
     manager.prepare_store(to_keys([1, 2]), CTX)
     manager.complete_store(to_keys([1, 2]), CTX)
     manager.touch(to_keys([1]), CTX)  # block 2 is now the LRU candidate
@@ -106,9 +100,7 @@ def test_already_stored_block_not_evicted_during_prepare_store(
 def test_cpu_manager(make_cpu_manager):
     manager = make_cpu_manager(num_blocks=4, cache_policy="lru", enable_events=True)
 
-    check_store(
-        manager.prepare_store(to_keys([1, 2]), CTX), Expected([1, 2], [0, 1], [])
-    )
+    check_store(manager.prepare_store(to_keys([1, 2]), CTX), Expected([1, 2], [0, 1], []))
     # write in flight: found, not yet readable (vLLM 0.33: HIT_PENDING)
     assert manager.lookup(to_key(1), CTX) is PENDING
     assert manager.lookup(to_key(2), CTX) is PENDING
@@ -134,9 +126,7 @@ def test_cpu_manager(make_cpu_manager):
         assert manager.lookup(to_key(i), CTX) is HIT
     assert manager.lookup(to_key(0), CTX) is MISS
 
-    check_load(
-        manager.prepare_load(to_keys([2, 3]), CTX), [rows[to_key(2)], rows[to_key(3)]]
-    )
+    check_load(manager.prepare_load(to_keys([2, 3]), CTX), [rows[to_key(2)], rows[to_key(3)]])
     assert manager.prepare_store(to_keys([6, 7, 8]), CTX) is None  # [2, 3] being loaded
     manager.complete_load(to_keys([2, 3]), CTX)
 
@@ -254,9 +244,7 @@ class TestARCPolicy:
 
     def test_basic(self, make):
         manager, policy = make()
-        check_store(
-            manager.prepare_store(to_keys([1, 2]), CTX), Expected([1, 2], [0, 1], [])
-        )
+        check_store(manager.prepare_store(to_keys([1, 2]), CTX), Expected([1, 2], [0, 1], []))
         assert manager.lookup(to_key(1), CTX) is PENDING
         assert manager.lookup(to_key(2), CTX) is PENDING
         assert list(manager.take_events()) == []
@@ -307,9 +295,7 @@ class TestARCPolicy:
         manager.complete_store(to_keys([3]), CTX)
         assert to_key(1) in self.lists(policy)[2]
         manager.touch(to_keys([1]), CTX)
-        assert (
-            policy.target_t1_blocks == initial
-        )  # a touch of an absent key changes nothing
+        assert policy.target_t1_blocks == initial  # a touch of an absent key changes nothing
         manager.prepare_store(to_keys([1]), CTX)  # the ghost hit
         manager.complete_store(to_keys([1]), CTX)
         assert policy.target_t1_blocks > initial

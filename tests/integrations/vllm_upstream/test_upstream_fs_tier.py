@@ -69,9 +69,7 @@ def spec(events: bool = False):
     )
 
 
-def open_tier(
-    path, rows: np.ndarray, kind: str, events: bool = False
-) -> KvtierDiskTier:
+def open_tier(path, rows: np.ndarray, kind: str, events: bool = False) -> KvtierDiskTier:
     return SecondaryTierFactory.create_secondary_tier(
         {
             "type": "KvtierDiskTier",
@@ -156,9 +154,7 @@ def test_multi_block_job_partial_failure(fs_tier):
     tier, _ = fs_tier
     tier.submit_store(make_job(1, [key(10), key(11)], [0, 1]))
     assert all(r.success for r in drain(tier))
-    tier.submit_load(
-        make_job(2, [key(10), key(11), key(99)], [0, 1, 2], is_promotion=True)
-    )
+    tier.submit_load(make_job(2, [key(10), key(11), key(99)], [0, 1, 2], is_promotion=True))
     results = drain(tier)
     assert len(results) == 1 and results[0].job_id == 2 and not results[0].success
     # kvtier also says which blocks loaded, verified (vLLM's test does not look)
@@ -221,9 +217,7 @@ def test_batched_partial_load_failure_keeps_loaded_blocks(fs_tier, tmp_path, bad
     good = [k for i, k in enumerate(keys) if i != bad]
     assert tuple(results[0].successful_keys) == tuple(good)
     answers = [tier.lookup(k, CTX) for k in keys]
-    assert answers == [
-        LookupResult.MISS if i == bad else LookupResult.HIT for i in range(3)
-    ]
+    assert answers == [LookupResult.MISS if i == bad else LookupResult.HIT for i in range(3)]
     for i in range(3):
         if i != bad:
             np.testing.assert_array_equal(rows[3 + i], expected[i])

@@ -67,9 +67,7 @@ class Stack:
 
     def __init__(self, num_blocks: int = 5, lower: int = 2):
         self.backend = MemoryBackend(num_blocks, BLOCK)
-        self.tiers = [
-            MemoryTier(f"tier{i + 1}", self.backend.rows, 64) for i in range(lower)
-        ]
+        self.tiers = [MemoryTier(f"tier{i + 1}", self.backend.rows, 64) for i in range(lower)]
         inner = (
             TierStackManager(
                 self.backend,
@@ -81,16 +79,12 @@ class Stack:
             else SingleTierManager(self.backend, LRUPolicy(num_blocks))
         )
         self.inner = inner
-        self.manager = KvtierOffloadingManager(
-            inner, events=True, config_info={}, stats_log_interval_s=0
-        )
+        self.manager = KvtierOffloadingManager(inner, events=True, config_info={}, stats_log_interval_s=0)
         self._seed_ids = iter(range(1 << 20, 1 << 21))
 
     def step(self) -> None:
         """vLLM's _simulate_on_schedule_end: the step ends, its events are drained."""
-        self.manager.on_schedule_end(
-            ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
-        )
+        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
         list(self.manager.take_events())
 
     def store(self, keys, ctx=CTX, success=True):
@@ -110,9 +104,7 @@ class Stack:
         job = TierJob(next(self._seed_ids), tuple(keys), tuple(range(len(keys))))
         tier.submit_store(job)
         tier.drain_jobs()
-        (result,) = (
-            tier.get_finished_jobs()
-        )  # handed to nobody: the manager never saw it
+        (result,) = tier.get_finished_jobs()  # handed to nobody: the manager never saw it
         assert set(result.ok) == set(keys)
         rows[: len(keys)] = scratch
         list(tier.take_events())
@@ -178,10 +170,7 @@ def test_promotion_from_secondary(stack):
         assert stack.manager.lookup(block, CTX) is PENDING  # promotion initiated
     stack.step()  # the reads are submitted
     stack.step()  # and polled
-    assert (
-        count_hits(lambda k, c: HIT if stack.inner.policy.contains(k) else MISS, blocks)
-        == 3
-    )
+    assert count_hits(lambda k, c: HIT if stack.inner.policy.contains(k) else MISS, blocks) == 3
     assert count_hits(stack.manager.lookup, blocks) == 3
     spec = stack.manager.prepare_load(blocks, CTX)
     for key, row in zip(blocks, spec.chunk_ids):
@@ -296,9 +285,7 @@ def test_reset_cache_drains_all_tiers(stack):
     assert not stack.manager.has_pending_work()
     for block in blocks:
         assert not stack.inner.policy.contains(block)
-    assert all(
-        tier.num_blocks() == 3 for tier in stack.tiers
-    )  # the tiers keep what they got
+    assert all(tier.num_blocks() == 3 for tier in stack.tiers)  # the tiers keep what they got
     stack.manager.on_reset_flushed()
 
 

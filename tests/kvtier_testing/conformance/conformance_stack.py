@@ -28,11 +28,18 @@ SETTLE_S = 20.0
 class Stack:
     """``build_manager`` over a 32-row CPU tier (write_through) and the harness's section."""
 
-    def __init__(self, harness: Harness, cpu_blocks: int = 32, lower_blocks: int = 128, config: dict | None = None):
+    def __init__(
+        self, harness: Harness, cpu_blocks: int = 32, lower_blocks: int = 128, config: dict | None = None
+    ):
         self.harness = harness
         self.config = config or {
             "tiers": [
-                {"name": "cpu", "kind": "cpu", "capacity": cpu_blocks * row_stride_for(BLOCK), "pin_memory": "off"},
+                {
+                    "name": "cpu",
+                    "kind": "cpu",
+                    "capacity": cpu_blocks * row_stride_for(BLOCK),
+                    "pin_memory": "off",
+                },
                 {"name": FAR, **harness.section(lower_blocks, BLOCK)},
             ],
             "cascade": {"write_policy": "write_through"},

@@ -32,8 +32,13 @@ HOLD_LIMIT_S = 30.0
 
 class DiskHarness(Harness):
     counters: ClassVar[dict[str, str | None]] = {
-        "stored": "stored", "loaded": "loaded", "missing": "missing", "corrupt": "corrupt", "failed": "failed_keys",
-        "full": "failed_ENOSPC", "down": "failed_EIO",
+        "stored": "stored",
+        "loaded": "loaded",
+        "missing": "missing",
+        "corrupt": "corrupt",
+        "failed": "failed_keys",
+        "full": "failed_ENOSPC",
+        "down": "failed_EIO",
     }
 
     def __init__(self, request, tmp_path):
@@ -45,8 +50,11 @@ class DiskHarness(Harness):
     def place(self, scenario: str) -> None:
         super().place(scenario)
         if scenario == "replay down":
-            self.cannot("a dead disk under replay", "a stopped filesystem fails the store's open, an error at "
-                        "start (a replay cannot stop it mid-run)")
+            self.cannot(
+                "a dead disk under replay",
+                "a stopped filesystem fails the store's open, an error at "
+                "start (a replay cannot stop it mid-run)",
+            )
         if scenario == "full":
             self.root = self.exits.enter_context(tmpfs(self.tmp_path / "mnt", "4m"))
         elif scenario == "down":
@@ -54,7 +62,10 @@ class DiskHarness(Harness):
 
     def section(self, blocks: int, block_bytes: int) -> dict:
         return {
-            "kind": self.kind, "path": str(self.root / "store"), "fsync": "batch", "threads": 2,
+            "kind": self.kind,
+            "path": str(self.root / "store"),
+            "fsync": "batch",
+            "threads": 2,
             "capacity": blocks * on_disk_block_bytes(block_bytes),
         }
 
@@ -86,8 +97,13 @@ class DiskHarness(Harness):
 
     def relayout(self, tier, keys):
         other = LayoutFingerprint(
-            model="another-model", dtype="bfloat16", tokens_per_block=16, page_bytes=(tier.block_bytes,),
-            rank=0, world_size=1, block_bytes=tier.block_bytes,
+            model="another-model",
+            dtype="bfloat16",
+            tokens_per_block=16,
+            page_bytes=(tier.block_bytes,),
+            rank=0,
+            world_size=1,
+            block_bytes=tier.block_bytes,
         )
         for k in keys:
             path, offset = locate(tier, k)
@@ -95,8 +111,13 @@ class DiskHarness(Harness):
                 stream.seek(offset + HEADER_BYTES)
                 body = stream.read(tier.block_bytes)
             page = aligned_buffer(HEADER_BYTES)
-            encode_header_into(page, layout_digest=other.digest(), key=k, payload_bytes=tier.block_bytes,
-                               checksum=xxhash.xxh3_64_intdigest(body))
+            encode_header_into(
+                page,
+                layout_digest=other.digest(),
+                key=k,
+                payload_bytes=tier.block_bytes,
+                checksum=xxhash.xxh3_64_intdigest(body),
+            )
             with open(path, "r+b") as stream:
                 stream.seek(offset)
                 stream.write(page[:])

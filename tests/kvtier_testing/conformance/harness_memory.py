@@ -34,16 +34,23 @@ class MemoryHarness(Harness):
     kind = "kvtier_testing.conformance.harness_memory:MemoryTierConfig"
     label = "memory"
     counters: ClassVar[dict[str, str | None]] = {
-        "stored": "stored", "loaded": "loaded", "missing": "missing", "corrupt": "corrupt", "failed": "failed_keys",
-        "full": "failed_ENOSPC", "down": "failed_EIO",
+        "stored": "stored",
+        "loaded": "loaded",
+        "missing": "missing",
+        "corrupt": "corrupt",
+        "failed": "failed_keys",
+        "full": "failed_ENOSPC",
+        "down": "failed_EIO",
     }
     persistent = False
 
     def place(self, scenario):
         super().place(scenario)
         if scenario == "replay down":
-            self.cannot("a dead medium under replay", "its failures are injected into a tier object the replay "
-                        "builds for itself")
+            self.cannot(
+                "a dead medium under replay",
+                "its failures are injected into a tier object the replay builds for itself",
+            )
         if scenario == "restart":
             self.cannot("restart", "its blocks live in the tier object, and a reopened tier starts empty")
 

@@ -34,8 +34,13 @@ MAXMEMORY = 256 << 20
 class ValkeyHarness(Harness):
     kind = "valkey"
     counters: ClassVar[dict[str, str | None]] = {
-        "stored": "stored_blocks", "loaded": "loaded_blocks", "missing": "failed_missing", "corrupt": "corrupt_values",
-        "failed": "failed_keys", "full": "failed_server_OOM", "down": "outages",
+        "stored": "stored_blocks",
+        "loaded": "loaded_blocks",
+        "missing": "failed_missing",
+        "corrupt": "corrupt_values",
+        "failed": "failed_keys",
+        "full": "failed_server_OOM",
+        "down": "outages",
     }
     cluster = False
     reads_when_down = "miss"  # its first failure puts it in an outage: lookups answer False
@@ -97,15 +102,25 @@ class ValkeyHarness(Harness):
 
     def relayout(self, tier, keys):
         other = LayoutFingerprint(
-            model="another-model", dtype="bfloat16", tokens_per_block=16, page_bytes=(tier.block_bytes,),
-            rank=0, world_size=1, block_bytes=tier.block_bytes,
+            model="another-model",
+            dtype="bfloat16",
+            tokens_per_block=16,
+            page_bytes=(tier.block_bytes,),
+            rank=0,
+            world_size=1,
+            block_bytes=tier.block_bytes,
         )
 
         def rewrite(k, value):
             header = bytearray(HEADER_BYTES)
             body = bytes(value[HEADER_BYTES:])
-            encode_header_into(header, layout_digest=other.digest(), key=k, payload_bytes=tier.block_bytes,
-                               checksum=xxhash.xxh3_64_intdigest(body))
+            encode_header_into(
+                header,
+                layout_digest=other.digest(),
+                key=k,
+                payload_bytes=tier.block_bytes,
+                checksum=xxhash.xxh3_64_intdigest(body),
+            )
             return bytes(header) + body
 
         self._rewrite(tier, keys, rewrite)

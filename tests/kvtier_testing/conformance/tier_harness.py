@@ -41,8 +41,10 @@ BLOCK = 12_000
 
 #: the harness modules of the kinds kvtier ships, and of the out-of-tree example
 HARNESS_MODULES = (
-    "kvtier_testing.conformance.harness_disk", "kvtier_testing.conformance.harness_valkey",
-    "kvtier_testing.conformance.harness_memory", "remote_tier_harness",
+    "kvtier_testing.conformance.harness_disk",
+    "kvtier_testing.conformance.harness_valkey",
+    "kvtier_testing.conformance.harness_memory",
+    "remote_tier_harness",
 )
 #: comma-separated module names of more harnesses (a kind from outside kvtier)
 ENV_MODULES = "KVTIER_CONFORMANCE_HARNESSES"
@@ -75,14 +77,21 @@ class Harness:
     #: keys of failed jobs, keys refused for lack of room, and outages; None where the kind
     #: does not count it
     counters: ClassVar[dict[str, str | None]] = {
-        "stored": "stored", "loaded": "loaded", "missing": "missing", "corrupt": "corrupt", "failed": "failed_keys",
-        "full": "failed_ENOSPC", "down": None,
+        "stored": "stored",
+        "loaded": "loaded",
+        "missing": "missing",
+        "corrupt": "corrupt",
+        "failed": "failed_keys",
+        "full": "failed_ENOSPC",
+        "down": None,
     }
 
     #: the per-check counter a damaged block adds to, per damage scenario (``corrupt_<check>``
     #: of a :class:`~kvtier.tiers.base.Failure`); a scenario left out is not checked
     checks: ClassVar[dict[str, str]] = {
-        "corrupt": "corrupt_checksum", "short": "corrupt_truncated", "other layout": "corrupt_other_layout",
+        "corrupt": "corrupt_checksum",
+        "short": "corrupt_truncated",
+        "other layout": "corrupt_other_layout",
     }
 
     def __init__(self, request: pytest.FixtureRequest, tmp_path: Path):

@@ -18,8 +18,9 @@ def test_every_registered_lower_kind_has_a_harness():
 
 
 def test_a_kind_registered_without_a_harness_fails_every_scenario(request, tmp_path, monkeypatch):
-    monkeypatch.setattr(TIER_KINDS, "_entries", {**TIER_KINDS._entries,
-                                                 "newkind": "kvtier.tiers.disk.config:DiskTierConfig"})
+    monkeypatch.setattr(
+        TIER_KINDS, "_entries", {**TIER_KINDS._entries, "newkind": "kvtier.tiers.disk.config:DiskTierConfig"}
+    )
     found = dict(tier_harness.cases())
     assert found["newkind-no-harness"] == "newkind"
     harness = tier_harness.MissingHarness(request, tmp_path, "newkind")

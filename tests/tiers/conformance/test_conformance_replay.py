@@ -21,15 +21,26 @@ from kvtier.tiers.cpu.region import row_stride_for
 #: about half of the warm replay's hits to the tier below
 LIMIT = 150
 BLOCK_BYTES = 4096
-REPLAY = {"limit": LIMIT, "gpu_blocks": 400, "block_bytes": BLOCK_BYTES, "baseline": False,
-          "progress": False, "deterministic": True}
+REPLAY = {
+    "limit": LIMIT,
+    "gpu_blocks": 400,
+    "block_bytes": BLOCK_BYTES,
+    "baseline": False,
+    "progress": False,
+    "deterministic": True,
+}
 
 
 def configure(harness, scenario: str) -> dict:
     harness.place(scenario)
     return {
         "tiers": [
-            {"name": "cpu", "kind": "cpu", "capacity": 300 * row_stride_for(BLOCK_BYTES), "pin_memory": "off"},
+            {
+                "name": "cpu",
+                "kind": "cpu",
+                "capacity": 300 * row_stride_for(BLOCK_BYTES),
+                "pin_memory": "off",
+            },
             {"name": "far", **harness.section(4096, BLOCK_BYTES)},
         ],
     }

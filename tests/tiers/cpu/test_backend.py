@@ -265,8 +265,7 @@ def test_from_config_capacity_above_available_memory(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_module, "_available_memory_bytes", lambda: 1 * MiB)
     path = tmp_path / "cpu.shm"
     before = _shm_listing()
-    for config in (_config(8 * MiB, pin_memory="off"),
-                   _config(8 * MiB, path=str(path), pin_memory="off")):
+    for config in (_config(8 * MiB, pin_memory="off"), _config(8 * MiB, path=str(path), pin_memory="off")):
         with pytest.raises(ConfigError) as excinfo:
             CPUBackend.from_config(config, block_bytes=4096)
         message = str(excinfo.value)

@@ -394,9 +394,7 @@ def test_a_large_region_is_pinned_in_pieces_all_or_nothing(monkeypatch):
 
     # a piece the driver refuses unpins the ones before it, and the region stays unpinned
     calls.clear()
-    monkeypatch.setattr(
-        cuda, "host_register", lambda ptr, n: calls.append(("reg", ptr, n)) or len(calls) < 2
-    )
+    monkeypatch.setattr(cuda, "host_register", lambda ptr, n: calls.append(("reg", ptr, n)) or len(calls) < 2)
     with SharedRegion.create(5, 8192) as shared:
         address = shared.address
         assert shared.pin("auto") is False and not shared.pinned

@@ -38,8 +38,7 @@ def attacker():
 
 def as_user(user, *argv):
     uid, gid = user
-    return subprocess.run(list(argv), user=uid, group=gid, extra_groups=[], check=True,
-                          capture_output=True)
+    return subprocess.run(list(argv), user=uid, group=gid, extra_groups=[], check=True, capture_output=True)
 
 
 @pytest.fixture
@@ -174,9 +173,7 @@ def test_a_restart_at_the_same_path_takes_the_place_of_a_killed_run(tmp_path):
 
     path = tmp_path / "kvtier-engine0"  # a fixed name, as under vLLM
     _create_and_die(path)
-    config = CPUTierConfig(
-        name="cpu", kind="cpu", capacity_bytes=5 * 4096, path=str(path), pin_memory="off"
-    )
+    config = CPUTierConfig(name="cpu", kind="cpu", capacity_bytes=5 * 4096, path=str(path), pin_memory="off")
     backend = CPUBackend.from_config(config, 4096)
     try:
         assert backend.region.path == str(path) and backend.region.is_creator

@@ -32,8 +32,13 @@ KEY = b"k" * 32 + b"\0\0\0\1"
 def block(key=KEY, fp=FP, nbytes=5000, seed=1):
     page = aligned_buffer(HEADER_BYTES)
     body = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-    encode_header_into(page, layout_digest=fp.digest(), key=key, payload_bytes=nbytes,
-                       checksum=xxhash.xxh3_64_intdigest(body))
+    encode_header_into(
+        page,
+        layout_digest=fp.digest(),
+        key=key,
+        payload_bytes=nbytes,
+        checksum=xxhash.xxh3_64_intdigest(body),
+    )
     return page, body
 
 
@@ -50,9 +55,15 @@ def test_sizes_round_to_pages():
 
 def test_every_fingerprint_field_changes_the_digest():
     seen = {FP.digest()}
-    for name, value in [("model", "other"), ("dtype", "fp8"), ("tokens_per_block", 32),
-                        ("page_bytes", (4096, 4096)), ("rank", 1), ("world_size", 4),
-                        ("block_bytes", 8192)]:
+    for name, value in [
+        ("model", "other"),
+        ("dtype", "fp8"),
+        ("tokens_per_block", 32),
+        ("page_bytes", (4096, 4096)),
+        ("rank", 1),
+        ("world_size", 4),
+        ("block_bytes", 8192),
+    ]:
         seen.add(dataclasses.replace(FP, **{name: value}).digest())
     assert len(seen) == 8
     assert len(FP.digest()) == 16
@@ -83,8 +94,9 @@ def test_header_page_is_deterministic():
     page = aligned_buffer(HEADER_BYTES)
     page[:] = b"\xff" * HEADER_BYTES  # stale bytes of an earlier, longer header
     _, body = block()
-    encode_header_into(page, layout_digest=FP.digest(), key=KEY, payload_bytes=5000,
-                       checksum=xxhash.xxh3_64_intdigest(body))
+    encode_header_into(
+        page, layout_digest=FP.digest(), key=KEY, payload_bytes=5000, checksum=xxhash.xxh3_64_intdigest(body)
+    )
     assert page[:] == first[:]
 
 
@@ -111,8 +123,10 @@ def test_truncation_other_layout_other_key_and_length():
     other_fp = dataclasses.replace(FP, model="other")
     assert check(page, body, fp=other_fp) == "other layout"
     assert check(page, body, key=b"another key") == "other key"
-    assert verify(page, body[:4000], HEADER_BYTES + 5000, key=KEY, layout_digest=FP.digest(),
-                  payload_bytes=4000) == "payload length"
+    assert (
+        verify(page, body[:4000], HEADER_BYTES + 5000, key=KEY, layout_digest=FP.digest(), payload_bytes=4000)
+        == "payload length"
+    )
     assert decode_header(b"\0" * 100) == "truncated"
 
 

@@ -77,7 +77,9 @@ def test_check_from_the_installed_command(tmp_path, shm):
     make_store("lmdb", path, shm.rows)
     result = subprocess.run(
         [str(Path(sys.executable).parent / "kvtier"), "check", "--json", str(path)],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["healthy"] is True
@@ -85,10 +87,26 @@ def test_check_from_the_installed_command(tmp_path, shm):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_bench_disk_prints_every_figure(kind, tmp_path, capsys):
-    code = main([
-        "bench", "disk", "--backend", kind, "--json", "--gib", "0.03125", "--rounds", "1",
-        "--open-blocks", "300", "--dir", str(tmp_path), "--threads", "2", "--no-drop-caches",
-    ])
+    code = main(
+        [
+            "bench",
+            "disk",
+            "--backend",
+            kind,
+            "--json",
+            "--gib",
+            "0.03125",
+            "--rounds",
+            "1",
+            "--open-blocks",
+            "300",
+            "--dir",
+            str(tmp_path),
+            "--threads",
+            "2",
+            "--no-drop-caches",
+        ]
+    )
     assert code == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
@@ -106,6 +124,24 @@ def test_bench_disk_prints_every_figure(kind, tmp_path, capsys):
 
 
 def test_bench_disk_fails_cleanly_where_it_cannot_run(tmp_path, capsys):
-    assert main(["bench", "disk", "--backend", "files", "--gib", "0.03125", "--rounds", "1",
-                 "--open-blocks", "0", "--dir", str(tmp_path / "no" / "such"), "--no-drop-caches"]) == 1
+    assert (
+        main(
+            [
+                "bench",
+                "disk",
+                "--backend",
+                "files",
+                "--gib",
+                "0.03125",
+                "--rounds",
+                "1",
+                "--open-blocks",
+                "0",
+                "--dir",
+                str(tmp_path / "no" / "such"),
+                "--no-drop-caches",
+            ]
+        )
+        == 1
+    )
     assert "kvtier bench disk:" in capsys.readouterr().err

@@ -54,13 +54,23 @@ CLI = "import sys; from kvtier.cli.main import main; sys.exit(main(sys.argv[1:])
 
 def engine_open(path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", ENGINE, str(path)], check=False, capture_output=True, text=True, env=ENV, timeout=120,
+        [sys.executable, "-c", ENGINE, str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
     )
 
 
 def kvtier(*args) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", CLI, *map(str, args)], check=False, capture_output=True, text=True, env=ENV, timeout=120,
+        [sys.executable, "-c", CLI, *map(str, args)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
     )
 
 
@@ -215,6 +225,9 @@ def test_a_manifest_naming_the_other_kind_is_a_problem_and_nothing_is_written(ki
     result = kvtier("check", *(["--fix"] if fix else []), path)
     alive(result)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert f"the manifest names a {other} store, but the directory holds the files of a {kind} store" in result.stdout
+    assert (
+        f"the manifest names a {other} store, but the directory holds the files of a {kind} store"
+        in result.stdout
+    )
     assert "healthy" not in result.stdout
     assert snapshot(path) == before

@@ -1,6 +1,5 @@
 """What only the lmdb tier has: the slab, slot bookkeeping and its recovery."""
 
-
 import pytest
 from kvtier_testing import key
 from kvtier_testing.store import dead_pid, holds, load, open_tier, store

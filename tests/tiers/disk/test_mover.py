@@ -15,8 +15,15 @@ from kvtier.tiers.cpu.region import SharedRegion
 
 
 def job(job_id, n, block, is_load=False, before=None, after=None):
-    return MoverJob(job_id, is_load, [bytes([i]) for i in range(n)], list(range(n)),
-                    block=block, before=before, after=after)
+    return MoverJob(
+        job_id,
+        is_load,
+        [bytes([i]) for i in range(n)],
+        list(range(n)),
+        block=block,
+        before=before,
+        after=after,
+    )
 
 
 def wait_for(mover, count, timeout=10.0):
@@ -33,8 +40,14 @@ def test_blocks_run_on_mover_threads_and_complete_once():
     mover = Mover("t", threads=3)
     try:
         after_calls = []
-        mover.submit(job(1, 10, lambda j, i: seen.append(threading.get_ident()) or None,
-                         after=lambda j: after_calls.append(j.job_id)))
+        mover.submit(
+            job(
+                1,
+                10,
+                lambda j, i: seen.append(threading.get_ident()) or None,
+                after=lambda j: after_calls.append(j.job_id),
+            )
+        )
         (done,) = wait_for(mover, 1)
         assert done.job_id == 1 and done.reasons == [None] * 10
         assert math.isfinite(done.seconds)  # the job's duration is reported

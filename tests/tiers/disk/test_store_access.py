@@ -25,7 +25,9 @@ from kvtier.config import load_config
 from kvtier.errors import ConfigError, DiskTierError, KvtierError
 from kvtier.tiers.disk import check_store, open_store
 
-root_only = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None, reason="needs root and useradd")
+root_only = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("useradd") is None, reason="needs root and useradd"
+)
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 CLI = "import sys; from kvtier.cli.main import main; sys.exit(main(sys.argv[1:]))"
 # another process of the same user holding the store's maintenance lock
@@ -65,15 +67,24 @@ def as_user(user, command: str, timeout: float = 30) -> subprocess.CompletedProc
         os.setresuid(uid, uid, uid)
 
     return subprocess.run(
-        ["/bin/sh", "-c", command], preexec_fn=drop, capture_output=True, text=True, timeout=timeout,
-        cwd="/", check=False,
+        ["/bin/sh", "-c", command],
+        preexec_fn=drop,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd="/",
+        check=False,
     )
 
 
 def kvtier(*args, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", CLI, *map(str, args)], capture_output=True, text=True, env=ENV,
-        timeout=timeout, check=False,
+        [sys.executable, "-c", CLI, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=timeout,
+        check=False,
     )
 
 
@@ -140,7 +151,9 @@ def test_blocks_another_user_planted_are_never_served(kind, shared, attacker, sh
     ("kind", "name"),
     [("lmdb", "slab.kvs"), ("lmdb", "kvtier-store.lock"), ("files", "kvtier-users.lock"), ("files", "usage")],
 )
-def test_a_squatted_store_cannot_redirect_writes_through_a_symlink(kind, name, shared, attacker, tmp_path, shm):
+def test_a_squatted_store_cannot_redirect_writes_through_a_symlink(
+    kind, name, shared, attacker, tmp_path, shm
+):
     """The attacker's directory holds a symlink to a root-only file (or to where a new file
     would appear): kvtier neither grows nor creates anything through it."""
     victim = victim_file(tmp_path)
@@ -156,7 +169,9 @@ def test_a_squatted_store_cannot_redirect_writes_through_a_symlink(kind, name, s
 
 
 @root_only
-def test_a_squatted_store_cannot_make_kvtier_delete_through_a_symlinked_blocks_dir(shared, attacker, tmp_path, shm):
+def test_a_squatted_store_cannot_make_kvtier_delete_through_a_symlinked_blocks_dir(
+    shared, attacker, tmp_path, shm
+):
     victims = tmp_path / "victims"
     (victims / "00").mkdir(parents=True)
     precious = victims / "00" / ".x.999999999.1.tmp"  # what a temp-file sweep would remove
@@ -285,7 +300,9 @@ def test_no_example_and_no_error_suggests_a_world_writable_place(tmp_path):
         text = example.read_text()
         assert "/var/tmp" not in text and "/tmp/" not in text, example
     missing = tmp_path / "c.yaml"
-    missing.write_text("tiers:\n  - {name: cpu, kind: cpu, capacity: 1GiB}\n  - {name: nvme, kind: lmdb, capacity: 1GiB}\n")
+    missing.write_text(
+        "tiers:\n  - {name: cpu, kind: cpu, capacity: 1GiB}\n  - {name: nvme, kind: lmdb, capacity: 1GiB}\n"
+    )
     with pytest.raises(ConfigError) as caught:
         load_config(missing)
     assert ".cache/kvtier/nvme" in str(caught.value)
@@ -348,12 +365,15 @@ def test_a_lock_held_by_another_process_times_out_naming_the_lock(kind, tmp_path
     lock = path / "kvtier-store.lock"
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD_LOCK, str(lock)],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "held"
         cfg = config(kind, path, 8, shm.rows.shape[1], lock_timeout_s=0.3)
-        with pytest.raises(DiskTierError, match=rf"timed out after 0.3 s \(lock_timeout_s\) waiting for the lock {lock}"):
+        with pytest.raises(
+            DiskTierError, match=rf"timed out after 0.3 s \(lock_timeout_s\) waiting for the lock {lock}"
+        ):
             open_store(cfg, shm.rows, fingerprint(shm.rows.shape[1]), threads=1)
     finally:
         holder.kill()

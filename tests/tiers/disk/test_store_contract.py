@@ -301,8 +301,11 @@ def test_open_errors_name_the_field_and_the_fix(kind, tmp_path, shm):
         open_tier(kind, user_dir, shm.rows, 4)
     assert (user_dir / "notes.txt").read_text() == "mine"
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.capacity.*at least one block"):
-        open_store(DiskTierConfig(name="d", kind=kind, capacity_bytes=4096, path=str(tmp_path / "c")),
-                   shm.rows, fingerprint())
+        open_store(
+            DiskTierConfig(name="d", kind=kind, capacity_bytes=4096, path=str(tmp_path / "c")),
+            shm.rows,
+            fingerprint(),
+        )
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.capacity.*free"):
         open_tier(kind, tmp_path / "huge", shm.rows, 10**12)
     other = "files" if kind == "lmdb" else "lmdb"

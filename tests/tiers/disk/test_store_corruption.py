@@ -41,8 +41,13 @@ def truncate(tier, victim, other):
 def other_layout(tier, victim, other):
     path, offset = locate(tier, victim)
     page = aligned_buffer(HEADER_BYTES)
-    encode_header_into(page, layout_digest=fingerprint(model="another-model").digest(), key=victim,
-                       payload_bytes=BLOCK, checksum=xxhash.xxh3_64_intdigest(payload(victim, BLOCK)))
+    encode_header_into(
+        page,
+        layout_digest=fingerprint(model="another-model").digest(),
+        key=victim,
+        payload_bytes=BLOCK,
+        checksum=xxhash.xxh3_64_intdigest(payload(victim, BLOCK)),
+    )
     with open(path, "r+b") as f:
         f.seek(offset)
         f.write(page[:])

@@ -74,7 +74,9 @@ print(json.dumps({"wrong": wrong, "stored": stored, "loaded": loaded, "reasons":
 def child(code, *args):
     return subprocess.Popen(
         [sys.executable, "-c", code, str(TESTS), *map(str, args)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

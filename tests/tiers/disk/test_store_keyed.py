@@ -19,7 +19,9 @@ from kvtier.tiers.disk import check_store
 from kvtier.tiers.disk.blockio import aligned_buffer
 from kvtier.tiers.disk.format import HEADER_BYTES, decode_header, encode_header_into
 
-pytest.importorskip("cryptography", reason="secrets need the cryptography package: pip install 'kvtier[secure]'")
+pytest.importorskip(
+    "cryptography", reason="secrets need the cryptography package: pip install 'kvtier[secure]'"
+)
 
 pytestmark = pytest.mark.parametrize("kind", KINDS)
 
@@ -91,8 +93,13 @@ def test_a_block_planted_from_scratch_is_refused(kind, tmp_path, shm, secrets_di
     assert store(tier, shm.rows, [victim]).success
     forged = np.full(BLOCK, 0x41, dtype=np.uint8)
     page = aligned_buffer(HEADER_BYTES)
-    encode_header_into(page, layout_digest=fingerprint().digest(), key=victim, payload_bytes=BLOCK,
-                       checksum=xxhash.xxh3_64_intdigest(forged))
+    encode_header_into(
+        page,
+        layout_digest=fingerprint().digest(),
+        key=victim,
+        payload_bytes=BLOCK,
+        checksum=xxhash.xxh3_64_intdigest(forged),
+    )
     path, offset = locate(tier, victim)
     with open(path, "r+b") as stream:
         stream.seek(offset)

@@ -38,7 +38,9 @@ def acl_server(valkey_server):
     ``ro`` (reads only)."""
     raw = valkey_server.client()
     raw.execute_command("ACL", "SETUSER", "kv", "on", f">{SECRET}", "~ns:*", "~kvtier-bench:*", "+@all")
-    raw.execute_command("ACL", "SETUSER", "ro", "on", f">{SECRET}", "~ns:*", "+get", "+ping", "+info", "+scan")
+    raw.execute_command(
+        "ACL", "SETUSER", "ro", "on", f">{SECRET}", "~ns:*", "+get", "+ping", "+info", "+scan"
+    )
     return valkey_server
 
 
@@ -75,7 +77,9 @@ def round_trip(tier, rows, keys) -> bool:
         return False
     tier.submit_load(TierJob(2, tuple(keys), tuple(range(len(keys)))))
     (loaded,) = finish(tier)
-    return loaded.success and all(np.array_equal(rows[i], payload(k, BLOCK_BYTES)) for i, k in enumerate(keys))
+    return loaded.success and all(
+        np.array_equal(rows[i], payload(k, BLOCK_BYTES)) for i, k in enumerate(keys)
+    )
 
 
 # -- the password file ---------------------------------------------------------------------------
@@ -270,7 +274,9 @@ def test_mutual_tls_needs_the_client_certificate(valkey_server, pki):
             assert result.failed[key(1)].kind is FailureKind.TLS
         finally:
             without.close()
-        tier, rows = open_with(tls_section(proxy, pki.ca, cert_file=str(pki.client_cert), key_file=str(pki.client_key)))
+        tier, rows = open_with(
+            tls_section(proxy, pki.ca, cert_file=str(pki.client_cert), key_file=str(pki.client_key))
+        )
         try:
             assert not tier.down and round_trip(tier, rows, [key(i) for i in range(2)])
         finally:
@@ -289,8 +295,14 @@ def test_a_client_key_readable_by_others_is_refused(valkey_server, pki, tmp_path
 
 
 def cluster_section(nodes, **options):
-    return {"kind": "valkey", "name": "shared", "cluster_nodes": list(nodes), "namespace": "ns",
-            "timeout_s": 2.0, **options}
+    return {
+        "kind": "valkey",
+        "name": "shared",
+        "cluster_nodes": list(nodes),
+        "namespace": "ns",
+        "timeout_s": 2.0,
+        **options,
+    }
 
 
 def test_a_cluster_with_an_acl_user(valkey_cluster, monkeypatch):
@@ -354,7 +366,9 @@ def test_a_fleet_replay_prints_no_password(acl_server, capsys, tmp_path, monkeyp
     url = f"valkey://kv:{SECRET}@127.0.0.1:{acl_server.port}/0"
     assert main(["replay", "--engines", "2", "--limit", "20", "--no-progress", "--valkey", url]) == 0
     table = capsys.readouterr()
-    assert main(["replay", "--engines", "2", "--limit", "20", "--no-progress", "--json", "--valkey", url]) == 0
+    assert (
+        main(["replay", "--engines", "2", "--limit", "20", "--no-progress", "--json", "--valkey", url]) == 0
+    )
     record = capsys.readouterr()
     for captured in (table, record):
         assert SECRET not in captured.out and SECRET not in captured.err

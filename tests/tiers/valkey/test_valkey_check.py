@@ -44,7 +44,9 @@ def loads_exact(url, keys, namespace=None, fingerprint=None) -> bool:
             return False
         tier.submit_load(TierJob(2, tuple(keys), tuple(range(len(keys)))))
         (result,) = finish(tier)
-        return result.success and all(np.array_equal(rows[i], payload(k, BLOCK_BYTES)) for i, k in enumerate(keys))
+        return result.success and all(
+            np.array_equal(rows[i], payload(k, BLOCK_BYTES)) for i, k in enumerate(keys)
+        )
     finally:
         tier.close()
 
@@ -134,7 +136,9 @@ def test_a_named_namespace_of_one_layout_takes_it_and_fix_deletes_the_bad(valkey
         name("llama", key(61)).decode(): "not a string value",
     }
     assert len(found.fixed) == 2
-    assert sorted(raw.keys("llama:*")) == sorted([*(name("llama", k) for k in keys), name("llama:nested", key(62))])
+    assert sorted(raw.keys("llama:*")) == sorted(
+        [*(name("llama", k) for k in keys), name("llama:nested", key(62))]
+    )
     assert loads_exact(valkey_server.url, keys, namespace="llama")
 
 
@@ -163,9 +167,13 @@ def test_fix_never_deletes_by_majority(valkey_server, capsys):
 
     assert main(["check", valkey_server.url, "--namespace", "llama", "--layout", "zz"]) == 1
     assert "--layout" in capsys.readouterr().err
-    assert main(["check", valkey_server.url, "--namespace", "llama", "--layout", mine, "--fix", "--json"]) == 1
+    assert (
+        main(["check", valkey_server.url, "--namespace", "llama", "--layout", mine, "--fix", "--json"]) == 1
+    )
     record = json.loads(capsys.readouterr().out)
-    assert sorted(line.split(": ")[0] for line in record["fixed"]) == sorted(name("llama", k).decode() for k in planted)
+    assert sorted(line.split(": ")[0] for line in record["fixed"]) == sorted(
+        name("llama", k).decode() for k in planted
+    )
     assert sorted(raw.keys("llama:*")) == sorted(name("llama", k) for k in real)
     assert check_valkey(valkey_server.url, namespace="llama").healthy
     assert loads_exact(valkey_server.url, real, namespace="llama")
@@ -195,7 +203,9 @@ def test_a_cluster_is_checked_on_every_node(valkey_cluster):
     bad = name(tier.namespace, keys[5])
     for server in valkey_cluster.servers:  # the node that owns the key takes the raw SET
         client = server.client()
-        if client.execute_command("CLUSTER", "COUNTKEYSINSLOT", client.execute_command("CLUSTER", "KEYSLOT", bad)):
+        if client.execute_command(
+            "CLUSTER", "COUNTKEYSINSLOT", client.execute_command("CLUSTER", "KEYSLOT", bad)
+        ):
             client.set(bad, b"garbage")
     report = check_valkey(cluster_nodes=valkey_cluster.nodes, fix=True)
     assert report.blocks_checked == 12 and report.problems == [bad.decode() + ": truncated"]
@@ -236,7 +246,9 @@ def test_the_cli_prints_one_json_line_and_exits_by_health(valkey_server, capsys)
     assert len(lines) == 1
     record = json.loads(lines[0])
     assert set(record) == {"path", "healthy", "blocks_checked", "problems", "fixed", "namespaces"}
-    assert record["problems"] == [bad.decode() + ": truncated"] and record["fixed"] == [bad.decode() + ": deleted"]
+    assert record["problems"] == [bad.decode() + ": truncated"] and record["fixed"] == [
+        bad.decode() + ": deleted"
+    ]
     namespace = record["namespaces"][tier.namespace]
     assert namespace["blocks_checked"] == 3 and namespace["problems"] == record["problems"]
 

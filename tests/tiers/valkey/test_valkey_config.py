@@ -15,14 +15,20 @@ CPU = "  - {name: cpu, kind: cpu, capacity: 64MiB}\n"
 
 def test_a_yaml_stack_with_a_valkey_tier():
     config = load_config(
-        "tiers:\n" + CPU
+        "tiers:\n"
+        + CPU
         + "  - {name: nvme, kind: lmdb, path: /tmp/x, capacity: 1GiB}\n"
         + "  - {name: shared, kind: valkey, url: 'valkey://10.0.0.5:6379/0', namespace: llama,"
         + " ttl_s: 3600, timeout_s: 0.25, max_inflight_bytes: 64MiB}\n"
     )
     tier = config.tiers[2]
     assert isinstance(tier, ValkeyTierConfig)
-    assert (tier.name, tier.kind, tier.url, tier.namespace) == ("shared", "valkey", "valkey://10.0.0.5:6379/0", "llama")
+    assert (tier.name, tier.kind, tier.url, tier.namespace) == (
+        "shared",
+        "valkey",
+        "valkey://10.0.0.5:6379/0",
+        "llama",
+    )
     assert (tier.ttl_s, tier.timeout_s, tier.max_inflight_bytes) == (3600.0, 0.25, 64 << 20)
     assert tier.capacity_bytes == 0  # the server's maxmemory bounds it
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -30,7 +36,9 @@ def test_a_yaml_stack_with_a_valkey_tier():
     assert "at=valkey://10.0.0.5:6379/0" in describe(config)
 
 
-@pytest.mark.parametrize("url", ["redis://h:6379", "valkeys://h:6380/2", "unix:///run/valkey.sock", "rediss://u:p@h:1/0"])
+@pytest.mark.parametrize(
+    "url", ["redis://h:6379", "valkeys://h:6380/2", "unix:///run/valkey.sock", "rediss://u:p@h:1/0"]
+)
 def test_urls_accepted(url):
     tier = parse({"kind": "redis", "url": url}, "tiers[1]")
     assert tier.url == url and tier.kind == "redis" and tier.name == "redis"
@@ -57,7 +65,11 @@ def test_cluster_nodes():
         ({"kind": "valkey", "url": "valkey://h:1", "path": "/x"}, "tiers[1].path", "remove it"),
         ({"kind": "valkey", "url": "valkey://h:1", "ttl_s": 0}, "tiers[1].ttl_s", "1.5"),
         ({"kind": "valkey", "url": "valkey://h:1", "timeout_s": "1s"}, "tiers[1].timeout_s", "1.5"),
-        ({"kind": "valkey", "url": "valkey://h:1", "max_inflight_bytes": 0}, "tiers[1].max_inflight_bytes", "256MiB"),
+        (
+            {"kind": "valkey", "url": "valkey://h:1", "max_inflight_bytes": 0},
+            "tiers[1].max_inflight_bytes",
+            "256MiB",
+        ),
         ({"kind": "valkey", "url": "valkey://h:1", "namespace": "a b"}, "tiers[1].namespace", "llama3-8b"),
         ({"kind": "valkey", "url": "valkey://h:1", "urll": 1}, "tiers[1].urll", "did you mean 'url'"),
     ],
@@ -80,7 +92,9 @@ def test_a_missing_client_is_a_config_error_with_the_fix(monkeypatch):
     import kvtier
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "valkey" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "valkey" else real(name, *a)
+    )
     config = {
         "tiers": [
             {"kind": "cpu", "capacity": "1MiB", "pin_memory": "off"},

@@ -22,7 +22,9 @@ from kvtier.tiers.disk.format import (
 from kvtier.tiers.valkey.check import check_valkey
 from kvtier.tiers.valkey.tier import default_namespace
 
-pytest.importorskip("cryptography", reason="secrets need the cryptography package: pip install 'kvtier[secure]'")
+pytest.importorskip(
+    "cryptography", reason="secrets need the cryptography package: pip install 'kvtier[secure]'"
+)
 
 
 @pytest.fixture
@@ -57,9 +59,15 @@ def rename_header(value: bytes, header_key: bytes) -> bytes:
     can read names and values can do without the secret."""
     header = decode_header(value[:HEADER_BYTES])
     page = bytearray(HEADER_BYTES)
-    encode_header_into(page, layout_digest=header.layout_digest, key=header_key,
-                       payload_bytes=header.payload_bytes, checksum=header.checksum,
-                       flags=header.flags, salt=header.salt)
+    encode_header_into(
+        page,
+        layout_digest=header.layout_digest,
+        key=header_key,
+        payload_bytes=header.payload_bytes,
+        checksum=header.checksum,
+        flags=header.flags,
+        salt=header.salt,
+    )
     set_tag(page, header.tag)
     return bytes(page) + value[HEADER_BYTES:]
 
@@ -99,7 +107,9 @@ def test_planted_forged_and_foreign_values_are_counted_misses(valkey_server, sec
     rows = np.zeros((4, BLOCK_BYTES), dtype=np.uint8)
     tier = open_tier(valkey_server.url, rows, secret_file=str(secrets_dir / "a"))
     other_rows = np.zeros((4, BLOCK_BYTES), dtype=np.uint8)
-    other = open_tier(valkey_server.url, other_rows, secret_file=str(secrets_dir / "b"), namespace=tier.namespace)
+    other = open_tier(
+        valkey_server.url, other_rows, secret_file=str(secrets_dir / "b"), namespace=tier.namespace
+    )
     raw = valkey_server.client()
     try:
         assert store(tier, keys, rows).success
@@ -109,9 +119,13 @@ def test_planted_forged_and_foreign_values_are_counted_misses(valkey_server, sec
         # 0: planted from scratch: a well-formed header and payload with a correct xxh3
         forged = np.full(BLOCK_BYTES, 0x41, dtype=np.uint8)
         page = bytearray(HEADER_BYTES)
-        encode_header_into(page, layout_digest=LayoutFingerprint.standalone(BLOCK_BYTES).digest(),
-                           key=header_keys[0], payload_bytes=BLOCK_BYTES,
-                           checksum=xxhash.xxh3_64_intdigest(forged))
+        encode_header_into(
+            page,
+            layout_digest=LayoutFingerprint.standalone(BLOCK_BYTES).digest(),
+            key=header_keys[0],
+            payload_bytes=BLOCK_BYTES,
+            checksum=xxhash.xxh3_64_intdigest(forged),
+        )
         raw.set(names[0], bytes(page) + forged.tobytes())
         # 1: a value of the same key written under another secret, its header made to match
         raw.set(names[1], rename_header(raw.get(other._name(keys[1])), header_keys[1]))
@@ -160,8 +174,13 @@ def test_encrypted_values_round_trip_and_hold_no_plaintext(valkey_server, secret
     rows = np.zeros((3, BLOCK_BYTES), dtype=np.uint8)
     secret = str(secrets_dir / "a")
     tier = open_tier(valkey_server.url, rows, secret_file=secret, encrypt="aes-gcm")
-    wrong = open_tier(valkey_server.url, np.zeros((3, BLOCK_BYTES), dtype=np.uint8),
-                      secret_file=str(secrets_dir / "b"), encrypt="aes-gcm", namespace=tier.namespace)
+    wrong = open_tier(
+        valkey_server.url,
+        np.zeros((3, BLOCK_BYTES), dtype=np.uint8),
+        secret_file=str(secrets_dir / "b"),
+        encrypt="aes-gcm",
+        namespace=tier.namespace,
+    )
     raw = valkey_server.client()
     try:
         assert store(tier, keys, rows).success
@@ -203,9 +222,13 @@ def test_check_with_and_without_the_secret(valkey_server, secrets_dir):
         assert blind.healthy and [n.unverified for n in blind.namespaces] == [3]
         forged = np.zeros(BLOCK_BYTES, dtype=np.uint8)
         page = bytearray(HEADER_BYTES)
-        encode_header_into(page, layout_digest=LayoutFingerprint.standalone(BLOCK_BYTES).digest(),
-                           key=tier._header_key(keys[0]), payload_bytes=BLOCK_BYTES,
-                           checksum=xxhash.xxh3_64_intdigest(forged))
+        encode_header_into(
+            page,
+            layout_digest=LayoutFingerprint.standalone(BLOCK_BYTES).digest(),
+            key=tier._header_key(keys[0]),
+            payload_bytes=BLOCK_BYTES,
+            checksum=xxhash.xxh3_64_intdigest(forged),
+        )
         raw.set(tier._name(keys[0]), bytes(page) + forged.tobytes())
         report = check_valkey(valkey_server.url, secret_file=secret, fix=True)
         assert report.problems == [f"{tier._name(keys[0]).decode()}: unkeyed"]

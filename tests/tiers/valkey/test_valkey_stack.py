@@ -29,7 +29,10 @@ def run_engine(role: str, url: str, first: int, count: int) -> dict:
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run(
         [sys.executable, str(ENGINE), role, url, str(first), str(count)],
-        capture_output=True, text=True, timeout=120, env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -49,7 +52,12 @@ def test_two_engine_processes_share_blocks(valkey_server):
 def stack(url, cpu_blocks=16, **options):
     config = {
         "tiers": [
-            {"name": "cpu", "kind": "cpu", "capacity": cpu_blocks * (BLOCK_BYTES + 4096), "pin_memory": "off"},
+            {
+                "name": "cpu",
+                "kind": "cpu",
+                "capacity": cpu_blocks * (BLOCK_BYTES + 4096),
+                "pin_memory": "off",
+            },
             {"name": "shared", "kind": "valkey", "url": url, "timeout_s": 0.5, **options},
         ],
         "cascade": {"write_policy": "write_through"},
@@ -241,7 +249,10 @@ def test_a_stopped_server_fails_promotions_without_an_exception(valkey_server):
         assert promote(manager, keys[:4], ctx) == [False] * 4
         figures = manager.stats()
         assert figures["shared.promote_failures"] == 4 and figures["shared.corrupt_blocks"] == 0
-        assert figures["shared.failed_unavailable_refused"] + figures.get("shared.failed_unavailable_closed", 0) == 4
+        assert (
+            figures["shared.failed_unavailable_refused"] + figures.get("shared.failed_unavailable_closed", 0)
+            == 4
+        )
         assert figures["shared.down"] == 1
     finally:
         manager.shutdown()

@@ -194,22 +194,28 @@ def test_a_killed_server_fails_jobs_then_the_tier_reconnects_to_an_empty_one(val
         tier.submit_store(TierJob(2, tuple(later), tuple(range(16))))
         tier.submit_load(TierJob(3, (first[0],), (0,)))  # known present, but nobody answers
         results = {r.job_id: r for r in finish(tier)}
-        assert not results[2].success and {r.kind for r in results[2].failed.values()} == {FailureKind.UNAVAILABLE}
+        assert not results[2].success and {r.kind for r in results[2].failed.values()} == {
+            FailureKind.UNAVAILABLE
+        }
         assert not results[3].success
         assert tier.down and tier.stats()["outages"] == 1 and tier.stats()["down"] == 1
         assert sum("unreachable" in r.message for r in caplog.records) == 1
         # While down: answers at once, no waiting on the network.
         assert [tier.lookup(k) for k in first] == [False] * 8
         tier.submit_store(TierJob(4, (later[0],), (0,)))
-        assert [{k: r.kind for k, r in j.failed.items()} for j in finish(tier)] == [{later[0]: FailureKind.UNAVAILABLE}]
+        assert [{k: r.kind for k, r in j.failed.items()} for j in finish(tier)] == [
+            {later[0]: FailureKind.UNAVAILABLE}
+        ]
         for _ in range(3):
             tier.on_schedule_end()  # reconnect attempts fail quietly
         assert sum("unreachable" in r.message for r in caplog.records) == 1
 
         valkey_server.start()  # back, and empty
+
         def reconnected():
             tier.on_schedule_end()
             return not tier.down
+
         wait_until(reconnected, "the tier never reconnected")
         assert tier.stats()["outage_ms"] > 0 and tier.stats()["outages"] == 1
         # What it stored before is gone: asked again, and a miss.
@@ -236,9 +242,11 @@ def test_a_hung_server_fails_jobs_after_timeout_s(valkey_server):
     finally:
         os.kill(valkey_server.pid, signal.SIGCONT)
     try:
+
         def reconnected():
             tier.on_schedule_end()
             return not tier.down
+
         wait_until(reconnected, "the tier never reconnected")
         assert store(tier, keys, rows, job_id=2).success
     finally:

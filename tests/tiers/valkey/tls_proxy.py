@@ -44,17 +44,62 @@ def make_pki(directory: Path, name: str = "ca") -> PKI:
         pytest.skip("no openssl command to make test certificates")
     directory.mkdir(parents=True, exist_ok=True)
     curve = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *curve, "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2",
-             "-subj", f"/CN=kvtier test {name}", cwd=directory)
-    for who, extension in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"), ("client", "extendedKeyUsage=clientAuth")):
+    _openssl(
+        "req",
+        "-x509",
+        *curve,
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN=kvtier test {name}",
+        cwd=directory,
+    )
+    for who, extension in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
         Path(directory, f"{who}.ext").write_text(extension + "\n")
-        _openssl("req", *curve, "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN=kvtier test {who}",
-                 cwd=directory)
-        _openssl("x509", "-req", "-in", f"{who}.csr", "-CA", f"{name}.pem", "-CAkey", f"{name}.key",
-                 "-CAcreateserial", "-out", f"{who}.pem", "-days", "2", "-extfile", f"{who}.ext", cwd=directory)
+        _openssl(
+            "req",
+            *curve,
+            "-keyout",
+            f"{who}.key",
+            "-out",
+            f"{who}.csr",
+            "-subj",
+            f"/CN=kvtier test {who}",
+            cwd=directory,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{who}.csr",
+            "-CA",
+            f"{name}.pem",
+            "-CAkey",
+            f"{name}.key",
+            "-CAcreateserial",
+            "-out",
+            f"{who}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            f"{who}.ext",
+            cwd=directory,
+        )
         os.chmod(directory / f"{who}.key", 0o600)
-    return PKI(directory / f"{name}.pem", directory / "server.pem", directory / "server.key",
-               directory / "client.pem", directory / "client.key")
+    return PKI(
+        directory / f"{name}.pem",
+        directory / "server.pem",
+        directory / "server.key",
+        directory / "client.pem",
+        directory / "client.key",
+    )
 
 
 class TLSProxy:

@@ -17,8 +17,13 @@ def add_parser(sub: Any) -> None:
         help="a lower tier as a mirror (receives: saved) or a victim tier (receives: evicted): "
         "bytes written, hits, time, on a trace",
     )
-    bench_cascade.add_argument("trace", nargs="?", default=None, metavar="TRACE",
-                               help="JSONL trace (default: the bundled Mooncake trace)")
+    bench_cascade.add_argument(
+        "trace",
+        nargs="?",
+        default=None,
+        metavar="TRACE",
+        help="JSONL trace (default: the bundled Mooncake trace)",
+    )
     bench_cascade.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     bench_cascade.add_argument("--json", action="store_true", help="print only the JSON line")
     bench_cascade.set_defaults(func=run)

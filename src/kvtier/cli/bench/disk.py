@@ -18,24 +18,34 @@ def add_parser(sub: Any) -> None:
     )
     bench_disk.add_argument("--backend", choices=disk_kinds(), required=True, help="disk tier kind")
     bench_disk.add_argument("--json", action="store_true", help="print only the JSON line")
-    bench_disk.add_argument("--gib", type=float, default=2.0, help="GiB written and read, as 2 MiB blocks (default 2)")
-    bench_disk.add_argument("--threads", type=int, default=None, help="I/O threads, tier and baseline alike (default 16)")
+    bench_disk.add_argument(
+        "--gib", type=float, default=2.0, help="GiB written and read, as 2 MiB blocks (default 2)"
+    )
+    bench_disk.add_argument(
+        "--threads", type=int, default=None, help="I/O threads, tier and baseline alike (default 16)"
+    )
     bench_disk.add_argument("--dir", default=None, help="where the stores go (default /var/tmp); not a tmpfs")
     bench_disk.add_argument("--rounds", type=int, default=5, help="rounds; the median is kept (default 5)")
     bench_disk.add_argument(
-        "--open-blocks", type=int, default=100_000,
+        "--open-blocks",
+        type=int,
+        default=100_000,
         help="blocks in the store whose open is timed (open_s; default 100000, 0 skips it)",
     )
     bench_disk.add_argument(
-        "--fsync", choices=FSYNC_CHOICES, default="batch",
+        "--fsync",
+        choices=FSYNC_CHOICES,
+        default="batch",
         help="the tier's fsync policy while writing (default batch; vLLM's fs tier never flushes)",
     )
     bench_disk.add_argument(
-        "--no-drop-caches", action="store_true",
+        "--no-drop-caches",
+        action="store_true",
         help="never empty the machine's page cache (as root it does, for cold reads and opens)",
     )
     bench_disk.add_argument(
-        "--secrets", action="store_true",
+        "--secrets",
+        action="store_true",
         help="also measure the tier with a secret_file (keyed MAC) and with encrypt: aes-gcm, "
         "side by side; *_cost = 1 - rate / the plain tier's (needs the cryptography package)",
     )
@@ -46,11 +56,21 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.bench import disk
 
     try:
-        report(args, lambda out: disk.run(
-            backend=args.backend, gib=args.gib, threads=args.threads, directory=args.dir,
-            rounds=args.rounds, open_blocks=args.open_blocks, drop_caches=not args.no_drop_caches,
-            fsync=args.fsync, secrets=args.secrets, out=out,
-        ))
+        report(
+            args,
+            lambda out: disk.run(
+                backend=args.backend,
+                gib=args.gib,
+                threads=args.threads,
+                directory=args.dir,
+                rounds=args.rounds,
+                open_blocks=args.open_blocks,
+                drop_caches=not args.no_drop_caches,
+                fsync=args.fsync,
+                secrets=args.secrets,
+                out=out,
+            ),
+        )
     except (KvtierError, RuntimeError, OSError) as exc:
         # a block that failed to store or load, or came back different, ends the run
         print(f"kvtier bench disk: {exc}", file=sys.stderr)

@@ -13,21 +13,33 @@ from kvtier.errors import KvtierError
 def add_parser(sub: Any) -> None:
     """``kvtier bench manager``: its options."""
     bench_manager = sub.add_parser(
-        "manager", help="scheduler-side cost per block of the single-tier manager, LRU and ARC "
-        "(--stack: a step of the stack manager at growing CPU-tier sizes)"
+        "manager",
+        help="scheduler-side cost per block of the single-tier manager, LRU and ARC "
+        "(--stack: a step of the stack manager at growing CPU-tier sizes)",
     )
     bench_manager.add_argument("--json", action="store_true", help="print only the JSON line")
-    bench_manager.add_argument("--keys", type=int, default=100_000, help="distinct keys stored (default 100000)")
-    bench_manager.add_argument("--capacity", type=int, default=50_000, help="tier size in blocks (default 50000)")
-    bench_manager.add_argument("--runs", type=int, default=5, help="runs per figure; the median is kept (default 5)")
     bench_manager.add_argument(
-        "--stack", action="store_true",
+        "--keys", type=int, default=100_000, help="distinct keys stored (default 100000)"
+    )
+    bench_manager.add_argument(
+        "--capacity", type=int, default=50_000, help="tier size in blocks (default 50000)"
+    )
+    bench_manager.add_argument(
+        "--runs", type=int, default=5, help="runs per figure; the median is kept (default 5)"
+    )
+    bench_manager.add_argument(
+        "--stack",
+        action="store_true",
         help="the stack manager over an in-memory lower tier, per step, at each of --sizes CPU blocks",
     )
     bench_manager.add_argument(
-        "--sizes", default="10000,100000,1000000", help="--stack: CPU-tier sizes in blocks (default 10^4,10^5,10^6)"
+        "--sizes",
+        default="10000,100000,1000000",
+        help="--stack: CPU-tier sizes in blocks (default 10^4,10^5,10^6)",
     )
-    bench_manager.add_argument("--steps", type=int, default=1000, help="--stack: timed steps per run (default 1000)")
+    bench_manager.add_argument(
+        "--steps", type=int, default=1000, help="--stack: timed steps per run (default 1000)"
+    )
     bench_manager.set_defaults(func=run)
 
 
@@ -38,12 +50,15 @@ def run(args: argparse.Namespace) -> int:
         try:
             sizes = [int(size) for size in args.sizes.split(",")]
         except ValueError:
-            print(f"kvtier bench manager: --sizes {args.sizes!r}: give block counts like 10000,100000", file=sys.stderr)
+            print(
+                f"kvtier bench manager: --sizes {args.sizes!r}: give block counts like 10000,100000",
+                file=sys.stderr,
+            )
             return 2
         try:
-            record = report(args, lambda out: manager_stack.run(
-                sizes=sizes, steps=args.steps, runs=args.runs, out=out
-            ))
+            record = report(
+                args, lambda out: manager_stack.run(sizes=sizes, steps=args.steps, runs=args.runs, out=out)
+            )
         except KvtierError as exc:
             print(f"kvtier bench manager: {exc}", file=sys.stderr)
             return 2

@@ -16,22 +16,29 @@ def add_parser(sub: Any) -> None:
         "remote", help="the valkey tier's store/load GB/s against the raw client's pipelined SET/GET"
     )
     bench_remote.add_argument("--json", action="store_true", help="print only the JSON line")
-    bench_remote.add_argument("--mib", type=int, default=128, help="MiB per block size and round (default 128)")
-    bench_remote.add_argument("--rounds", type=int, default=5, help="paired rounds; the median is kept (default 5)")
     bench_remote.add_argument(
-        "--url", default=None,
+        "--mib", type=int, default=128, help="MiB per block size and round (default 128)"
+    )
+    bench_remote.add_argument(
+        "--rounds", type=int, default=5, help="paired rounds; the median is kept (default 5)"
+    )
+    bench_remote.add_argument(
+        "--url",
+        default=None,
         help="a server of yours (default: a local valkey-server on 127.0.0.1). The bench writes only "
         "under kvtier-bench:<run id>: and DELs exactly the keys it wrote (never FLUSHDB); it refuses a "
         "database that holds keys unless --allow-nonempty. A password: KVTIER_VALKEY_PASSWORD in the "
         "environment, not in the URL",
     )
     bench_remote.add_argument(
-        "--allow-nonempty", action="store_true",
+        "--allow-nonempty",
+        action="store_true",
         help="run against a --url database that already holds keys (they are not touched, but the "
         "bench's values may push them out under maxmemory)",
     )
     bench_remote.add_argument(
-        "--secrets", action="store_true",
+        "--secrets",
+        action="store_true",
         help="also measure the tier with a secret_file (keyed MAC and names) and with encrypt: aes-gcm, "
         "side by side; *_cost = 1 - rate / the plain tier's (needs the cryptography package)",
     )
@@ -43,10 +50,17 @@ def run(args: argparse.Namespace) -> int:
 
     warn_password_in_url(args.url, "bench remote")
     try:
-        report(args, lambda out: remote.run(
-            mib=args.mib, rounds=args.rounds, url=args.url, out=out, allow_nonempty=args.allow_nonempty,
-            secrets=args.secrets,
-        ))
+        report(
+            args,
+            lambda out: remote.run(
+                mib=args.mib,
+                rounds=args.rounds,
+                url=args.url,
+                out=out,
+                allow_nonempty=args.allow_nonempty,
+                secrets=args.secrets,
+            ),
+        )
     except (KvtierError, RuntimeError, OSError, ImportError) as exc:
         # no server binary or client, or a block that failed or came back different
         print(f"kvtier bench remote: {exc}", file=sys.stderr)

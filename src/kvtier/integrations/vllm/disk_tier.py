@@ -121,9 +121,7 @@ class KvtierDiskTier(SecondaryTierManager):
     medium: ClassVar[Medium] = Medium.STORAGE
 
     @classmethod
-    def build_metric_definitions(
-        cls, extra_config: dict[str, Any]
-    ) -> dict[str, OffloadingMetricMetadata]:
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         return {
             DISK_STATS_METRIC: OffloadingGaugeMetadata(
                 documentation=(

@@ -245,9 +245,7 @@ class KvtierOffloadingManager(OffloadingManager):
         allowed = frozenset(
             tier.name
             for tier in getattr(self._inner, "tiers", ())
-            if tier_filter.allows(
-                Medium.STORAGE, Locality.REMOTE if tier.remote else Locality.LOCAL
-            )
+            if tier_filter.allows(Medium.STORAGE, Locality.REMOTE if tier.remote else Locality.LOCAL)
         )
         return kvtier_base.LoadTiers(allowed)
 

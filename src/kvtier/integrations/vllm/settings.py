@@ -71,8 +71,7 @@ CPU_SPEC_KEYS = {
     "secondary_tiers": "list kvtier's disk tiers under tiers: after the cpu tier, or select "
     "spec_name TieringOffloadingSpec to use vLLM's tiering with KvtierDiskTier",
     "tier_poll_interval_s": "kvtier polls its tiers at every lookup and step end; remove the key",
-    "backpressure": "kvtier bounds disk I/O per step with cascade.max_demote_bytes_per_step; "
-    "remove the key",
+    "backpressure": "kvtier bounds disk I/O per step with cascade.max_demote_bytes_per_step; remove the key",
 }
 #: keys the integration itself reads (not kvtier's stack configuration)
 STATS_LOG_INTERVAL_KEY = "kvtier_stats_log_interval_s"
@@ -140,8 +139,7 @@ def _layout_facts(config: Any) -> str:
     """
     parallel = config.parallel
     groups = ",".join(
-        f"{group.group_id}:{len(group.layer_names)}x{group.tokens_per_block}"
-        for group in config.groups
+        f"{group.group_id}:{len(group.layer_names)}x{group.tokens_per_block}" for group in config.groups
     )
     if is_replicated(config):
         # Every worker holds the same bytes, whatever their number: TP=2 and TP=4 engines

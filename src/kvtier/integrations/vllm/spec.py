@@ -77,9 +77,7 @@ class TieredOffloadingSpec(OffloadingSpec):
     """
 
     @classmethod
-    def build_metric_definitions(
-        cls, extra_config: dict[str, Any]
-    ) -> dict[str, OffloadingMetricMetadata]:
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         return {
             STATS_METRIC: OffloadingGaugeMetadata(
                 documentation=(
@@ -129,9 +127,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             backend = inner.backend
             assert isinstance(backend, CPUBackend)  # what the cpu tier opens
             try:
-                failed_rows = FailedRowMarks.create(
-                    layout.region_path, backend.num_blocks
-                )
+                failed_rows = FailedRowMarks.create(layout.region_path, backend.num_blocks)
             except BaseException:
                 inner.shutdown()
                 raise

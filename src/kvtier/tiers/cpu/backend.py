@@ -76,7 +76,6 @@ class CPUBackend(SlotBackend):
 
     spec_type = CPULoadStoreSpec
 
-
     def __init__(
         self,
         num_blocks: int,
@@ -106,9 +105,7 @@ class CPUBackend(SlotBackend):
         super().__init__(block_bytes, self.num_blocks, what="CPU block")
 
     @classmethod
-    def from_config(
-        cls, config: CPUTierConfig, block_bytes: int, field: str = "tiers[0]"
-    ) -> CPUBackend:
+    def from_config(cls, config: CPUTierConfig, block_bytes: int, field: str = "tiers[0]") -> CPUBackend:
         """Build the tier from its configuration, holding as many blocks as fit in its capacity.
 
         ``block_bytes`` is one block's size (all ranks' shards of it). Checks, before
@@ -143,9 +140,7 @@ class CPUBackend(SlotBackend):
                 f"({format_size(available)}, MemAvailable in /proc/meminfo)",
                 "lower the capacity, or free memory",
             )
-        directory = (
-            os.path.dirname(os.path.abspath(config.path)) if config.path else default_directory()
-        )
+        directory = os.path.dirname(os.path.abspath(config.path)) if config.path else default_directory()
         # Regions of runs that were killed (SIGKILL, a crash) first: they hold the room this
         # one needs, and may sit at this very path (under vLLM: kvtier-<engine id>).
         sweep_stale_regions(directory)

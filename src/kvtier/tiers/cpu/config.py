@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from kvtier.config.checks import non_empty_str, parse_choice
 from kvtier.config.schema import TierConfig
+
 # the region implements the pin modes; the section only checks the key against them
 from kvtier.tiers.cpu.region import PIN_MEMORY_CHOICES
 
@@ -38,7 +39,9 @@ class CPUTierConfig(TierConfig):
         options: dict[str, object] = {}
         if section.get("path") is not None:
             options["path"] = non_empty_str(
-                section["path"], f"{field}.path", "a non-empty path string",
+                section["path"],
+                f"{field}.path",
+                "a non-empty path string",
                 "write the path as a string",
             )
         if "pin_memory" in section:

@@ -154,7 +154,9 @@ def sweep_stale_regions(directory: str | None = None) -> list[str]:
             continue
         logger.warning(
             "removed %s: a kvtier shared region (%s) whose creator, pid %d, is gone",
-            path, format_size(info.st_size), pid,
+            path,
+            format_size(info.st_size),
+            pid,
         )
         removed.append(path)
     return removed
@@ -363,18 +365,14 @@ class SharedRegion:
         row_stride = row_stride_for(row_bytes)
         file_bytes = HEADER_BYTES + num_rows * row_stride
         if path is None:
-            path = os.path.join(
-                default_directory(), f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-            )
+            path = os.path.join(default_directory(), f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         if sweep:
             sweep_stale_regions(os.path.dirname(path) or ".")
         try:
             # O_EXCL: never adopt (and later unlink) a file somebody else owns, nor follow a
             # symlink planted at the path (O_NOFOLLOW says so explicitly); 0o600 because the
             # region holds users' KV data.
-            fd = os.open(
-                path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-            )
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except FileExistsError:
             raise KvtierError(
                 f"cannot create shared region {path}: the file already exists (left by a "
@@ -392,11 +390,14 @@ class SharedRegion:
             # reading a half-written geometry.
             os.ftruncate(fd, file_bytes)
             _reserve(fd, path, file_bytes, field)
-            mm = mmap.mmap(
-                fd, file_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
-            )
+            mm = mmap.mmap(fd, file_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             header = _HEADER.pack(
-                _MAGIC, _FORMAT_VERSION, HEADER_BYTES, num_rows, row_bytes, row_stride,
+                _MAGIC,
+                _FORMAT_VERSION,
+                HEADER_BYTES,
+                num_rows,
+                row_bytes,
+                row_stride,
                 os.getpid(),
             ) + _CREATOR.pack(process_start_ticks(os.getpid()), os.geteuid(), _pid_namespace())
             mm[len(_MAGIC) : len(header)] = header[len(_MAGIC) :]
@@ -409,8 +410,7 @@ class SharedRegion:
             os.unlink(path)
             if isinstance(exc, OSError):
                 raise KvtierError(
-                    f"cannot size or map shared region {path} ({file_bytes} bytes): "
-                    f"{exc.strerror}"
+                    f"cannot size or map shared region {path} ({file_bytes} bytes): {exc.strerror}"
                 ) from exc
             raise
         finally:
@@ -470,9 +470,7 @@ class SharedRegion:
                     f"for its {HEADER_BYTES}-byte header (truncated, or still being created)"
                 )
             raw = os.pread(fd, _HEADER.size, 0)
-            magic, version, header_bytes, num_rows, row_bytes, row_stride, creator_pid = (
-                _HEADER.unpack(raw)
-            )
+            magic, version, header_bytes, num_rows, row_bytes, row_stride, creator_pid = _HEADER.unpack(raw)
             if magic != _MAGIC:
                 raise KvtierError(
                     f"{path} is not a kvtier shared region: bad magic {magic!r} "
@@ -499,8 +497,7 @@ class SharedRegion:
                     f"{path} is truncated: {file_bytes} bytes, but its header "
                     f"({num_rows} rows of stride {row_stride}) needs {expected}"
                 )
-            mm = mmap.mmap(fd, expected, flags=mmap.MAP_SHARED,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, expected, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         logger.debug("attached %s (created by pid %d)", path, creator_pid)
@@ -646,6 +643,5 @@ class SharedRegion:
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("pinned" if self.pinned else "open")
         return (
-            f"SharedRegion({self._path!r}, num_rows={self._num_rows}, "
-            f"row_bytes={self._row_bytes}, {state})"
+            f"SharedRegion({self._path!r}, num_rows={self._num_rows}, row_bytes={self._row_bytes}, {state})"
         )

@@ -79,8 +79,7 @@ class SlotAllocator:
             for done, slot_id in enumerate(ids):  # noqa: B007 - `done` is read on failure
                 if in_use[slot_id] != 1:
                     raise BlockStateError(
-                        f"{self._what} {slot_id!r} is not allocated (freed twice, or never "
-                        f"handed out here)"
+                        f"{self._what} {slot_id!r} is not allocated (freed twice, or never handed out here)"
                     )
                 in_use[slot_id] = 0
         except (IndexError, TypeError) as exc:

@@ -77,14 +77,19 @@ def check_store(path: str, fix: bool = False, secret_file: str | None = None) ->
         raise ConfigError("path", path, "a kvtier store directory", str(exc)) from None
     if manifest is None:
         raise ConfigError(
-            "path", path, f"a kvtier store directory (one holding {MANIFEST_NAME})",
+            "path",
+            path,
+            f"a kvtier store directory (one holding {MANIFEST_NAME})",
             "give the path: of a disk tier from its configuration",
         )
     mismatch = _kind_mismatch(directory, manifest.kind)
     if mismatch is not None:
         return CheckReport(directory, problems=[mismatch])
     config = DiskTierConfig(
-        name="check", kind=manifest.kind, capacity_bytes=manifest.capacity_bytes, path=directory,
+        name="check",
+        kind=manifest.kind,
+        capacity_bytes=manifest.capacity_bytes,
+        path=directory,
         # read-only: the O_DIRECT probe would write a file
         o_direct="auto" if fix else "off",
         secret_file=secret_file,
@@ -102,7 +107,9 @@ def check_store(path: str, fix: bool = False, secret_file: str | None = None) ->
             found = tier.check()
             if any("keyed (no secret here)" in problem for problem in found.problems):
                 raise ConfigError(
-                    "secret_file", None, "the store's secret, to fix a store of keyed blocks",
+                    "secret_file",
+                    None,
+                    "the store's secret, to fix a store of keyed blocks",
                     "give --secret-file (the tier's secret_file); without it sound blocks would be dropped",
                 )
         report = tier.check(fix=fix)
@@ -123,7 +130,8 @@ def _kind_mismatch(directory: str, kind: str) -> str | None:
         if other == kind:
             continue
         theirs = [
-            name for name in DISK_MEDIA.resolve(other, field="kind").medium_names
+            name
+            for name in DISK_MEDIA.resolve(other, field="kind").medium_names
             if name not in own and os.path.lexists(os.path.join(directory, name))
         ]
         if theirs:
@@ -161,16 +169,22 @@ def _access_problems(directory: str, fix: bool) -> tuple[list[str], list[str], l
             path = os.path.join(root, name)
             entry = os.lstat(path)
             if entry.st_uid != me:
-                refused.append(f"{path} belongs to uid {entry.st_uid}, not this user (uid {me}): another user planted it")
+                refused.append(
+                    f"{path} belongs to uid {entry.st_uid}, not this user (uid {me}): another user planted it"
+                )
             elif stat.S_ISLNK(entry.st_mode):
                 refused.append(f"{path} is a symlink: kvtier never follows one inside a store")
             elif stat.S_ISDIR(entry.st_mode):
                 if entry.st_mode & 0o022:
-                    refused.append(f"{path} is writable by group or others (mode {stat.S_IMODE(entry.st_mode):o})")
+                    refused.append(
+                        f"{path} is writable by group or others (mode {stat.S_IMODE(entry.st_mode):o})"
+                    )
             elif not stat.S_ISREG(entry.st_mode):
                 refused.append(f"{path} is not a regular file (a FIFO, socket or device)")
     if refused:
-        refused[-1] += f". Fix: remove what you did not create, or remove {directory} and let kvtier recreate it"
+        refused[-1] += (
+            f". Fix: remove what you did not create, or remove {directory} and let kvtier recreate it"
+        )
         return refused, [], []
     mode = stat.S_IMODE(info.st_mode)
     if mode != DIR_MODE:

@@ -158,7 +158,13 @@ class DiskTier(IndexedTier):
             dir_fd = open_store_directory(directory, field, config.path, read_only=read_only)
             locks = StoreLocks(dir_fd, directory, timeout_s=config.lock_timeout_s, read_only=read_only)
             _, created = settle_manifest(
-                directory, cls.kind, cls.medium_names, config, fingerprint, locks.alone, field,
+                directory,
+                cls.kind,
+                cls.medium_names,
+                config,
+                fingerprint,
+                locks.alone,
+                field,
                 read_only=read_only,
             )
             if read_only:
@@ -166,8 +172,16 @@ class DiskTier(IndexedTier):
             else:
                 direct, fallback = decide_direct(config, directory, rowio, field)
             tier = cls(
-                config, rowio, fingerprint, capacity_blocks, directory, field, policy_class,
-                threads if threads is not None else config.threads, direct, keys=keys,
+                config,
+                rowio,
+                fingerprint,
+                capacity_blocks,
+                directory,
+                field,
+                policy_class,
+                threads if threads is not None else config.threads,
+                direct,
+                keys=keys,
             )
             tier._access = access
             tier._alone = locks.alone
@@ -184,9 +198,16 @@ class DiskTier(IndexedTier):
             logger.info(
                 "kvtier tier %s: opened %s store %s: %d blocks of %d (%s), O_DIRECT %s, fsync %s, "
                 "index in %.3f s%s",
-                config.name, cls.kind, directory, len(tier._policy), capacity_blocks,
-                format_size(capacity_blocks * slot_bytes), "on" if tier._io.direct else "off",
-                config.fsync, tier.open_s, " (new)" if created else "",
+                config.name,
+                cls.kind,
+                directory,
+                len(tier._policy),
+                capacity_blocks,
+                format_size(capacity_blocks * slot_bytes),
+                "on" if tier._io.direct else "off",
+                config.fsync,
+                tier.open_s,
+                " (new)" if created else "",
             )
             return tier
         except BaseException as exc:
@@ -202,7 +223,9 @@ class DiskTier(IndexedTier):
             release_path(directory)
             if isinstance(exc, OSError):
                 raise ConfigError(
-                    f"{field}.path", config.path, "a store directory kvtier can open",
+                    f"{field}.path",
+                    config.path,
+                    "a store directory kvtier can open",
                     store_os_fix(exc, directory),
                 ) from None
             raise
@@ -210,10 +233,14 @@ class DiskTier(IndexedTier):
     @classmethod
     def _check_config(cls, config: DiskTierConfig, field: str) -> None:
         if not isinstance(config, DiskTierConfig):
-            raise ConfigError(field, type(config).__name__, "a DiskTierConfig (the section of lmdb and files)")
+            raise ConfigError(
+                field, type(config).__name__, "a DiskTierConfig (the section of lmdb and files)"
+            )
         if config.kind != cls.kind:
             raise ConfigError(
-                f"{field}.kind", config.kind, f"'{cls.kind}' for {cls.__name__}",
+                f"{field}.kind",
+                config.kind,
+                f"'{cls.kind}' for {cls.__name__}",
                 "open the store with the class of its kind (kvtier.tiers.disk.get_store_class)",
             )
         if config.fsync not in FSYNC_CHOICES:
@@ -222,7 +249,9 @@ class DiskTier(IndexedTier):
             raise ConfigError(f"{field}.o_direct", config.o_direct, "one of " + ", ".join(O_DIRECT_CHOICES))
         if not config.path:
             raise ConfigError(
-                f"{field}.path", config.path, "a directory path",
+                f"{field}.path",
+                config.path,
+                "a directory path",
                 f"add path: such as {default_store_path(config.name)} (a directory of your own)",
             )
 
@@ -253,7 +282,12 @@ class DiskTier(IndexedTier):
         self._fsync = config.fsync
         self._threads = threads
         self._io = BlockIO(
-            rowio, fingerprint.digest(), direct, self._counters, f"tier {config.name} at {directory}", keys=keys,
+            rowio,
+            fingerprint.digest(),
+            direct,
+            self._counters,
+            f"tier {config.name} at {directory}",
+            keys=keys,
         )
         self._touched: set[OffloadKey] = set()
         # Blocks listed on the medium (mover thread) for this process to adopt (scheduler
@@ -301,7 +335,11 @@ class DiskTier(IndexedTier):
         assert self._mover is not None  # jobs start only while open
         self._mover.submit(
             MoverJob(
-                work.job_id, False, work.keys, work.rows, victims=work.victims,
+                work.job_id,
+                False,
+                work.keys,
+                work.rows,
+                victims=work.victims,
                 block=self._store_block,
                 before=partial(self._store_before, touched=touched),
                 after=self._after_store,
@@ -312,8 +350,13 @@ class DiskTier(IndexedTier):
         assert self._mover is not None  # jobs start only while open
         self._mover.submit(
             MoverJob(
-                work.job_id, True, work.keys, work.rows, block_ids=work.block_ids,
-                block=self._load_block, after=self._after_load,
+                work.job_id,
+                True,
+                work.keys,
+                work.rows,
+                block_ids=work.block_ids,
+                block=self._load_block,
+                after=self._after_load,
             )
         )
 
@@ -341,7 +384,9 @@ class DiskTier(IndexedTier):
 
     def _medium_stats(self) -> dict[str, Any]:
         return {
-            "bytes_written": 0, "bytes_read": 0, "o_direct_fallbacks": 0,
+            "bytes_written": 0,
+            "bytes_read": 0,
+            "o_direct_fallbacks": 0,
             "on_disk_block_bytes": self.slot_bytes,
             "o_direct": int(self._io.direct),
         }
@@ -434,13 +479,22 @@ class DiskTier(IndexedTier):
             logger.warning(
                 "kvtier tier %s: %s job %d: %d of %d blocks failed (%s) in %s; those blocks are "
                 "not served, committed blocks are untouched",
-                self.name, what, job.job_id, sum(reasons.values()), len(job.keys), summary, self.path,
+                self.name,
+                what,
+                job.job_id,
+                sum(reasons.values()),
+                len(job.keys),
+                summary,
+                self.path,
             )
 
     def _log_corrupt(self, key: OffloadKey, reason: Failure, where: str) -> None:
         logger.warning(
             "kvtier tier %s: block %s at %s failed verification (%s): dropped, not served",
-            self.name, key.hex(), where, reason.detail,
+            self.name,
+            key.hex(),
+            where,
+            reason.detail,
         )
 
     # -- medium hooks ---------------------------------------------------------------------------

@@ -126,7 +126,9 @@ def _probe(directory: str) -> ODirectProbe:
             os.close(fd)
         return ODirectProbe(True)
     except OSError as exc:
-        return ODirectProbe(False, f"O_DIRECT {step} fails here: {exc.strerror} ({Failure.from_exception(exc)})")
+        return ODirectProbe(
+            False, f"O_DIRECT {step} fails here: {exc.strerror} ({Failure.from_exception(exc)})"
+        )
     finally:
         out.close()
         back.close()
@@ -222,7 +224,12 @@ class BlockIO:
     """
 
     def __init__(
-        self, rowio: RowIO, layout_digest: bytes, direct: bool, counters: TierCounters, where: str,
+        self,
+        rowio: RowIO,
+        layout_digest: bytes,
+        direct: bool,
+        counters: TierCounters,
+        where: str,
         keys: TierKeys | None = None,
     ):
         self.rowio = rowio
@@ -247,7 +254,9 @@ class BlockIO:
         self._counters.add("o_direct_fallbacks")
         logger.warning(
             "kvtier %s: O_DIRECT not used (%s); falling back to buffered I/O, which costs "
-            "page-cache copies and memory", self._where, reason,
+            "page-cache copies and memory",
+            self._where,
+            reason,
         )
 
     def with_fallback(self, what: str, operation: Callable[[bool], T]) -> T:
@@ -278,14 +287,22 @@ class BlockIO:
         keys = self.keys
         if keys is None:
             encode_header_into(
-                page, layout_digest=self._digest, key=key, payload_bytes=self.block_bytes,
+                page,
+                layout_digest=self._digest,
+                key=key,
+                payload_bytes=self.block_bytes,
                 checksum=xxhash.xxh3_64_intdigest(rowio.payload(row)),  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
             )
             iov = rowio.iov(row, direct)
         else:
             encode_header_into(
-                page, layout_digest=self._digest, key=key, payload_bytes=self.block_bytes,
-                checksum=0, flags=keys.flags, salt=keys.new_salt(),
+                page,
+                layout_digest=self._digest,
+                key=key,
+                payload_bytes=self.block_bytes,
+                checksum=0,
+                flags=keys.flags,
+                salt=keys.new_salt(),
             )
             iov = self._sealed(page, row, direct)
         expected = HEADER_BYTES + len(iov)
@@ -318,8 +335,13 @@ class BlockIO:
         rowio = self.rowio
         nread = os.preadv(fd, [page, rowio.iov(row, direct)], offset)  # type: ignore[list-item]  # numpy stubs: Buffer on 3.12+
         problem = verify(
-            page, rowio.payload(row), nread, key=key, layout_digest=self._digest,
-            payload_bytes=self.block_bytes, keys=self.keys,
+            page,
+            rowio.payload(row),
+            nread,
+            key=key,
+            layout_digest=self._digest,
+            payload_bytes=self.block_bytes,
+            keys=self.keys,
         )
         return None if problem is None else Failure.corrupt(problem)
 
@@ -337,6 +359,11 @@ class BlockIO:
         except OSError as exc:
             return str(Failure.from_exception(exc))
         return verify(
-            page, payload[: self.block_bytes], nread, key=key, layout_digest=self._digest,
-            payload_bytes=self.block_bytes, keys=self.keys,
+            page,
+            payload[: self.block_bytes],
+            nread,
+            key=key,
+            layout_digest=self._digest,
+            payload_bytes=self.block_bytes,
+            keys=self.keys,
         )

@@ -27,7 +27,12 @@ if TYPE_CHECKING:
     from kvtier.tiers.disk.base import DiskTier
 
 __all__ = [
-    "DISK_MEDIA", "FSYNC_CHOICES", "O_DIRECT_CHOICES", "DiskTierConfig", "default_store_path", "user_cache_root",
+    "DISK_MEDIA",
+    "FSYNC_CHOICES",
+    "O_DIRECT_CHOICES",
+    "DiskTierConfig",
+    "default_store_path",
+    "user_cache_root",
 ]
 
 #: ``o_direct`` values: auto (probe once, fall back logged and counted), on (fail at open if
@@ -51,7 +56,6 @@ def user_cache_root() -> str:
 def default_store_path(name: str) -> str:
     """The per-user path a tier named ``name`` is suggested to use."""
     return os.path.join(user_cache_root(), name)
-
 
 
 @dataclass(frozen=True)
@@ -90,9 +94,12 @@ class DiskTierConfig(TierConfig):
         path = section.get("path", MISSING)
         options: dict[str, object] = {
             "path": non_empty_str(
-                path, f"{field}.path", "a non-empty path string (a directory)",
+                path,
+                f"{field}.path",
+                "a non-empty path string (a directory)",
                 f"add path: such as {default_store_path(name)} (a directory of your own; "
-                f"not a directory every user may write, such as /tmp or /var/tmp)" if path is MISSING
+                f"not a directory every user may write, such as /tmp or /var/tmp)"
+                if path is MISSING
                 else "write the path as a string",
             )
         }
@@ -106,7 +113,9 @@ class DiskTierConfig(TierConfig):
             threads = positive_int(section["threads"], f"{field}.threads")
             if threads > MAX_THREADS:
                 raise ConfigError(
-                    f"{field}.threads", threads, f"at most {MAX_THREADS} I/O threads",
+                    f"{field}.threads",
+                    threads,
+                    f"at most {MAX_THREADS} I/O threads",
                     f"{DEFAULT_THREADS} (the default) saturates a local NVMe drive",
                 )
             options["threads"] = threads
@@ -118,7 +127,9 @@ class DiskTierConfig(TierConfig):
             tbw = section["endurance_tbw"]
             if isinstance(tbw, bool) or not isinstance(tbw, (int, float)) or not tbw > 0:
                 raise ConfigError(
-                    f"{field}.endurance_tbw", tbw, "a positive number of terabytes written",
+                    f"{field}.endurance_tbw",
+                    tbw,
+                    "a positive number of terabytes written",
                     "write the drive's rated endurance, such as 600",
                 )
             options["endurance_tbw"] = float(tbw)
@@ -126,7 +137,9 @@ class DiskTierConfig(TierConfig):
             timeout = section["lock_timeout_s"]
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
                 raise ConfigError(
-                    f"{field}.lock_timeout_s", timeout, "a number of seconds above 0 (at most 86400)",
+                    f"{field}.lock_timeout_s",
+                    timeout,
+                    "a number of seconds above 0 (at most 86400)",
                     "such as 60 (the default)",
                 )
             options["lock_timeout_s"] = float(timeout)

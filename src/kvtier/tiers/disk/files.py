@@ -104,7 +104,6 @@ class _FilesStoreState:
     temps: dict[int, str] = field(default_factory=dict)
 
 
-
 class FilesTier(DiskTier):
     """A disk tier storing each block as its own file (see the module docstring).
 
@@ -138,7 +137,9 @@ class FilesTier(DiskTier):
             pass  # read-only check of a store without blocks/: it holds no blocks
         except OSError as exc:
             raise ConfigError(
-                f"{self._field}.path", self.config.path, "a store whose block directories are this user's",
+                f"{self._field}.path",
+                self.config.path,
+                "a store whose block directories are this user's",
                 f"{os.path.join(self._blocks_dir, str(exc.filename or ''))}: {exc.strerror} (a symlink, "
                 f"or not a directory of this user's): remove {self.path} and let kvtier recreate it",
             ) from None
@@ -161,7 +162,9 @@ class FilesTier(DiskTier):
                 del entries[: len(extra)]
                 logger.warning(
                     "kvtier tier %s: capacity lowered to %d blocks: removed the %d least recently used",
-                    self.name, self.capacity_blocks, len(extra),
+                    self.name,
+                    self.capacity_blocks,
+                    len(extra),
                 )
             self._count.set(len(entries))
             if records > 2 * len(entries) + 4096:
@@ -201,7 +204,8 @@ class FilesTier(DiskTier):
         missing = (self.capacity_blocks - present) * self.slot_bytes
         if missing > free:
             raise ConfigError(
-                f"{self._field}.capacity", format_size(self.config.capacity_bytes),
+                f"{self._field}.capacity",
+                format_size(self.config.capacity_bytes),
                 f"at most what fits in {self.path}: {format_size(present * self.slot_bytes + free)} "
                 f"({format_size(free)} free there)",
                 "lower the capacity, free space there, or choose another disk",
@@ -212,7 +216,9 @@ class FilesTier(DiskTier):
         data = b"".join(encode_records([key], stamp) for key, stamp, _ in sorted(entries, key=lambda e: e[1]))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp, dir_fd=self._store_fd)  # left by a crash
-        with open(open_private(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=self._store_fd), "wb") as stream:
+        with open(
+            open_private(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=self._store_fd), "wb"
+        ) as stream:
             stream.write(data)
         os.replace(temp, _RECENCY, src_dir_fd=self._store_fd, dst_dir_fd=self._store_fd)
 
@@ -283,7 +289,9 @@ class FilesTier(DiskTier):
             os.write(self._log_fd, encode_records(keys, stamp))
         except OSError as exc:
             # recency is a hint: losing a batch of it costs eviction quality, not data
-            logger.warning("kvtier tier %s: could not record recency of %d blocks: %s", self.name, len(keys), exc)
+            logger.warning(
+                "kvtier tier %s: could not record recency of %d blocks: %s", self.name, len(keys), exc
+            )
 
     def _unlink_counted(self, path: str) -> bool:
         """Remove a published block file and lower the shared count (file first: see the docstring)."""
@@ -337,7 +345,9 @@ class FilesTier(DiskTier):
 
     def _write_file(self, temp: str, key: OffloadKey, row: int, direct: bool) -> None:
         """Write the block into a new temp file; on any failure the temp file is gone."""
-        fd = open_private(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0), dir_fd=self._bfd)
+        fd = open_private(
+            temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0), dir_fd=self._bfd
+        )
         try:
             try:
                 self._io.write(fd, 0, key, row, direct)
@@ -445,7 +455,10 @@ class FilesTier(DiskTier):
                 # the next process alone at open recounts; the published blocks stand
                 logger.warning(
                     "kvtier tier %s: could not give back %d reservations in %s: %s",
-                    self.name, unused, self.path, exc,
+                    self.name,
+                    unused,
+                    self.path,
+                    exc,
                 )
         stored = [job.keys[i] for i in reserved if job.reasons[i] is None and i not in present]
         self._append_recency(stored, time.time_ns())
@@ -545,7 +558,9 @@ class FilesTier(DiskTier):
         try:
             self._unlink_counted(path)
         except OSError as exc:
-            logger.warning("kvtier tier %s: could not remove damaged %s: %s", self.name, self._shown(path), exc)
+            logger.warning(
+                "kvtier tier %s: could not remove damaged %s: %s", self.name, self._shown(path), exc
+            )
         self._log_corrupt(key, reason, self._shown(path))
         return reason
 

@@ -170,9 +170,7 @@ class LayoutFingerprint:
         A checksum, not a cryptographic hash: it guards against mix-ups, not against an
         attacker who can write the store's directory (who could write any bytes anyway).
         """
-        canonical = json.dumps(
-            {"kvtier_layout": 1, **self.to_dict()}, sort_keys=True, separators=(",", ":")
-        )
+        canonical = json.dumps({"kvtier_layout": 1, **self.to_dict()}, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_digest(canonical.encode())
 
     def describe(self) -> str:
@@ -203,8 +201,14 @@ class BlockHeader:
 
 
 def encode_header_into(
-    buffer, *, layout_digest: bytes, key: bytes, payload_bytes: int, checksum: int,
-    flags: int = 0, salt: bytes = _NO_SALT,
+    buffer,
+    *,
+    layout_digest: bytes,
+    key: bytes,
+    payload_bytes: int,
+    checksum: int,
+    flags: int = 0,
+    salt: bytes = _NO_SALT,
 ) -> None:
     """Write the header of a block into the first :data:`HEADER_BYTES` of ``buffer``.
 
@@ -216,8 +220,18 @@ def encode_header_into(
         raise ValueError(f"key of {len(key)} bytes is longer than {MAX_KEY_BYTES}")
     view = memoryview(buffer)
     _FIXED.pack_into(
-        view, 0, _MAGIC, FORMAT_VERSION, 0, flags, layout_digest, payload_bytes, checksum,
-        salt, _NO_TAG, len(key),
+        view,
+        0,
+        _MAGIC,
+        FORMAT_VERSION,
+        0,
+        flags,
+        layout_digest,
+        payload_bytes,
+        checksum,
+        salt,
+        _NO_TAG,
+        len(key),
     )
     end = _FIXED.size + len(key)
     view[_FIXED.size : end] = key
@@ -265,8 +279,8 @@ def decode_header(buffer) -> BlockHeader | str:
         if flags:
             return "header checksum"  # version 1 never set a flag
     else:
-        _m, _v, _reserved, flags, digest, payload_bytes, checksum, salt, tag, key_len = (
-            _FIXED.unpack_from(view, 0)
+        _m, _v, _reserved, flags, digest, payload_bytes, checksum, salt, tag, key_len = _FIXED.unpack_from(
+            view, 0
         )
         start = _FIXED.size
         if flags & ~(FLAG_KEYED | FLAG_ENCRYPTED) or flags == FLAG_ENCRYPTED:
@@ -277,9 +291,7 @@ def decode_header(buffer) -> BlockHeader | str:
     (stored_sum,) = _HEADER_SUM.unpack_from(view, end)
     if xxhash.xxh3_64_intdigest(view[:end]) != stored_sum:
         return "header checksum"
-    return BlockHeader(
-        version, digest, payload_bytes, checksum, bytes(view[start:end]), flags, salt, tag
-    )
+    return BlockHeader(version, digest, payload_bytes, checksum, bytes(view[start:end]), flags, salt, tag)
 
 
 def verify(

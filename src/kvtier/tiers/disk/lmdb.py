@@ -181,8 +181,12 @@ def index_damage(index_dir: str) -> str | None:
 
 # LMDB errors that mean the index file itself is damaged (not a permission or a full disk)
 _DAMAGE_ERRORS = (
-    lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError,
-    lmdb.PanicError, lmdb.NotFoundError,
+    lmdb.InvalidError,
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.VersionMismatchError,
+    lmdb.PanicError,
+    lmdb.NotFoundError,
 )
 
 
@@ -268,7 +272,9 @@ class LMDBTier(DiskTier):
                 damage = f"LMDB cannot read {index_dir}: {exc}"
             except lmdb.Error as exc:
                 raise ConfigError(
-                    f"{self._field}.path", self.config.path, "a directory holding a usable LMDB index",
+                    f"{self._field}.path",
+                    self.config.path,
+                    "a directory holding a usable LMDB index",
                     f"LMDB cannot open {index_dir} ({exc}); run `kvtier check {self.path}` or remove "
                     f"the directory to start over",
                 ) from None
@@ -295,7 +301,9 @@ class LMDBTier(DiskTier):
             return f"{index_dir} is missing"
         except OSError as exc:
             raise ConfigError(
-                f"{self._field}.path", self.config.path, "a store whose index directory is this user's",
+                f"{self._field}.path",
+                self.config.path,
+                "a store whose index directory is this user's",
                 f"{index_dir}: {exc.strerror} (a symlink, or not a directory of this user's): "
                 f"remove {self.path} and let kvtier recreate it",
             ) from None
@@ -376,14 +384,13 @@ class LMDBTier(DiskTier):
         if stale:
             logger.info(
                 "kvtier tier %s: gave back %d slots reserved by processes that died mid-write",
-                self.name, len(stale),
+                self.name,
+                len(stale),
             )
         next_slot = self._next_slot(txn)
         if next_slot > self.capacity_blocks:
             cap = self.capacity_blocks
-            dropped = [
-                key for key, value in txn.cursor(db=self._blocks) if _ENTRY.unpack(value)[0] >= cap
-            ]
+            dropped = [key for key, value in txn.cursor(db=self._blocks) if _ENTRY.unpack(value)[0] >= cap]
             for key in dropped:
                 txn.delete(key, db=self._blocks)
             beyond = [key for key, _ in txn.cursor(db=self._free) if int.from_bytes(key, "big") >= cap]
@@ -392,7 +399,9 @@ class LMDBTier(DiskTier):
             txn.put(_NEXT_SLOT, _OWNER.pack(cap), db=self._meta)
             logger.warning(
                 "kvtier tier %s: capacity lowered to %d blocks: dropped the %d blocks beyond it",
-                self.name, cap, len(dropped),
+                self.name,
+                cap,
+                len(dropped),
             )
 
     def _open_slab(self, alone: bool) -> None:
@@ -406,7 +415,9 @@ class LMDBTier(DiskTier):
                 pass
             except OSError as exc:
                 raise ConfigError(
-                    f"{self._field}.path", self.config.path, "a store whose slab is a file of this user's",
+                    f"{self._field}.path",
+                    self.config.path,
+                    "a store whose slab is a file of this user's",
                     f"{path}: {exc.strerror}: remove {self.path} and let kvtier recreate it",
                 ) from None
             return
@@ -419,7 +430,8 @@ class LMDBTier(DiskTier):
                 free = stats.f_bavail * stats.f_frsize
                 if needed - size > free:
                     raise ConfigError(
-                        field, format_size(self.config.capacity_bytes),
+                        field,
+                        format_size(self.config.capacity_bytes),
                         f"at most what fits in {self.path}: {format_size(size + free)} "
                         f"({format_size(free)} free there)",
                         "lower the capacity, free space there, or choose another disk",
@@ -438,7 +450,8 @@ class LMDBTier(DiskTier):
                 self._fd_direct = open_private(_SLAB, os.O_RDWR | O_DIRECT, dir_fd=self._store_fd)
         except OSError as exc:
             raise ConfigError(
-                field, format_size(self.config.capacity_bytes),
+                field,
+                format_size(self.config.capacity_bytes),
                 f"a slab of {format_size(needed)} in {self.path}",
                 f"cannot prepare {path}: {exc.strerror} ({Failure.from_exception(exc)})",
             ) from None
@@ -474,7 +487,12 @@ class LMDBTier(DiskTier):
             job.reasons[i] = reason
         logger.warning(
             "kvtier tier %s: %s of job %d failed in the LMDB index (%s); its %d blocks are not "
-            "served, committed blocks are untouched", self.name, step, job.job_id, exc, len(indexes),
+            "served, committed blocks are untouched",
+            self.name,
+            step,
+            job.job_id,
+            exc,
+            len(indexes),
         )
 
     # -- store (mover threads) ------------------------------------------------------------------
@@ -564,7 +582,9 @@ class LMDBTier(DiskTier):
                         txn.put(slot_key, b"", db=self._free)
                         continue
                     key = job.keys[i]
-                    if not txn.put(key, _ENTRY.pack(job.block_ids[i], stamp), db=self._blocks, overwrite=False):
+                    if not txn.put(
+                        key, _ENTRY.pack(job.block_ids[i], stamp), db=self._blocks, overwrite=False
+                    ):
                         # another process committed this key meanwhile: keep its block
                         existing = txn.get(key, db=self._blocks)
                         assert existing is not None  # the put above found it, in this transaction
@@ -593,7 +613,9 @@ class LMDBTier(DiskTier):
                 self._unreleased.extend(_slot_key(job.block_ids[i]) for i in reserved)
             logger.warning(
                 "kvtier tier %s: could not give back %d reserved slots now; the next store job "
-                "gives them back", self.name, len(reserved),
+                "gives them back",
+                self.name,
+                len(reserved),
             )
 
     # -- load (mover threads) -------------------------------------------------------------------
@@ -626,7 +648,9 @@ class LMDBTier(DiskTier):
                 txn.delete(key, db=self._blocks)
                 txn.put(_slot_key(slot), b"", db=self._free)
         except lmdb.Error as exc:
-            logger.warning("kvtier tier %s: could not drop block %s from the index: %s", self.name, key.hex(), exc)
+            logger.warning(
+                "kvtier tier %s: could not drop block %s from the index: %s", self.name, key.hex(), exc
+            )
         self._log_corrupt(key, reason, f"slot {slot} of {os.path.join(self.path, _SLAB)}")
         return reason
 
@@ -636,7 +660,9 @@ class LMDBTier(DiskTier):
                 self._stamp(txn, keys, stamp)
         except lmdb.Error as exc:
             # recency is a hint: losing a batch of it costs eviction quality, not data
-            logger.warning("kvtier tier %s: could not record recency of %d blocks: %s", self.name, len(keys), exc)
+            logger.warning(
+                "kvtier tier %s: could not record recency of %d blocks: %s", self.name, len(keys), exc
+            )
 
     # -- check (caller's thread) ----------------------------------------------------------------
 
@@ -722,7 +748,9 @@ class LMDBTier(DiskTier):
             if bad:
                 report.fixed.append(f"dropped {len(bad)} bad blocks from the index")
             if free_but_used or free_beyond:
-                report.fixed.append(f"removed {len(free_but_used) + len(free_beyond)} wrong free-list entries")
+                report.fixed.append(
+                    f"removed {len(free_but_used) + len(free_beyond)} wrong free-list entries"
+                )
             if stale:
                 report.fixed.append(f"gave back {len(stale)} stale reservations")
             if leaked:

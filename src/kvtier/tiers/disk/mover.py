@@ -126,9 +126,7 @@ class Mover:
             threading.Thread(target=self._work, name=f"kvtier-{name}-io{i}", daemon=True)
             for i in range(threads)
         ]
-        self._sequencer = threading.Thread(
-            target=self._sequence, name=f"kvtier-{name}-seq", daemon=True
-        )
+        self._sequencer = threading.Thread(target=self._sequence, name=f"kvtier-{name}-seq", daemon=True)
         self._finishers = [
             threading.Thread(target=self._run_epilogues, name=f"kvtier-{name}-fin{i}", daemon=True)
             for i in range(finishers)
@@ -150,9 +148,7 @@ class Mover:
                 self._sequenced.append(job)
             else:
                 job._remaining = len(job.keys)
-                (self._loads if job.is_load else self._stores).extend(
-                    (job, i) for i in range(len(job.keys))
-                )
+                (self._loads if job.is_load else self._stores).extend((job, i) for i in range(len(job.keys)))
             self._cond.notify_all()
         if job.before is None and not job.keys:
             self._finish(job)
@@ -255,9 +251,7 @@ class Mover:
             except BaseException as exc:  # noqa: BLE001 - fails this job's keys only
                 reason = self._unexpected(exc, "prologue")
                 job.reasons = [reason] * len(job.keys)
-            todo = [
-                i for i in range(len(job.keys)) if not job.skip[i] and job.reasons[i] is None
-            ]
+            todo = [i for i in range(len(job.keys)) if not job.skip[i] and job.reasons[i] is None]
             if not todo:
                 self._finish(job)
                 continue

@@ -163,7 +163,10 @@ def directory_problem(info: os.stat_result, directory: str) -> tuple[str, str] |
     mode = stat.S_IMODE(info.st_mode)
     if mode & 0o022:
         what = f"{directory} has mode {mode:o}: group or others may write in it, so they could replace or remove its files"
-        return what, f"chmod 700 {directory} if every file in it is yours, or remove it and let kvtier recreate it"
+        return (
+            what,
+            f"chmod 700 {directory} if every file in it is yours, or remove it and let kvtier recreate it",
+        )
     return None
 
 
@@ -180,12 +183,19 @@ def open_store_directory(directory: str, field: str, path: str, *, read_only: bo
         info = os.fstat(fd)
         problem = directory_problem(info, directory)
         if problem is not None:
-            raise ConfigError(where, path, "a store directory of this user's that no one else may write", f"{problem[0]}. Fix: {problem[1]}")
+            raise ConfigError(
+                where,
+                path,
+                "a store directory of this user's that no one else may write",
+                f"{problem[0]}. Fix: {problem[1]}",
+            )
         if not read_only and stat.S_IMODE(info.st_mode) != DIR_MODE:
             # others may read it (a store kvtier made before it used 0700): its files are KV
             logger.warning(
                 "kvtier: store directory %s had mode %o; set to %o (KV blocks are for this user only)",
-                directory, stat.S_IMODE(info.st_mode), DIR_MODE,
+                directory,
+                stat.S_IMODE(info.st_mode),
+                DIR_MODE,
             )
             os.fchmod(fd, DIR_MODE)
     except BaseException:
@@ -237,7 +247,9 @@ def pid_alive(pid: int) -> bool:
 def _os_fix(exc: OSError, where: str) -> str:
     """How to fix an OSError met while preparing ``where``."""
     if exc.errno == errno.EROFS:
-        return f"{where} is on a read-only filesystem: remount it read-write or choose a path on a writable disk"
+        return (
+            f"{where} is on a read-only filesystem: remount it read-write or choose a path on a writable disk"
+        )
     if exc.errno in (errno.EACCES, errno.EPERM):
         return (
             f"this user (uid {os.getuid()}) may not write in {where}: fix its ownership or "
@@ -353,7 +365,9 @@ def prepare_directory(path: str, field: str, *, read_only: bool = False) -> str:
         return os.path.realpath(directory)
     if os.path.lexists(directory) and not os.path.isdir(directory):
         raise ConfigError(
-            where, path, "a directory (or where to create one)",
+            where,
+            path,
+            "a directory (or where to create one)",
             f"{directory} is a file: point path at a directory",
         )
     if not os.path.isdir(directory):
@@ -362,7 +376,9 @@ def prepare_directory(path: str, field: str, *, read_only: bool = False) -> str:
             if not os.path.isdir(parent):
                 if parent not in (user_cache_root(), os.path.expanduser("~/.cache/kvtier")):
                     raise ConfigError(
-                        where, path, "a directory whose parent exists",
+                        where,
+                        path,
+                        "a directory whose parent exists",
                         f"create {parent} first (kvtier creates only the last path component, "
                         f"and the missing parents of its per-user default {user_cache_root()})",
                     )
@@ -400,10 +416,13 @@ def _reject_open_parent(parent: str, where: str, path: str) -> None:
     info = os.stat(parent)
     if info.st_mode & 0o002 and not info.st_mode & stat.S_ISVTX:
         raise ConfigError(
-            where, path, "a path whose parent directory other users cannot rewrite",
+            where,
+            path,
+            "a path whose parent directory other users cannot rewrite",
             f"{parent} is writable by everyone without the sticky bit; use a directory of your "
             f"own, such as {user_cache_root()}/NAME",
         )
+
 
 def settle_manifest(
     directory: str,
@@ -425,23 +444,29 @@ def settle_manifest(
     try:
         manifest = read_manifest(directory)
     except ManifestError as exc:
-        raise ConfigError(f"{field}.path", config.path, "a kvtier store or an empty directory", str(exc)) from None
+        raise ConfigError(
+            f"{field}.path", config.path, "a kvtier store or an empty directory", str(exc)
+        ) from None
     if read_only:
         if manifest is None or manifest.kind != kind or manifest.fingerprint.digest() != fingerprint.digest():
             raise ConfigError(
-                f"{field}.path", config.path, f"a {kind} store of layout ({fingerprint.describe()})",
+                f"{field}.path",
+                config.path,
+                f"a {kind} store of layout ({fingerprint.describe()})",
                 f"{directory}/{MANIFEST_NAME} is missing or describes another store",
             )
         return manifest, False
     if manifest is None:
         foreign = [
-            name for name in os.listdir(directory)
+            name
+            for name in os.listdir(directory)
             if name not in _OWN_NAMES and not name.startswith(_OWN_PREFIXES)
         ]
         if foreign:
             shown = ", ".join(sorted(foreign)[:5]) + (" ..." if len(foreign) > 5 else "")
             raise ConfigError(
-                f"{field}.path", config.path,
+                f"{field}.path",
+                config.path,
                 "an empty directory or a kvtier store (it has no kvtier-store.json)",
                 f"it holds other files ({shown}); kvtier never deletes files it did not "
                 f"write: choose an empty or new directory",
@@ -451,7 +476,8 @@ def settle_manifest(
         return manifest, True
     if manifest.kind != kind:
         raise ConfigError(
-            f"{field}.kind", config.kind,
+            f"{field}.kind",
+            config.kind,
             f"'{manifest.kind}': {directory} holds a {manifest.kind} store",
             f"set kind: {manifest.kind}, or point path at another directory (or remove "
             f"{directory} to start a {kind} store there)",
@@ -459,7 +485,8 @@ def settle_manifest(
     if manifest.fingerprint.digest() != fingerprint.digest():
         if not alone:
             raise ConfigError(
-                f"{field}.path", config.path,
+                f"{field}.path",
+                config.path,
                 "a store of this engine's layout, or one no other process is using",
                 f"another process uses {directory} with layout ({manifest.fingerprint.describe()}), "
                 f"this one is ({fingerprint.describe()}): give each layout its own path",
@@ -470,7 +497,10 @@ def settle_manifest(
         logger.warning(
             "kvtier tier %s: %s holds blocks of another layout (%s); this engine's layout is "
             "(%s). Serving none of them: wiping the old blocks and starting empty.",
-            config.name, directory, manifest.fingerprint.describe(), fingerprint.describe(),
+            config.name,
+            directory,
+            manifest.fingerprint.describe(),
+            fingerprint.describe(),
         )
         _wipe(directory, medium_names)
         manifest = StoreManifest.new(kind, fingerprint, config.capacity_bytes)
@@ -479,25 +509,31 @@ def settle_manifest(
     if manifest.capacity_bytes != config.capacity_bytes:
         if not alone:
             raise ConfigError(
-                f"{field}.capacity", format_size(config.capacity_bytes),
-                f"{format_size(manifest.capacity_bytes)}, the capacity another process "
-                f"uses {directory} with",
+                f"{field}.capacity",
+                format_size(config.capacity_bytes),
+                f"{format_size(manifest.capacity_bytes)}, the capacity another process uses {directory} with",
                 "give every process sharing a path the same capacity (or its own path)",
             )
         manifest = StoreManifest(
-            manifest.kind, manifest.format_version, manifest.fingerprint,
-            config.capacity_bytes, manifest.created_s,
+            manifest.kind,
+            manifest.format_version,
+            manifest.fingerprint,
+            config.capacity_bytes,
+            manifest.created_s,
         )
         _write_manifest(directory, manifest, config, field)
     if alone:
         _remove_trash(directory)
     return manifest, False
 
+
 def _write_manifest(directory: str, manifest: StoreManifest, config: DiskTierConfig, field: str) -> None:
     try:
         write_manifest(directory, manifest)
     except OSError as exc:
-        raise ConfigError(f"{field}.path", config.path, "a directory kvtier can write", _os_fix(exc, directory)) from None
+        raise ConfigError(
+            f"{field}.path", config.path, "a directory kvtier can write", _os_fix(exc, directory)
+        ) from None
 
 
 def _wipe(directory: str, medium_names: tuple[str, ...]) -> None:
@@ -520,7 +556,9 @@ def _remove_trash(directory: str) -> None:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
-def decide_direct(config: DiskTierConfig, directory: str, rowio: RowIO, field: str) -> tuple[bool, str | None]:
+def decide_direct(
+    config: DiskTierConfig, directory: str, rowio: RowIO, field: str
+) -> tuple[bool, str | None]:
     """``(use O_DIRECT, why it falls back)`` per ``o_direct``; ``on`` that cannot be is an error."""
     if config.o_direct == "off":
         return False, None
@@ -530,7 +568,9 @@ def decide_direct(config: DiskTierConfig, directory: str, rowio: RowIO, field: s
         return True, None
     if config.o_direct == "on":
         raise ConfigError(
-            f"{field}.o_direct", "on", f"O_DIRECT usable in {config.path}",
+            f"{field}.o_direct",
+            "on",
+            f"O_DIRECT usable in {config.path}",
             f"{problem}: set o_direct: auto (falls back to buffered I/O, logged) or off, "
             f"or put the store on a filesystem that supports O_DIRECT",
         )

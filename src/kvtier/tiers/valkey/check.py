@@ -89,9 +89,13 @@ class NamespaceReport:
     def to_record(self) -> dict[str, Any]:
         """The JSON object of this namespace (``namespaces[NAME]`` of the check's JSON line)."""
         return {
-            "healthy": self.healthy, "blocks_checked": self.blocks_checked, "bytes": self.value_bytes,
-            "layout_digest": self.layout_digest, "layout_digests": dict(self.layout_digests),
-            "problems": list(self.problems), "fixed": list(self.fixed),
+            "healthy": self.healthy,
+            "blocks_checked": self.blocks_checked,
+            "bytes": self.value_bytes,
+            "layout_digest": self.layout_digest,
+            "layout_digests": dict(self.layout_digests),
+            "problems": list(self.problems),
+            "fixed": list(self.fixed),
             "unverified": self.unverified,
         }
 
@@ -123,8 +127,11 @@ class ValkeyCheckReport:
     def to_record(self) -> dict[str, Any]:
         """The JSON line: the disk check's fields (``path`` is the target), and ``namespaces``."""
         return {
-            "path": self.target, "healthy": self.healthy, "blocks_checked": self.blocks_checked,
-            "problems": self.problems, "fixed": self.fixed,
+            "path": self.target,
+            "healthy": self.healthy,
+            "blocks_checked": self.blocks_checked,
+            "problems": self.problems,
+            "fixed": self.fixed,
             "namespaces": {report.namespace: report.to_record() for report in self.namespaces},
         }
 
@@ -135,8 +142,9 @@ def is_valkey_target(path: str) -> bool:
     return path.partition("://")[0] in URL_SCHEMES and "://" in path
 
 
-def verify_value(value, key: bytes, *, layout_digest: bytes | None = None,
-                 payload_bytes: int | None = None, keys=None) -> tuple[str | None, bytes | None]:
+def verify_value(
+    value, key: bytes, *, layout_digest: bytes | None = None, payload_bytes: int | None = None, keys=None
+) -> tuple[str | None, bytes | None]:
     """Why ``value`` is not ``key``'s block, or ``None``; and the layout digest its header carries.
 
     With ``layout_digest`` and ``payload_bytes`` (a tier that knows its layout) the value must
@@ -156,8 +164,13 @@ def verify_value(value, key: bytes, *, layout_digest: bytes | None = None,
     if keys is not None and header.flags and len(payload) == want_bytes:
         payload = bytearray(payload)  # an encrypted payload is decrypted in place
     reason = verify(
-        view[:HEADER_BYTES], payload, len(view),
-        key=key, layout_digest=want_digest, payload_bytes=want_bytes, keys=keys,
+        view[:HEADER_BYTES],
+        payload,
+        len(view),
+        key=key,
+        layout_digest=want_digest,
+        payload_bytes=want_bytes,
+        keys=keys,
     )
     if reason is None and len(view) > HEADER_BYTES + want_bytes:
         reason = "payload length"  # trailing bytes: not what any tier wrote
@@ -166,7 +179,7 @@ def verify_value(value, key: bytes, *, layout_digest: bytes | None = None,
 
 def _key_of(name: bytes, prefix: bytes) -> bytes | None:
     """The offload key a value's name ends in, or None if the name holds no hex key."""
-    tail = name[len(prefix):]
+    tail = name[len(prefix) :]
     try:
         return bytes.fromhex(tail.decode("ascii")) if tail else None
     except (UnicodeDecodeError, ValueError):
@@ -236,8 +249,11 @@ def check_namespace(
                     continue
                 if value != _WRONGTYPE:
                     raise ValkeyCheckError(
-                        redact_url(conn.location), f"reading {name.decode(errors='replace')} failed ({value})",
-                        fix_for(value, "make sure the server is up and answers GET, then run the check again"),
+                        redact_url(conn.location),
+                        f"reading {name.decode(errors='replace')} failed ({value})",
+                        fix_for(
+                            value, "make sure the server is up and answers GET, then run the check again"
+                        ),
                     )
                 report.blocks_checked += 1
                 bad[name] = "not a string value"
@@ -288,7 +304,8 @@ def check_namespace(
                 conn.delete(doomed[at : at + 1000])
             except Exception as error:
                 raise ValkeyCheckError(
-                    redact_url(conn.location), f"deleting bad values failed ({reason_of(error)})",
+                    redact_url(conn.location),
+                    f"deleting bad values failed ({reason_of(error)})",
                     "make sure the server is up and accepts DEL, then run the check with --fix again",
                 ) from None
         report.fixed = [f"{name.decode(errors='replace')}: deleted" for name in doomed]
@@ -349,7 +366,9 @@ def check_valkey(
 
     if importlib.util.find_spec("valkey") is None:
         raise ConfigError(
-            "check", redact_url(url) or ",".join(cluster_nodes), "the valkey client installed",
+            "check",
+            redact_url(url) or ",".join(cluster_nodes),
+            "the valkey client installed",
             "pip install 'kvtier[valkey]'",
         )
     if config is None:
@@ -397,5 +416,7 @@ def _unreachable(target: str, error: BaseException) -> ValkeyCheckError:
         what = "refused the credentials" if reason.kind is FailureKind.AUTH else "failed the TLS handshake"
         return ValkeyCheckError(target, f"the server {what} ({reason})", fix_for(reason, ""))
     return ValkeyCheckError(
-        target, f"the server answered with an error ({reason})", fix_for(reason, "check the server's log"),
+        target,
+        f"the server answered with an error ({reason})",
+        fix_for(reason, "check the server's log"),
     )

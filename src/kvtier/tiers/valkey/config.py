@@ -47,7 +47,15 @@ from kvtier.registry import Registry
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.secret import parse_secret_options
 
-__all__ = ["PASSWORD_ENV", "VALKEY_KINDS", "ValkeyTLS", "ValkeyTierConfig", "parse", "read_password", "redact_url"]
+__all__ = [
+    "PASSWORD_ENV",
+    "VALKEY_KINDS",
+    "ValkeyTLS",
+    "ValkeyTierConfig",
+    "parse",
+    "read_password",
+    "redact_url",
+]
 
 #: the kinds this section serves: Redis speaks the same protocol
 VALKEY_KINDS = ("valkey", "redis")
@@ -125,7 +133,8 @@ class ValkeyTierConfig(TierConfig):
         has_url, has_nodes = "url" in section, "cluster_nodes" in section
         if has_url == has_nodes:
             raise ConfigError(
-                f"{field}.url", redact_url(str(section["url"])) if has_url else "<missing>",
+                f"{field}.url",
+                redact_url(str(section["url"])) if has_url else "<missing>",
                 "exactly one of url: (one server) and cluster_nodes: (a cluster)",
                 "write url: valkey://host:6379/0, or cluster_nodes: [host:7000, ...]",
             )
@@ -135,9 +144,13 @@ class ValkeyTierConfig(TierConfig):
         else:
             options["cluster_nodes"] = _parse_nodes(section["cluster_nodes"], f"{field}.cluster_nodes")
         namespace = section.get("namespace")
-        if namespace is not None and (not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace)):
+        if namespace is not None and (
+            not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace)
+        ):
             raise ConfigError(
-                f"{field}.namespace", namespace, "1-128 letters, digits and _ . : -",
+                f"{field}.namespace",
+                namespace,
+                "1-128 letters, digits and _ . : -",
                 "write a name such as llama3-8b, or leave it out to derive one from the layout",
             )
         options["namespace"] = namespace
@@ -149,7 +162,9 @@ class ValkeyTierConfig(TierConfig):
         if "max_inflight_bytes" in section:
             size = parse_size(section["max_inflight_bytes"], f"{field}.max_inflight_bytes")
             if size <= 0:
-                raise ConfigError(f"{field}.max_inflight_bytes", size, "a size > 0", "write a size such as 256MiB")
+                raise ConfigError(
+                    f"{field}.max_inflight_bytes", size, "a size > 0", "write a size such as 256MiB"
+                )
             options["max_inflight_bytes"] = size
         if "username" in section:
             username = section["username"]
@@ -159,14 +174,23 @@ class ValkeyTierConfig(TierConfig):
         if section.get("password_file") is not None:
             path = section["password_file"]
             if not isinstance(path, str) or not path:
-                raise ConfigError(f"{field}.password_file", path, "a file's path", "write password_file: /etc/kvtier/valkey.pass")
+                raise ConfigError(
+                    f"{field}.password_file",
+                    path,
+                    "a file's path",
+                    "write password_file: /etc/kvtier/valkey.pass",
+                )
             read_password(path, f"{field}.password_file")  # refused now, not at the first connection
             options["password_file"] = path
         if section.get("tls") is not None:
             options["tls"] = _parse_tls(section["tls"], f"{field}.tls")
             if str(options.get("url", "")).startswith("unix:"):
-                raise ConfigError(f"{field}.tls", "(set)", "TLS over TCP: a valkeys://host:port URL",
-                                  "drop tls: for a unix socket, or give the server's TCP address")
+                raise ConfigError(
+                    f"{field}.tls",
+                    "(set)",
+                    "TLS over TCP: a valkeys://host:port URL",
+                    "drop tls: for a unix socket, or give the server's TCP address",
+                )
         options.update(parse_secret_options(section, field))
         return options
 
@@ -185,7 +209,10 @@ class ValkeyTierConfig(TierConfig):
         parts.append("password=" + self.password_source())
         if self.tls is not None or self.uses_tls:
             tls = self.tls or ValkeyTLS()
-            parts.append(f"tls=ca_file:{tls.ca_file or '(system)'}" + (f",cert_file:{tls.cert_file}" if tls.cert_file else ""))
+            parts.append(
+                f"tls=ca_file:{tls.ca_file or '(system)'}"
+                + (f",cert_file:{tls.cert_file}" if tls.cert_file else "")
+            )
         return "  ".join(parts)
 
     @property
@@ -219,7 +246,9 @@ class ValkeyTierConfig(TierConfig):
         :class:`ConfigError` with the install command when the ``valkey`` client is missing."""
         if importlib.util.find_spec("valkey") is None:  # the client the tier needs
             raise ConfigError(
-                f"{field}.kind", self.kind, "a tier whose client is installed",
+                f"{field}.kind",
+                self.kind,
+                "a tier whose client is installed",
                 "pip install 'kvtier[valkey]' (the valkey client and its libvalkey parser)",
             )
         # By name, as the kind registry finds this section: the tier imports this module.
@@ -256,20 +285,28 @@ def read_password(path: str, field: str) -> str:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
     except OSError as error:
-        raise ConfigError(field, path, "a readable file holding the password",
-                          f"create it ({error.strerror}): printf %s PASSWORD > {path}; {fix_mode}") from None
+        raise ConfigError(
+            field,
+            path,
+            "a readable file holding the password",
+            f"create it ({error.strerror}): printf %s PASSWORD > {path}; {fix_mode}",
+        ) from None
     try:
         info = os.fstat(fd)  # the file opened, not whatever the path names a moment later
         if not stat.S_ISREG(info.st_mode):
             raise ConfigError(field, path, "a regular file", "give the path of a file holding the password")
         if info.st_uid != os.geteuid():
             raise ConfigError(
-                field, path, f"a file owned by this user (uid {os.geteuid()}); it is owned by uid {info.st_uid}",
+                field,
+                path,
+                f"a file owned by this user (uid {os.geteuid()}); it is owned by uid {info.st_uid}",
                 f"chown {os.geteuid()} {path} (or copy it to a file of your own); {fix_mode}",
             )
         if info.st_mode & 0o077:
             raise ConfigError(
-                field, path, f"a file only its owner can read or write; its mode is {stat.S_IMODE(info.st_mode):04o}",
+                field,
+                path,
+                f"a file only its owner can read or write; its mode is {stat.S_IMODE(info.st_mode):04o}",
                 fix_mode,
             )
         text = os.read(fd, _MAX_SECRET_BYTES + 1)
@@ -277,8 +314,12 @@ def read_password(path: str, field: str) -> str:
         os.close(fd)
     password = text.decode("utf-8", errors="strict").splitlines()[0] if text.strip() else ""
     if not password or len(text) > _MAX_SECRET_BYTES:
-        raise ConfigError(field, path, "a file whose first line is the password (at most 4 KiB)",
-                          f"write the password alone: printf %s PASSWORD > {path}")
+        raise ConfigError(
+            field,
+            path,
+            "a file whose first line is the password (at most 4 KiB)",
+            f"write the password alone: printf %s PASSWORD > {path}",
+        )
     return password
 
 
@@ -286,27 +327,43 @@ def _parse_tls(value: object, field: str) -> ValkeyTLS:
     if value is True:
         return ValkeyTLS()
     if not isinstance(value, Mapping):
-        raise ConfigError(field, value, "a mapping of ca_file, cert_file, key_file (or true: the system's CAs)",
-                          "write tls: {ca_file: /etc/kvtier/ca.pem}")
+        raise ConfigError(
+            field,
+            value,
+            "a mapping of ca_file, cert_file, key_file (or true: the system's CAs)",
+            "write tls: {ca_file: /etc/kvtier/ca.pem}",
+        )
     known = {f for f in ("ca_file", "cert_file", "key_file", "check_hostname")}
     for key in value:
         if key not in known:
-            raise ConfigError(f"{field}.{key}", value[key], "one of " + ", ".join(sorted(known)),
-                              f"remove {key}, or spell it as one of those")
+            raise ConfigError(
+                f"{field}.{key}",
+                value[key],
+                "one of " + ", ".join(sorted(known)),
+                f"remove {key}, or spell it as one of those",
+            )
     files: dict[str, str | None] = {}
     for key in ("ca_file", "cert_file", "key_file"):
         path = value.get(key)
         if path is not None and (not isinstance(path, str) or not os.path.isfile(path)):
-            raise ConfigError(f"{field}.{key}", path, "the path of an existing PEM file", "give the file's path")
+            raise ConfigError(
+                f"{field}.{key}", path, "the path of an existing PEM file", "give the file's path"
+            )
         files[key] = path
     if (files["cert_file"] is None) != (files["key_file"] is None):
-        raise ConfigError(f"{field}.cert_file", files["cert_file"], "cert_file and key_file together (mutual TLS)",
-                          "give both, or neither")
+        raise ConfigError(
+            f"{field}.cert_file",
+            files["cert_file"],
+            "cert_file and key_file together (mutual TLS)",
+            "give both, or neither",
+        )
     if files["key_file"] is not None:
         _check_private(files["key_file"], f"{field}.key_file")
     check_hostname = value.get("check_hostname", True)
     if not isinstance(check_hostname, bool):
-        raise ConfigError(f"{field}.check_hostname", check_hostname, "true or false", "write check_hostname: true")
+        raise ConfigError(
+            f"{field}.check_hostname", check_hostname, "true or false", "write check_hostname: true"
+        )
     return ValkeyTLS(files["ca_file"], files["cert_file"], files["key_file"], check_hostname)
 
 
@@ -315,7 +372,9 @@ def _check_private(path: str, field: str) -> None:
     info = os.stat(path)
     if info.st_uid != os.geteuid() or info.st_mode & 0o077:
         raise ConfigError(
-            field, path, f"a file owned by this user (uid {os.geteuid()}) and readable by no one else "
+            field,
+            path,
+            f"a file owned by this user (uid {os.geteuid()}) and readable by no one else "
             f"(owner uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o})",
             f"chown {os.geteuid()} {path}; chmod 600 {path}",
         )
@@ -324,7 +383,12 @@ def _check_private(path: str, field: str) -> None:
 def _seconds(value: object, field: str, *, allow_none: bool) -> float | None:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         expected = "a number of seconds > 0" + (" or null" if allow_none else "")
         raise ConfigError(field, value, expected, "write a number such as 1.5")
     return float(value)
@@ -333,18 +397,24 @@ def _seconds(value: object, field: str, *, allow_none: bool) -> float | None:
 def _parse_url(value: object, field: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(
-            field, value, "a server URL: " + ", ".join(f"{s}://" for s in URL_SCHEMES),
+            field,
+            value,
+            "a server URL: " + ", ".join(f"{s}://" for s in URL_SCHEMES),
             "write url: valkey://host:6379/0 (or unix:///path/to/valkey.sock)",
         )
     parts = urlsplit(value)
     if parts.scheme not in URL_SCHEMES:
         raise ConfigError(
-            field, redact_url(value), "a URL starting with one of " + ", ".join(f"{s}://" for s in URL_SCHEMES),
+            field,
+            redact_url(value),
+            "a URL starting with one of " + ", ".join(f"{s}://" for s in URL_SCHEMES),
             "write url: valkey://host:6379/0",
         )
     if parts.scheme == "unix":
         if not parts.path:
-            raise ConfigError(field, redact_url(value), "unix:///absolute/path/to/socket", "add the socket's path")
+            raise ConfigError(
+                field, redact_url(value), "unix:///absolute/path/to/socket", "add the socket's path"
+            )
         return value
     try:
         port = parts.port
@@ -352,19 +422,26 @@ def _parse_url(value: object, field: str) -> str:
         port = -1
     if not parts.hostname or port == -1:
         raise ConfigError(
-            field, redact_url(value), "scheme://host[:port][/db] with a host and a port 1-65535",
+            field,
+            redact_url(value),
+            "scheme://host[:port][/db] with a host and a port 1-65535",
             "write url: valkey://host:6379/0",
         )
     db = parts.path.strip("/")
     if db and not db.isdigit():
-        raise ConfigError(field, redact_url(value), "a database number after the host (/0)", "write /0 or leave it out")
+        raise ConfigError(
+            field, redact_url(value), "a database number after the host (/0)", "write /0 or leave it out"
+        )
     return value
 
 
 def _parse_nodes(value: object, field: str) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
         raise ConfigError(
-            field, value, "a non-empty list of host:port", "write cluster_nodes: [10.0.0.5:7000, 10.0.0.6:7000]"
+            field,
+            value,
+            "a non-empty list of host:port",
+            "write cluster_nodes: [10.0.0.5:7000, 10.0.0.6:7000]",
         )
     nodes = []
     for index, node in enumerate(value):
@@ -386,7 +463,9 @@ def parse(section: Mapping, field: str) -> ValkeyTierConfig:
     """
     tier = parse_tier(section, field)
     if not isinstance(tier, ValkeyTierConfig):
-        raise ConfigError(f"{field}.kind", tier.kind, "one of " + ", ".join(VALKEY_KINDS), "write kind: valkey")
+        raise ConfigError(
+            f"{field}.kind", tier.kind, "one of " + ", ".join(VALKEY_KINDS), "write kind: valkey"
+        )
     return tier
 
 

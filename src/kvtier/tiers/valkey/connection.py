@@ -58,11 +58,15 @@ def reason_of(error: BaseException) -> Failure:
 
     chain = list(_chain(error))
     text = str(error)
-    if any(isinstance(e, errors.AuthenticationError) for e in chain) or text.startswith(("WRONGPASS", "NOAUTH")):
+    if any(isinstance(e, errors.AuthenticationError) for e in chain) or text.startswith(
+        ("WRONGPASS", "NOAUTH")
+    ):
         required = "required" in text.lower() or text.startswith("NOAUTH")
         return Failure(FailureKind.AUTH, detail="no credentials" if required else "wrong credentials")
     if any(isinstance(e, ssl.SSLError) for e in chain) or "[SSL" in text:
-        bad_cert = any(isinstance(e, ssl.SSLCertVerificationError) for e in chain) or "CERTIFICATE" in text.upper()
+        bad_cert = (
+            any(isinstance(e, ssl.SSLCertVerificationError) for e in chain) or "CERTIFICATE" in text.upper()
+        )
         return Failure(FailureKind.TLS, detail="certificate" if bad_cert else "handshake")
     if any(isinstance(e, (errors.TimeoutError, socket.timeout)) for e in chain):
         return Failure(FailureKind.UNAVAILABLE, detail="timeout")
@@ -74,7 +78,9 @@ def reason_of(error: BaseException) -> Failure:
     if isinstance(error, (errors.ConnectionError, OSError)):
         if any(isinstance(e, ConnectionRefusedError) for e in chain) or "refused" in text.lower():
             return Failure(FailureKind.UNAVAILABLE, detail="refused")
-        closed = "closed" in text.lower() or any(isinstance(e, (BrokenPipeError, ConnectionResetError)) for e in chain)
+        closed = "closed" in text.lower() or any(
+            isinstance(e, (BrokenPipeError, ConnectionResetError)) for e in chain
+        )
         return Failure(FailureKind.UNAVAILABLE, detail="closed" if closed else "connection")
     if isinstance(error, errors.ResponseError):
         code = text.split(" ", 1)[0]
@@ -88,19 +94,27 @@ def fix_for(reason: Failure, default: str) -> str:
     """The fix a message gives for a failure ``reason`` (:func:`reason_of`): credentials, TLS
     files, an ACL, a server to start, or ``default``."""
     if reason.kind is FailureKind.AUTH:
-        return ("give the user name and password the server's ACL knows: username: and password_file: "
-                "in the tier's config, or KVTIER_VALKEY_PASSWORD in the environment (never on the command line)")
+        return (
+            "give the user name and password the server's ACL knows: username: and password_file: "
+            "in the tier's config, or KVTIER_VALKEY_PASSWORD in the environment (never on the command line)"
+        )
     if reason.kind is FailureKind.TLS:
-        return ("give the CA that signed the server's certificate (the tier's tls: ca_file:; kvtier check "
-                "--config FILE), and cert_file:/key_file: if the server asks for a client certificate")
+        return (
+            "give the CA that signed the server's certificate (the tier's tls: ca_file:; kvtier check "
+            "--config FILE), and cert_file:/key_file: if the server asks for a client certificate"
+        )
     if reason.kind is FailureKind.DENIED:
         if reason.detail == "key":
             return "grant this user the tier's keys in the server's ACL (~NAMESPACE:*, e.g. ~kvtier:*)"
-        return (f"grant this user {reason.detail.upper()} in the server's ACL (the tier needs GET SET PING INFO, "
-                "its check SCAN and DEL: +get +set +ping +info +scan +del)")
+        return (
+            f"grant this user {reason.detail.upper()} in the server's ACL (the tier needs GET SET PING INFO, "
+            "its check SCAN and DEL: +get +set +ping +info +scan +del)"
+        )
     if reason.kind is FailureKind.UNAVAILABLE:
-        return ("start the server, or give its address: valkey://HOST:PORT[/DB] (valkeys:// for TLS), "
-                "or --cluster HOST:PORT,... for a cluster")
+        return (
+            "start the server, or give its address: valkey://HOST:PORT[/DB] (valkeys:// for TLS), "
+            "or --cluster HOST:PORT,... for a cluster"
+        )
     return default
 
 
@@ -202,7 +216,9 @@ def _read_values(connection, count: int, expect_bytes: int = 0, max_bytes: int |
                 start = at + 2
                 return text
             if end - start > _MAX_LINE_BYTES:
-                raise ClientConnectionError("a reply line longer than any GET reply: the connection is out of step")
+                raise ClientConnectionError(
+                    "a reply line longer than any GET reply: the connection is out of step"
+                )
             fill()
 
     def skip(left: int) -> None:
@@ -351,7 +367,9 @@ class ValkeyConnection:
             options.update(ssl_cert_reqs="required")
             if tls is not None:
                 options.update(
-                    ssl_ca_certs=tls.ca_file, ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file,
+                    ssl_ca_certs=tls.ca_file,
+                    ssl_certfile=tls.cert_file,
+                    ssl_keyfile=tls.key_file,
                     ssl_check_hostname=tls.check_hostname,
                 )
         if config.cluster_nodes:
@@ -373,7 +391,9 @@ class ValkeyConnection:
             if "path" in settings:
                 from kvtier.errors import ConfigError
 
-                raise ConfigError("url", config.location(), "a TCP URL for TLS", "TLS needs valkeys://host:port")
+                raise ConfigError(
+                    "url", config.location(), "a TCP URL for TLS", "TLS needs valkeys://host:port"
+                )
             settings["connection_class"] = SSLConnection
         client = valkey.Valkey(connection_pool=ConnectionPool(**settings))
         client.auto_close_connection_pool = True
@@ -403,7 +423,9 @@ class ValkeyConnection:
 
     # -- batches ------------------------------------------------------------------------------
 
-    def set_many(self, names: Sequence[bytes], values: Sequence[Sequence], ttl_s: float | None) -> list[Failure | None]:
+    def set_many(
+        self, names: Sequence[bytes], values: Sequence[Sequence], ttl_s: float | None
+    ) -> list[Failure | None]:
         """SET each name to its value (expiring after ``ttl_s``); per name ``None`` or the
         :class:`~kvtier.tiers.base.Failure` it failed with (:func:`reason_of`).
 
@@ -416,10 +438,13 @@ class ValkeyConnection:
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
         expire = b"" if px is None else b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(px)), px)
         argc = 3 if px is None else 5
-        return self._batch(names, lambda index, name: _pack_set(argc, name, values[index], expire), _read_set_replies)
+        return self._batch(
+            names, lambda index, name: _pack_set(argc, name, values[index], expire), _read_set_replies
+        )
 
-    def get_many(self, names: Sequence[bytes], expect_bytes: int = 0,
-                 max_bytes: int | None = None) -> list[np.ndarray | None | Failure]:
+    def get_many(
+        self, names: Sequence[bytes], expect_bytes: int = 0, max_bytes: int | None = None
+    ) -> list[np.ndarray | None | Failure]:
         """GET each name: its value (a uint8 array), ``None`` if the server has no such key, or
         the :class:`~kvtier.tiers.base.Failure` the read failed with. ``expect_bytes``: the
         length most values have; a value longer than ``max_bytes`` (default
@@ -487,7 +512,11 @@ class ValkeyConnection:
         if client is None:
             return
         if self._config.cluster_nodes:
-            pools = [node.valkey_connection.connection_pool for node in client.get_nodes() if node.valkey_connection]
+            pools = [
+                node.valkey_connection.connection_pool
+                for node in client.get_nodes()
+                if node.valkey_connection
+            ]
         else:
             pools = [client.connection_pool]
         for pool in pools:
@@ -506,7 +535,8 @@ class ValkeyConnection:
         else:
             infos = [client.info()]
         figures = dict.fromkeys(
-            ("used_memory", "maxmemory", "evicted_keys", "keyspace_hits", "keyspace_misses", "expired_keys"), 0
+            ("used_memory", "maxmemory", "evicted_keys", "keyspace_hits", "keyspace_misses", "expired_keys"),
+            0,
         )
         for info in infos:
             for name in figures:

@@ -75,8 +75,14 @@ class LocalValkeyServer:
     :class:`LocalValkeyCluster`).
     """
 
-    def __init__(self, binary: str | None = None, *, maxmemory: int | None = None, cluster: bool = False,
-                 port: int | None = None):
+    def __init__(
+        self,
+        binary: str | None = None,
+        *,
+        maxmemory: int | None = None,
+        cluster: bool = False,
+        port: int | None = None,
+    ):
         found = binary or find_server_binary()
         if found is None:
             raise FileNotFoundError(
@@ -107,8 +113,21 @@ class LocalValkeyServer:
     def start(self) -> LocalValkeyServer:
         """Start the server (empty) and wait until it answers PING."""
         args = [
-            self.binary, "--bind", LOOPBACK, "--port", str(self.port), "--dir", self._dir,
-            "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning",
+            self.binary,
+            "--bind",
+            LOOPBACK,
+            "--port",
+            str(self.port),
+            "--dir",
+            self._dir,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
         ]
         if self.maxmemory is not None:
             args += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", "allkeys-lru"]
@@ -116,12 +135,20 @@ class LocalValkeyServer:
             # each start is a fresh node: a stale nodes.conf would resurrect an old identity
             Path(self._dir, "nodes.conf").unlink(missing_ok=True)
             args += [
-                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "1000",
+                "--cluster-require-full-coverage",
+                "no",
             ]
         log = open(Path(self._dir, "server.log"), "ab")
         try:
-            self._process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self._process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
         finally:
             log.close()
         self._wait_ready()

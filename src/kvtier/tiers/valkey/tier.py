@@ -155,16 +155,37 @@ class ValkeyTier(SecondaryTier):
         self._events: list[OffloadingEvent] = []
         self._done: deque = deque()  # outcomes from the worker threads
         self._io = ValueIO(
-            config.name, self._conn, rows, self._keys, self._digest, self._prefix, self._batch_keys,
-            config.ttl_s, self._copier, self._done, self._went_down,
+            config.name,
+            self._conn,
+            rows,
+            self._keys,
+            self._digest,
+            self._prefix,
+            self._batch_keys,
+            config.ttl_s,
+            self._copier,
+            self._done,
+            self._went_down,
         )
         self._next_figures = 0.0
         self._server_figures: dict[str, int] = {}
         self.counters = dict.fromkeys(
             (
-                "stored_blocks", "stored_bytes", "store_jobs", "loaded_blocks", "loaded_bytes",
-                "load_jobs", "failed_keys", "corrupt_values", "probe_batches", "probed_keys",
-                "probe_hits", "probe_misses", "probe_timeouts", "staged_dropped", "outages",
+                "stored_blocks",
+                "stored_bytes",
+                "store_jobs",
+                "loaded_blocks",
+                "loaded_bytes",
+                "load_jobs",
+                "failed_keys",
+                "corrupt_values",
+                "probe_batches",
+                "probed_keys",
+                "probe_hits",
+                "probe_misses",
+                "probe_timeouts",
+                "staged_dropped",
+                "outages",
             ),
             0,
         )
@@ -175,8 +196,13 @@ class ValkeyTier(SecondaryTier):
     # -- opening ---------------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, config: ValkeyTierConfig, rows: np.ndarray, fingerprint: LayoutFingerprint,
-             field: str = "tiers[1]") -> ValkeyTier:
+    def open(
+        cls,
+        config: ValkeyTierConfig,
+        rows: np.ndarray,
+        fingerprint: LayoutFingerprint,
+        field: str = "tiers[1]",
+    ) -> ValkeyTier:
         """The tier, after one PING (blocks up to ``timeout_s``). An unreachable server is not
         an error: the tier starts in an outage, logged, and connects once the server answers
         — an engine must come up whether or not the shared tier is there."""
@@ -217,7 +243,11 @@ class ValkeyTier(SecondaryTier):
         logger.warning(
             "valkey tier %r: server %s %s; its jobs fail and its lookups miss until it answers "
             "again (retrying with backoff up to %.0f s). Fix: %s",
-            self.name, target, what, BACKOFF_MAX_S, fix_for(reason, "check the server's log"),
+            self.name,
+            target,
+            what,
+            BACKOFF_MAX_S,
+            fix_for(reason, "check the server's log"),
         )
 
     def _warn_once(self, reason: Failure) -> None:
@@ -228,13 +258,19 @@ class ValkeyTier(SecondaryTier):
             logger.warning(
                 "valkey tier %r: the server's ACL denies %s to this user on %s: those keys fail "
                 "(counted as failed_%s). Fix: %s",
-                self.name, reason.detail.upper(), redact_url(self._conn.location), reason.counter,
+                self.name,
+                reason.detail.upper(),
+                redact_url(self._conn.location),
+                reason.counter,
                 fix_for(reason, ""),
             )
         else:
             logger.warning(
                 "valkey tier %r: the server answered %s on %s: those keys fail (counted as failed_%s)",
-                self.name, reason, redact_url(self._conn.location), reason.counter,
+                self.name,
+                reason,
+                redact_url(self._conn.location),
+                reason.counter,
             )
 
     def _count_failures(self, reasons, keys: bool = True) -> None:
@@ -560,12 +596,18 @@ class ValkeyTier(SecondaryTier):
             names = namespace_names(self._conn, self.namespace)[self.namespace]
         except Exception as error:
             raise ValkeyCheckError(
-                redact_url(self._conn.location), f"listing the namespace failed ({reason_of(error)})",
+                redact_url(self._conn.location),
+                f"listing the namespace failed ({reason_of(error)})",
                 "make sure the server is up, then check again",
             ) from None
         found = check_namespace(
-            self._conn, self.namespace, names, fix=fix, layout_digest=self._digest,
-            payload_bytes=self.block_bytes, batch_bytes=self.config.max_inflight_bytes,
+            self._conn,
+            self.namespace,
+            names,
+            fix=fix,
+            layout_digest=self._digest,
+            payload_bytes=self.block_bytes,
+            batch_bytes=self.config.max_inflight_bytes,
             keys=self._keys,
         )
         return CheckReport(self.name, found.blocks_checked, found.problems, found.fixed)

@@ -98,13 +98,21 @@ class ValueIO:
         keys = self.keys
         if keys is None:
             encode_header_into(
-                header, layout_digest=self.digest, key=key, payload_bytes=self.block_bytes,
+                header,
+                layout_digest=self.digest,
+                key=key,
+                payload_bytes=self.block_bytes,
                 checksum=xxhash.xxh3_64_intdigest(payload),
             )
             return bytes(header), payload.data
         encode_header_into(
-            header, layout_digest=self.digest, key=keys.name_digest(key),
-            payload_bytes=self.block_bytes, checksum=0, flags=keys.flags, salt=keys.new_salt(),
+            header,
+            layout_digest=self.digest,
+            key=keys.name_digest(key),
+            payload_bytes=self.block_bytes,
+            checksum=0,
+            flags=keys.flags,
+            salt=keys.new_salt(),
         )
         out = None
         if keys.encrypt:
@@ -150,7 +158,9 @@ class ValueIO:
         result.nbytes = len(stored) * self.block_bytes
         self.done.append(("store", result, stored))
 
-    def place(self, key: OffloadKey, target: np.ndarray, value, checksum: int | None = None) -> Failure | None:
+    def place(
+        self, key: OffloadKey, target: np.ndarray, value, checksum: int | None = None
+    ) -> Failure | None:
         """Copy ``value``'s payload into ``target`` (a CPU row) and verify it there; why not, or None.
 
         ``checksum``: the payload checksum of a value whose header was checked already (when
@@ -177,19 +187,30 @@ class ValueIO:
             target[:] = received
         # Verified where the bytes will be served from, after the copy: nothing else is trusted.
         reason = verify(
-            view[:HEADER_BYTES], target, len(view), key=self.header_key(key),
-            layout_digest=self.digest, payload_bytes=self.block_bytes, keys=self.keys,
+            view[:HEADER_BYTES],
+            target,
+            len(view),
+            key=self.header_key(key),
+            layout_digest=self.digest,
+            payload_bytes=self.block_bytes,
+            keys=self.keys,
             source=source,
         )
         return None if reason is None else Failure.corrupt(reason)
 
-    def place_all(self, pairs: list[tuple[OffloadKey, int]], values: dict[OffloadKey, tuple[np.ndarray, int]]) -> dict:
+    def place_all(
+        self, pairs: list[tuple[OffloadKey, int]], values: dict[OffloadKey, tuple[np.ndarray, int]]
+    ) -> dict:
         """:meth:`place` each key's read value (and checksum) into its row: key -> why not, or None."""
         rows = self.rows
         return {key: self.place(key, rows[row], *values[key]) for key, row in pairs}
 
-    def run_load(self, result: TierJobResult, pairs: list[tuple[OffloadKey, int]],
-                  staged: dict[OffloadKey, tuple[np.ndarray, int]]) -> None:
+    def run_load(
+        self,
+        result: TierJobResult,
+        pairs: list[tuple[OffloadKey, int]],
+        staged: dict[OffloadKey, tuple[np.ndarray, int]],
+    ) -> None:
         try:
             fetch = [(key, row) for key, row in pairs if key not in staged and key not in result.failed]
             local = [(key, row) for key, row in pairs if key in staged]
@@ -274,7 +295,9 @@ class ValueIO:
                 # The values are slices of one array for the whole batch, and a held slice
                 # keeps all of it: with few hits, copy them out so the batch can go (the held
                 # bytes then are what the staging budget counts).
-                outcome.found = {key: (value.copy(), checksum) for key, (value, checksum) in outcome.found.items()}
+                outcome.found = {
+                    key: (value.copy(), checksum) for key, (value, checksum) in outcome.found.items()
+                }
             first = values[0] if values else None
             if isinstance(first, Failure) and all(is_outage(v) for v in values):
                 self.went_down(first)

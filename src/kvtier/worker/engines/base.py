@@ -47,11 +47,7 @@ class CopyBuffers:
     def __init__(self, gpu_pages: Sequence[torch.Tensor], region: SharedRegion):
         """``gpu_pages[t]``: tensor ``t`` as ``(num_blocks, page_bytes)`` int8, pages contiguous."""
         for t, pages in enumerate(gpu_pages):
-            if (
-                pages.dim() != 2
-                or pages.dtype != torch.int8
-                or (pages.shape[1] > 1 and pages.stride(1) != 1)
-            ):
+            if pages.dim() != 2 or pages.dtype != torch.int8 or (pages.shape[1] > 1 and pages.stride(1) != 1):
                 raise ValueError(
                     f"tensor {t} must be a (num_blocks, page_bytes) int8 view with contiguous "
                     f"pages; got shape {tuple(pages.shape)}, dtype {pages.dtype}, "
@@ -73,9 +69,7 @@ class CopyBuffers:
         self.row_stride = region.row_stride
         assert int(self.cpu_base) == region.address, "the flat view must start at row 0"
 
-    def descriptors(
-        self, segments: Segments, gpu_to_cpu: bool
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def descriptors(self, segments: Segments, gpu_to_cpu: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(dst pointers, src pointers, sizes)`` as uint64 arrays, one entry per segment.
 
         Any thread; never blocks. Asserts every copy stays inside its buffers: the plan

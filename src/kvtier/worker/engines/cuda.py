@@ -74,9 +74,7 @@ class CudaCopyEngine(CopyEngine):
         """``priority``: CUDA stream priority, lower is more urgent (torch: 0 or negative)."""
         super().__init__(buffers, gpu_to_cpu)
         if buffers.device.type != "cuda":
-            raise ValueError(
-                f"the cuda engine needs CUDA tensors; the KV tensors are on {buffers.device}"
-            )
+            raise ValueError(f"the cuda engine needs CUDA tensors; the KV tensors are on {buffers.device}")
         self._device = buffers.device
         self._priority = priority
         self._streams: list[torch.cuda.Stream] = []
@@ -159,9 +157,7 @@ class CudaCopyEngine(CopyEngine):
             # this one was enqueued before the error.
             end.record(stream)
         self._last_end = end
-        self._jobs.append(
-            _Job(job_id, segments.nbytes, stream, start, end, descriptors, issued, error)
-        )
+        self._jobs.append(_Job(job_id, segments.nbytes, stream, start, end, descriptors, issued, error))
 
     def _issue(
         self,

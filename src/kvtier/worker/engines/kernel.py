@@ -62,9 +62,7 @@ def _load_kernel() -> Any:
     # ``count`` and ``parts`` change from job to job: specialising on them (Triton compiles
     # separate variants for 1 and for multiples of 16) would compile kernels mid-serving.
     @triton.jit(do_not_specialize=["count", "parts"])
-    def copy_kernel(
-        table, count, parts, WIDTH: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr
-    ):
+    def copy_kernel(table, count, parts, WIDTH: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
         # table: int64 [dst addresses..., src addresses..., sizes in bytes...], count each.
         # Work item (segment, part): every parts-th BLOCK of the segment's WIDTH-byte words,
         # from the part-th on. The programs take the items in turn (a persistent grid), so a
@@ -216,7 +214,9 @@ class KernelCopyEngine(CudaCopyEngine):
         #: the widest word every copy of this layout allows (addresses, strides, page sizes):
         #: jobs use no wider one, so they all run the kernel compiled below
         self.layout_width = element_bytes(
-            buffers.gpu_bases, buffers.gpu_strides, buffers.page_bytes,
+            buffers.gpu_bases,
+            buffers.gpu_strides,
+            buffers.page_bytes,
             [buffers.cpu_base + self.host_offset, buffers.row_stride],
         )
         self._tables: list[DescriptorTable] = []
@@ -268,8 +268,13 @@ class KernelCopyEngine(CudaCopyEngine):
             else:
                 srcs = srcs + self.host_offset
         copy_segments(
-            dsts, srcs, sizes, self._device,
-            programs=self.programs, table=prepared, max_width=self.layout_width,
+            dsts,
+            srcs,
+            sizes,
+            self._device,
+            programs=self.programs,
+            table=prepared,
+            max_width=self.layout_width,
         )
 
     def _release(self, issued: DescriptorTable) -> None:
