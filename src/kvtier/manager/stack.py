@@ -88,6 +88,10 @@ class _TierCounters:
     promote_jobs: int = 0
 
 
+def _job_id(result: TierJobResult) -> int:
+    return result.job_id
+
+
 def _jobs_done(jobs: dict[OffloadKey, int], keys: Sequence[OffloadKey]) -> list[OffloadKey]:
     """One job reading each of ``keys`` ended (``jobs``: key -> jobs still reading its row);
     the keys no job reads any more, which leave ``jobs``."""
@@ -358,7 +362,13 @@ class TierStackManager(SingleTierManager):
 
     def _poll(self) -> None:
         for tier in self._tiers:
-            for result in tier.get_finished_jobs():
+            results = tier.get_finished_jobs()
+            if len(results) > 1:
+                # In submission order, not completion order: a step's save and read finish in
+                # either order on the tier's threads, and folding them in decides which blocks
+                # are newest, so eviction would depend on thread timing.
+                results.sort(key=_job_id)
+            for result in results:
                 index, job, is_load = self._jobs.pop(result.job_id)
                 if is_load:
                     self._finish_promotion(index, job, result)
