@@ -197,7 +197,9 @@ def test_a_store_filled_by_another_process_takes_new_blocks_again(kind, tmp_path
             tier.drain_jobs()
             (result,) = tier.get_finished_jobs()
             outcomes.append(len(result.ok))
-        assert outcomes[0] == 0 and outcomes[-1] == 8, outcomes  # refused once, then room again
+        # refused (all, or all but the slots the killed writer had reserved for writes in
+        # flight, which a later store reclaims from the dead process), then room again
+        assert outcomes[0] < 8 and outcomes[-1] == 8, outcomes
         assert tier.stats()["adopted"] > 0
         assert tier.num_blocks() <= CAPACITY
         # the adopted blocks are served too, exactly

@@ -276,3 +276,18 @@ def test_stats_after_shutdown_count_what_the_shutdown_saved():
     figures = manager.stats()  # the tiers are closed; these are the last figures
     assert figures["disk.demoted_bytes"] == 3 * BLOCK and figures["disk.demotions"] == 3
     assert all(np.array_equal(disk_bytes(disk, k), payload(k, BLOCK)) for k in keys)
+
+
+def test_shutdown_ends_when_a_save_was_counted_but_never_sent(caplog):
+    """A call cut short between its bookkeeping and its submit (a signal's exception, under
+    the CLI) leaves a save counted with no job behind it: shutdown still ends, saying so."""
+    manager, disk = make(write_policy="write_back")
+    store(manager, [key(1), key(2)])
+    settle(manager)
+    orphan = key(3)
+    manager._demoting[orphan] = 1  # as _demote leaves it when interrupted before its submit
+    with caplog.at_level("WARNING", logger="kvtier.manager.stack"):
+        manager.shutdown()
+    assert "1 blocks were being saved by jobs that no longer exist" in caplog.text
+    stats = manager.stats()  # as they were just before the tiers closed
+    assert stats[f"{disk.name}.demotions"] == 2  # the real saves went through first

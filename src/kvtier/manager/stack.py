@@ -41,6 +41,7 @@ Nothing in this module names a concrete tier: the stack is whatever list it is g
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Collection, Iterator, Sequence
@@ -63,6 +64,8 @@ from kvtier.policies.base import EvictionPolicy
 from kvtier.tiers.base import FailureKind, SecondaryTier, TierJob, TierJobResult
 
 __all__ = ["TierStackManager"]
+
+logger = logging.getLogger(__name__)
 
 #: the share of CPU blocks write_back keeps clean or free, so stores find room without waiting
 CLEAN_HEADROOM_FRACTION = 0.25
@@ -612,6 +615,7 @@ class TierStackManager(SingleTierManager):
         Victim tiers are sent every block waiting for them too, as if the CPU tier evicted it.
         """
         while self._dirty or self._demoting or self._spill or self._spilling:
+            before = self._unsaved()
             keys = list(self._dirty)
             self._dirty.clear()
             self._demote(keys)
@@ -619,6 +623,19 @@ class TierStackManager(SingleTierManager):
             self._spill.clear()
             self._submit_spill(keys)
             self._drain()
+            if not self._jobs and self._unsaved() == before:
+                # Nothing was sent and nothing finished: saves counted with no job behind
+                # them (a call cut short, by a signal's exception, between its bookkeeping
+                # and its submit) would otherwise keep this loop, and shutdown, going for ever.
+                logger.warning(
+                    "kvtier: %d blocks were being saved by jobs that no longer exist; shutting "
+                    "down without them",
+                    len(self._demoting) + len(self._spilling),
+                )
+                break
+
+    def _unsaved(self) -> tuple[int, int, int, int]:
+        return len(self._dirty), len(self._demoting), len(self._spill), len(self._spilling)
 
     def shutdown(self) -> None:
         """Save what only the CPU tier holds, then close every tier (blocks).
