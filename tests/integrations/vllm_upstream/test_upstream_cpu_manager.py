@@ -309,10 +309,13 @@ class TestARCPolicy:
         assert len(t1) == 2 and len(t2) == 2
         policy._p = 1  # vLLM sets target_t1_size; kvtier's target is read-only (README)
         out = manager.prepare_store(to_keys([5]), CTX)
-        assert out is not None and out.evicted_keys == to_keys([1])
+        # t1 holds 1 and 2 of one store call: kvtier lays a call's keys tail first, so the
+        # tail (2) goes before the head (1); vLLM inserts in call order and evicts 1
+        # (README: a prefix's tail goes first)
+        assert out is not None and out.evicted_keys == to_keys([2])
         manager.complete_store(to_keys([5]), CTX)
         t1, _, b1, _ = self.lists(policy)
-        assert to_key(1) in b1 and to_key(5) in t1
+        assert to_key(2) in b1 and to_key(5) in t1
 
     def test_ghost_list_bounds(self, make):
         manager, policy = make(num_blocks=2, enable_events=False)
@@ -353,12 +356,16 @@ class TestARCPolicy:
         out = manager.prepare_store(to_keys([3, 4, 5]), CTX)
         assert out is not None and len(out.evicted_keys) == 1
         manager.complete_store(to_keys([3, 4, 5]), CTX)
-        manager.touch(to_keys([2, 3]), CTX)
+        # the store of [3, 4, 5] evicted 2, the tail of [1, 2] (kvtier lays a call's keys
+        # tail first; vLLM evicts 1): the scenario touches the head that stayed, 1, where
+        # vLLM's touches 2
+        assert to_key(2) not in self.lists(policy)[0] and to_key(1) in self.lists(policy)[0]
+        manager.touch(to_keys([1, 3]), CTX)
         t1, t2, _, _ = self.lists(policy)
         assert len(t1) == 2 and len(t2) == 2
         out = manager.prepare_store(to_keys([6]), CTX)
         assert out is not None
         manager.complete_store(to_keys([6]), CTX)
-        assert manager.lookup(to_key(2), CTX) is HIT
+        assert manager.lookup(to_key(1), CTX) is HIT
         assert manager.lookup(to_key(3), CTX) is HIT
         assert len(list(manager.take_events())) > 0
