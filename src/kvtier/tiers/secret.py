@@ -40,12 +40,15 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
+import xxhash
+
 from kvtier.errors import ConfigError
 from kvtier.tiers.disk.format import (
     FLAG_ENCRYPTED,
     FLAG_KEYED,
     SALT_BYTES,
     BlockHeader,
+    encode_header_into,
     header_flags,
     mac_parts,
     set_tag,
@@ -55,6 +58,7 @@ __all__ = [
     "ENCRYPT_CHOICES",
     "SECRET_MIN_BYTES",
     "TierKeys",
+    "encode_block_header",
     "parse_secret_options",
     "read_secret_file",
     "tier_keys",
@@ -292,3 +296,32 @@ class TierKeys:
         except self._invalid:
             return "MAC"
         return None
+
+
+def encode_block_header(
+    header, *, layout_digest: bytes, key: bytes, payload, payload_bytes: int, keys: TierKeys | None
+) -> None:
+    """Encode the header of a block whose payload is ``payload`` into ``header`` (a page).
+
+    Without a secret the header carries the payload's xxh3 checksum; with one (``keys``), the
+    tier's flags and a fresh salt, and its tag is set afterwards by :meth:`TierKeys.seal`.
+    ``key`` is what the header names: the offload key, or on a shared tier its keyed digest.
+    """
+    if keys is None:
+        encode_header_into(
+            header,
+            layout_digest=layout_digest,
+            key=key,
+            payload_bytes=payload_bytes,
+            checksum=xxhash.xxh3_64_intdigest(payload),
+        )
+    else:
+        encode_header_into(
+            header,
+            layout_digest=layout_digest,
+            key=key,
+            payload_bytes=payload_bytes,
+            checksum=0,
+            flags=keys.flags,
+            salt=keys.new_salt(),
+        )

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
-import xxhash
 
 from kvtier.base import OffloadKey
 from kvtier.tiers.indexed import TierCounters
@@ -31,11 +30,10 @@ from kvtier.tiers.jobs import Failure
 from kvtier.tiers.disk.format import (
     HEADER_BYTES,
     PAGE_BYTES,
-    encode_header_into,
     padded_payload_bytes,
     verify,
 )
-from kvtier.tiers.secret import TierKeys
+from kvtier.tiers.secret import TierKeys, encode_block_header
 
 __all__ = [
     "O_DIRECT",
@@ -284,27 +282,15 @@ class BlockIO:
         """
         page = scratch_page()
         rowio = self.rowio
-        keys = self.keys
-        if keys is None:
-            encode_header_into(
-                page,
-                layout_digest=self._digest,
-                key=key,
-                payload_bytes=self.block_bytes,
-                checksum=xxhash.xxh3_64_intdigest(rowio.payload(row)),  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
-            )
-            iov = rowio.iov(row, direct)
-        else:
-            encode_header_into(
-                page,
-                layout_digest=self._digest,
-                key=key,
-                payload_bytes=self.block_bytes,
-                checksum=0,
-                flags=keys.flags,
-                salt=keys.new_salt(),
-            )
-            iov = self._sealed(page, row, direct)
+        encode_block_header(
+            page,
+            layout_digest=self._digest,
+            key=key,
+            payload=rowio.payload(row),
+            payload_bytes=self.block_bytes,
+            keys=self.keys,
+        )
+        iov = rowio.iov(row, direct) if self.keys is None else self._sealed(page, row, direct)
         expected = HEADER_BYTES + len(iov)
         written = os.pwritev(fd, [page, iov], offset)  # type: ignore[list-item]  # numpy stubs: Buffer on 3.12+
         if written != expected:

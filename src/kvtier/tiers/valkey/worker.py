@@ -21,12 +21,11 @@ from kvtier.tiers.disk.format import (
     FLAG_ENCRYPTED,
     HEADER_BYTES,
     decode_header,
-    encode_header_into,
     header_flags,
     verify,
 )
 from kvtier.tiers.jobs import Failure, FailureKind, TierJobResult
-from kvtier.tiers.secret import TierKeys
+from kvtier.tiers.secret import TierKeys, encode_block_header
 from kvtier.tiers.valkey.connection import ValkeyConnection, is_outage
 from kvtier.tiers.valkey.probe import ProbeOutcome
 
@@ -96,24 +95,16 @@ class ValueIO:
         payload = self.rows[row]
         header = bytearray(HEADER_BYTES)
         keys = self.keys
-        if keys is None:
-            encode_header_into(
-                header,
-                layout_digest=self.digest,
-                key=key,
-                payload_bytes=self.block_bytes,
-                checksum=xxhash.xxh3_64_intdigest(payload),
-            )
-            return bytes(header), payload.data
-        encode_header_into(
+        encode_block_header(
             header,
             layout_digest=self.digest,
-            key=keys.name_digest(key),
+            key=self.header_key(key),
+            payload=payload,
             payload_bytes=self.block_bytes,
-            checksum=0,
-            flags=keys.flags,
-            salt=keys.new_salt(),
+            keys=keys,
         )
+        if keys is None:
+            return bytes(header), payload.data
         out = None
         if keys.encrypt:
             # Reused from batch to batch: a fresh 2 MiB buffer per value cost more than the
