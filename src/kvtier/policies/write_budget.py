@@ -129,7 +129,8 @@ class WriteBudget:
             # The drive wrote more than the tier did: others' writes and the store's own
             # overhead. Against a running maximum, so a device count lagging the tier's (the
             # page cache not yet flushed) is not taken twice when it catches up.
-            self._tokens = max(0.0, self._tokens - (other - self._other_max))
+            # (into debt if need be: the writes happened, and the tier waits them out)
+            self._tokens -= other - self._other_max
             self._other_max = other
         now = self._clock()
         span = now - self._ticked
@@ -157,7 +158,9 @@ class WriteBudget:
         if total <= 0:
             return 1.0
         seen = max(self._clock(), self._ticked) - self._started
-        span = self.window_s * -math.expm1(-max(seen, 1e-9) / self.window_s)  # the offers' span
+        # the offers' span (their weights decay by e per window), at first as long as the
+        # half bucket the budget starts with, which the first offers may spend
+        span = self.window_s * max(TARGET_FILL, -math.expm1(-seen / self.window_s))
         bank = self._tokens - self.capacity_bytes * TARGET_FILL
         allowed = self.budget_bytes_per_s * span + BANK_GAIN * bank
         if allowed >= total:
