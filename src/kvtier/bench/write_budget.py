@@ -31,7 +31,7 @@ DRIVE_BYTES = 10**12
 
 def _run(trace: str, limit: int | None, directory: Path, name: str, disk: dict[str, Any]) -> dict[str, Any]:
     (directory / name).mkdir()
-    config = default_config(str(directory / name), DEFAULT_BLOCK_BYTES)
+    config: Any = default_config(str(directory / name), DEFAULT_BLOCK_BYTES)
     config["tiers"][1].update(disk)
     with open(Path(directory) / f"{name}.out", "w") as out:
         record = replay(
