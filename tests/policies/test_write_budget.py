@@ -130,6 +130,22 @@ def test_a_device_count_lagging_the_tiers_is_not_taken_twice():
     assert budget._own_bytes == pytest.approx(10 * BLOCK * 600, rel=0.1)
 
 
+def test_the_drive_is_read_at_most_once_a_second():
+    clock = Clock()
+    reads = []
+
+    def device():
+        reads.append(clock.now)
+        return 4096 * len(reads)
+
+    budget = WriteBudget(10 * BLOCK, window_s=60, clock=clock, device_written=device)
+    for _ in range(100):
+        clock.now += 0.1
+        budget.tick()
+    assert len(reads) == 1 + 10  # the base, then one a second
+    assert budget.written_bytes() == 4096 * 10
+
+
 def test_projected_life_is_the_endurance_over_the_rate_seen():
     clock = Clock()
     rate = 1e6

@@ -38,6 +38,9 @@ TARGET_FILL = 0.5
 #: 1 made the threshold swing with each burst and wrote fewer reused blocks (design doc)
 BANK_GAIN = 0.25
 SECONDS_PER_YEAR = 365.25 * 86400
+#: the drive's counter is read at most this often (seconds of the clock): a file read per
+#: scheduler step would cost more than the rest of the controller
+DEVICE_READ_INTERVAL_S = 1.0
 
 
 class WriteBudget:
@@ -87,6 +90,7 @@ class WriteBudget:
         self._offered = [0.0] * (MAX_ESTIMATE + 1)
         self._own_base = self._own_bytes
         self._device_base = self._device_written() if self._device_written is not None else None
+        self._device_last, self._device_read_at = self._device_base, now
         self._other_max = 0
         self._counted_at_tick = 0
         self._rate_sum = 0.0  # exponentially weighted bytes per second, not yet bias-corrected
@@ -184,12 +188,17 @@ class WriteBudget:
         return self._device_written is not None and self._device_base is not None
 
     def written_bytes(self) -> int:
-        """Bytes written since the budget started: the drive's count where it is readable,
-        else the tier's own."""
+        """Bytes written since the budget started: the drive's count where it has one (read
+        at most every DEVICE_READ_INTERVAL_S; a failed read keeps the last), else the tier's
+        own."""
         if self._device_written is not None and self._device_base is not None:
-            now = self._device_written()
-            if now is not None:
-                return now - self._device_base
+            at = self._clock()
+            if at - self._device_read_at >= DEVICE_READ_INTERVAL_S or at < self._device_read_at:
+                found = self._device_written()
+                if found is not None:  # unreadable for a moment: the last reading stands
+                    self._device_last, self._device_read_at = found, at
+            assert self._device_last is not None
+            return self._device_last - self._device_base
         return self._own_bytes - self._own_base
 
     def write_bytes_per_s(self) -> float:
