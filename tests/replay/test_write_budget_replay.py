@@ -19,6 +19,9 @@ def test_a_budget_of_half_the_unthrottled_rate_is_written_within_ten_percent(rec
     # the budget bites: some blocks seen once are refused, not all
     assert half["stats"]["refused_blocks"] > 0 and half["admit_threshold"] > 1
     assert half["hit_ratio"] <= full["hit_ratio"]
+    # over any span of a window, at most the budget plus a bucket (a window's budget)
+    budget = half["budget_bytes_per_s"]
+    assert half["peak_bytes_per_s"] <= 2 * budget
     # a budget at min_reuse 2's rate writes about what min_reuse 2 wrote (the bank aside)
     assert matched["bytes_written"] == pytest.approx(reuse["bytes_written"], rel=0.2)
 

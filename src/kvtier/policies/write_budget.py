@@ -88,6 +88,8 @@ class WriteBudget:
         #: bytes offered for writing by reuse estimate (index 1..MAX_ESTIMATE), each decaying
         #: by e per window since it was offered
         self._offered = [0.0] * (MAX_ESTIMATE + 1)
+        #: when the first block was offered (the histogram's age counts from it); None: not yet
+        self._first_offer: float | None = None
         self._own_base = self._own_bytes
         self._device_base = self._device_written() if self._device_written is not None else None
         self._device_last, self._device_read_at = self._device_base, now
@@ -110,6 +112,8 @@ class WriteBudget:
         in [0, 1), fixed per key, splits the blocks at a fractional threshold (1.4 admits
         every block seen twice and 60% of those seen once)."""
         estimate = max(1, min(estimate, MAX_ESTIMATE))
+        if self._first_offer is None:
+            self._first_offer = self._clock()
         self._offered[estimate] += nbytes
         self._refill()
         self.threshold = self._threshold()
@@ -161,7 +165,8 @@ class WriteBudget:
         total = sum(offered)
         if total <= 0:
             return 1.0
-        seen = max(self._clock(), self._ticked) - self._started
+        assert self._first_offer is not None  # there are offers
+        seen = max(self._clock(), self._ticked) - self._first_offer
         # the offers' span (their weights decay by e per window), at first as long as the
         # half bucket the budget starts with, which the first offers may spend
         span = self.window_s * max(TARGET_FILL, -math.expm1(-seen / self.window_s))
