@@ -265,7 +265,9 @@ def _parse_metrics(value: object) -> MetricsConfig:
     port = section.get("port")
     if port is not None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ConfigError("metrics.port", port, "a TCP port, 0 to 65535", "write e.g. port: 9400 (0: any free port)")
+            raise ConfigError(
+                "metrics.port", port, "a TCP port, 0 to 65535", "write e.g. port: 9400 (0: any free port)"
+            )
         settings["port"] = port
     if "addr" in section:
         settings["addr"] = non_empty_str(
@@ -282,7 +284,10 @@ def _parse_metrics(value: object) -> MetricsConfig:
         interval = section["stats_interval_s"]
         if isinstance(interval, bool) or not isinstance(interval, int | float) or not interval > 0:
             raise ConfigError(
-                "metrics.stats_interval_s", interval, "a number of seconds > 0", "write e.g. stats_interval_s: 5"
+                "metrics.stats_interval_s",
+                interval,
+                "a number of seconds > 0",
+                "write e.g. stats_interval_s: 5",
             )
         settings["stats_interval_s"] = float(interval)
     return MetricsConfig(**settings)

@@ -697,7 +697,9 @@ class TierStackManager(SingleTierManager):
             for name, value in tier.stats().items():
                 figures.setdefault(prefix + name, value)
         for index, _, is_load, _ in tuple(self._jobs.values()):  # a scrape reads it from another thread
-            figures[self._tiers[index].name + (".load_jobs_in_flight" if is_load else ".store_jobs_in_flight")] += 1
+            figures[
+                self._tiers[index].name + (".load_jobs_in_flight" if is_load else ".store_jobs_in_flight")
+            ] += 1
         return figures
 
     def job_seconds(self) -> dict[tuple[str, str], LatencyHistogram]:

@@ -61,7 +61,9 @@ class StatsCollector:
             family.add_metric(list(sample.labels), sample.value)
         histograms = self._job_seconds()
         if histograms:
-            family = HistogramMetricFamily(JOB_SECONDS.name, JOB_SECONDS.help, labels=list(JOB_SECONDS.labels))
+            family = HistogramMetricFamily(
+                JOB_SECONDS.name, JOB_SECONDS.help, labels=list(JOB_SECONDS.labels)
+            )
             for (tier, direction), histogram in sorted(histograms.items()):
                 buckets = [(_le(bound), count) for bound, count in histogram.cumulative()]
                 family.add_metric([tier, direction], buckets, histogram.sum)
@@ -116,5 +118,7 @@ def serve_metrics(manager: Any, port: int, addr: str = "127.0.0.1") -> MetricsEn
             "choose a free port in metrics.port, or 0 for any"
         ) from exc
     if not isinstance(served, tuple):
-        raise KvtierError("the metrics endpoint needs prometheus_client >= 0.20: pip install -U prometheus_client")
+        raise KvtierError(
+            "the metrics endpoint needs prometheus_client >= 0.20: pip install -U prometheus_client"
+        )
     return MetricsEndpoint(registry, served[0], addr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["FALLBACK", "JOB_SECONDS", "METRICS", "Metric", "Sample", "samples"]
 
@@ -75,7 +76,9 @@ HITS = _m(
     "counter",
     T,
     "blocks",
-    "Blocks served by a tier: found in the CPU tier at lookup, or read up (promoted) from a lower tier.",
+    "Blocks found in a tier. CPU tier: lookups answered from it, which include blocks read up from "
+    "below once the engine looks them up again (vLLM does), so the stack's hit ratio is "
+    'hits{tier="cpu"} / (hits{tier="cpu"} + misses); a lower tier: blocks read up (promoted) from it.',
     "`cpu_hits`, `<tier>.promotions`",
 )
 MISSES = _m(
@@ -392,7 +395,11 @@ _TIER: dict[str, tuple[_Target, ...]] = {
 }
 # Key prefixes whose rest is a label value: (prefix, metric, label), stack level then per tier.
 _STACK_PREFIXES = (("miss_", MISSES, "cause"), ("foreign_", FOREIGN, "part"))
-_TIER_PREFIXES = (("miss_", MISSES, "cause"), ("failed_", FAILURES, "reason"), ("corrupt_", FAILURES, "reason"))
+_TIER_PREFIXES = (
+    ("miss_", MISSES, "cause"),
+    ("failed_", FAILURES, "reason"),
+    ("corrupt_", FAILURES, "reason"),
+)
 # counters of those prefixes that are totals, not a label value (they go to the fallback)
 _NOT_A_LABEL = {"failed_keys"}
 
@@ -424,7 +431,7 @@ def samples(stats: Mapping[str, float]) -> Iterator[Sample]:
     seen: set[tuple[str, tuple[str, ...]]] = set()
     attributed = 0.0
     for key in sorted(stats):
-        value = stats[key]
+        value: Any = stats[key]
         if isinstance(value, bool):
             value = int(value)
         if not isinstance(value, int | float):
