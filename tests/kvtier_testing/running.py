@@ -12,6 +12,41 @@ from kvtier.spec import TieredOffloadingSpec
 
 BLOCK = 4096
 
+#: a stats() dict as it will be once the miss causes and budget admission count (their keys
+#: follow the shared convention), with a valkey tier's outage figures and keys nobody maps
+FUTURE_STATS = {
+    "lookups": 100,
+    "cpu_hits": 40,
+    "misses": 50,
+    "miss_new": 30,
+    "miss_evicted": 12,
+    "miss_foreign": 5,
+    "foreign_namespace": 5,
+    "sketch_bytes": 1 << 20,
+    "sketch_keys": 65536,
+    "sketch_error_rate": 0.01,
+    "evictions": 9,
+    "free_blocks": 3,
+    "policy_protected_share": 0.9,
+    "nvme.promotions": 10,
+    "nvme.promoted_bytes": 40960,
+    "nvme.demoted_bytes": 81920,
+    "nvme.miss_evicted": 12,
+    "nvme.budget_bytes_per_s": 5e6,
+    "nvme.write_bytes_per_s": 4.5e6,
+    "nvme.admit_threshold": 3,
+    "nvme.projected_life_years": 5.0,
+    "nvme.device_written_bytes": 123456789,
+    "nvme.failed_ENOSPC": 2,
+    "nvme.failed_keys": 2,
+    "nvme.weird_thing": 7,
+    "shared.outages": 2,
+    "shared.outage_ms": 1500,
+    "shared.down": 1,
+    "shared.miss_unavailable": 3,
+    "shared.server_used_memory": 999,
+}
+
 
 def free_port() -> int:
     with socket.socket() as probe:
