@@ -10,6 +10,7 @@ nothing a tier counts is lost. :data:`METRICS` is also the source of the docs' m
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -404,20 +405,32 @@ _TIER_PREFIXES = (
 _NOT_A_LABEL = {"failed_keys"}
 
 
-def _targets(key: str) -> tuple[str, tuple[tuple[_Target, dict[str, str]], ...]]:
-    """The tier of ``key`` ("" at stack level) and where its value goes, with label values."""
+@functools.lru_cache(maxsize=8192)
+def _series_of(key: str) -> tuple[tuple[tuple[Metric, tuple[str, ...], float], ...], bool]:
+    """Where ``key``'s value goes: (metric, label values, factor to base units) per target
+    (none: the fallback), and whether it is a stack-level miss cause. Cached: a stack's keys
+    are the same at every scrape, and vLLM's path maps them every step."""
     tier, dot, counter = key.partition(".")
     if not dot:
         tier, counter = "", key
     table, prefixes = (_TIER, _TIER_PREFIXES) if tier else (_STACK, _STACK_PREFIXES)
-    found = table.get(counter)
-    if found is not None:
-        return tier, tuple((target, dict(target.fixed)) for target in found)
-    if counter not in _NOT_A_LABEL:
+    found: tuple[tuple[_Target, dict[str, str]], ...] = ()
+    if counter in table:
+        found = tuple((target, dict(target.fixed)) for target in table[counter])
+    elif counter not in _NOT_A_LABEL:
         for prefix, metric, label in prefixes:
             if counter.startswith(prefix) and len(counter) > len(prefix):
-                return tier, ((_Target(metric), {label: counter[len(prefix) :]}),)
-    return tier, ()
+                found = ((_Target(metric), {label: counter[len(prefix) :]}),)
+                break
+    out = []
+    for target, labels in found:
+        metric = target.metric
+        if "tier" in metric.labels:
+            labels["tier"] = tier or (CPU_TIER if metric is not MISSES else "")
+        out.append((metric, tuple(labels.get(name, "") for name in metric.labels), target.scale))
+    if not out:
+        out.append((FALLBACK, (tier or CPU_TIER, counter), 1.0))
+    return tuple(out), not tier and bool(found) and found[0][0].metric is MISSES
 
 
 def samples(stats: Mapping[str, float]) -> Iterator[Sample]:
@@ -438,24 +451,22 @@ def samples(stats: Mapping[str, float]) -> Iterator[Sample]:
             continue  # stats() promises numbers; anything else has no Prometheus value
         if key == "misses":
             continue  # exported below, as what the causes leave unattributed
-        tier, targets = _targets(key)
-        if not tier and targets and targets[0][0].metric is MISSES:
+        series, is_cause = _series_of(key)
+        if is_cause:
             attributed += value
         placed = False
-        for target, labels in targets:
-            metric = target.metric
-            if "tier" in metric.labels:
-                labels["tier"] = tier or (CPU_TIER if metric is not MISSES else "")
-            values = tuple(labels.get(name, "") for name in metric.labels)
+        for metric, values, scale in series:
             if (metric.name, values) in seen:
                 continue
             seen.add((metric.name, values))
-            yield Sample(metric, values, float(value) * target.scale)
+            yield Sample(metric, values, float(value) * scale)
             placed = True
-        fallback = (tier or CPU_TIER, key.partition(".")[2] if tier else key)
-        if not placed and (FALLBACK.name, fallback) not in seen:
-            seen.add((FALLBACK.name, fallback))
-            yield Sample(FALLBACK, fallback, float(value))
+        if not placed:  # a second key for a figure already exported
+            tier, dot, counter = key.partition(".")
+            fallback = (tier, counter) if dot else (CPU_TIER, key)
+            if (FALLBACK.name, fallback) not in seen:
+                seen.add((FALLBACK.name, fallback))
+                yield Sample(FALLBACK, fallback, float(value))
     misses = stats.get("misses")
     if isinstance(misses, int | float):
         yield Sample(MISSES, ("", "unattributed"), max(0.0, float(misses) - attributed))
