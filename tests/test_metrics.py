@@ -290,3 +290,15 @@ def test_what_the_policy_learnt_is_a_cpu_tier_figure():
     assert arc.stats()["policy_target_t1_blocks"] == 0.0
     plain = TierStackManager(MemoryBackend(4, 64), LRUPolicy(4), [], CascadeConfig())
     assert "policy_protected_share" not in plain.stats()  # LRU learns nothing
+
+
+def test_config_check_says_where_the_stack_reports(tmp_path):
+    from kvtier import load_config
+    from kvtier.config.describe import describe
+
+    quiet = describe(load_config(stack_config(tmp_path)))
+    assert quiet.splitlines()[-1] == "metrics: off"
+    loud = describe(load_config(stack_config(tmp_path, {"port": 9400, "stats_file": "/run/s.json"})))
+    assert loud.splitlines()[-1] == (
+        "metrics: endpoint http://127.0.0.1:9400/metrics, stats_file /run/s.json every 5 s"
+    )
