@@ -435,6 +435,40 @@ def test_kvtiers_metrics_reach_vllms_prometheus_under_their_own_names(tmp_path):
     assert get("vllm:kv_offload_kvtier_stat", stat="nvme.demotions") == figures["nvme.demotions"]
 
 
+def test_the_extra_configs_metrics_section_gives_a_stats_file_and_an_endpoint(tmp_path):
+    """metrics: in kv_connector_extra_config starts kvtier's own endpoint and stats file in the
+    scheduler process, stopped (after a last snapshot) by the manager's shutdown."""
+    import json
+    import urllib.request
+
+    from kvtier_testing.running import free_port
+
+    from kvtier.metrics.view import parse_text
+
+    port, path = free_port(), tmp_path / "stats.json"
+    extra = {
+        "spec_name": "TieredOffloadingSpec",
+        "spec_module_path": SPEC_MODULE,
+        "tiers": [
+            {"kind": "cpu", "capacity": "1MiB", "pin_memory": "off"},
+            {"name": "nvme", "kind": "files", "path": str(tmp_path / "store"), "capacity": "8MiB"},
+        ],
+        "cascade": {"write_policy": "write_through"},
+        "metrics": {"port": port, "stats_file": str(path), "stats_interval_s": 60},
+    }
+    engine = EngineLoop(extra, "kvtier-metrics-section-test")
+    try:
+        engine.serve("r", prompt(3, 4))
+        engine.step()
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        scraped = {(n, tuple(sorted(labels.items()))): v for n, labels, v in parse_text(page)}
+        assert scraped[("kvtier_lookups_blocks_total", ())] == engine.manager.stats()["lookups"] > 0
+    finally:
+        engine.shutdown()
+    final = json.loads(path.read_text())
+    assert final["stats"] == engine.manager.stats() and final["stats"]["nvme.demotions"] == 4
+
+
 @pytest.mark.parametrize("mla", [False, True], ids=["tp2", "tp2-mla-replicated"])
 def test_vllms_connector_drives_two_tensor_parallel_workers_through_cpu_and_disk(tmp_path, mla):
     extra = {
