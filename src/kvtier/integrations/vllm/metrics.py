@@ -8,7 +8,7 @@ values, histograms as the observations made since. vLLM adds its ``model_name`` 
 (:mod:`kvtier.metrics.names`), and one dashboard reads either.
 
 The job latency histograms keep bucket counts, not observations. Each new observation is
-sent as its bucket's midpoint (the overflow bucket: its lower bound), which puts every count
+sent as its bucket's midpoint (the overflow bucket: twice its lower bound), which puts every count
 in the right bucket, so quantiles are what kvtier's own endpoint gives; ``_sum`` is estimated
 from those midpoints.
 """
@@ -56,7 +56,8 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
 
 def _midpoints(bounds: tuple[float, ...]) -> list[float]:
     lower = (0.0, *bounds)
-    return [(low + high) / 2 for low, high in zip(lower, bounds)] + [bounds[-1]]
+    # above the last bound: any value past it lands in +Inf only; twice the bound is a guess
+    return [(low + high) / 2 for low, high in zip(lower, bounds)] + [2 * bounds[-1]]
 
 
 class MetricDeltas:
