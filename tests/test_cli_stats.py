@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kvtier_testing.running import free_port, run_engine
+from kvtier_testing.running import FUTURE_STATS, free_port, run_engine
 
 from kvtier.cli.main import main
 
@@ -88,6 +88,35 @@ def test_the_endpoint_and_the_file_agree(tmp_path, capsys):
     for summary in (from_file, from_endpoint):  # a projected life moves with the clock
         summary["tiers"]["nvme"].pop("projected_life_s", None)
     assert from_file == from_endpoint
+
+
+def test_miss_causes_budget_and_outages_are_printed(tmp_path, capsys):
+    """A stats file as a kvtier that counts miss causes, a write budget and a shared tier's
+    outages writes it (their keys by the shared convention)."""
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps({"version": 1, "time": 0, "pid": 1, "stats": FUTURE_STATS, "job_seconds": {}}))
+    assert main(["stats", str(path)]) == 0
+    text = capsys.readouterr().out
+    causes = text.split("misses by cause:\n")[1].split("\n\n")[0].splitlines()
+    printed = {
+        line.split()[0]: (float(line.split()[1]), line.split()[2]) for line in causes if "," not in line
+    }
+    assert printed == {
+        "new": (30, "60.0%"),
+        "evicted": (12, "24.0%"),
+        "foreign": (5, "10.0%"),
+        "unattributed": (3, "6.0%"),  # 50 misses, 47 of them with a cause
+    }
+    assert "foreign, namespace differs: 5" in text
+    assert "nvme: misses it caused: evicted 12" in text
+    assert "nvme: writes 4.3 MiB/s of a 4.8 MiB/s budget; projected life 5.0 years" in text
+    assert "shared: server DOWN, 2 outages" in text
+    assert main(["stats", str(path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["misses"] == {"new": 30, "evicted": 12, "foreign": 5, "unattributed": 3}
+    assert summary["hit_ratio"] == 40 / 90
+    assert summary["tiers"]["nvme"]["budget_bytes_per_s"] == 5e6
+    assert summary["tiers"]["shared"]["misses"] == {"unavailable": 3}
 
 
 @pytest.mark.parametrize(

@@ -227,6 +227,12 @@ def _count(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
+def _either(figures: dict[str, Any], *names: str) -> float | None:
+    """The sum of those of ``names`` present (None if none is: not counted, not zero)."""
+    present = [figures[name] for name in names if name in figures]
+    return sum(present) if present else None
+
+
 def render(summary: dict[str, Any]) -> str:
     """The summary as text: totals, then the tier table, then the misses by cause."""
     ratio = summary["hit_ratio"]
@@ -241,9 +247,8 @@ def render(summary: dict[str, Any]) -> str:
     )  # fmt: skip
     rows = [header]
     for tier, f in summary["tiers"].items():
-        failed = (f.get("load_failed_blocks") or 0) + (f.get("store_failed_blocks") or 0)
-        in_flight = (f.get("load_jobs_in_flight") or 0) + (f.get("store_jobs_in_flight") or 0)
-        lower = "load_blocks" in f
+        failed = _either(f, "load_failed_blocks", "store_failed_blocks")
+        in_flight = _either(f, "load_jobs_in_flight", "store_jobs_in_flight")
         rows.append(
             (
                 tier,
@@ -254,9 +259,9 @@ def render(summary: dict[str, Any]) -> str:
                 _count(f.get("store_blocks")),
                 _size(f.get("load_bytes")),
                 _size(f.get("store_bytes")),
-                _count(failed) if lower else "-",
+                _count(failed),
                 _count(f.get("evictions")),
-                _count(in_flight) if lower else "-",
+                _count(in_flight),
                 f"{_ms(f.get('load_p50_s'))}/{_ms(f.get('load_p99_s'))}",
                 f"{_ms(f.get('store_p50_s'))}/{_ms(f.get('store_p99_s'))}",
             )
@@ -278,24 +283,24 @@ def render(summary: dict[str, Any]) -> str:
     extras = []
     for tier, f in summary["tiers"].items():
         if f.get("misses"):
-            extras.append(f"  {tier}: " + ", ".join(f"{c} {v:.0f}" for c, v in sorted(f["misses"].items())))
+            causes = ", ".join(f"{c} {v:.0f}" for c, v in sorted(f["misses"].items()))
+            extras.append(f"  {tier}: misses it caused: {causes}")
+        wear = []
         if "admitted_blocks" in f:
-            extras.append(
-                f"  {tier}: admitted {f['admitted_blocks']:.0f}, refused {f.get('refused_blocks', 0):.0f}"
-                + (
-                    f"; writes {_size(f['write_bytes_per_s'])}/s of a {_size(f['budget_bytes_per_s'])}/s budget"
-                    if "budget_bytes_per_s" in f and "write_bytes_per_s" in f
-                    else ""
-                )
-                + (
-                    f"; projected life {f['projected_life_s'] / (365.25 * 86400):.1f} years"
-                    if "projected_life_s" in f
-                    else ""
-                )
+            wear.append(f"admitted {f['admitted_blocks']:.0f}, refused {f.get('refused_blocks', 0):.0f}")
+        if "write_bytes_per_s" in f:
+            budget = f.get("budget_bytes_per_s")
+            wear.append(
+                f"writes {_size(f['write_bytes_per_s'])}/s"
+                + (f" of a {_size(budget)}/s budget" if budget is not None else "")
             )
+        if "projected_life_s" in f:
+            wear.append(f"projected life {f['projected_life_s'] / (365.25 * 86400):.1f} years")
+        if wear:
+            extras.append(f"  {tier}: " + "; ".join(wear))
         if "outages" in f:
             state = "DOWN" if f.get("down") else "up"
-            extras.append(f"  {tier}: {state}, {f['outages']:.0f} outages")
+            extras.append(f"  {tier}: server {state}, {f['outages']:.0f} outages")
     if extras:
         lines += ["", "per tier:", *extras]
     return "\n".join(lines)
