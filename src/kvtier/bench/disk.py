@@ -37,8 +37,7 @@ With ``--secrets`` each round also runs the kvtier write and read with a ``secre
 ``keyed_write_cost`` etc. are 1 - (that variant's rate / the plain tier's rate in the same
 round), the median over rounds: what the secret costs in throughput.
 
-For reference, vLLM 0.33's fs tier measured on this machine kind: 2.6-3.3 GB/s store and
-0.5-1.7 GB/s load (16+16 threads, 1 GiB of 2 MiB chunks).
+Without vLLM, ``VLLM_FS_REFERENCE`` stands in for its fs tier's figures.
 """
 
 from __future__ import annotations
