@@ -21,7 +21,7 @@ ratio is the median of the rounds' own kvtier/baseline ratios):
 The order of kvtier and baseline alternates between rounds, so neither always meets the disk
 in the state the other left. ``write_ratio`` / ``read_ratio`` are kvtier over baseline.
 
-When vLLM imports (the CPU-only environment of the README), each round also runs vLLM 0.33's
+When vLLM imports (the CPU-only environment of docs/bench.md), each round also runs vLLM 0.33's
 fs tier I/O path on the same bytes (``vllm_fs_write_gbps``/``vllm_fs_read_gbps``; see
 ``_vllm_fs_round``): its 16+16 threads, O_DIRECT, and no fsync at all.
 
