@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from kvtier.cli.common import disk_kinds, report, warn_password_in_url
+from kvtier.cli.costing import add_cost_options, time_model
 from kvtier.errors import KvtierError
 
 
@@ -67,6 +68,7 @@ def add_parser(sub: Any) -> None:
     replay.add_argument(
         "--valkey-cluster", metavar="HOST:PORT,...", help="the fleet's shared cluster, instead of --valkey"
     )
+    add_cost_options(replay)
     replay.set_defaults(func=run)
 
 
@@ -88,8 +90,15 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+        if args.model is not None:
+            print(
+                "kvtier replay: --model prices one engine's replay; drop --engines or --model",
+                file=sys.stderr,
+            )
+            return 2
         return _run_fleet(args)
     try:
+        priced = time_model(args)
         record = report(
             args,
             lambda out: replay(
@@ -105,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
                 out=out,
                 device=args.device,
                 deterministic=args.deterministic,
+                time_model=priced,
             ),
         )  # the JSON line only with --json (printed by report): a person gets the table
     except KvtierError as exc:
