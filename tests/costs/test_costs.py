@@ -187,3 +187,10 @@ def test_prices_file(tmp_path):
     path.write_text("gpu_per_hour: 2\ndram_per_gb_mnth: 3\nnvme_per_gb_month: 0.1\n")
     with pytest.raises(ConfigError, match="dram_per_gb_mnth"):
         load_prices(path)
+
+
+def test_the_example_prices_file_loads():
+    from pathlib import Path
+
+    prices = load_prices(Path(__file__).resolve().parents[2] / "examples" / "costs" / "prices.yaml")
+    assert prices.gpu_per_hour > 0 and prices.shared_per_gb_month is not None

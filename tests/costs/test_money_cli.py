@@ -57,6 +57,12 @@ def test_money_plan_by_hand():
     assert rows[10, 20]["saved_s_online"] == pytest.approx(2 * 0.48 + 2 * (0.512 - 1.0))
     assert rows[0, 0]["saved_s_online"] == 0 and rows[0, 0]["saved_per_dollar"] is None
     assert rows[10, 0]["net_dollars"] == pytest.approx(2 * 0.48 * 3600 / 3600 - 10)
+    # GPU time at $3600/hour is $1 a second: nothing here pays for its DRAM, so no tiers nets most
+    assert (record["best_net"]["dram"], record["best_net"]["nvme"], record["best_net"]["net_dollars"]) == (
+        0,
+        0,
+        0,
+    )
     assert record["best_saved_s"] == pytest.approx(1.92)
     pick = record["recommend"]
     assert (pick["dram"], pick["nvme"]) == (20, 0)
@@ -143,7 +149,7 @@ def test_replay_model_prices_every_request(tmp_path, capsys):
         (["model", "Llama-4"], "Qwen3-32B"),
         (["model", "Llama-3.1-8B", "--gpu", "B200"], "H100, H200, A100, L40S"),
         (["replay", "--gpu", "H100"], "--model"),
-        (["plan", "--prices", "examples/prices.yaml"], "--model"),
+        (["plan", "--prices", "examples/costs/prices.yaml"], "--model"),
         (["plan", "--model", "Llama-3.1-8B", "--prices", "/nonexistent.yaml"], "--prices"),
         (["model", "Llama-3.1-8B", "--bandwidth", "/nonexistent.jsonl"], "--bandwidth"),
     ],

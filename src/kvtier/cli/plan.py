@@ -91,7 +91,7 @@ def add_parser(sub: Any) -> None:
         "--prices",
         metavar="FILE",
         help="with --model: GPU-seconds saved per dollar of each DRAM/NVMe/shared tier size "
-        "combination (YAML/JSON prices; see examples/prices.yaml)",
+        "combination (YAML/JSON prices; see examples/costs/prices.yaml)",
     )
     plan.add_argument(
         "--cost-target",

@@ -69,6 +69,13 @@ def add_parser(sub: Any) -> None:
         "--valkey-cluster", metavar="HOST:PORT,...", help="the fleet's shared cluster, instead of --valkey"
     )
     add_cost_options(replay)
+    replay.add_argument(
+        "--arrival-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="with --model: stretch the arrival times X-fold (a cluster's trace on one GPU; default 1)",
+    )
     replay.set_defaults(func=run)
 
 
@@ -99,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_fleet(args)
     try:
         priced = time_model(args)
+        if not args.arrival_scale > 0:
+            raise KvtierError(f"--arrival-scale must be positive (got {args.arrival_scale})")
         record = report(
             args,
             lambda out: replay(
@@ -115,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
                 device=args.device,
                 deterministic=args.deterministic,
                 time_model=priced,
+                arrival_scale=args.arrival_scale,
             ),
         )  # the JSON line only with --json (printed by report): a person gets the table
     except KvtierError as exc:

@@ -1,6 +1,6 @@
 """Prices: dollars per GB-month of DRAM, NVMe and a shared tier, and per GPU-hour.
 
-A YAML or JSON file of one mapping; see ``examples/prices.yaml`` (its sources and date)::
+A YAML or JSON file of one mapping; see ``examples/costs/prices.yaml`` (its sources and date)::
 
     gpu_per_hour: 2.99
     dram_per_gb_month: 3.09
@@ -44,12 +44,14 @@ def load_prices(path: str | Path) -> Prices:
         fields = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(
-            "--prices", str(path), f"a readable YAML or JSON file ({exc})", "see examples/prices.yaml"
+            "--prices", str(path), f"a readable YAML or JSON file ({exc})", "see examples/costs/prices.yaml"
         ) from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(where, "unparseable", f"YAML or JSON ({exc})", "see examples/prices.yaml") from exc
+        raise ConfigError(
+            where, "unparseable", f"YAML or JSON ({exc})", "see examples/costs/prices.yaml"
+        ) from exc
     if not isinstance(fields, dict):
-        raise ConfigError(where, fields, "a mapping of prices", "see examples/prices.yaml")
+        raise ConfigError(where, fields, "a mapping of prices", "see examples/costs/prices.yaml")
     known = (*_REQUIRED, *_OPTIONAL, *_NOTES)
     for key in fields:
         if key not in known:

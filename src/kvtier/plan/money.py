@@ -9,7 +9,9 @@ LRU model of it (:func:`~kvtier.replay.ttft.gpu_only_served`). LRU has this incl
 property; a write-back stack keeps most blocks below as well as in DRAM, so it is close.
 
 A block served by a tier saves its prefill and costs its load: ``hits x (compute - load)``,
-at the trace's mean prompt length (:class:`~kvtier.costs.CostModel`). The cost of a stack is
+where ``compute`` is the trace's prefill seconds per block with every request computed whole
+(:class:`~kvtier.costs.CostModel`): hits do not say which blocks they were, so a hit is
+priced as the mean block. The cost of a stack is
 its capacity x price over the trace's duration; the recommendation is the cheapest stack
 whose saving reaches ``target`` of the largest saving of any combination.
 """
@@ -62,7 +64,9 @@ def money_plan(
     refs = sum(len(request.hash_ids) for request in requests)
     mean_prompt = round(sum(r.input_length for r in requests) / len(requests))
     duration_s = max(1.0, (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000)
-    compute_block = cost.prefill_seconds(mean_prompt) / mean_prompt * BLOCK_TOKENS
+    # the trace's prefill seconds per block, every request computed whole: long prompts weigh
+    # more (attention grows with the context), as they do on the GPU
+    compute_block = sum(cost.prefill_seconds(r.input_length) for r in requests) / refs if refs else 0.0
     load_block = {name: cost.load_seconds(name, BLOCK_TOKENS) for name, _, _ in LEVELS}
     block_gb = cost.model.kv_bytes_per_token * BLOCK_TOKENS / 1e9
     levels = [level for level in LEVELS if getattr(prices, level[2]) is not None]
@@ -104,6 +108,8 @@ def money_plan(
         "best_saved_s": best,
         "combinations": rows,
         "recommend": pick,
+        # what pays most once the GPU time saved is priced too (none: no stack pays for itself)
+        "best_net": max(rows, key=lambda row: row["net_dollars"]),
     }
 
 
@@ -135,6 +141,13 @@ def print_money(record: dict[str, Any], out: TextIO, top: int = 12) -> None:
         f"recommended (the cheapest within {record['target']:.0%} of the best saving, {record['best_saved_s']:.4g} "
         f"GPU-s): {sizes}: saves {pick['saved_s_online']:.4g} GPU-s (Belady's bound at these sizes "
         f"{pick['saved_s_belady']:.4g}) for ${pick['dollars']:.4g}, net ${pick['net_dollars']:.4g} over the trace",
+        file=out,
+    )
+    top_net = record["best_net"]
+    sizes = ", ".join(f"{name} {top_net[name]}" for name in levels)
+    print(
+        f"largest net (GPU time saved at ${record['prices']['gpu_per_hour']:g}/GPU-hour minus the tiers' cost): "
+        f"{sizes} blocks, net ${top_net['net_dollars']:.4g} over the trace",
         file=out,
     )
 

@@ -145,6 +145,7 @@ def replay(
     json_line: bool = False,
     deterministic: bool = False,
     time_model: Any = None,
+    arrival_scale: float = 1.0,
 ) -> dict[str, Any]:
     """Replay ``trace`` (default: the bundled one) through ``config`` (default: CPU + disk in a
     temporary folder); print a summary and a table (and, with ``json_line``, one JSON line);
@@ -251,7 +252,7 @@ def replay(
     if cost is not None:
         from kvtier.replay.ttft import time_record
 
-        record["time"] = time_record(cost, requests, counts.served, gpu_blocks)
+        record["time"] = time_record(cost, requests, counts.served, gpu_blocks, arrival_scale)
     assert refs == counts.block_refs  # the engine saw every reference of the trace
 
     rows = [

@@ -52,11 +52,17 @@ def gpu_only_served(requests: Sequence[Request], gpu_blocks: int) -> list[dict[s
 
 
 def time_record(
-    cost: CostModel, requests: Sequence[Request], served: Sequence[dict[str, int]], gpu_blocks: int
+    cost: CostModel,
+    requests: Sequence[Request],
+    served: Sequence[dict[str, int]],
+    gpu_blocks: int,
+    arrival_scale: float = 1.0,
 ) -> dict[str, Any]:
     """The JSON record of the time model: TTFT percentiles and GPU-seconds, the stack's and the
-    GPU cache's alone, their ratios, and the break-even per tier."""
-    arrivals = [request.timestamp_ms / 1000 for request in requests]
+    GPU cache's alone, their ratios, and the break-even per tier. ``arrival_scale`` stretches
+    the arrival times (a trace recorded on a cluster, served here by one GPU)."""
+    arrivals = [request.timestamp_ms / 1000 * arrival_scale for request in requests]
+    span = max(arrivals) - min(arrivals) if len(arrivals) > 1 else 0.0
     stack = run_queue(arrivals, [request_service(cost, r.input_length, s) for r, s in zip(requests, served)])
     alone_served = gpu_only_served(requests, gpu_blocks)
     alone = run_queue(
@@ -64,7 +70,11 @@ def time_record(
     )
     mean_prompt = round(sum(r.input_length for r in requests) / len(requests)) if requests else BLOCK_TOKENS
     ours, theirs = stack.summary(), alone.summary()
+    for figures, result in ((ours, stack), (theirs, alone)):
+        # the GPU's busy seconds per second of arrivals: above 1 the queue grows without end
+        figures["offered_load"] = (result.compute_s + result.load_s) / span if span else None
     return {
+        "arrival_scale": arrival_scale,
         **cost.describe(),
         "note": MODEL_NOTE,
         "break_even": cost.break_even(mean_prompt),
@@ -111,7 +121,7 @@ def print_time(record: dict[str, Any], out: TextIO) -> None:
         file=out,
     )
     print_break_even(record["break_even"], out)
-    columns = ["ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "gpu_seconds"]
+    columns = ["ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "gpu_seconds", "offered_load"]
     rows = [
         {"run": "kvtier stack", **record["stack"]},
         {"run": "GPU cache alone", **record["gpu_only"]},
@@ -119,3 +129,9 @@ def print_time(record: dict[str, Any], out: TextIO) -> None:
     ]
     print_table(rows, ["run", *columns], out)
     print(record["note"], file=out)
+    if record["gpu_only"]["offered_load"] and record["gpu_only"]["offered_load"] > 1:
+        print(
+            f"(offered load above 1: the queue grows through the trace; arrivals x{record['arrival_scale']:g}, "
+            "--arrival-scale stretches them, as for a trace recorded on several GPUs)",
+            file=out,
+        )
