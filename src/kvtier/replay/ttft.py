@@ -70,16 +70,22 @@ def time_record(
     )
     mean_prompt = round(sum(r.input_length for r in requests) / len(requests)) if requests else BLOCK_TOKENS
     ours, theirs = stack.summary(), alone.summary()
-    for figures, result in ((ours, stack), (theirs, alone)):
-        # the GPU's busy seconds per second of arrivals: above 1 the queue grows without end
-        figures["offered_load"] = (result.compute_s + result.load_s) / span if span else None
+    # the GPU's busy seconds per second of arrivals: above 1 the queue grows without end
+    loads = {
+        name: (result.compute_s + result.load_s) / span if span else None
+        for name, result in (("stack", stack), ("gpu_only", alone))
+    }
     return {
         "arrival_scale": arrival_scale,
         **cost.describe(),
         "note": MODEL_NOTE,
         "break_even": cost.break_even(mean_prompt),
-        "stack": ours,
-        "gpu_only": {**theirs, "gpu_hit_blocks": sum(s.get("gpu", 0) for s in alone_served)},
+        "stack": {**ours, "offered_load": loads["stack"]},
+        "gpu_only": {
+            **theirs,
+            "offered_load": loads["gpu_only"],
+            "gpu_hit_blocks": sum(s.get("gpu", 0) for s in alone_served),
+        },
         "speedup": {
             key: theirs[key] / ours[key] if ours[key] else None
             for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "gpu_seconds")
