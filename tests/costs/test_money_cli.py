@@ -140,6 +140,8 @@ def test_replay_model_prices_every_request(tmp_path, capsys):
     assert 0 < time["stack"]["gpu_seconds"] < 4.0
     assert time["speedup"]["gpu_seconds"] > 1
     assert time["stack"]["load_seconds"] > 0
+    busy = {run: time[run]["gpu_seconds"] + time[run]["load_seconds"] for run in ("stack", "gpu_only")}
+    assert time["busy_seconds_saved"] == pytest.approx(busy["gpu_only"] - busy["stack"])
     assert time["stack"]["ttft_p50_s"] <= time["stack"]["ttft_p99_s"]
 
 
@@ -152,6 +154,19 @@ def test_replay_model_prices_every_request(tmp_path, capsys):
         (["plan", "--prices", "examples/costs/prices.yaml"], "--model"),
         (["plan", "--model", "Llama-3.1-8B", "--prices", "/nonexistent.yaml"], "--prices"),
         (["model", "Llama-3.1-8B", "--bandwidth", "/nonexistent.jsonl"], "--bandwidth"),
+        (["replay", "--model", "Llama-3.1-8B", "--arrival-scale", "0"], "--arrival-scale"),
+        (
+            [
+                "plan",
+                "--model",
+                "Llama-3.1-8B",
+                "--prices",
+                "examples/costs/prices.yaml",
+                "--cost-target",
+                "2",
+            ],
+            "--cost-target",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_a_message(argv, named, capsys):
@@ -165,3 +180,13 @@ def test_bad_config_json_exits_2(tmp_path, capsys):
     path.write_text('{"num_hidden_layers": "many"}')
     assert main(["model", str(path)]) == 2
     assert "num_hidden_layers" in capsys.readouterr().err
+
+
+def test_model_command_prints_break_even_and_sweep(capsys):
+    assert (
+        main(["model", "DeepSeek-V3", "--gpu", "H100,prefill=8000", "--sweep", "1024", "8192", "--json"]) == 0
+    )
+    record = json.loads(capsys.readouterr().out)
+    assert record["break_even"]["break_even_gbps"] == pytest.approx(70272 * 8000 / 1e9)
+    assert [row["prompt_tokens"] for row in record["sweep"]] == [1024, 8192]
+    assert record["break_even"]["tiers"]["disk"]["below_break_even"] is False  # MLA: even this disk pays

@@ -26,6 +26,7 @@ from kvtier.bench.report import print_table
 from kvtier.costs.prices import Prices
 from kvtier.costs.queue import BLOCK_TOKENS
 from kvtier.costs.timing import CostModel, TierSpeed, tier_speeds
+from kvtier.errors import KvtierError
 from kvtier.replay.trace import Request
 
 __all__ = ["LEVELS", "money_plan", "print_money", "stack_cost"]
@@ -61,6 +62,8 @@ def money_plan(
     target: float = 0.9,
 ) -> dict[str, Any]:
     """Each combination's cost and saving, online and Belady's, and the recommendation."""
+    if not requests:
+        raise KvtierError("plan --prices: the trace has no request to price")
     refs = sum(len(request.hash_ids) for request in requests)
     mean_prompt = round(sum(r.input_length for r in requests) / len(requests))
     duration_s = max(1.0, (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000)
