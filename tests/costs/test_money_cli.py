@@ -190,3 +190,11 @@ def test_model_command_prints_break_even_and_sweep(capsys):
     assert record["break_even"]["break_even_gbps"] == pytest.approx(70272 * 8000 / 1e9)
     assert [row["prompt_tokens"] for row in record["sweep"]] == [1024, 8192]
     assert record["break_even"]["tiers"]["disk"]["below_break_even"] is False  # MLA: even this disk pays
+
+
+def test_plan_with_a_model_alone_prints_the_break_even(tmp_path, capsys):
+    args = ["plan", str(_trace(tmp_path)), "--capacities", "4", "--policies", "lru", "--jobs", "1"]
+    assert main([*args, "--model", "Llama-3.1-8B", "--gpu", "H100,prefill=15000"]) == 0
+    out = capsys.readouterr().out
+    assert "break-even load speed: 1.97 GB/s" in out
+    assert "warning: tier 'nvme'" in out and "warning: tier 'dram'" not in out

@@ -106,6 +106,7 @@ def plan(
     per dollar for each combination of DRAM, NVMe and shared tier sizes among ``capacities``, by
     the best online policy and by Belady, behind a GPU cache of ``gpu_blocks``; it recommends
     the cheapest within ``cost_target`` of the largest saving. ``money_plot`` draws it.
+    ``time_model`` without ``prices`` adds ``break_even`` only (per kind of tier it prices).
     """
     started = time.perf_counter()
     policies = list(policies or registered_policies())
@@ -194,6 +195,11 @@ def plan(
         gpu_hits = sum(served.get("gpu", 0) for served in gpu_only_served(requests, gpu_blocks))
         record["money"] = money_plan(cost, priced, requests, capacities, best, opt, gpu_hits, cost_target)
         record["money"]["gpu_blocks"] = gpu_blocks
+    elif time_model is not None:  # --model alone: the break-even against each kind of tier
+        from kvtier.plan.money import stack_cost
+
+        mean_prompt = round(sum(r.input_length for r in requests) / len(requests)) if requests else 512
+        record["break_even"] = stack_cost(*time_model).break_even(mean_prompt)
     record["wall_s"] = round(time.perf_counter() - started, 2)
     if out is not None:
         _print(record, policies, out)
@@ -427,6 +433,10 @@ def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None
         from kvtier.plan.money import print_money
 
         print_money(record["money"], out)
+    elif "break_even" in record:
+        from kvtier.replay.ttft import print_break_even
+
+        print_break_even(record["break_even"], out)
     print_json(record, out)
 
 
