@@ -197,4 +197,4 @@ def test_plan_with_a_model_alone_prints_the_break_even(tmp_path, capsys):
     assert main([*args, "--model", "Llama-3.1-8B", "--gpu", "H100,prefill=15000"]) == 0
     out = capsys.readouterr().out
     assert "break-even load speed: 1.97 GB/s" in out
-    assert "warning: tier 'nvme'" in out and "warning: tier 'dram'" not in out
+    assert "warning: tier 'shared'" in out and "warning: tier 'dram'" not in out

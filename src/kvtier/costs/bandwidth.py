@@ -1,10 +1,10 @@
 """How fast each tier kind loads blocks: a default per kind, or ``kvtier bench`` JSON records.
 
 Defaults (GB/s, 10^9 bytes): ``cpu`` is the GPU's host link (its datasheet's PCIe figure per
-direction, an upper bound: a copy reaches less); the others are what this project measured
-on its development machine (``/work/shared/MACHINE.md``, docs/tiers/valkey.md), so they are
-only a starting point: measure yours with ``kvtier bench transfer|disk|remote --json`` and pass
-the lines with ``--bandwidth FILE``.
+direction, an upper bound: a copy reaches less); the others are what this project's own
+benchmarks measured on its development machine (docs/bench.md, docs/tiers/valkey.md), so they
+are only a starting point: measure yours with ``kvtier bench transfer|disk|remote --json`` and
+pass the lines with ``--bandwidth FILE``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ HOST_LINK = ("cpu", "memory")
 
 #: a lower tier kind's read speed when no record gives one: (GB/s, where the figure comes from)
 DEFAULT_LOAD_GBPS: dict[str, tuple[float, str]] = {
-    "files": (1.95, "MACHINE.md: cold reads, O_DIRECT, ~1.95 GB/s (virtio disk)"),
-    "lmdb": (1.35, "MACHINE.md: LMDB cold reads through the map, 1.2-1.5 GB/s"),
+    "files": (2.16, "docs/bench.md: kvtier bench disk, files backend, cold reads (virtio disk)"),
+    "lmdb": (2.16, "docs/bench.md: kvtier bench disk, lmdb backend, cold reads (virtio disk)"),
     "valkey": (1.31, "docs/tiers/valkey.md: kvtier bench remote, tier load at 2 MiB, loopback"),
     "redis": (1.31, "as valkey (the same protocol and client)"),
 }
