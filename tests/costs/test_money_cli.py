@@ -126,11 +126,12 @@ def test_plan_prices_end_to_end(tmp_path, capsys):
 
 
 def test_replay_model_prices_every_request(tmp_path, capsys):
-    args = ["replay", str(_trace(tmp_path)), "--gpu-blocks", "4", "--no-progress", "--no-baseline"]
+    args = ["replay", str(_trace(tmp_path)), "--gpu-blocks", "4", "--no-progress"]
     args += ["--model", "Llama-3.1-8B", "--gpu", "H100,prefill=15000", "--deterministic"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "batching" in out and "GPU cache alone" in out and "break-even load speed: 1.97 GB/s" in out
+    assert "CPU tier alone" in out  # the replay's baseline run, priced too
     assert main([*args, "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     time = record["time"]
@@ -139,6 +140,7 @@ def test_replay_model_prices_every_request(tmp_path, capsys):
     assert time["gpu_only"]["gpu_seconds"] == pytest.approx(4.0)
     assert 0 < time["stack"]["gpu_seconds"] < 4.0
     assert time["speedup"]["gpu_seconds"] > 1
+    assert 0 < time["cpu_only"]["gpu_seconds"] < 4.0
     assert time["stack"]["load_seconds"] > 0
     busy = {run: time[run]["gpu_seconds"] + time[run]["load_seconds"] for run in ("stack", "gpu_only")}
     assert time["busy_seconds_saved"] == pytest.approx(busy["gpu_only"] - busy["stack"])

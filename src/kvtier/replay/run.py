@@ -252,7 +252,8 @@ def replay(
     if cost is not None:
         from kvtier.replay.ttft import time_record
 
-        record["time"] = time_record(cost, requests, counts.served, gpu_blocks, arrival_scale)
+        cpu_served = cpu_only.served if cpu_only is not None else None
+        record["time"] = time_record(cost, requests, counts.served, gpu_blocks, arrival_scale, cpu_served)
     assert refs == counts.block_refs  # the engine saw every reference of the trace
 
     rows = [

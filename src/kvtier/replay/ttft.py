@@ -57,10 +57,13 @@ def time_record(
     served: Sequence[dict[str, int]],
     gpu_blocks: int,
     arrival_scale: float = 1.0,
+    cpu_only_served: Sequence[dict[str, int]] | None = None,
 ) -> dict[str, Any]:
     """The JSON record of the time model: TTFT percentiles and GPU-seconds, the stack's and the
     GPU cache's alone, their ratios, and the break-even per tier. ``arrival_scale`` stretches
-    the arrival times (a trace recorded on a cluster, served here by one GPU)."""
+    the arrival times (a trace recorded on a cluster, served here by one GPU).
+    ``cpu_only_served``: the replay's run through the CPU tier alone, priced the same way
+    (``cpu_only``), which shows what the tiers below it add in time."""
     arrivals = [request.timestamp_ms / 1000 * arrival_scale for request in requests]
     span = max(arrivals) - min(arrivals) if len(arrivals) > 1 else 0.0
     stack = run_queue(arrivals, [request_service(cost, r.input_length, s) for r, s in zip(requests, served)])
@@ -75,7 +78,7 @@ def time_record(
         name: (result.compute_s + result.load_s) / span if span else None
         for name, result in (("stack", stack), ("gpu_only", alone))
     }
-    return {
+    record: dict[str, Any] = {
         "arrival_scale": arrival_scale,
         **cost.describe(),
         "note": MODEL_NOTE,
@@ -97,6 +100,12 @@ def time_record(
         - ours["gpu_seconds"]
         - ours["load_seconds"],
     }
+    if cpu_only_served is not None:
+        services = [request_service(cost, r.input_length, s) for r, s in zip(requests, cpu_only_served)]
+        cpu_run = run_queue(arrivals, services)
+        busy = (cpu_run.compute_s + cpu_run.load_s) / span if span else None
+        record["cpu_only"] = {**cpu_run.summary(), "offered_load": busy}
+    return record
 
 
 def print_break_even(figures: dict[str, Any], out: TextIO) -> None:
@@ -143,8 +152,9 @@ def print_time(record: dict[str, Any], out: TextIO) -> None:
     ]
     rows = [
         {"run": "kvtier stack", **record["stack"]},
+        *([{"run": "CPU tier alone", **record["cpu_only"]}] if "cpu_only" in record else []),
         {"run": "GPU cache alone", **record["gpu_only"]},
-        {"run": "speed-up", **record["speedup"]},
+        {"run": "speed-up vs GPU alone", **record["speedup"]},
     ]
     print_table(rows, ["run", *columns], out)
     print(
