@@ -66,7 +66,8 @@ def money_plan(
         raise KvtierError("plan --prices: the trace has no request to price")
     refs = sum(len(request.hash_ids) for request in requests)
     mean_prompt = round(sum(r.input_length for r in requests) / len(requests))
-    duration_s = max(1.0, (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000)
+    stamps = [request.timestamp_ms for request in requests]
+    duration_s = max(1.0, (max(stamps) - min(stamps)) / 1000)  # the tiers are paid for this long
     # the trace's prefill seconds per block, every request computed whole: long prompts weigh
     # more (attention grows with the context), as they do on the GPU
     compute_block = sum(cost.prefill_seconds(r.input_length) for r in requests) / refs if refs else 0.0
