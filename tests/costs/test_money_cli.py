@@ -21,7 +21,7 @@ TINY = {
     "torch_dtype": "float32",
 }
 BLOCK_BYTES = 64 * 512  # 64 B/token x 512 tokens
-MONTH_MS = 30 * 86400 * 1000
+MONTH_MS = 730 * 3600 * 1000  # the month of a GB-month price
 
 
 def _money(target):

@@ -37,8 +37,8 @@ LEVELS = (
     ("nvme", "lmdb", "nvme_per_gb_month"),
     ("shared", "valkey", "shared_per_gb_month"),
 )
-#: seconds in the month a GB-month price covers (30 days)
-MONTH_S = 30 * 86400
+#: seconds in the month a GB-month price covers: 730 hours, as cloud price lists count it
+MONTH_S = 730 * 3600
 
 
 def stack_cost(model: Any, gpu: Any, measured: Any) -> CostModel:
