@@ -177,6 +177,14 @@ def test_bad_input_exits_2_with_a_message(argv, named, capsys):
     assert named in err and "Traceback" not in err
 
 
+def test_bad_prices_file_exits_2(tmp_path, capsys):
+    prices = tmp_path / "prices.yaml"
+    prices.write_text("gpu_per_hour: -1\ndram_per_gb_month: 3\nnvme_per_gb_month: 0.1\n")
+    assert main(["plan", "--model", "Llama-3.1-8B", "--prices", str(prices)]) == 2
+    err = capsys.readouterr().err
+    assert "gpu_per_hour" in err and "Traceback" not in err
+
+
 def test_bad_config_json_exits_2(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text('{"num_hidden_layers": "many"}')
