@@ -157,6 +157,8 @@ def test_replay_model_prices_every_request(tmp_path, capsys):
         (["plan", "--model", "Llama-3.1-8B", "--prices", "/nonexistent.yaml"], "--prices"),
         (["model", "Llama-3.1-8B", "--bandwidth", "/nonexistent.jsonl"], "--bandwidth"),
         (["replay", "--model", "Llama-3.1-8B", "--arrival-scale", "0"], "--arrival-scale"),
+        (["replay", "--arrival-scale", "4"], "--model"),
+        (["replay", "--engines", "2", "--gpu", "H100"], "--engines"),
         (
             [
                 "plan",

@@ -97,9 +97,9 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        if args.model is not None:
+        if any(value is not None for value in (args.model, args.gpu, args.bandwidth, args.kv_dtype)):
             print(
-                "kvtier replay: --model prices one engine's replay; drop --engines or --model",
+                "kvtier replay: --model/--gpu price one engine's replay; drop --engines or them",
                 file=sys.stderr,
             )
             return 2
@@ -108,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         priced = time_model(args)
         if not args.arrival_scale > 0:
             raise KvtierError(f"--arrival-scale must be positive (got {args.arrival_scale})")
+        if priced is None and args.arrival_scale != 1.0:
+            raise KvtierError("--arrival-scale stretches the time model's arrivals: add --model NAME")
         record = report(
             args,
             lambda out: replay(
