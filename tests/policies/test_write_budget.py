@@ -6,7 +6,7 @@ import pytest
 
 from kvtier_testing import key
 from kvtier.policies.admission import AdmissionFilter, key_draw
-from kvtier.policies.write_budget import MAX_ESTIMATE, SECONDS_PER_YEAR, WriteBudget
+from kvtier.policies.write_budget import DITHER_S, MAX_ESTIMATE, SECONDS_PER_YEAR, WriteBudget
 
 BLOCK = 16 * 1024
 
@@ -70,6 +70,30 @@ def test_the_threshold_sends_the_budget_to_reused_blocks():
     reused = sum(1 for i in later if i % 2)
     assert reused / len(later) > 0.95
     assert 1.5 < budget.threshold <= 5  # all seen 4 times, next to none of those seen once
+
+
+def test_blocks_at_the_margin_offered_together_pass_or_fail_together():
+    # A prefix's blocks are written about the same time: at a fractional threshold they must
+    # share one decision, or the refused ones scattered through it cut every prefix short.
+    clock = Clock()
+    budget = WriteBudget(10 * BLOCK, window_s=60, clock=clock)
+    outcomes = set()
+    for second in range(900):
+        clock.now += 1
+        assert budget.phase() == pytest.approx(clock.now / DITHER_S % 1.0)
+        # 20 blocks a second, the first 5 seen twice, then 15 seen once: twice the budget
+        taken = [budget.admit(2 if i < 5 else 1, budget.phase(), BLOCK) for i in range(20)]
+        for ok in taken:
+            if ok:
+                budget.wrote(BLOCK)
+        budget.tick()
+        once = taken[5:]
+        # once refused, no later block of the same second passes (the bucket or the threshold)
+        assert once == sorted(once, reverse=True)
+        if second >= 300:
+            outcomes.add(any(once))
+    assert 1 < budget.threshold < 2
+    assert outcomes == {True, False}  # seen-once blocks pass in some spells, not in others
 
 
 def test_demand_under_the_budget_is_all_admitted():

@@ -90,9 +90,10 @@ class AdmissionFilter:
     from a bounded :class:`CountMinSketch`, so a one-off block never reaches flash, and a
     collision can only admit early, never refuse a block that earned its place).
 
-    With ``mode="budget"`` the threshold is the :class:`WriteBudget`'s, fractional (a
-    key's :func:`key_draw` is added to its count), and a block is admitted only while the
-    budget has ``block_bytes`` left for it.
+    With ``mode="budget"`` the threshold is the :class:`WriteBudget`'s, fractional (the
+    budget's :meth:`~kvtier.policies.write_budget.WriteBudget.phase` is added to the count,
+    so a prefix's blocks, written together, pass or fail together), and a block is admitted
+    only while the budget has ``block_bytes`` left for it.
 
     Who calls it: the owning manager, on the scheduler thread; every call O(1).
     """
@@ -140,7 +141,8 @@ class AdmissionFilter:
         """Whether the block of ``key`` may be written to the tier now (counted either way)."""
         if self.budget is not None:
             assert self._sketch is not None
-            ok = self.budget.admit(self._sketch.estimate(key), key_draw(key), self.block_bytes)
+            budget = self.budget
+            ok = budget.admit(self._sketch.estimate(key), budget.phase(), self.block_bytes)
         else:
             ok = self._sketch is None or self._sketch.estimate(key) >= self.min_reuse
         if ok:
