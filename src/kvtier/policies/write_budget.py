@@ -53,7 +53,7 @@ class WriteBudget:
     """A write budget of ``budget_bytes_per_s``, its bucket holding ``window_s`` seconds of it.
 
     The owning manager calls :meth:`admit` for each block it would write (with the block's
-    reuse estimate and a fixed number in [0, 1) drawn from its key), :meth:`wrote` with the
+    reuse estimate and the draw, :meth:`phase`), :meth:`wrote` with the
     bytes each finished job wrote, and :meth:`tick` once per scheduler step; all O(1), on the
     scheduler thread. ``endurance_bytes`` (the drive's rated writes, or None) gives
     :meth:`projected_life_years`.
