@@ -43,10 +43,22 @@ def build_manager(
     policy_cls = get_policy_class(first.eviction, first.eviction_module_path, field="tiers[0].eviction")
     backend = first.open_first(block_bytes, field="tiers[0]")
     policy = policy_cls(backend.get_num_free_blocks())
+    causes = None
+    if config.miss_causes.enabled:
+        from kvtier.manager.causes import MAX_TIERS, MissCauses
+
+        if len(config.tiers) > MAX_TIERS:
+            raise ConfigError(
+                "miss_causes",
+                "on",
+                f"a stack of at most {MAX_TIERS} tiers (it has {len(config.tiers)})",
+                "set miss_causes: off",
+            )
+        causes = MissCauses(config.miss_causes.keys, [tier.name for tier in config.tiers])
     if len(config.tiers) == 1:
         from kvtier.manager.single import SingleTierManager
 
-        return SingleTierManager(backend, policy, enable_events=enable_events)
+        return SingleTierManager(backend, policy, enable_events=enable_events, causes=causes)
 
     from kvtier.manager.stack import TierStackManager
     from kvtier.tiers.disk.format import LayoutFingerprint
@@ -79,4 +91,5 @@ def build_manager(
         admission=admission,
         endurance_tbw=endurance,
         receives=[tier.receives for tier in config.tiers[1:]],
+        causes=causes,
     )

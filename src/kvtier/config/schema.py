@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from kvtier.config.units import MiB
 from kvtier.errors import ConfigError
 
-__all__ = ["RECEIVES", "WRITE_POLICIES", "CascadeConfig", "KvtierConfig", "TierConfig"]
+__all__ = ["RECEIVES", "WRITE_POLICIES", "CascadeConfig", "KvtierConfig", "MissCausesConfig", "TierConfig"]
 
 WRITE_POLICIES = ("write_back", "write_through")
 #: how a tier below the first receives blocks (TierConfig.receives)
@@ -136,6 +136,20 @@ class CascadeConfig:
 
 
 @dataclass(frozen=True)
+class MissCausesConfig:
+    """Counting each miss under its cause (new, evicted, refused, ...): how many keys the
+    stack remembers to tell them apart (``miss_causes: off`` turns it off)."""
+
+    # keys remembered (about 6.6 bytes each; beyond it the oldest are forgotten and their
+    # misses read as new); 0: off, no sketch and no miss_<cause> counters
+    keys: int = 1_000_000
+
+    @property
+    def enabled(self) -> bool:
+        return self.keys > 0
+
+
+@dataclass(frozen=True)
 class KvtierConfig:
     """A whole kvtier setup: the ordered tier stack and how blocks move along it."""
 
@@ -145,3 +159,5 @@ class KvtierConfig:
     # None: the same as the engine's block
     block_size_tokens: int | None = None
     cascade: CascadeConfig = field(default_factory=CascadeConfig)
+    # miss causes and the bounded sketch behind them (docs/operations/miss-causes.md)
+    miss_causes: MissCausesConfig = field(default_factory=MissCausesConfig)

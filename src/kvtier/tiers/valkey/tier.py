@@ -85,6 +85,8 @@ logger = logging.getLogger(__name__)
 #: the most keys the tier remembers as present, or as missing; the oldest are forgotten first
 #: (a forgotten key is asked again: one GET, never a wrong answer)
 MAX_REMEMBERED_KEYS = 1 << 18
+#: the most keys whose failed read's reason is kept for :meth:`ValkeyTier.miss_reason`
+MAX_MISS_REASONS = 4096
 #: how often the server's memory and hit counters are refreshed (from the step's end)
 SERVER_FIGURES_PERIOD_S = 1.0
 #: how long a read value waits here for its load before it is dropped
@@ -93,6 +95,8 @@ STAGED_TTL_S = 30.0
 
 #: a job's keys while the tier is down and no reason is known (it always is, but never crash)
 _UNAVAILABLE = Failure(FailureKind.UNAVAILABLE)
+#: a read that outlived timeout_s
+_TIMEOUT = Failure(FailureKind.UNAVAILABLE, detail="timeout")
 
 
 def default_namespace(fingerprint: LayoutFingerprint) -> str:
@@ -140,6 +144,8 @@ class ValkeyTier(SecondaryTier):
 
         # scheduler-thread state
         self._present: OrderedDict[OffloadKey, None] = OrderedDict()
+        #: why a read found a key bad or could not ask (corrupt, timeout ...): the last few
+        self._miss_reasons: OrderedDict[OffloadKey, Failure] = OrderedDict()
         self._missing: OrderedDict[OffloadKey, float] = OrderedDict()  # key -> answer False until
         # key -> (value, its payload checksum from the checked header, drop at)
         self._staged: OrderedDict[OffloadKey, tuple[np.ndarray, int, float]] = OrderedDict()
@@ -349,6 +355,18 @@ class ValkeyTier(SecondaryTier):
         self._wanted[key] = None
         return None
 
+    def miss_reason(self, key: OffloadKey) -> Failure | None:
+        if self._outage.down:
+            return self._outage.reason or _UNAVAILABLE
+        return self._miss_reasons.get(key)
+
+    def _remember_reason(self, key: OffloadKey, reason: Failure) -> None:
+        reasons = self._miss_reasons
+        reasons[key] = reason
+        reasons.move_to_end(key)
+        if len(reasons) > MAX_MISS_REASONS:
+            reasons.popitem(last=False)
+
     def touch(self, keys: Collection[OffloadKey]) -> None:
         # The server's LRU sees every GET; a touch without a read is not worth a round trip.
         return None
@@ -397,6 +415,7 @@ class ValkeyTier(SecondaryTier):
             if self._probing.get(key) == batch:
                 del self._probing[key]
                 self._remember_missing(key, until)
+                self._remember_reason(key, _TIMEOUT)
         self.counters["probe_timeouts"] += len(probe.keys)
 
     def _remember_missing(self, key: OffloadKey, until: float) -> None:
@@ -569,6 +588,10 @@ class ValkeyTier(SecondaryTier):
         self._count_failures(outcome.failed.values(), keys=False)
         for key in [*outcome.missing, *outcome.corrupt, *outcome.failed]:
             self._remember_missing(key, until)
+        for key in [*outcome.found, *outcome.missing]:
+            self._miss_reasons.pop(key, None)
+        for key, reason in [*outcome.corrupt.items(), *outcome.failed.items()]:
+            self._remember_reason(key, reason)
 
     # -- figures, check, close -------------------------------------------------------------------
 
