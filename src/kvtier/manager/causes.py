@@ -40,7 +40,7 @@ __all__ = [
 #: every cause a miss is counted under (stats ``miss_<cause>``)
 CAUSES = ("new", "evicted", "refused", "store_failed", "corrupt", "unavailable", "filtered", "foreign")
 #: the parts of a block's identity a ``foreign`` miss can name (stats ``foreign_<part>``)
-FOREIGN_PARTS = ("layout", "namespace", "secret")
+FOREIGN_PARTS = ("layout", "tp", "namespace", "secret")
 #: keys remembered when the configuration names no number (about 5 MiB)
 DEFAULT_SKETCH_KEYS = 1_000_000
 
@@ -284,6 +284,16 @@ class MissCauses:
                 continue
             put((key,), _READ_RECORD[cause], tier)
             self.count(cause, tier)
+
+    def found_foreign(self, key: OffloadKey, part: str, tier: int) -> None:
+        """A probe found ``key``, counted as a ``new`` miss, under a sibling of tier ``tier``
+        that differs in ``part``: the miss moves from new to foreign, and later misses of
+        the key are foreign at once."""
+        if self.counts["new"]:
+            self.counts["new"] -= 1
+            self.count("foreign", tier, part)
+        index = FOREIGN_PARTS.index(part) if part in FOREIGN_PARTS else 0
+        self.sketch.put((key,), FOREIGN, index)
 
     def stats(self) -> dict[str, float]:
         """``miss_<cause>``, ``foreign_<part>``, per tier ``<tier>.miss_<cause>``, and the

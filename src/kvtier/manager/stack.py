@@ -274,6 +274,9 @@ class TierStackManager(SingleTierManager):
                     return
         cause, tier_index, part = causes.recorded(key)
         causes.count(cause, tier_index, part)
+        if cause == "new":
+            for tier in self._tiers:  # is it there under another layout or namespace?
+                tier.probe_foreign(key)
 
     def is_promoting(self, key: OffloadKey) -> bool:
         """Whether a read of ``key`` from a lower tier is queued or in flight.
@@ -394,6 +397,11 @@ class TierStackManager(SingleTierManager):
         for tier in self._tiers:
             tier.on_schedule_end()
         self._note_lower_events()
+        if self._causes is not None:
+            found = self._causes.found_foreign
+            for index, tier in enumerate(self._tiers, start=1):
+                for key, part in tier.foreign_found():
+                    found(key, part, index)
 
     def _poll(self) -> None:
         for tier in self._tiers:

@@ -83,6 +83,17 @@ class SecondaryTier(ABC):
         """
         return None
 
+    def probe_foreign(self, key: OffloadKey) -> None:
+        """``key`` missed and was never stored here: look, bounded and in the background, for
+        the same key under a sibling this tier can see (another namespace on a shared server),
+        reported by :meth:`foreign_found`. No-op default; must not wait for I/O, and may drop
+        the request (a probe is a diagnosis: a tier limits how many keys it probes a step)."""
+
+    def foreign_found(self) -> list[tuple[OffloadKey, str]]:
+        """``(key, part)`` for each probed key found under a sibling since the last call; the
+        part names what differs (``layout``, ``tp``, ``namespace``). Never waits."""
+        return []
+
     def on_schedule_end(self) -> None:
         """The scheduler step's lookups are over: send what they asked for (no-op default).
 

@@ -72,6 +72,7 @@ from kvtier.tiers.disk.format import HEADER_BYTES, LayoutFingerprint
 from kvtier.tiers.jobs import CheckReport, Failure, FailureKind, TierJob, TierJobResult
 from kvtier.tiers.secret import tier_keys
 from kvtier.tiers.valkey.check import check_namespace, namespace_names
+from kvtier.tiers.valkey.siblings import SiblingProbe
 from kvtier.tiers.valkey.config import ValkeyTierConfig, redact_url
 from kvtier.tiers.valkey.connection import ValkeyConnection, fix_for, is_outage, reason_of
 from kvtier.tiers.valkey.outage import BACKOFF_MAX_S, Outage
@@ -198,6 +199,12 @@ class ValkeyTier(SecondaryTier):
 
         # outage state, shared with the worker threads
         self._outage = Outage(self.counters)
+        # near-miss probes of other namespaces (not with a secret: see siblings.py)
+        self._siblings = (
+            SiblingProbe(lambda: self._conn.client, self.namespace, fingerprint)
+            if self._keys is None
+            else None
+        )
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -219,6 +226,8 @@ class ValkeyTier(SecondaryTier):
             tier._went_down(reason_of(error))
             return tier
         tier._refresh_figures()
+        if tier._siblings is not None:
+            tier._submit(tier._writer, tier._siblings.publish)
         if tier._server_figures.get("maxmemory"):
             tier.capacity_blocks = tier._server_figures["maxmemory"] // tier._value_bytes
         return tier
@@ -355,6 +364,13 @@ class ValkeyTier(SecondaryTier):
         self._wanted[key] = None
         return None
 
+    def probe_foreign(self, key: OffloadKey) -> None:
+        if self._siblings is not None and not self._outage.down:
+            self._siblings.want(key)
+
+    def foreign_found(self) -> list[tuple[OffloadKey, str]]:
+        return self._siblings.take_found() if self._siblings is not None else []
+
     def miss_reason(self, key: OffloadKey) -> Failure | None:
         if self._outage.down:
             return self._outage.reason or _UNAVAILABLE
@@ -391,6 +407,8 @@ class ValkeyTier(SecondaryTier):
             self._wanted.clear()
             for start in range(0, len(keys), self._batch_keys):
                 self._send_probe(keys[start : start + self._batch_keys], now)
+        if self._siblings is not None:
+            self._siblings.send(lambda fn, *args: self._submit(self._reader, fn, *args))
         if now >= self._next_figures:
             self._next_figures = now + SERVER_FIGURES_PERIOD_S
             self._submit(self._reader, self._refresh_figures)
@@ -606,6 +624,8 @@ class ValkeyTier(SecondaryTier):
             staged_bytes=self._staged_bytes,
             known_blocks=len(self._present),
         )
+        if self._siblings is not None:
+            figures.update(sibling_probed_keys=self._siblings.probed, sibling_found_keys=self._siblings.found)
         for name, value in self._server_figures.items():
             figures["server_" + name] = value
         return figures
