@@ -7,6 +7,7 @@ import random
 
 import pytest
 from kvtier_testing import key, store_blocks
+from kvtier_testing.store import flip, locate
 
 import kvtier
 from kvtier.base import LoadTiers, ReqContext
@@ -286,3 +287,42 @@ def test_counts_attribute_to_tiers_and_parts():
     assert stats["miss_corrupt"] == 1 and stats["disk.miss_corrupt"] == 1
     assert stats["foreign_layout"] == 1 and stats["disk.miss_foreign"] == 1
     assert stats["miss_new"] == 1 and "disk.miss_new" not in stats
+
+
+def write_secret(path) -> str:
+    path.write_bytes(os.urandom(32))
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_blocks_under_another_secret_are_foreign_and_a_bad_mac_is_corrupt(tmp_path):
+    """The header's key id tells a block written under another secret from a damaged one."""
+    pytest.importorskip("cryptography")
+    ctx = ReqContext("r")
+    blocks = [key(i) for i in range(4)]
+    first, second = write_secret(tmp_path / "a"), write_secret(tmp_path / "b")
+    manager = disk_stack(tmp_path, secret_file=first)
+    try:
+        store_blocks(manager, blocks, ctx)
+        manager.on_schedule_end()
+        manager.flush()
+    finally:
+        manager.shutdown()
+    manager = disk_stack(tmp_path, secret_file=second)
+    try:
+        assert settle(manager, blocks[:2], ctx) == [False] * 2
+        stats = manager.stats()
+        assert stats["miss_foreign"] == 2 and stats["foreign_secret"] == 2
+        assert stats["disk.corrupt_other_secret"] == 2
+    finally:
+        manager.shutdown()
+    manager = disk_stack(tmp_path, secret_file=first)  # the right secret, one tag altered
+    try:
+        path, offset = locate(manager.tiers[0], blocks[2])
+        flip(path, offset + 4096 + 7)  # a payload byte: the tag no longer holds
+        assert settle(manager, blocks[2:], ctx) == [False, True]
+        stats = manager.stats()
+        assert stats["miss_corrupt"] == 1 and stats["miss_foreign"] == 0
+        assert stats["disk.corrupt_MAC"] == 1
+    finally:
+        manager.shutdown()

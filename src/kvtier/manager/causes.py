@@ -76,10 +76,11 @@ def failure_cause(reason: Failure) -> tuple[str, str | None]:
     """The miss cause of a read from below that failed with ``reason``, and the foreign part
     where it is ``foreign``.
 
-    A block that failed verification because it was written under another layout, or with
-    or without a secret where this tier has the other, is ``foreign`` (its header says so);
-    a bad MAC alone cannot tell another secret from damage (the header holds no key id), so
-    it is ``corrupt``, as is every other failed check. A block gone from the tier was let go
+    A block that failed verification because it was written under another layout, under
+    another secret (its header's key id), or with or without a secret where this tier has the
+    other, is ``foreign`` (its header says so); a bad MAC under this secret's key id (or in a
+    block written before key ids, which has none) is ``corrupt``, as is every other failed
+    check. A block gone from the tier was let go
     (``evicted``); any other failure (unreachable, refused credentials, an I/O error) means
     the tier could not serve it: ``unavailable``.
     """
@@ -87,7 +88,7 @@ def failure_cause(reason: Failure) -> tuple[str, str | None]:
     if kind is FailureKind.CORRUPT:
         if reason.detail == "other layout":
             return "foreign", "layout"
-        if reason.detail in ("unkeyed", "keyed (no secret here)"):
+        if reason.detail in ("unkeyed", "keyed (no secret here)", "other secret"):
             return "foreign", "secret"
         return "corrupt", None
     if kind is FailureKind.MISSING:
