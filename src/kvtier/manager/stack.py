@@ -92,6 +92,11 @@ class _TierCounters:
     promote_jobs: int = 0
 
 
+def _overrides(tier: SecondaryTier, method: str) -> bool:
+    """Whether ``tier``'s class replaces the contract's default ``method``."""
+    return getattr(type(tier), method) is not getattr(SecondaryTier, method)
+
+
 def _job_id(result: TierJobResult) -> int:
     return result.job_id
 
@@ -207,6 +212,10 @@ class TierStackManager(SingleTierManager):
         self._final_stats: dict[str, float] | None = None
         #: with causes: the lower tiers' events, taken early to see their evictions
         self._lower_events: list[OffloadingEvent] = []
+        #: the tiers that may know why they missed, and those that probe siblings (asked on
+        #: a miss only; the others keep the contract's no-op defaults)
+        self._explaining = {i for i, t in enumerate(self._tiers, 1) if _overrides(t, "miss_reason")}
+        self._probing = [t for t in self._tiers if _overrides(t, "probe_foreign")]
 
     @property
     def tiers(self) -> list[SecondaryTier]:
@@ -266,7 +275,7 @@ class TierStackManager(SingleTierManager):
                     causes.count("filtered", index)
                     return
                 continue
-            reason = tier.miss_reason(key)
+            reason = tier.miss_reason(key) if index in self._explaining else None
             if reason is not None:
                 cause, part = failure_cause(reason)
                 if cause != "evicted":
@@ -275,7 +284,7 @@ class TierStackManager(SingleTierManager):
         cause, tier_index, part = causes.recorded(key)
         causes.count(cause, tier_index, part)
         if cause == "new":
-            for tier in self._tiers:  # is it there under another layout or namespace?
+            for tier in self._probing:  # is it there under another layout or namespace?
                 tier.probe_foreign(key)
 
     def is_promoting(self, key: OffloadKey) -> bool:

@@ -73,9 +73,13 @@ def test_a_block_stored_by_a_disagreeing_engine_is_foreign(valkey_server, other,
     writer = stack(valkey_server.url)
     ctx = ReqContext("r")
     try:
+        # an engine looks its blocks up before it computes them: new misses, probed, and
+        # with its first probe the tier publishes its layout
+        assert settle(writer, blocks, ctx) == [False] * len(blocks)
         store_blocks(writer, blocks, ctx)
         writer.on_schedule_end()
         writer.flush()
+        assert writer.stats()["miss_new"] == len(blocks)
     finally:
         writer.shutdown()
     reader = stack(valkey_server.url, other, **options)

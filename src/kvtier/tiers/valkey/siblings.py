@@ -4,8 +4,9 @@ another layout, tensor-parallel size or namespace?
 Engines that disagree on a layout (another model, dtype, block size or TP size) or on a
 configured namespace write the same offload keys under different namespaces, so each sees a
 hit ratio of 0% and nothing looks wrong. Each unkeyed tier publishes its namespace and layout
-in one hash (``kvtier-layouts``: namespace -> JSON of the layout's fields) when it opens; a
-lookup that misses as ``new`` may ask, at most :data:`KEYS_PER_STEP` keys a step and one
+in one hash (``kvtier-layouts``: namespace -> JSON of the layout's fields) with its first
+probe (a tier only ever read or written directly, as tools do, adds no key); a lookup that
+misses as ``new`` may ask, at most :data:`KEYS_PER_STEP` keys a step and one
 batch at a time, whether up to :data:`MAX_SIBLINGS` other namespaces hold the same key
 (pipelined ``EXISTS``), and the manager moves such a miss from ``new`` to ``foreign``, naming
 the part that differs (:func:`differing_part`).
@@ -75,15 +76,18 @@ class SiblingProbe:
         self._found: deque[tuple[OffloadKey, str]] = deque()
         self._siblings: list[tuple[str, str]] = []  # (namespace, part), read on the reader thread
         self._siblings_at = -SIBLINGS_TTL_S
+        self._published = False
         #: keys probed, and those found under a sibling (the tier's stats)
         self.probed = 0
         self.found = 0
 
-    def publish(self) -> None:
-        """Say this namespace holds this layout (writer thread; a failure is only logged)."""
+    def _publish(self) -> None:
+        """Say this namespace holds this layout, once (reader thread; a failure, an ACL's
+        NOPERM say, is only logged, and tried again with the next probe)."""
         try:
             self._client().hset(LAYOUTS_NAME, self.namespace, json.dumps(self._own, sort_keys=True))
-        except Exception as error:  # the server may be away: the probe of others still works
+            self._published = True
+        except Exception as error:  # the probe of the others still works
             logger.debug("kvtier: publishing layout of %s failed: %s", self.namespace, error)
 
     def want(self, key: OffloadKey) -> None:
@@ -111,6 +115,8 @@ class SiblingProbe:
 
     def _run(self, keys: list[OffloadKey]) -> None:
         """Reader thread: ask the siblings about ``keys``; never raises."""
+        if not self._published:
+            self._publish()
         try:
             siblings = self._sibling_namespaces()
             if siblings:

@@ -226,8 +226,6 @@ class ValkeyTier(SecondaryTier):
             tier._went_down(reason_of(error))
             return tier
         tier._refresh_figures()
-        if tier._siblings is not None:
-            tier._submit(tier._writer, tier._siblings.publish)
         if tier._server_figures.get("maxmemory"):
             tier.capacity_blocks = tier._server_figures["maxmemory"] // tier._value_bytes
         return tier
