@@ -381,6 +381,7 @@ def _plot(counts, path: str, ceiling: list[float], cpu_only=None) -> None:
         raise SystemExit(f"--plot needs matplotlib: pip install 'kvtier[plot]' ({exc})") from exc
     xs = [requests for requests, _, _ in counts.timeline]
     with_causes = len(counts.cause_timeline) == len(counts.timeline) and counts.cause_timeline
+    below = None
     if with_causes:
         figure, (axes, below) = plt.subplots(2, 1, figsize=(8, 8), sharex=True)
     else:
@@ -406,7 +407,7 @@ def _plot(counts, path: str, ceiling: list[float], cpu_only=None) -> None:
     axes.grid(alpha=0.3)
     axes.legend()
     axes.set_title("kvtier replay: hits per tier")
-    if with_causes:
+    if below is not None:
         _plot_causes(below, xs, counts.cause_timeline)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
