@@ -326,3 +326,13 @@ def test_blocks_under_another_secret_are_foreign_and_a_bad_mac_is_corrupt(tmp_pa
         assert stats["disk.corrupt_MAC"] == 1
     finally:
         manager.shutdown()
+
+
+def test_config_check_shows_the_sketch_size():
+    from kvtier.config import describe
+
+    sized = kvtier.load_config({"tiers": [cpu_section(8)], "miss_causes": {"keys": 4096}})
+    assert "miss_causes: 4096 keys remembered" in describe(sized)
+    assert "miss_causes: off" in describe(
+        kvtier.load_config({"tiers": [cpu_section(8)], "miss_causes": False})
+    )
