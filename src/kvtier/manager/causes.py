@@ -7,9 +7,10 @@ key: a table of 4-way buckets (a quarter more slots than ``keys``), each key in 
 of two, each slot a 32-bit tag of the key and one byte of event and tier, plus a one-byte
 replacement cursor per bucket. A key it never saw matches a remembered tag with probability
 at most ``1 - (1 - 2**-32)**8`` (1.9e-9, :attr:`CauseSketch.error_rate`); a key that finds
-both its buckets full replaces the oldest of the first (``forgotten``: about 1.4% of the keys
-by the time ``keys`` are held), which then reads as never seen. Why this table and not a Bloom or cuckoo filter:
-docs/design/miss-causes.md.
+both its buckets full replaces an entry of the first in turn (round robin: roughly the oldest;
+``forgotten``: about 1.4% of the keys by the time ``keys`` are held), which then reads as
+never seen. Why this table and not a
+Bloom or cuckoo filter: docs/design/miss-causes.md.
 
 :class:`MissCauses` is what a manager holds: the sketch and the counters ``stats()`` shows
 (``miss_<cause>``, ``<tier>.miss_<cause>``, ``foreign_<part>``). Every lookup answered
@@ -29,24 +30,15 @@ import xxhash
 from kvtier.base import OffloadKey
 from kvtier.tiers.jobs import Failure, FailureKind
 
-__all__ = [
-    "CAUSES",
-    "DEFAULT_SKETCH_KEYS",
-    "FOREIGN_PARTS",
-    "CauseSketch",
-    "MissCauses",
-]
+__all__ = ["CAUSES", "FOREIGN_PARTS", "CauseSketch", "MissCauses", "failure_cause"]
 
 #: every cause a miss is counted under (stats ``miss_<cause>``)
 CAUSES = ("new", "evicted", "refused", "store_failed", "corrupt", "unavailable", "filtered", "foreign")
 #: the parts of a block's identity a ``foreign`` miss can name (stats ``foreign_<part>``)
 FOREIGN_PARTS = ("layout", "tp", "namespace", "secret")
-#: keys remembered when the configuration names no number (about 5 MiB)
-DEFAULT_SKETCH_KEYS = 1_000_000
 
 # What the sketch remembers of a key (the high 3 bits of its byte; the low 5 bits hold the
 # tier's index in the stack, 0 the first tier, or for FOREIGN the part's index).
-_EMPTY = 0
 STORED = 1  # a tier below the first holds it (the tier that stored it last)
 EVICTED = 2  # the tier that let it go last
 REFUSED = 3  # a tier's admission would not take it
@@ -80,9 +72,9 @@ def failure_cause(reason: Failure) -> tuple[str, str | None]:
     another secret (its header's key id), or with or without a secret where this tier has the
     other, is ``foreign`` (its header says so); a bad MAC under this secret's key id (or in a
     block written before key ids, which has none) is ``corrupt``, as is every other failed
-    check. A block gone from the tier was let go
-    (``evicted``); any other failure (unreachable, refused credentials, an I/O error) means
-    the tier could not serve it: ``unavailable``.
+    check. A block gone from the tier was let go (``evicted``); any other failure
+    (unreachable, refused credentials, an I/O error) means the tier could not serve it:
+    ``unavailable``.
     """
     kind = reason.kind
     if kind is FailureKind.CORRUPT:
@@ -189,7 +181,8 @@ class CauseSketch:
                 slot = second + two.index(tag)
                 records[slot] = merge(records[slot], event, tier, new)
                 continue
-            # an empty slot (tag 0) of the emptier bucket; both full: the first's oldest goes
+            # an empty slot (tag 0) of the emptier bucket; both full: the first's entries go in
+            # turn (round robin, so roughly the oldest)
             empty_one, empty_two = one.count(0), two.count(0)
             if empty_one and empty_one >= empty_two:
                 slot = first + one.index(0)
