@@ -31,6 +31,13 @@ no tier admits stops being dirty, like a refused one. Stats per tier add blocks 
 refused, write amplification (bytes written per byte later read) and, with
 ``endurance_tbw``, the drive's projected life at the write rate seen so far.
 
+**Miss causes** (optional, :mod:`kvtier.manager.causes`): each lookup answered ``False`` for
+want of the block, each failed read from below and each read with no CPU row is counted as a
+miss under one cause, from what the tiers say (a filter, an outage, a corrupt value) or what
+a bounded sketch remembers of the key (saved, evicted, refused ...), fed by the job results,
+admission answers, CPU evictions and the tiers' removal events. A ``new`` miss may start a
+tier's background probe for the key under another layout or namespace (``foreign``).
+
 Both directions are bounded per step (``max_promote_bytes_per_step``,
 ``max_demote_bytes_per_step``) so I/O never piles up behind the scheduler. Every call is
 bookkeeping; the tiers' own threads move the bytes, and their completions are polled here.
