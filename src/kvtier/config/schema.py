@@ -14,7 +14,15 @@ from typing import Any, ClassVar
 from kvtier.config.units import MiB
 from kvtier.errors import ConfigError
 
-__all__ = ["RECEIVES", "WRITE_POLICIES", "CascadeConfig", "KvtierConfig", "MissCausesConfig", "TierConfig"]
+__all__ = [
+    "RECEIVES",
+    "WRITE_POLICIES",
+    "CascadeConfig",
+    "KvtierConfig",
+    "MetricsConfig",
+    "MissCausesConfig",
+    "TierConfig",
+]
 
 WRITE_POLICIES = ("write_back", "write_through")
 #: how a tier below the first receives blocks (TierConfig.receives)
@@ -136,6 +144,22 @@ class CascadeConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Where a running stack reports its counters (``stats()``); both ways are off by default."""
+
+    # port of a Prometheus endpoint serving stats() at http://addr:port/metrics (needs
+    # kvtier[prometheus]); none: no endpoint; 0: any free port
+    port: int | None = None
+    # address the endpoint binds: loopback unless the counters are meant to leave the machine
+    addr: str = "127.0.0.1"
+    # a file rewritten with stats() as JSON every stats_interval_s (atomically, mode 0600),
+    # for `kvtier stats PATH`; none: no file
+    stats_file: str | None = None
+    # seconds between two writes of stats_file
+    stats_interval_s: float = 5.0
+
+
+@dataclass(frozen=True)
 class MissCausesConfig:
     """Counting each miss under its cause (new, evicted, refused, ...): how many keys the
     stack remembers to tell them apart (``miss_causes: off`` turns it off)."""
@@ -159,5 +183,7 @@ class KvtierConfig:
     # None: the same as the engine's block
     block_size_tokens: int | None = None
     cascade: CascadeConfig = field(default_factory=CascadeConfig)
+    # a metrics endpoint and a stats file for a running stack (both off by default)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     # miss causes and the bounded sketch behind them (docs/operations/miss-causes.md)
     miss_causes: MissCausesConfig = field(default_factory=MissCausesConfig)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvtier.bench.report import print_json, print_table
-from kvtier.config import KvtierConfig, load_config
+from kvtier.config import KvtierConfig, MetricsConfig, load_config
 from kvtier.errors import KvtierError
 from kvtier.replay.engine import ReplayEngine
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, bundled_trace_path, ceiling_hit_ratio, load_trace
@@ -49,7 +49,8 @@ def default_config(directory: str, block_bytes: int, disk_kind: str = "lmdb") ->
 
 
 def _cpu_only(config: KvtierConfig) -> KvtierConfig:
-    return dataclasses.replace(config, tiers=config.tiers[:1])
+    # the baseline reports nothing: the endpoint and stats file belong to the stack replayed
+    return dataclasses.replace(config, tiers=config.tiers[:1], metrics=MetricsConfig())
 
 
 def _resolve_device(device: str) -> str:
@@ -196,6 +197,8 @@ def replay(
     device: str = "cpu",
     json_line: bool = False,
     deterministic: bool = False,
+    time_model: Any = None,
+    arrival_scale: float = 1.0,
 ) -> dict[str, Any]:
     """Replay ``trace`` (default: the bundled one) through ``config`` (default: CPU + disk in a
     temporary folder); print a summary and a table (and, with ``json_line``, one JSON line);
@@ -229,6 +232,7 @@ def replay(
             parsed = load_config(default_config(directory, block_bytes, disk_kind))
         else:
             parsed = load_config(config)
+        cost = _cost_model(time_model, parsed) if time_model is not None else None  # bad input fails first
         counts, stats, elapsed = _run_one(
             parsed, requests, gpu_blocks, block_bytes, progress, "replay", device, deterministic
         )
@@ -302,6 +306,11 @@ def replay(
         record["miss_causes"] = causes
     if cpu_only is not None:
         record["cpu_only_hit_ratio"] = sum(cpu_only.hits.values()) / cpu_only.block_refs
+    if cost is not None:
+        from kvtier.replay.ttft import time_record
+
+        cpu_served = cpu_only.served if cpu_only is not None else None
+        record["time"] = time_record(cost, requests, counts.served, gpu_blocks, arrival_scale, cpu_served)
     assert refs == counts.block_refs  # the engine saw every reference of the trace
 
     rows = [
@@ -325,11 +334,24 @@ def replay(
     print_table(rows, ["tier", "hits", "hit_ratio", "bytes_read", "bytes_written"], out)
     if causes is not None:
         _print_causes(causes, out)
+    if "time" in record:
+        from kvtier.replay.ttft import print_time
+
+        print_time(record["time"], out)
     if plot:
         _plot(counts, plot, _ceiling_timeline(requests, counts.timeline), cpu_only)
     if json_line:
         print_json(record, out)
     return record
+
+
+def _cost_model(time_model: Any, config: KvtierConfig) -> Any:
+    """The :class:`~kvtier.costs.CostModel` of ``time_model`` over ``config``'s tiers."""
+    from kvtier.costs.timing import CostModel, tier_speeds
+
+    model, gpu, measured = time_model
+    speeds = tier_speeds([(tier.name, tier.kind) for tier in config.tiers], gpu, measured)
+    return CostModel(model, gpu, {speed.name: speed for speed in speeds})
 
 
 def _fitting(requests: list, gpu_blocks: int) -> tuple[list, list]:
