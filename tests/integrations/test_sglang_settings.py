@@ -7,9 +7,11 @@ own classes in test_sglang_backend.py (marked ``sglang``).
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -225,3 +227,15 @@ def test_the_backend_class_without_sglang_is_a_clear_error():
 
     with pytest.raises(ImportError, match="sglang==0.5.23"):
         integration.KvtierHiCacheStorage  # noqa: B018 - the attribute access is what imports
+
+
+def test_the_example_settings_resolve():
+    root = Path(__file__).resolve().parents[2]
+    extra = json.loads((root / "examples/sglang/extra-config.json").read_text())
+    assert (
+        extra["module_path"] == "kvtier.integrations.sglang" and extra["class_name"] == "KvtierHiCacheStorage"
+    )
+    extra["config"] = str(root / extra["config"])  # the README runs it from the repository root
+    settings = resolve_settings(extra)
+    assert settings.interface_v1
+    assert [(t.name, t.kind, t.admission()[0]) for t in settings.lower_tiers] == [("nvme", "lmdb", "reuse")]
