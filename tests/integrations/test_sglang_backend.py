@@ -116,6 +116,14 @@ def test_v2_and_tensor_forms_move_the_same_pages(tmp_path):
         assert out is not None and torch.equal(out.view(torch.uint8), written[0])
         assert backend.get("never-stored", pool.get_dummy_flat_data_page()) is None
         assert backend.exists("extra-page") and not backend.exists("never-stored")
+        # SGLang's storage metrics: pages and GB/s per call since the last report
+        metrics = backend.get_stats()
+        assert metrics.backup_pgs[0] == 3 and metrics.prefetch_pgs[0] == 3
+        assert len(metrics.backup_bandwidth) == len(metrics.backup_pgs)
+        assert backend.get_stats().backup_pgs == []
+        # the same page twice in one call is stored once, and both answers say so
+        twice = keys(1, salt=8) * 2
+        assert backend.batch_set_v1(twice, slots[: 2 * PAGE]) == [True, True]
     finally:
         backend.close()
 

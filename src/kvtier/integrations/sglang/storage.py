@@ -259,12 +259,15 @@ class KvtierHiCacheStorage(HiCacheStorage):
             job_keys: list[OffloadKey] = []
             job_rows: list[int] = []
             wanted: list[int] = []
-            seen: set[OffloadKey] = set()
+            seen: dict[OffloadKey, int] = {}
+            repeats: list[tuple[int, int]] = []
             with self._lock:
                 for index, parts in enumerate(page_keys):
                     if parts[0] in seen:
-                        continue  # the same page twice in one call: one job takes a key once
-                    seen.add(parts[0])
+                        # the same page twice in one call: one job takes a key once
+                        repeats.append((index, seen[parts[0]]))
+                        continue
+                    seen[parts[0]] = index
                     admission.record(parts[0])
                     if not admission.admit(parts[0]):
                         refused[index] = True
@@ -279,6 +282,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
             for index in wanted:
                 if all(key in ok for key in page_keys[index]):
                     stored[index] = True
+            for index, first in repeats:
+                stored[index] = stored[index] or stored[first]
             self._count(
                 f"{tier.name}.pages_stored", sum(1 for i in wanted if all(k in ok for k in page_keys[i]))
             )
@@ -376,7 +381,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 present[index] = all(parts)
         hits = present.index(False) if False in present else len(present)
         self._count("exists_hit_pages", hits)
-        self._count("exists_miss_pages", 1 if hits < len(keys) else 0)
+        self._count("exists_miss_pages", len(keys) - hits)
         return hits
 
     def _record(self, kind: str, pages: int, seconds: float) -> None:
