@@ -102,6 +102,12 @@ def test_bad_extra_config_names_the_setting(extra, field):
     assert field in str(error.value)
 
 
+def test_errors_name_the_users_own_tier_index():
+    with pytest.raises(ConfigError) as error:
+        resolve_settings({"tiers": [LMDB, {**LMDB, "name": "b", "capacity": "lots"}]})
+    assert error.value.field.startswith("tiers[1]")
+
+
 def test_an_extra_config_that_is_not_a_mapping_is_refused():
     with pytest.raises(ConfigError, match="JSON object"):
         resolve_settings(["tiers"])  # type: ignore[arg-type]

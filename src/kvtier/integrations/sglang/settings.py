@@ -59,6 +59,7 @@ HOST_TIER_NAME = "sglang-host"
 # a stand-in capacity for the host tier when the YAML lists only lower tiers (never allocated)
 _STAND_IN_BYTES = 1 << 30
 _HEX_KEY = re.compile(r"[0-9a-f]{64}")
+_TIER_INDEX = re.compile(r"tiers\[(\d+)\]")
 
 
 @dataclass(frozen=True)
@@ -142,19 +143,22 @@ def _with_host_tier(source: object) -> KvtierConfig:
     if not isinstance(document, Mapping):
         raise ConfigError(shown, document, "a mapping with tiers:", "see examples/sglang/tiers.yaml")
     tiers = document.get("tiers")
-    if (
-        isinstance(tiers, list)
-        and tiers
-        and not (isinstance(tiers[0], Mapping) and tiers[0].get("kind") == "cpu")
-    ):
+    shifted = False
+    if isinstance(tiers, list) and tiers:
+        head = tiers[0]
+        shifted = not (isinstance(head, Mapping) and head.get("kind") == "cpu")
+    if shifted and isinstance(tiers, list):
         stand_in = {"name": HOST_TIER_NAME, "kind": "cpu", "capacity": _STAND_IN_BYTES}
         document = {**document, "tiers": [stand_in, *tiers]}
     try:
         return load_config(dict(document))
     except ConfigError as error:
-        if shown == "hicache-storage-backend-extra-config" or error.field.startswith(shown):
-            raise
-        raise ConfigError(f"{shown}: {error.field}", error.value, error.expected, error.fix) from None
+        field = error.field
+        if shifted:  # name the user's own index, not the one the stand-in shifted
+            field = _TIER_INDEX.sub(lambda m: f"tiers[{int(m.group(1)) - 1}]", field)
+        if shown != "hicache-storage-backend-extra-config" and not field.startswith(shown):
+            field = f"{shown}: {field}"
+        raise ConfigError(field, error.value, error.expected, error.fix) from None
 
 
 def resolve_settings(extra_config: Mapping[str, Any] | None) -> SGLangSettings:
