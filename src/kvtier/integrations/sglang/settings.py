@@ -45,8 +45,19 @@ __all__ = [
 ]
 
 #: keys of the extra config that SGLang itself reads: the dynamic factory's three, the cache
-#: controller's switch to the zero-copy (v1) page interface, heterogeneous-TP head splitting
-SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size")
+#: controller's switch to the zero-copy (v1) page interface, heterogeneous-TP head splitting,
+#: and the prefetch settings (SGLang 0.5.23 removes these before the backend sees them)
+SGLANG_KEYS = (
+    "backend_name",
+    "module_path",
+    "class_name",
+    "interface_v1",
+    "tp_lcm_size",
+    "prefetch_threshold",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "hicache_storage_pass_prefix_keys",
+)
 #: keys naming a kvtier YAML file instead of inline keys (``kvtier_config`` as under vLLM)
 CONFIG_KEYS = ("config", "kvtier_config")
 #: the integration's own key: host pages staged at once for a layout copied through a buffer
