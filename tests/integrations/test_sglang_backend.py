@@ -376,3 +376,47 @@ def test_capacity_bounds_the_store(tmp_path):
         assert backend.batch_set_v1(keys(6, salt=2), slots[: 6 * PAGE]).count(False) == 2
     finally:
         backend.close()
+
+
+class _Controller:
+    """The attributes SGLang's HiCacheController storage methods read (its I/O paths are
+    called unbound on this, so SGLang's own call sites drive the backend)."""
+
+    def __init__(self, backend, pool, zero_copy: bool):
+        from sglang.srt.managers.cache_controller import HiCacheController
+
+        self.storage_backend = backend
+        self.storage_host_pool = self.mem_pool_host = pool
+        self.page_size = pool.page_size
+        if zero_copy:
+            self.page_set_func = lambda *a: HiCacheController._page_set_zero_copy(self, *a)
+            self.page_get_func = lambda *a: HiCacheController._page_get_zero_copy(self, *a)
+        else:
+            self.page_set_func = lambda *a: HiCacheController._generic_page_set(self, *a)
+            self.page_get_func = lambda *a: HiCacheController._generic_page_get(self, *a)
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["interface_v1", "tensor_forms"])
+def test_sglangs_own_backup_and_prefetch_code_moves_the_pages(tmp_path, zero_copy):
+    from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation, StorageOperation
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    pool = mha_pool("page_first")
+    backend = build_backend(pool, extra_config([disk(tmp_path / "store")], interface_v1=int(zero_copy)))
+    controller = _Controller(backend, pool, zero_copy)
+    try:
+        tokens = list(range(100, 100 + 5 * PAGE))
+        hashes = get_storage_hash_str(tokens, None, page_size=PAGE)  # SGLang's page keys
+        slots, written = fill_pages(pool, 5, seed=80)
+        backup = StorageOperation(slots, tokens, hash_value=hashes)
+        HiCacheController._page_backup(controller, backup)
+        assert backup.completed_tokens == 5 * PAGE
+
+        request = PrefetchOperation("req-1", tokens + list(range(3 * PAGE)))  # 3 pages never stored
+        found, tokens_hit = HiCacheController._storage_hit_query(controller, request)
+        assert (found, tokens_hit) == (hashes, 5 * PAGE)
+        target = pool.alloc(5 * PAGE)
+        assert controller.page_get_func(request, found, target, None) == 5
+        assert all(torch.equal(a, b) for a, b in zip(written, page_bytes(pool, target, 5)))
+    finally:
+        backend.close()
