@@ -126,6 +126,7 @@ def render() -> str:
     for title, cls in (
         ("The whole file", getattr(config, "KvtierConfig", None)),
         ("cascade", getattr(config, "CascadeConfig", None)),
+        ("metrics", getattr(config, "MetricsConfig", None)),
     ):
         if cls is None:
             continue

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from kvtier.config import KvtierConfig, load_config
 from kvtier.errors import ConfigError
@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     from kvtier.tiers.disk.format import LayoutFingerprint
 
 __all__ = ["build_manager"]
+
+M = TypeVar("M", bound="SingleTierManager")
 
 
 def build_manager(
@@ -46,7 +48,7 @@ def build_manager(
     if len(config.tiers) == 1:
         from kvtier.manager.single import SingleTierManager
 
-        return SingleTierManager(backend, policy, enable_events=enable_events)
+        return _reporting(SingleTierManager(backend, policy, enable_events=enable_events), config)
 
     from kvtier.manager.stack import TierStackManager
     from kvtier.tiers.disk.format import LayoutFingerprint
@@ -70,7 +72,7 @@ def build_manager(
         width = min(1 << 22, max(1 << 12, 4 * (tier.capacity_bytes // block_bytes)))
         admission.append(AdmissionFilter(admit, min_reuse, sketch_width=width))
         endurance.append(endurance_tbw)
-    return TierStackManager(
+    stack = TierStackManager(
         backend,
         policy,
         lower,
@@ -80,3 +82,17 @@ def build_manager(
         endurance_tbw=endurance,
         receives=[tier.receives for tier in config.tiers[1:]],
     )
+    return _reporting(stack, config)
+
+
+def _reporting(manager: M, config: KvtierConfig) -> M:
+    """Start the metrics endpoint and stats file ``config.metrics`` asks for (none by
+    default); if that fails, shut ``manager`` down before raising."""
+    from kvtier.metrics.report import start_reporting
+
+    try:
+        start_reporting(manager, config.metrics)
+    except BaseException:
+        manager.shutdown()
+        raise
+    return manager

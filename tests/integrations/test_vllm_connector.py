@@ -379,6 +379,96 @@ def test_kvtiers_statistics_reach_vllms_prometheus_metrics(tmp_path):
         engine.shutdown()
 
 
+def test_kvtiers_metrics_reach_vllms_prometheus_under_their_own_names(tmp_path):
+    """kvtier's conventional metrics (docs/reference/metrics.md) go through vLLM 0.33's
+    offloading metrics path: counters as increments per get_stats, which add up to kvtier's
+    totals however many payloads they took; histograms with every job in its bucket."""
+    extra = {
+        "spec_name": "TieredOffloadingSpec",
+        "spec_module_path": SPEC_MODULE,
+        "tiers": [
+            {"kind": "cpu", "capacity": "64KiB", "pin_memory": "off"},
+            {"name": "nvme", "kind": "files", "path": str(tmp_path / "store"), "capacity": "8MiB"},
+        ],
+        "cascade": {"write_policy": "write_through"},
+    }
+    sink, registry = prometheus(extra)
+    engine = EngineLoop(extra, "kvtier-own-metrics-test")
+    try:
+        payloads = 0
+        for round_ in range(3):  # the CPU tier holds 8 blocks: later rounds read earlier ones up
+            for i in range(4):
+                engine.serve(f"r{round_}-{i}", prompt(i, 4))
+                engine.step()
+                sink.observe(engine.scheduler.get_stats().data)
+                payloads += 1
+        drain_disk(engine.manager)
+        engine.step()
+        sink.observe(engine.scheduler.get_stats().data)
+        figures = engine.manager.stats()
+        seconds = engine.manager.inner.job_seconds()
+    finally:
+        engine.shutdown()
+
+    def get(name, **labels):
+        return registry.get_sample_value(name, {"engine": "0", **labels})
+
+    assert figures["nvme.demotions"] > 0 and figures["nvme.promotions"] > 0 and payloads == 12
+    assert get("kvtier_lookups_blocks_total") == figures["lookups"]
+    assert get("kvtier_lookup_hits_blocks_total", tier="cpu") == figures["cpu_hits"]
+    assert get("kvtier_lookup_hits_blocks_total", tier="nvme") == figures["nvme.promotions"]
+    assert get("kvtier_moved_blocks_total", tier="nvme", direction="store") == figures["nvme.demotions"]
+    assert get("kvtier_moved_bytes_total", tier="nvme", direction="load") == figures["nvme.promoted_bytes"]
+    assert get("kvtier_evictions_blocks_total", tier="cpu") == figures["evictions"]
+    assert get("kvtier_tier_blocks", tier="nvme") == figures["nvme.blocks"]
+    assert get("kvtier_lookup_misses_blocks_total", tier="", cause="unattributed") == figures["misses"]
+    for direction, jobs in (("load", "nvme.promote_jobs"), ("store", "nvme.demote_jobs")):
+        count = get("kvtier_job_duration_seconds_count", tier="nvme", direction=direction)
+        assert count == seconds[("nvme", direction)].count == figures[jobs] > 0
+        for bound, cumulative in seconds[("nvme", direction)].cumulative()[:-1]:
+            le = repr(float(bound))
+            assert (
+                get("kvtier_job_duration_seconds_bucket", tier="nvme", direction=direction, le=le)
+                == cumulative
+            )
+    # every figure also stays on the generic gauge, as before
+    assert get("vllm:kv_offload_kvtier_stat", stat="nvme.demotions") == figures["nvme.demotions"]
+
+
+def test_the_extra_configs_metrics_section_gives_a_stats_file_and_an_endpoint(tmp_path):
+    """metrics: in kv_connector_extra_config starts kvtier's own endpoint and stats file in the
+    scheduler process, stopped (after a last snapshot) by the manager's shutdown."""
+    import json
+    import urllib.request
+
+    from kvtier_testing.running import free_port
+
+    from kvtier.metrics.view import parse_text
+
+    port, path = free_port(), tmp_path / "stats.json"
+    extra = {
+        "spec_name": "TieredOffloadingSpec",
+        "spec_module_path": SPEC_MODULE,
+        "tiers": [
+            {"kind": "cpu", "capacity": "1MiB", "pin_memory": "off"},
+            {"name": "nvme", "kind": "files", "path": str(tmp_path / "store"), "capacity": "8MiB"},
+        ],
+        "cascade": {"write_policy": "write_through"},
+        "metrics": {"port": port, "stats_file": str(path), "stats_interval_s": 60},
+    }
+    engine = EngineLoop(extra, "kvtier-metrics-section-test")
+    try:
+        engine.serve("r", prompt(3, 4))
+        engine.step()
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        scraped = {(n, tuple(sorted(labels.items()))): v for n, labels, v in parse_text(page)}
+        assert scraped[("kvtier_lookups_blocks_total", ())] == engine.manager.stats()["lookups"] > 0
+    finally:
+        engine.shutdown()
+    final = json.loads(path.read_text())
+    assert final["stats"] == engine.manager.stats() and final["stats"]["nvme.demotions"] == 4
+
+
 @pytest.mark.parametrize("mla", [False, True], ids=["tp2", "tp2-mla-replicated"])
 def test_vllms_connector_drives_two_tensor_parallel_workers_through_cpu_and_disk(tmp_path, mla):
     extra = {

@@ -40,6 +40,7 @@ from vllm_support import (
 
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.integrations.vllm import TieredOffloadingSpec
+from kvtier.integrations.vllm.manager import STATS_METRIC
 
 BLOCK_BYTES = NUM_LAYERS * PAGE_BYTES
 
@@ -618,8 +619,11 @@ def test_stats_and_config_info_match_what_the_spec_declares(tmp_path):
         for name, series in stats.data["data"].items():
             assert name in definitions
             assert all(len(labels) == len(definitions[name].labelnames) for labels in series)
-        figures = {labels[0]: value for labels, value in stats.data["data"][name].items()}
+        figures = {labels[0]: value for labels, value in stats.data["data"][STATS_METRIC].items()}
         assert figures == engine.manager.stats()
+        # kvtier's own names too (kvtier.integrations.vllm.metrics): a gauge as it stands
+        blocks = stats.data["data"]["kvtier_tier_blocks"]
+        assert blocks[("nvme",)] == figures["nvme.blocks"]
         (info,) = engine.manager.config_info()
         assert tuple(info) == TieredOffloadingSpec.config_info_keys(extra)
         assert info["kvtier_tiers"] == "cpu:cpu:1MiB,nvme:lmdb:8MiB"

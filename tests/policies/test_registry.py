@@ -65,7 +65,7 @@ def test_a_policy_without_native_holds_still_never_evicts_a_held_key():
             return self._blocks.pop(k, None)
 
         def touch(self, keys):
-            pass
+            """FIFO order ignores uses."""
 
         def evict(self, count, skip):
             victims = [k for k in self._blocks if k not in skip][:count]

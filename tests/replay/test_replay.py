@@ -40,6 +40,7 @@ def test_cpu_only_replay_of_a_trace_slice_verifies_every_load(tmp_path, capsys):
         json_line=True,
     )
     assert record["requests"] == 300 and record["mismatched_blocks"] == 0
+    # the record's time accounting adds up (how long anything took is never asserted)
     assert 0 < record["engine_s"] < record["elapsed_s"]
     assert record["stack_s"] == record["elapsed_s"] - record["engine_s"]
     assert record["hits"]["cpu"] > 0 and record["verified_blocks"] == record["hits"]["cpu"]

@@ -198,7 +198,7 @@ class RankPool:
                     conn.send(("exit", {}))
                     conn.recv()
                 except (EOFError, OSError):
-                    pass
+                    pass  # the rank died on its own; join (and kill) below reap it
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()

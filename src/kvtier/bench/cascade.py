@@ -8,7 +8,7 @@ built the way a user would write them, each in a fresh directory:
 * ``mirror``: CPU + disk, ``receives: saved`` (what ``kvtier replay`` runs) — the baseline;
 * ``victim``: the same disk, ``receives: evicted``;
 * ``nvme+bulk``: CPU + a small disk mirror admitting only reused blocks (``admit: reuse``)
-  + a large victim disk (README, "The cascade").
+  + a large victim disk (docs/managers.md#the-cascade).
 
 Bytes written are counted during the run and at ``shutdown`` (which saves the blocks only the
 CPU tier holds: a victim tier gets them all then, a mirror only those not saved yet);

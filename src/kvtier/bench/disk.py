@@ -21,7 +21,7 @@ ratio is the median of the rounds' own kvtier/baseline ratios):
 The order of kvtier and baseline alternates between rounds, so neither always meets the disk
 in the state the other left. ``write_ratio`` / ``read_ratio`` are kvtier over baseline.
 
-When vLLM imports (the CPU-only environment of the README), each round also runs vLLM 0.33's
+When vLLM imports (the CPU-only environment of docs/bench.md), each round also runs vLLM 0.33's
 fs tier I/O path on the same bytes (``vllm_fs_write_gbps``/``vllm_fs_read_gbps``; see
 ``_vllm_fs_round``): its 16+16 threads, O_DIRECT, and no fsync at all.
 
@@ -37,8 +37,7 @@ With ``--secrets`` each round also runs the kvtier write and read with a ``secre
 ``keyed_write_cost`` etc. are 1 - (that variant's rate / the plain tier's rate in the same
 round), the median over rounds: what the secret costs in throughput.
 
-For reference, vLLM 0.33's fs tier measured on this machine kind: 2.6-3.3 GB/s store and
-0.5-1.7 GB/s load (16+16 threads, 1 GiB of 2 MiB chunks).
+Without vLLM, ``VLLM_FS_REFERENCE`` stands in for its fs tier's figures.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ beforehand; the shared-memory rows are not Python allocations and are not counte
 ``..._incl_keys`` also counts the key objects, for a manager that ends up their only owner.
 
 The baseline is vLLM's own CPU manager (``vllm.v1.kv_offload.cpu.manager``) driven the same way
-in the same run, when vLLM imports (see the README for a CPU-only vLLM environment). Without
+in the same run, when vLLM imports (docs/bench.md shows a CPU-only vLLM environment). Without
 vLLM, the figures the kvtier issue tracker measured for vLLM 0.33 on this machine kind are shown
 as the baseline instead, and the JSON says ``"baseline": "reference"``.
 """

@@ -1,4 +1,4 @@
-"""What several commands share: the report-or-JSON printing, the password warning, disk kinds."""
+"""What several commands share: report-or-JSON printing, the password warning, disk kinds, options."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any, TextIO
 
 from kvtier.bench.report import print_json
 
-__all__ = ["disk_kinds", "report", "warn_password_in_url"]
+__all__ = ["add_secrets_option", "disk_kinds", "report", "warn_password_in_url"]
 
 
 def report(args: argparse.Namespace, run: Callable[[TextIO], dict[str, Any]]) -> dict[str, Any]:
@@ -24,6 +24,16 @@ def report(args: argparse.Namespace, run: Callable[[TextIO], dict[str, Any]]) ->
     record = run(io.StringIO())
     print_json(record, sys.stdout)
     return record
+
+
+def add_secrets_option(parser: argparse.ArgumentParser, keyed: str) -> None:
+    """``--secrets`` of the tier benchmarks; ``keyed`` says what a secret keys on that tier."""
+    parser.add_argument(
+        "--secrets",
+        action="store_true",
+        help=f"also measure the tier with a secret_file ({keyed}) and with encrypt: aes-gcm, "
+        "side by side; *_cost = 1 - rate / the plain tier's (needs the cryptography package)",
+    )
 
 
 def warn_password_in_url(url: str | None, command: str) -> None:

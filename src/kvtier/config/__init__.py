@@ -24,7 +24,7 @@ from kvtier.config.describe import describe
 from kvtier.config.kinds import TIER_KINDS
 from kvtier.config.load import load_config
 from kvtier.config.parse import parse_tier
-from kvtier.config.schema import RECEIVES, CascadeConfig, KvtierConfig, TierConfig
+from kvtier.config.schema import RECEIVES, CascadeConfig, KvtierConfig, MetricsConfig, TierConfig
 from kvtier.config.units import format_size, parse_size, positive_int, positive_size
 
 # Module attributes of the old single-file kvtier.config, kept importable from here; each
@@ -49,6 +49,7 @@ __all__ = [
     "CascadeConfig",
     "RECEIVES",
     "KvtierConfig",
+    "MetricsConfig",
     "load_config",
     "parse_size",
     "format_size",

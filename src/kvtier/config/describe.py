@@ -45,4 +45,11 @@ def describe(config: KvtierConfig) -> str:
         f"max_demote_bytes_per_step={describe_size(cascade.max_demote_bytes_per_step)}  "
         f"max_promote_bytes_per_step={describe_size(cascade.max_promote_bytes_per_step)}"
     )
+    metrics = config.metrics
+    reported = []
+    if metrics.port is not None:
+        reported.append(f"endpoint http://{metrics.addr}:{metrics.port}/metrics")
+    if metrics.stats_file is not None:
+        reported.append(f"stats_file {metrics.stats_file} every {metrics.stats_interval_s:g} s")
+    lines.append("metrics: " + (", ".join(reported) if reported else "off"))
     return "\n".join(lines)

@@ -6,6 +6,7 @@ errors name the key, the value, what is valid and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import fields
@@ -21,7 +22,14 @@ from kvtier.config.checks import (
     require_mapping,
 )
 from kvtier.config.kinds import TIER_KINDS, first_kinds, kinds_taking, section_class, tier_keys
-from kvtier.config.schema import RECEIVES, WRITE_POLICIES, CascadeConfig, KvtierConfig, TierConfig
+from kvtier.config.schema import (
+    RECEIVES,
+    WRITE_POLICIES,
+    CascadeConfig,
+    KvtierConfig,
+    MetricsConfig,
+    TierConfig,
+)
 from kvtier.config.source import load_yaml, read_file
 from kvtier.config.units import SIZE_FORMS, positive_int, positive_size
 from kvtier.errors import ConfigError
@@ -29,7 +37,7 @@ from kvtier.policies import POLICIES
 
 __all__ = ["parse_document", "parse_tier"]
 
-_TOP_KEYS = ("tiers", "block_size_tokens", "cascade")
+_TOP_KEYS = ("tiers", "block_size_tokens", "cascade", "metrics")
 # Keys of vLLM's kv_connector_extra_config that belong to vLLM; kvtier accepts and skips them
 # so that the whole extra config can be handed over untouched.
 _VLLM_PASSTHROUGH_KEYS = ("spec_name", "spec_module_path", "offload_prompt_only")
@@ -41,6 +49,7 @@ _VLLM_KEYS = _VLLM_PASSTHROUGH_KEYS + (_VLLM_BLOCK_SIZE_KEY, _INCLUDE_KEY)
 _TIER_NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
 
 _CASCADE_KEYS = tuple(f.name for f in fields(CascadeConfig))
+_METRICS_KEYS = tuple(f.name for f in fields(MetricsConfig))
 
 
 def _parse_tier(section: object, path: str) -> TierConfig:
@@ -244,6 +253,46 @@ def _parse_cascade(value: object) -> CascadeConfig:
     return CascadeConfig(**settings)
 
 
+def _parse_metrics(value: object) -> MetricsConfig:
+    section = require_mapping(
+        value,
+        "metrics",
+        "of " + ", ".join(_METRICS_KEYS),
+        "e.g. metrics: {port: 9400, stats_file: /run/kvtier/stats.json}, or leave the key out",
+    )
+    check_keys(section, _METRICS_KEYS, "metrics", "metrics")
+    settings: dict[str, Any] = {}
+    port = section.get("port")
+    if port is not None:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError(
+                "metrics.port", port, "a TCP port, 0 to 65535", "write e.g. port: 9400 (0: any free port)"
+            )
+        settings["port"] = port
+    if "addr" in section:
+        settings["addr"] = non_empty_str(
+            section["addr"], "metrics.addr", "an address to bind", "write e.g. addr: 127.0.0.1"
+        )
+    if section.get("stats_file") is not None:
+        settings["stats_file"] = non_empty_str(
+            section["stats_file"],
+            "metrics.stats_file",
+            "the path of a file to write",
+            "write e.g. stats_file: /run/kvtier/stats.json",
+        )
+    if "stats_interval_s" in section:
+        interval = section["stats_interval_s"]
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or not interval > 0:
+            raise ConfigError(
+                "metrics.stats_interval_s",
+                interval,
+                "a number of seconds > 0",
+                "write e.g. stats_interval_s: 5",
+            )
+        settings["stats_interval_s"] = float(interval)
+    return MetricsConfig(**settings)
+
+
 def parse_document(document: object, root: str, from_yaml: bool) -> KvtierConfig:
     """Build a KvtierConfig from one mapping.
 
@@ -277,7 +326,8 @@ def parse_document(document: object, root: str, from_yaml: bool) -> KvtierConfig
         block_size_tokens = positive_int(block_size_tokens, "block_size_tokens")
     block_size_tokens = _merge_block_size(document, block_size_tokens)
     cascade = _parse_cascade(document["cascade"]) if "cascade" in document else CascadeConfig()
-    return KvtierConfig(tiers=tiers, block_size_tokens=block_size_tokens, cascade=cascade)
+    metrics = _parse_metrics(document["metrics"]) if "metrics" in document else MetricsConfig()
+    return KvtierConfig(tiers=tiers, block_size_tokens=block_size_tokens, cascade=cascade, metrics=metrics)
 
 
 def _merge_block_size(document: Mapping, block_size_tokens: int | None) -> int | None:
@@ -317,4 +367,4 @@ def _parse_include(document: Mapping) -> KvtierConfig:
     block_size_tokens = _merge_block_size(document, loaded.block_size_tokens)
     if block_size_tokens == loaded.block_size_tokens:
         return loaded
-    return KvtierConfig(tiers=loaded.tiers, block_size_tokens=block_size_tokens, cascade=loaded.cascade)
+    return dataclasses.replace(loaded, block_size_tokens=block_size_tokens)

@@ -136,6 +136,22 @@ class CascadeConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Where a running stack reports its counters (``stats()``); both ways are off by default."""
+
+    # port of a Prometheus endpoint serving stats() at http://addr:port/metrics (needs
+    # kvtier[prometheus]); none: no endpoint; 0: any free port
+    port: int | None = None
+    # address the endpoint binds: loopback unless the counters are meant to leave the machine
+    addr: str = "127.0.0.1"
+    # a file rewritten with stats() as JSON every stats_interval_s (atomically, mode 0600),
+    # for `kvtier stats PATH`; none: no file
+    stats_file: str | None = None
+    # seconds between two writes of stats_file
+    stats_interval_s: float = 5.0
+
+
+@dataclass(frozen=True)
 class KvtierConfig:
     """A whole kvtier setup: the ordered tier stack and how blocks move along it."""
 
@@ -145,3 +161,5 @@ class KvtierConfig:
     # None: the same as the engine's block
     block_size_tokens: int | None = None
     cascade: CascadeConfig = field(default_factory=CascadeConfig)
+    # a metrics endpoint and a stats file for a running stack (both off by default)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)

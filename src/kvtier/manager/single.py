@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from itertools import chain, filterfalse, repeat
 from typing import cast
 
@@ -117,6 +117,8 @@ class SingleTierManager(OffloadingManager):
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         #: ready blocks dropped to make room, since start
         self.evictions = 0
+        #: run once at shutdown, before anything closes (see :meth:`add_shutdown_hook`)
+        self._shutdown_hooks: list[Callable[[], None]] = []
         # Bound once: these run per key on the hot path.
         self._contains = policy.contains
         self._get = policy.get
@@ -400,7 +402,15 @@ class SingleTierManager(OffloadingManager):
                 OffloadingEvent([key for key, _ in dropped], backend.block_size, backend.medium, True)
             )
 
+    def add_shutdown_hook(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` once at :meth:`shutdown`, while :meth:`stats` still answers (a stack's
+        with its final figures): how a metrics reporter writes its last snapshot and stops."""
+        self._shutdown_hooks.append(hook)
+
     def shutdown(self) -> None:
+        hooks, self._shutdown_hooks = self._shutdown_hooks, []
+        for hook in hooks:
+            hook()
         self.reset_cache()
         self._backend.shutdown()
 

@@ -59,6 +59,7 @@ from kvtier.base import (
 from kvtier.config import RECEIVES, CascadeConfig
 from kvtier.manager.coldqueue import ColdQueue
 from kvtier.manager.single import SingleTierManager
+from kvtier.metrics.histogram import LatencyHistogram
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies.base import EvictionPolicy
 from kvtier.tiers.base import FailureKind, SecondaryTier, TierJob, TierJobResult
@@ -191,8 +192,12 @@ class TierStackManager(SingleTierManager):
         self._spill = ColdQueue()
         self._spilling: dict[OffloadKey, int] = {}
         self._kept: dict[OffloadKey, int] = {}
-        #: job id -> (tier index, job, is_load)
-        self._jobs: dict[int, tuple[int, TierJob, bool]] = {}
+        #: job id -> (tier index, job, is_load, time.monotonic() at submission)
+        self._jobs: dict[int, tuple[int, TierJob, bool, float]] = {}
+        #: per tier, seconds from a job's submission to the poll that found it done (what the
+        #: engine waits): reads (loads) and writes (stores)
+        self._load_seconds = [LatencyHistogram() for _ in self._tiers]
+        self._store_seconds = [LatencyHistogram() for _ in self._tiers]
         self._job_ids = itertools.count(1)
         self._counters = [_TierCounters() for _ in self._tiers]
         #: dirty entries the demotion choice examined since creation (a cost counter for tests)
@@ -364,6 +369,7 @@ class TierStackManager(SingleTierManager):
             tier.on_schedule_end()
 
     def _poll(self) -> None:
+        now = time.monotonic()
         for tier in self._tiers:
             results = tier.get_finished_jobs()
             if len(results) > 1:
@@ -372,10 +378,12 @@ class TierStackManager(SingleTierManager):
                 # are newest, so eviction would depend on thread timing.
                 results.sort(key=_job_id)
             for result in results:
-                index, job, is_load = self._jobs.pop(result.job_id)
+                index, job, is_load, submitted = self._jobs.pop(result.job_id)
                 if is_load:
+                    self._load_seconds[index].observe(now - submitted)
                     self._finish_promotion(index, job, result)
                 else:
+                    self._store_seconds[index].observe(now - submitted)
                     self._finish_demotion(index, job, result)
 
     def _submit_promotions(self) -> None:
@@ -399,7 +407,7 @@ class TierStackManager(SingleTierManager):
             for key, row in zip(keys, rows):
                 self._promoting[key] = row
             job = TierJob(next(self._job_ids), keys, tuple(rows))
-            self._jobs[job.job_id] = (index, job, True)
+            self._jobs[job.job_id] = (index, job, True, time.monotonic())
             self._counters[index].promote_jobs += 1
             self._tiers[index].submit_load(job)
 
@@ -506,7 +514,7 @@ class TierStackManager(SingleTierManager):
                 continue
             rows = cast("tuple[int, ...]", tuple(get(key) for key in taken))  # each key is held
             job = TierJob(next(self._job_ids), tuple(taken), rows)
-            self._jobs[job.job_id] = (index, job, False)
+            self._jobs[job.job_id] = (index, job, False, time.monotonic())
             self._counters[index].demote_jobs += 1
             self._tiers[index].submit_store(job)
 
@@ -683,7 +691,23 @@ class TierStackManager(SingleTierManager):
             for name, value in self._admission_stats(index, counters).items():
                 figures[prefix + name] = value
             figures[prefix + "queued_promotions"] = len(queue)
+            figures[prefix + "load_jobs_in_flight"] = 0
+            figures[prefix + "store_jobs_in_flight"] = 0
             figures[prefix + "blocks"] = tier.num_blocks()
             for name, value in tier.stats().items():
                 figures.setdefault(prefix + name, value)
+        for index, _, is_load, _ in tuple(self._jobs.values()):  # a scrape reads it from another thread
+            figures[
+                self._tiers[index].name + (".load_jobs_in_flight" if is_load else ".store_jobs_in_flight")
+            ] += 1
         return figures
+
+    def job_seconds(self) -> dict[tuple[str, str], LatencyHistogram]:
+        """Per (tier name, ``load`` or ``store``), the latency histogram of the tier's jobs:
+        from submission to the end-of-step poll that found each done. Live objects, read by
+        the metrics exporter (see :mod:`kvtier.metrics`); not part of the flat :meth:`stats`."""
+        out = {}
+        for tier, loads, stores in zip(self._tiers, self._load_seconds, self._store_seconds):
+            out[(tier.name, "load")] = loads
+            out[(tier.name, "store")] = stores
+        return out

@@ -11,11 +11,8 @@ from kvtier.policies.tuner import SettingTuner
 
 __all__ = ["ChainPolicy"]
 
-#: the shares of the capacity that blocks with a hit may fill (before the oldest of them go
-#: back to probation) which the adaptive policy races, see :class:`ChainPolicy`. 0 is LRU
-#: order with chains leaving tail first, where it starts until a copy with a larger share
-#: hits more; 0.9 is a strong segmented LRU. Five shares (0, 0.25, 0.5, 0.8, 0.95) hit no
-#: more on the traces measured
+#: the protected shares the adaptive policy races (:class:`ChainPolicy`): 0 is LRU order with
+#: chains leaving tail first, 0.9 a strong segmented LRU (docs/design/policies.md#chain)
 SHARES = (0.0, 0.5, 0.9)
 #: ghost keys remembered per block of capacity: keys cost ~100 bytes against a block's
 #: megabytes, and reuse distances in KV traces run to several cache sizes
@@ -35,14 +32,14 @@ class ChainPolicy(TwoQueuePolicy):
       head first, so the head is evicted first, and the rest of the chain stays in the cache
       without serving a single hit.
     * **A block's value is the hits it enables, and hits prove reuse.** A block hit once is
-      far likelier to be hit again than one never hit (most stored blocks never are: the
-      Mooncake paper measured over half). Blocks never hit wait in ``_probation``; the first
-      hit moves a block to ``_protected``, and eviction takes from probation first. Hits on a
+      far likelier to be hit again than one never hit, and most stored blocks never are.
+      Blocks never hit wait in ``_probation``; the first hit moves a block to
+      ``_protected``, and eviction takes from probation first. Hits on a
       chain come as a leading run, so a prefix's blocks have at least the hits of any block
       after them; tail-first order keeps that.
     * **A block stored again soon after it was evicted was wanted.** Keys evicted from
       probation are remembered (``_ghost``, keys only, at most ``GHOST_FACTOR`` times
-      ``capacity_blocks``: first reuses in KV traces often come several cache sizes later);
+      ``capacity_blocks``: first reuses often come several cache sizes later);
       such a key is stored straight into ``_protected``.
 
     ``_protected`` may hold up to a share of the ready blocks; past that its least recently
@@ -56,7 +53,7 @@ class ChainPolicy(TwoQueuePolicy):
     floods of one-off prompts; where conversations come back for their next turn soon after
     the last (Mooncake's conversation trace), every new block is as likely to be reused as a
     proven one, and a large protected share keeps finished conversations while it drops the
-    live ones — a fixed 0.8 fell 0.019 below LRU there at 20,000 blocks. A
+    live ones (docs/design/policies.md#chain). A
     :class:`~kvtier.policies.tuner.SettingTuner` races one small copy of this policy per
     share in ``SHARES`` on a hash sample of the keys, and puts in force the share of the copy
     with the most recent hits; it starts at 0 (LRU order), so it protects proven blocks only

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvtier.bench.report import print_json, print_table
-from kvtier.config import KvtierConfig, load_config
+from kvtier.config import KvtierConfig, MetricsConfig, load_config
 from kvtier.errors import KvtierError
 from kvtier.replay.engine import ReplayEngine
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, bundled_trace_path, ceiling_hit_ratio, load_trace
@@ -49,7 +49,8 @@ def default_config(directory: str, block_bytes: int, disk_kind: str = "lmdb") ->
 
 
 def _cpu_only(config: KvtierConfig) -> KvtierConfig:
-    return dataclasses.replace(config, tiers=config.tiers[:1])
+    # the baseline reports nothing: the endpoint and stats file belong to the stack replayed
+    return dataclasses.replace(config, tiers=config.tiers[:1], metrics=MetricsConfig())
 
 
 def _resolve_device(device: str) -> str:

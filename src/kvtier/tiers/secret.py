@@ -15,14 +15,9 @@ A tier section may name ``secret_file:`` (a file of at least 32 random bytes, mo
 
 The MAC is GMAC: AES-256-GCM over no plaintext with the payload as associated data, under a
 key of the block's own, a keyed BLAKE2b of its header (salt included), so the tag vouches for
-the header too; encryption is AES-256-GCM under such a key. Measured on 2 MiB payloads
-(benchmarks/bench_secret_macs.py) GMAC runs at 12-18 GB/s against keyed BLAKE2b's ~0.5 and
-HMAC-SHA256's ~1.0, which would halve the disk and network paths. The salt makes each key
-serve one message, so GCM's nonce (fixed at zero) never repeats under a key; a random 96-bit
-nonce under one tier-wide key would cap a secret at ~2**32 blocks. Rejected: a MAC of the
-header and an unkeyed xxh3 of the payload (xxh3 is not second-preimage resistant: a client
-who can read a value could make another payload with the same digest), and xxh3 seeded with
-the secret (not a MAC: 64 bits of key in a function not designed to hide it).
+the header too; encryption is AES-256-GCM under such a key. The salt makes each key serve one
+message, so GCM's nonce (fixed at zero) never repeats under a key. Why GMAC, and the MACs
+rejected: docs/design/secrets.md.
 
 AES-GCM and GMAC come from the ``cryptography`` package (``pip install 'kvtier[secure]'``);
 a section with a secret refuses to load without it, with that fix.
@@ -270,8 +265,8 @@ class TierKeys:
             encryptor.finalize()
             set_tag(view, encryptor.tag)
             return result
-        # GMAC: GCM over no plaintext, the payload as associated data (the one-shot call
-        # costs half of a streaming context per block: ~5 us against ~12 at 64 KiB)
+        # GMAC: GCM over no plaintext, the payload as associated data; the one-shot call,
+        # cheaper than a streaming context (docs/design/secrets.md#one-shot-gmac)
         set_tag(view, self._aead(key).encrypt(_GCM_NONCE, b"", payload))
         return payload
 

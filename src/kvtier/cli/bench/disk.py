@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvtier.cli.common import disk_kinds, report
+from kvtier.cli.common import add_secrets_option, disk_kinds, report
 from kvtier.errors import KvtierError
 from kvtier.tiers.disk.config import FSYNC_CHOICES
 
@@ -43,12 +43,7 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="never empty the machine's page cache (as root it does, for cold reads and opens)",
     )
-    bench_disk.add_argument(
-        "--secrets",
-        action="store_true",
-        help="also measure the tier with a secret_file (keyed MAC) and with encrypt: aes-gcm, "
-        "side by side; *_cost = 1 - rate / the plain tier's (needs the cryptography package)",
-    )
+    add_secrets_option(bench_disk, keyed="keyed MAC")
     bench_disk.set_defaults(func=run)
 
 

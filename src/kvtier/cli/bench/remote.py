@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvtier.cli.common import report, warn_password_in_url
+from kvtier.cli.common import add_secrets_option, report, warn_password_in_url
 from kvtier.errors import KvtierError
 
 
@@ -36,12 +36,7 @@ def add_parser(sub: Any) -> None:
         help="run against a --url database that already holds keys (they are not touched, but the "
         "bench's values may push them out under maxmemory)",
     )
-    bench_remote.add_argument(
-        "--secrets",
-        action="store_true",
-        help="also measure the tier with a secret_file (keyed MAC and names) and with encrypt: aes-gcm, "
-        "side by side; *_cost = 1 - rate / the plain tier's (needs the cryptography package)",
-    )
+    add_secrets_option(bench_remote, keyed="keyed MAC and names")
     bench_remote.set_defaults(func=run)
 
 

@@ -77,7 +77,9 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier import base as kvtier_base
+from kvtier.integrations.vllm.metrics import MetricDeltas
 from kvtier.manager.single import SingleTierManager
+from kvtier.metrics.exporter import job_seconds_of
 from kvtier.mediums import BlockIDsLoadStoreSpec
 from kvtier.worker.failures import FailedRowMarks
 
@@ -191,6 +193,10 @@ class KvtierOffloadingManager(OffloadingManager):
         #: requests holding pins while they wait for promotions, by request id
         self._waiting: dict[str, ReqContext] = {}
         self._closed = False
+        # kvtier's metrics under their own names: what was reported, so each get_stats sends
+        # increments (vLLM adds them up)
+        self._deltas = MetricDeltas()
+        self._job_seconds = job_seconds_of(inner)
 
     @property
     def inner(self) -> SingleTierManager:
@@ -386,7 +392,10 @@ class KvtierOffloadingManager(OffloadingManager):
         return self._inner.stats()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        return stats_to_vllm(self._inner.stats())
+        figures = self._inner.stats()
+        stats = stats_to_vllm(figures)
+        self._deltas.add_to(stats, figures, self._job_seconds())
+        return stats
 
     def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
         return [self._config_info]

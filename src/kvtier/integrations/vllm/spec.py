@@ -78,7 +78,10 @@ class TieredOffloadingSpec(OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        from kvtier.integrations.vllm.metrics import metric_definitions
+
         return {
+            **metric_definitions(),  # kvtier's own names (docs/reference/metrics.md)
             STATS_METRIC: OffloadingGaugeMetadata(
                 documentation=(
                     "kvtier's statistics (manager.stats()), one series per figure: CPU-tier "
@@ -86,7 +89,7 @@ class TieredOffloadingSpec(OffloadingSpec):
                     "failures and corrupt blocks dropped; totals since start."
                 ),
                 labelnames=("stat",),
-            )
+            ),
         }
 
     @classmethod

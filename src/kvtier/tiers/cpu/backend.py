@@ -1,8 +1,9 @@
 """The CPU tier: fixed-size slots in one shared-memory region.
 
 Every load into the GPU comes from this tier and every store from the GPU lands here first
-(DESIGN section 2), so its allocator sits on the scheduler's hot path: a slot is an ``int``,
-allocation and release are list slices, and the per-slot bookkeeping is one byte.
+(docs/architecture.md#the-cpu-tier-is-the-gateway), so its allocator sits on the scheduler's
+hot path: a slot is an ``int``, allocation and release are list slices, and the per-slot
+bookkeeping is one byte.
 The bytes themselves live in a :class:`~kvtier.tiers.cpu.region.SharedRegion`, one row per slot,
 which workers attach to and pin for DMA, and which the disk mover reads and writes directly.
 """

@@ -189,13 +189,8 @@ def _reserve(fd: int, path: str, file_bytes: int, field: str) -> None:
     write, and a first write that finds the filesystem full is a SIGBUS that kills the
     process — at any later time, if something else fills ``/dev/shm`` meanwhile. A
     ``posix_fallocate`` of the whole file moves that failure to start-up, as an error. The
-    price is paid at once instead of spread over the first use of each row: the kernel
-    allocates and zeroes every page, linear in the size (``benchmarks/bench_region_reserve.py``
-    on the 2-vCPU reference machine: 0.39 s for 1 GiB, 0.4-0.65 s per GiB, about 0.3 of
-    what faulting the same pages in on first use costs; pinning for CUDA touches every page
-    anyway). A 64 GiB tier thus adds roughly half a minute to start-up. (Rejected:
-    ``MAP_POPULATE`` — it faults pages in the same way but reports a shortfall as a silent
-    partial population, not as an error.)
+    price, linear in the size, is paid at once instead of on each row's first use (figures
+    and the rejected ``MAP_POPULATE``: docs/design/cpu-region.md).
     """
     if not hasattr(os, "posix_fallocate"):  # macOS: no tmpfs /dev/shm, and no SIGBUS to avoid
         return
@@ -352,7 +347,7 @@ class SharedRegion:
         """Create a fresh region, zero-filled, and map it.
 
         Called once, by the tier's owner (the scheduler side), at start-up. Blocks while the
-        file's pages are reserved (see :func:`_reserve`: about 0.4-0.65 s per GiB on tmpfs).
+        file's pages are reserved (:func:`_reserve`; under a second per GiB on tmpfs).
         ``path`` defaults to ``/dev/shm/kvtier-<pid>-<random hex>``; an explicit path must
         not exist yet (a stale file of a crashed run is never reused silently). A filesystem
         without room for the whole region raises :class:`ConfigError` naming ``field``, the

@@ -5,7 +5,7 @@ A disk tier is split along the thread boundary the contract draws
 (:class:`~kvtier.tiers.base.SecondaryTier`):
 
 * **scheduler thread** — ``lookup``, ``touch``, ``submit_*``, ``get_finished_jobs`` ... are
-  :class:`~kvtier.tiers.base.IndexedTier`'s bookkeeping, shared with every lower tier: an
+  :class:`~kvtier.tiers.base.IndexedTier`'s bookkeeping, shared with the in-memory test tier: an
   eviction policy (key -> block id, in eviction order), the keys being written and read,
   pending jobs, events. They never wait for I/O; the work goes to the mover as
   :class:`~kvtier.tiers.disk.mover.MoverJob` objects.

@@ -10,13 +10,9 @@ Layout of a store directory::
     recency.log               appended (stamp, key) records: the eviction order across restarts
 
 Why one file per block (the ``lmdb`` tier uses a slab): each block is an independent file any
-tool can list, copy or delete, the index needs no database, and opening scans 256 directories
-(100,000 blocks: ~0.3 s warm, ~0.5 s cold on the reference machine). The price is a file
-creation per block, which the mover's threads hide: measured there (2 MiB blocks, O_DIRECT,
-``fsync: batch``, against O_DIRECT writes into one preallocated file in the same run) the
-tier writes at 0.82 of the raw rate with 4 threads, 0.90 with 8 and 0.90-0.97 with 16 (the
-default; medians of 4-5 paired rounds, single rounds 0.81-0.96), and reads at 0.95-1.0. (Rejected: a slab with a flat index file — that would be
-the lmdb tier again with a hand-made index, and lose what ``files`` is for.) Fan-out keeps
+tool can list, copy or delete, the index needs no database, and opening scans 256 directories.
+The price, a file creation per block, is hidden by the mover's threads (figures and the
+rejected alternatives: docs/design/disk.md#the-files-kind-one-file-per-block). Fan-out keeps
 directories at a few thousand entries, where ext4's hashed directories stay fast; names are
 hex (safe on case-insensitive filesystems).
 
@@ -50,8 +46,8 @@ policy — a block is fully written before its name appears):
 Recency: ``recency.log`` gets one record per block stored and per touched block (in batches);
 at open the last stamp of each key orders the policy (blocks without one count as oldest).
 The log is a hint: a damaged tail is ignored, and a process alone at open rewrites it once it
-holds more than twice the live records. (Rejected: file mtimes via ``utime`` — a ``stat`` of
-every file at open doubles the cold open time, ~1 s for 100,000 blocks.)
+holds more than twice the live records. (File mtimes were rejected: a ``stat`` of every file
+doubles the cold open time.)
 """
 
 from __future__ import annotations
@@ -432,13 +428,9 @@ class FilesTier(DiskTier):
         if temps:
             self._publish_batch(job, temps)
         elif self._fsync == "batch":
-            # One syncfs makes the job's data, inodes and new names durable together: an
-            # fdatasync costs ~0.2 ms here even with nothing to commit (it flushes the device
-            # cache), so one per file plus one per directory cost ~6 ms per 16-block job
-            # (measured with 4 threads: 0.64-0.75 of the raw write rate, ~0.85 with one
-            # syncfs). The syncfs is shared by the jobs that finish while one runs: with the
-            # epilogues on the mover's finisher threads, several wait at once (a first try,
-            # run on the I/O threads, found jobs finishing one after another).
+            # One syncfs makes the job's data, inodes and new names durable together, far
+            # cheaper than an fdatasync per file and per directory; jobs finishing while one
+            # runs share the next (docs/design/disk.md#one-syncfs-per-job).
             published = [i for i in reserved if job.reasons[i] is None and i not in present]
             if published:
                 try:

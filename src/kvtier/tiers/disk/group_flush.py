@@ -12,9 +12,9 @@ class GroupFlush:
     has finished, and callers that ask while one runs share the next one.
 
     Why: each syncfs commits the filesystem's journal, and while a commit runs, every file
-    creation and rename of the tier's I/O threads waits for it (measured here: renames took
-    18 ms on average, 15% of the I/O threads' time, with one syncfs per 16-block job). Jobs
-    that finish while a flush runs need the same work done once more, not once each.
+    creation and rename of the tier's I/O threads waits for it
+    (docs/design/disk.md#where-the-files-tiers-write-time-went). Jobs that finish while a
+    flush runs need the same work done once more, not once each.
     Correct because a flush that starts after a job's blocks are written and published
     covers them. Any thread; blocks the caller for up to two flushes.
     """

@@ -7,15 +7,9 @@ Layout of a store directory::
     slab.kvs            capacity_blocks slots of on_disk_block_bytes (4096-byte header page +
                         payload padded to 4096), preallocated with fallocate at open
 
-Why payloads live in a slab and not in LMDB (measured on the reference machine, MACHINE.md):
-LMDB ``put`` of 2 MiB values with sync reaches 1.07-1.16 GB/s, 45-60% of the disk, and only
-1.1-1.8 GB/s even without sync once the final flush is counted; ``writemap`` collapses to
-0.08 GB/s. A preallocated slab written with O_DIRECT reaches the disk's own rate (2.6 GB/s
-overwrite, the same as raw fio), and cold O_DIRECT reads ~1.95 GB/s against 1.2-1.5 GB/s
-through LMDB's map. So LMDB does what it is good at — a small, transactional, multi-process
-index — and the bytes go straight between CPU rows and slab slots. Measured through this
-tier and its mover (2 MiB blocks, 16 threads, ``fsync: batch``; ``kvtier bench disk``): 0.94-0.97
-of the raw write rate and 0.94-1.0 of the raw cold-read rate, with the same threads.
+Payloads live in a slab written with O_DIRECT, not in LMDB: LMDB's ``put`` of large values
+reaches about half the disk's rate, the slab all of it (figures in
+docs/design/disk.md#why-the-lmdb-kind-keeps-payloads-in-a-slab).
 
 The index (four LMDB databases):
 

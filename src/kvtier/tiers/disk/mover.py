@@ -16,18 +16,12 @@ Four kinds of thread, all daemons, all started by :class:`Mover`:
   done out of order, job 2 would find the key "already present" and job 1 would then delete it.
 * **finishers** (``finishers`` of them) run each job's *epilogue* (fsync, commit the index)
   once its last block is done, so the I/O threads go straight back to blocks while a flush
-  runs (measured on a loaded 2-vCPU machine: a ``syncfs`` took 150-400 ms, during which the
-  I/O thread that ran it used to sit idle).
+  runs (docs/design/disk.md#where-the-files-tiers-write-time-went).
 
 Blocks of one job run in parallel on all I/O threads (a job of 16 blocks uses every thread),
-so a single large batch per scheduler step still reaches the disk's throughput. The default
-thread count was measured on the reference machine (2 vCPU, virtio disk, 2 MiB blocks, 4
-interleaved rounds against raw O_DIRECT I/O with as many threads): the disk itself is at its
-limit with 2 threads, but each block also costs its thread ~0.15-0.3 ms of CPU (the xxh3
-checksum, the header, the index), during which that thread has no I/O in flight. With 4
-threads the tiers reached 0.81-0.82 of the raw write rate, with 8 0.90-0.98, with 16 0.94-0.96
-(reads 0.88-0.95, ~1.0, ~1.0). Sixteen threads cost little — they sleep in system calls — and
-match vLLM's fs tier (16 per direction).
+so a single large batch per scheduler step still reaches the disk's throughput. Sixteen
+threads by default: each block also costs its thread some CPU with no I/O in flight, and 16
+reached the raw disk rate where 4 and 8 did not (docs/design/disk.md#sixteen-io-threads).
 
 Block I/O itself (buffers, O_DIRECT, one block's write and read) is in
 :mod:`kvtier.tiers.disk.blockio`.

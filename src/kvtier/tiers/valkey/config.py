@@ -12,7 +12,7 @@
   username: kvtier                   # the ACL user (default: the URL's, else "default")
   password_file: /etc/kvtier/valkey.pass  # yours alone (chmod 600); or KVTIER_VALKEY_PASSWORD
   tls: {ca_file: /etc/kvtier/ca.pem, cert_file: client.pem, key_file: client.key}
-  secret_file: /etc/kvtier/secret    # optional: keyed MACs and names (see README "Security")
+  secret_file: /etc/kvtier/secret    # optional: keyed MACs and names (docs/security.md)
   encrypt: aes-gcm                   # optional, with secret_file: values encrypted at rest
 ```
 

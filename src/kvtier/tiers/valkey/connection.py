@@ -2,13 +2,13 @@
 
 One class serves a standalone server and a cluster. A cluster's keys are grouped by the node
 that owns their slot and each group goes out as one pipeline to that node, so a dead node
-fails only its own keys and the others are still served. (Rejected: the client's cluster
-pipeline — it treats a connection error to one node as the whole batch's, and retries it
-against a topology refresh that a dead node without replicas never satisfies.)
+fails only its own keys and the others are still served (the client's cluster pipeline does
+not: docs/design/valkey-client.md#rejected-designs).
 
 Every method blocks on the network for at most ``timeout_s`` per batch and is called on the
 tier's own threads, never on the scheduler thread. The client is ``valkey`` (redis-py's
-fork, with the ``libvalkey`` C reply parser when installed; README says why not GLIDE): its
+fork, with the ``libvalkey`` C reply parser when installed; not GLIDE:
+docs/design/valkey-client.md): its
 pools, connections, URL parsing and cluster topology are used as they are, but the two
 commands that move blocks are packed and read here, on a pooled connection, so that a block
 is never copied on its way: SET sends the CPU row itself to the socket, and GET reads each
@@ -164,24 +164,17 @@ def _read_values(connection, count: int, expect_bytes: int = 0, max_bytes: int |
     """The ``count`` replies of GETs, read from the socket here: each value into an array (one
     copy out of the kernel, or two for a value that arrived with the one before, no zero
     fill), ``None`` for a missing key, an error reply as its exception. A value of at most
-    ``expect_bytes`` is a slice of one array allocated for the whole batch (one allocation
-    instead of one per value: a third of the reading time for 64 KiB values), so a batch
-    holds at most ``count * expect_bytes`` of values.
+    ``expect_bytes`` is a slice of one array allocated for the whole batch (one allocation,
+    not one per value), so a batch holds at most ``count * expect_bytes`` of values.
 
     A value longer than ``max_bytes`` (default ``expect_bytes``, when given) is never held:
     it is read off the socket in pieces of the read buffer and thrown away, and its reply is
-    ``Failure.corrupt("payload length")``. Whoever can write under a tier's names can
-    announce any length, and allocating what the server announces let four planted 400 MiB
-    values take 1.7 GB. (Rejected: ``GETRANGE name 0 expect_bytes`` — it bounds the bytes on
-    the wire too, but answers a missing key with an empty string, so a miss and an emptied
-    value look alike, and the server copies every value into its reply buffer; dropping the
-    connection instead would fail the batch's other keys as an outage a writer could cause
-    at will.)
+    ``Failure.corrupt("payload length")``: whoever can write under a tier's names can
+    announce any length (alternatives rejected: docs/design/valkey-client.md#rejected-designs).
 
-    Why not the client's parser: it copies every value twice more (into its read buffer,
-    then into a new ``bytes``), a third of a load's cost for 2 MiB values. Only GET replies
-    are read this way (bulk strings, or nulls, or errors), and only on a connection whose
-    parser has nothing buffered: every round trip reads all of its replies.
+    Not the client's parser, which copies every value twice more. Only GET replies are read
+    this way (bulk strings, or nulls, or errors), and only on a connection whose parser has
+    nothing buffered: every round trip reads all of its replies.
     """
 
     from valkey.exceptions import ConnectionError as ClientConnectionError
@@ -431,9 +424,7 @@ class ValkeyConnection:
 
         A value is a sequence of buffers sent back to back (the tier's header page, then the
         CPU row itself): the commands are packed here so that the row goes to the socket as
-        it is. (Rejected: the client's ``pipeline().set`` — its C packer copies every value
-        into one command buffer, and the value would first have to be joined into one
-        ``bytes``: two copies of every block before the first byte is sent.)
+        it is, not copied twice as the client's ``pipeline().set`` would.
         """
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
         expire = b"" if px is None else b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(px)), px)

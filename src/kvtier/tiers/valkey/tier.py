@@ -42,17 +42,10 @@ job and hand their outcome back through ``_done`` (a deque), folded in by the sc
 thread. The outage state (:mod:`~kvtier.tiers.valkey.outage`) is shared by both sides, under
 its own lock; a step's reads are :mod:`~kvtier.tiers.valkey.probe` batches.
 
-Why this is not an :class:`~kvtier.tiers.indexed.IndexedTier`: that bookkeeping's index is
-its eviction policy, and it admits a store only within ``capacity_blocks``, evicting to make
-room. Here the server owns capacity and eviction (its ``maxmemory`` policy, other engines'
-writes), so this process's view is a bounded memory of keys it saw present or missing, which
-may be wrong either way and is forgotten in an outage; a lookup may be ``None`` because a
-read is in flight, not only because a store is; a job fails at once while the server is
-away; and results fold in from worker threads rather than medium hooks on the scheduler
-thread. What the two share is small (a pending-job map, an events list, reading counts), and
-a common base for it would change the counters ``stats()`` reports (IndexedTier's ``stored``,
-``loaded``, ``blocks``; this tier's ``stored_blocks``, ``loaded_blocks``, ``known_blocks``),
-which dashboards read.
+Not an :class:`~kvtier.tiers.indexed.IndexedTier`: that one's index is its eviction policy,
+authoritative and bounded by ``capacity_blocks``; here the server owns capacity and eviction,
+and this process keeps only a forgetful memory of what it saw, asked for by reads
+(docs/design/valkey-client.md#why-valkeytier-is-not-an-indexedtier).
 """
 
 from __future__ import annotations

@@ -16,14 +16,9 @@ Per job (:meth:`CudaCopyEngine.submit`, on the worker's thread):
 4. record an end event. :meth:`get_finished` polls events with ``query()``; :meth:`wait`
    synchronizes on events only. Nothing here synchronizes the device.
 
-Why DMA descriptors and not a gather kernel into a staging buffer: descriptors need no GPU
-memory beyond the engine's own (a staging buffer would take hundreds of MiB from the KV
-cache), copy exactly the bytes named (the row layout has gaps a contiguous copy would
-overwrite), and leave the SMs to the model. vLLM 0.33 measured the same call as its fastest
-GPU->CPU path on an H100 and for pages over 28 KiB in both directions; for smaller pages it
-loads through an SM kernel reading pinned host memory. The choice here is made without a GPU:
-``kvtier bench transfer --device cuda`` exists to re-measure it, and a kernel path for small
-loads would sit behind the same :class:`~kvtier.worker.engines.base.CopyEngine` interface.
+DMA descriptors, not a gather kernel into a staging buffer: they need no GPU memory beyond
+the engine's own, copy exactly the bytes named (the row layout has gaps), and leave the SMs to
+the model (docs/design/worker.md#dma-descriptors-not-a-staging-buffer).
 """
 
 from __future__ import annotations

@@ -10,12 +10,10 @@ mapped into the device's address space (at the same address on 64-bit platforms 
 addressing); the engine asks the driver where, once, and refuses to start if the rows are
 not reachable, since a kernel touching unmapped host memory would poison the CUDA context.
 
-Why have it: a DMA descriptor has a fixed cost, so many small pages (16 KiB and under) move
-well below the link's rate, while a kernel's cost grows with the bytes only; vLLM measured
-its kernel ahead of batched DMA for pages under about 28 KiB. Why it is not the default:
-it occupies SMs the model could use, and nobody has measured it on kvtier's layouts yet.
-``kvtier bench transfer --device cuda`` times both engines side by side; the engine is
-chosen by name (``engine="kernel"``), so it changes nothing unless asked for.
+Why have it: a DMA descriptor has a fixed cost, so many small pages move below the link's
+rate, while a kernel's cost grows with the bytes only. It is not the default: it occupies SMs
+the model could use (docs/design/worker.md#the-copy-kernel). ``kvtier bench transfer --device
+cuda`` times both engines; the engine is chosen by name (``engine="kernel"``).
 
 :func:`copy_segments` is device-agnostic: under ``TRITON_INTERPRET=1`` it runs on the CPU
 over CPU memory, which is how the tests prove on a machine without a GPU that it copies
@@ -41,9 +39,8 @@ BLOCK = 1024
 #: most work items one segment is cut into: enough to spread a long segment over the
 #: programs, few enough that short ones (the common case) make no idle items
 MAX_PARTS = 8
-#: programs (so SMs, at most) one job's kernel occupies. Host memory is read over PCIe, which
-#: a small slice of an H100 saturates: vLLM measured 12 SMs within 5% of the peak for 8-32 KiB
-#: pages; the rest stay with the model. ``benchmarks/bench_kernel_programs.py`` re-measures it.
+#: programs (so SMs, at most) one job's kernel occupies: a few SMs saturate PCIe, the rest
+#: stay with the model (docs/design/worker.md#the-copy-kernel)
 PROGRAMS = 12
 #: descriptors the engine's first tables hold (jobs of 256 blocks of 32 layers)
 WARM_DESCRIPTORS = 256 * 32

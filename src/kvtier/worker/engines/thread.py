@@ -29,10 +29,8 @@ __all__ = ["ThreadCopyEngine", "memmove_descriptors"]
 def memmove_descriptors(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
     """Run each ``(dst, src, size)`` descriptor as one ``memmove``, in order.
 
-    One Python-level call per coalesced segment (about half a microsecond each): a gather
-    through numpy fancy indexing was the alternative, but it copies twice (into a temporary,
-    then out) and cannot express the row layout's gaps without a scatter, which this
-    machine kind runs at 1-2 GB/s (MACHINE.md).
+    One Python-level call per coalesced segment, not a numpy gather, which copies twice and
+    needs a scatter for the row layout's gaps (docs/design/worker.md#the-thread-engine).
     """
     move = ctypes.memmove
     for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
