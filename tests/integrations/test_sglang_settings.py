@@ -106,6 +106,7 @@ def test_errors_name_the_users_own_tier_index():
     with pytest.raises(ConfigError) as error:
         resolve_settings({"tiers": [LMDB, {**LMDB, "name": "b", "capacity": "lots"}]})
     assert error.value.field.startswith("tiers[1]")
+    assert resolve_settings({"tiers": [LMDB]}).tier_field(1) == "tiers[0]"
 
 
 def test_an_extra_config_that_is_not_a_mapping_is_refused():

@@ -83,6 +83,13 @@ class SGLangSettings:
     staging_pages: int
     #: whether SGLang's cache controller uses the zero-copy page interface (``interface_v1``)
     interface_v1: bool
+    #: the user's own index of tiers[1] (0 when the configuration listed only lower tiers and
+    #: the host tier was put in front), for naming a tier in errors as the user wrote it
+    first_lower_index: int = 1
+
+    def tier_field(self, index: int) -> str:
+        """How errors name ``config.tiers[index]``: by the user's own index."""
+        return f"tiers[{index - 1 + self.first_lower_index}]"
 
     @property
     def lower_tiers(self) -> tuple[TierConfig, ...]:
@@ -136,7 +143,7 @@ def _kvtier_keys(extra: Mapping[str, Any]) -> tuple[object, dict[str, Any]]:
     return (path if path is not None else inline), integration
 
 
-def _with_host_tier(source: object) -> KvtierConfig:
+def _with_host_tier(source: object) -> tuple[KvtierConfig, bool]:
     """The stack ``source`` describes, with a stand-in host tier first when it lists none.
 
     A YAML written for vLLM (a cpu tier, then lower tiers) is taken as it is: its cpu tier
@@ -162,7 +169,7 @@ def _with_host_tier(source: object) -> KvtierConfig:
         stand_in = {"name": HOST_TIER_NAME, "kind": "cpu", "capacity": _STAND_IN_BYTES}
         document = {**document, "tiers": [stand_in, *tiers]}
     try:
-        return load_config(dict(document))
+        return load_config(dict(document)), shifted
     except ConfigError as error:
         field = error.field
         if shifted:  # name the user's own index, not the one the stand-in shifted
@@ -188,7 +195,7 @@ def resolve_settings(extra_config: Mapping[str, Any] | None) -> SGLangSettings:
         )
     extra = dict(extra_config or {})
     source, integration = _kvtier_keys(extra)
-    config = _with_host_tier(source)
+    config, shifted = _with_host_tier(source)
     if config.block_size_tokens is not None:
         raise ConfigError(
             "block_size_tokens",
@@ -209,6 +216,7 @@ def resolve_settings(extra_config: Mapping[str, Any] | None) -> SGLangSettings:
         config=config,
         staging_pages=staging_pages,
         interface_v1=bool(extra.get("interface_v1", 0)),
+        first_lower_index=0 if shifted else 1,
     )
 
 

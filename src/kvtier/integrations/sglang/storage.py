@@ -118,7 +118,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         tiers: list[SecondaryTier] = []
         try:
             for index, tier in enumerate(self.settings.lower_tiers, start=1):
-                tiers.append(tier.open_lower(pages.rows, fingerprint, field=f"tiers[{index}]"))
+                tiers.append(tier.open_lower(pages.rows, fingerprint, field=self.settings.tier_field(index)))
         except BaseException:
             for opened in tiers:
                 opened.close()
