@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from kvtier.cli.common import report
+from kvtier.cli.costing import add_cost_options, time_model
 from kvtier.errors import KvtierError
 
 
@@ -85,6 +86,26 @@ def add_parser(sub: Any) -> None:
         metavar="N",
         help="simulations run side by side in N processes (default: the CPU count, %(default)s here)",
     )
+    add_cost_options(plan)
+    plan.add_argument(
+        "--prices",
+        metavar="FILE",
+        help="with --model: GPU-seconds saved per dollar of each DRAM/NVMe/shared tier size "
+        "combination (YAML/JSON prices; see examples/costs/prices.yaml)",
+    )
+    plan.add_argument(
+        "--cost-target",
+        type=float,
+        default=0.9,
+        help="with --prices: recommend the cheapest stack saving this share of the best (default 0.9)",
+    )
+    plan.add_argument(
+        "--gpu-blocks",
+        type=int,
+        default=2000,
+        help="with --prices: blocks of the GPU prefix cache (default 2000)",
+    )
+    plan.add_argument("--money-plot", metavar="FILE.png", help="with --prices: draw saving against cost")
     plan.add_argument("--json", action="store_true", help="print only the JSON line")
     plan.set_defaults(func=run)
 
@@ -93,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.plan.run import plan
 
     try:
+        priced = time_model(args)
         report(
             args,
             lambda out: plan(
@@ -108,6 +130,11 @@ def run(args: argparse.Namespace) -> int:
                 min_reuse=args.min_reuse,
                 signals=args.signals,
                 jobs=args.jobs,
+                prices=args.prices,
+                time_model=priced,
+                cost_target=args.cost_target,
+                gpu_blocks=args.gpu_blocks,
+                money_plot=args.money_plot,
             ),
         )
     except KvtierError as exc:

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from kvtier.cli.common import disk_kinds, report, warn_password_in_url
+from kvtier.cli.costing import add_cost_options, time_model
 from kvtier.errors import KvtierError
 
 
@@ -67,6 +68,14 @@ def add_parser(sub: Any) -> None:
     replay.add_argument(
         "--valkey-cluster", metavar="HOST:PORT,...", help="the fleet's shared cluster, instead of --valkey"
     )
+    add_cost_options(replay)
+    replay.add_argument(
+        "--arrival-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="with --model: stretch the arrival times X-fold (a cluster's trace on one GPU; default 1)",
+    )
     replay.set_defaults(func=run)
 
 
@@ -88,8 +97,19 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+        if any(value is not None for value in (args.model, args.gpu, args.bandwidth, args.kv_dtype)):
+            print(
+                "kvtier replay: --model/--gpu price one engine's replay; drop --engines or them",
+                file=sys.stderr,
+            )
+            return 2
         return _run_fleet(args)
     try:
+        priced = time_model(args)
+        if not args.arrival_scale > 0:
+            raise KvtierError(f"--arrival-scale must be positive (got {args.arrival_scale})")
+        if priced is None and args.arrival_scale != 1.0:
+            raise KvtierError("--arrival-scale stretches the time model's arrivals: add --model NAME")
         record = report(
             args,
             lambda out: replay(
@@ -105,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
                 out=out,
                 device=args.device,
                 deterministic=args.deterministic,
+                time_model=priced,
+                arrival_scale=args.arrival_scale,
             ),
         )  # the JSON line only with --json (printed by report): a person gets the table
     except KvtierError as exc:

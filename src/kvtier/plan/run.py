@@ -70,6 +70,11 @@ def plan(
     min_reuse: int = 2,
     signals: bool = False,
     jobs: int = 1,
+    prices: str | None = None,
+    time_model: Any = None,
+    cost_target: float = 0.9,
+    gpu_blocks: int = 2000,
+    money_plot: str | None = None,
 ) -> dict[str, Any]:
     """Hit ratio per policy and size, Belady's bound, the ceiling, and tier sizes; the JSON record.
 
@@ -95,6 +100,13 @@ def plan(
     simulation times itself in CPU seconds of the process that ran it (``refs_per_s``). The
     workers are spawned, not forked, so they import each policy by its class path: a
     policy class defined in ``__main__`` or inside a function needs ``jobs=1``.
+
+    ``prices`` (a prices file, :mod:`kvtier.costs.prices`) with ``time_model`` (``(model, gpu,
+    measured speeds)``) adds ``money`` (:func:`~kvtier.plan.money.money_plan`): GPU-seconds saved
+    per dollar for each combination of DRAM, NVMe and shared tier sizes among ``capacities``, by
+    the best online policy and by Belady, behind a GPU cache of ``gpu_blocks``; it recommends
+    the cheapest within ``cost_target`` of the largest saving. ``money_plot`` draws it.
+    ``time_model`` without ``prices`` adds ``break_even`` only (per kind of tier it prices).
     """
     started = time.perf_counter()
     policies = list(policies or registered_policies())
@@ -103,6 +115,7 @@ def plan(
     AdmissionFilter("reuse", min_reuse)  # a bad min_reuse fails here, named
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ConfigError("--jobs", jobs, "a positive number of processes", "e.g. --jobs 2")
+    money_inputs = _money_inputs(prices, time_model, cost_target, gpu_blocks)  # bad input fails first
     path = Path(trace) if trace else bundled_trace_path()
     requests = load_trace(path)
     chains = [request.hash_ids for request in requests]
@@ -174,12 +187,45 @@ def plan(
     }
     if signals:
         record["signals"] = reuse_signals(chains)
+    if money_inputs is not None:
+        from kvtier.plan.money import money_plan
+        from kvtier.replay.ttft import gpu_only_served
+
+        cost, priced = money_inputs
+        gpu_hits = sum(served.get("gpu", 0) for served in gpu_only_served(requests, gpu_blocks))
+        record["money"] = money_plan(cost, priced, requests, capacities, best, opt, gpu_hits, cost_target)
+        record["money"]["gpu_blocks"] = gpu_blocks
+    elif time_model is not None:  # --model alone: the break-even against each kind of tier
+        from kvtier.plan.money import stack_cost
+
+        mean_prompt = round(sum(r.input_length for r in requests) / len(requests)) if requests else 512
+        record["break_even"] = stack_cost(*time_model).break_even(mean_prompt)
     record["wall_s"] = round(time.perf_counter() - started, 2)
     if out is not None:
         _print(record, policies, out)
     if plot:
         _plot(record, policies, plot)
+    if money_plot and "money" in record:
+        from kvtier.plan.money import plot_money
+
+        plot_money(record["money"], money_plot)
     return record
+
+
+def _money_inputs(prices: str | None, time_model: Any, target: float, gpu_blocks: int) -> Any:
+    """``(cost model, prices)`` for ``--prices``, checked before any simulation; ``None`` without."""
+    if prices is None:
+        return None
+    if time_model is None:
+        raise ConfigError("--prices", prices, "used with --model", "add --model NAME (e.g. Llama-3.1-8B)")
+    if not 0 < target <= 1:
+        raise ConfigError("--cost-target", target, "a share of the best saving in (0, 1]", "e.g. 0.9")
+    if gpu_blocks < 1:
+        raise ConfigError("--gpu-blocks", gpu_blocks, "a positive number of blocks", "e.g. 2000")
+    from kvtier.costs.prices import load_prices
+    from kvtier.plan.money import stack_cost
+
+    return stack_cost(*time_model), load_prices(prices)
 
 
 #: the admission table's rows, one value per CPU size each
@@ -383,6 +429,14 @@ def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None
         f"{record['refs_per_s']}, Belady {record['opt_refs_per_s']})",
         file=out,
     )
+    if "money" in record:
+        from kvtier.plan.money import print_money
+
+        print_money(record["money"], out)
+    elif "break_even" in record:
+        from kvtier.replay.ttft import print_break_even
+
+        print_break_even(record["break_even"], out)
     print_json(record, out)
 
 

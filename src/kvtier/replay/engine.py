@@ -103,6 +103,9 @@ class ReplayCounts:
     shutdown_bytes_written: dict[str, int] = field(default_factory=dict)
     #: (requests done, cumulative hits by tier, cumulative block refs), one per sample
     timeline: list[tuple[int, dict[str, int], int]] = field(default_factory=list)
+    #: per request, in order: its blocks by where they came from ("gpu", a tier's name,
+    #: "computed"), in prefix order; what a time model (``kvtier replay --model``) prices
+    served: list[dict[str, int]] = field(default_factory=list)
 
 
 class ReplayEngine:
@@ -375,10 +378,13 @@ class ReplayEngine:
 
         loaded, promoted = self._lookup_prefix(keys[gpu_hits:], ctx)
         hits = keys[gpu_hits : gpu_hits + loaded]
+        served = {"gpu": gpu_hits} if gpu_hits else {}
         if hits:
             if self._load(hits, gpu_hits, ctx, keep):
                 for key in hits:
-                    counts.hits[self._served_by(key) if key in promoted else self._cpu_name] += 1
+                    tier = self._served_by(key) if key in promoted else self._cpu_name
+                    counts.hits[tier] += 1
+                    served[tier] = served.get(tier, 0) + 1
             else:
                 loaded = 0  # nothing arrived: the engine computes those blocks instead
         keep.update(hits[:loaded])
@@ -392,6 +398,8 @@ class ReplayEngine:
             counts.engine_s += time.perf_counter() - start
             self._cache_put(computed, blocks)
             counts.computed_blocks += len(computed)
+            served["computed"] = len(computed)
+        counts.served.append(served)
         # vLLM's connector (chunk-level offloading) offers a request's blocks from its first
         # unless it loaded some, then from the first after the loaded ones.
         offer = computed if loaded else keys[:gpu_hits] + computed

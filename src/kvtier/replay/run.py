@@ -145,6 +145,8 @@ def replay(
     device: str = "cpu",
     json_line: bool = False,
     deterministic: bool = False,
+    time_model: Any = None,
+    arrival_scale: float = 1.0,
 ) -> dict[str, Any]:
     """Replay ``trace`` (default: the bundled one) through ``config`` (default: CPU + disk in a
     temporary folder); print a summary and a table (and, with ``json_line``, one JSON line);
@@ -178,6 +180,7 @@ def replay(
             parsed = load_config(default_config(directory, block_bytes, disk_kind))
         else:
             parsed = load_config(config)
+        cost = _cost_model(time_model, parsed) if time_model is not None else None  # bad input fails first
         counts, stats, elapsed = _run_one(
             parsed, requests, gpu_blocks, block_bytes, progress, "replay", device, deterministic
         )
@@ -247,6 +250,11 @@ def replay(
     }
     if cpu_only is not None:
         record["cpu_only_hit_ratio"] = sum(cpu_only.hits.values()) / cpu_only.block_refs
+    if cost is not None:
+        from kvtier.replay.ttft import time_record
+
+        cpu_served = cpu_only.served if cpu_only is not None else None
+        record["time"] = time_record(cost, requests, counts.served, gpu_blocks, arrival_scale, cpu_served)
     assert refs == counts.block_refs  # the engine saw every reference of the trace
 
     rows = [
@@ -268,11 +276,24 @@ def replay(
         file=out,
     )
     print_table(rows, ["tier", "hits", "hit_ratio", "bytes_read", "bytes_written"], out)
+    if "time" in record:
+        from kvtier.replay.ttft import print_time
+
+        print_time(record["time"], out)
     if plot:
         _plot(counts, plot, _ceiling_timeline(requests, counts.timeline), cpu_only)
     if json_line:
         print_json(record, out)
     return record
+
+
+def _cost_model(time_model: Any, config: KvtierConfig) -> Any:
+    """The :class:`~kvtier.costs.CostModel` of ``time_model`` over ``config``'s tiers."""
+    from kvtier.costs.timing import CostModel, tier_speeds
+
+    model, gpu, measured = time_model
+    speeds = tier_speeds([(tier.name, tier.kind) for tier in config.tiers], gpu, measured)
+    return CostModel(model, gpu, {speed.name: speed for speed in speeds})
 
 
 def _fitting(requests: list, gpu_blocks: int) -> tuple[list, list]:
