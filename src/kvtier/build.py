@@ -80,12 +80,21 @@ def build_manager(
     from kvtier.policies.admission import AdmissionFilter
 
     admission, endurance = [], []
-    for tier in config.tiers[1:]:
-        admit, min_reuse, endurance_tbw = tier.admission()
-        # A few sketch counters per block the tier can hold; bounded (4 rows of 1 byte each).
-        width = min(1 << 22, max(1 << 12, 4 * (tier.capacity_bytes // block_bytes)))
-        admission.append(AdmissionFilter(admit, min_reuse, sketch_width=width))
-        endurance.append(endurance_tbw)
+    try:
+        for index, tier in enumerate(config.tiers[1:], start=1):
+            admit, min_reuse, endurance_tbw = tier.admission()
+            # A few sketch counters per block the tier can hold; bounded (4 rows of 1 byte each).
+            width = min(1 << 22, max(1 << 12, 4 * (tier.capacity_bytes // block_bytes)))
+            budget = tier.write_budget(f"tiers[{index}]")
+            admission.append(
+                AdmissionFilter(admit, min_reuse, sketch_width=width, budget=budget, block_bytes=block_bytes)
+            )
+            endurance.append(endurance_tbw)
+    except BaseException:  # a budget contradicting the drive's size is found only now
+        for opened in lower:
+            opened.close()
+        backend.shutdown()
+        raise
     stack = TierStackManager(
         backend,
         policy,

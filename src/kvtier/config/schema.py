@@ -101,6 +101,12 @@ class TierConfig:
         endurance figure; a kind with such settings (the disk kinds) returns its own."""
         return "all", 1, None
 
+    def write_budget(self, field: str) -> Any:
+        """With ``admit: budget``, the tier's :class:`~kvtier.policies.write_budget.WriteBudget`
+        (called once the tier is open; ``field`` names the section for errors). Default: None,
+        no budget; a kind that takes ``admit: budget`` (the disk kinds) builds its own."""
+        return None
+
     def open_first(self, block_bytes: int, *, field: str) -> Any:
         """Build the first tier (a :class:`~kvtier.base.Backend` with ``rows``, the CPU rows
         every lower tier copies from and into) holding blocks of ``block_bytes``; for kinds

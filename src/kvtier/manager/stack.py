@@ -29,7 +29,10 @@ victim tier. ``shutdown`` spills what is left: the whole CPU tier is leaving.
 once its key was wanted ``min_reuse`` times (offered for storing, or hit in the CPU tier) (:class:`AdmissionFilter`); a block
 no tier admits stops being dirty, like a refused one. Stats per tier add blocks admitted and
 refused, write amplification (bytes written per byte later read) and, with
-``endurance_tbw``, the drive's projected life at the write rate seen so far.
+``endurance_tbw``, the drive's projected life at the write rate seen so far. A tier with
+``admit: budget`` takes a block only once its reuse clears the threshold its
+:class:`~kvtier.policies.write_budget.WriteBudget` sets (ticked each step, told each job's
+bytes), and adds the budget's figures to its stats.
 
 **Miss causes** (optional, :mod:`kvtier.manager.causes`): each lookup answered ``False`` for
 want of the block, each failed read from below and each read with no CPU row is counted as a
@@ -51,7 +54,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -167,8 +170,10 @@ class TierStackManager(SingleTierManager):
         # -- admission (None per tier: it takes every block) --
         self._admission = list(admission) if admission is not None else [None] * len(self._tiers)
         self._endurance_tbw = list(endurance_tbw) if endurance_tbw is not None else [None] * len(self._tiers)
-        #: filters that count sightings (only ``admit: reuse`` ones need to)
-        self._counting = [f for f in self._admission if f is not None and f.mode == "reuse"]
+        #: filters that count sightings (``admit: reuse`` and ``budget`` ones)
+        self._counting = [f for f in self._admission if f is not None and f.counts_sightings]
+        #: (tier index, write budget) of the tiers under ``admit: budget``
+        self._budgets = [(i, f.budget) for i, f in enumerate(self._admission) if f is not None and f.budget]
         self._started = time.monotonic()
         # -- the cascade: "saved" tiers mirror the CPU tier, "evicted" ones take its victims --
         receives = list(receives) if receives is not None else ["saved"] * len(self._tiers)
@@ -413,6 +418,8 @@ class TierStackManager(SingleTierManager):
             return
         self._no_room.clear()
         self._poll()
+        for _, budget in self._budgets:
+            budget.tick()
         self._submit_promotions()
         self._submit_demotions()
         for tier in self._tiers:
@@ -627,14 +634,27 @@ class TierStackManager(SingleTierManager):
         if read:
             # bytes written per byte ever read back: 1.0 would mean no write was wasted
             figures["write_amplification"] = round(written / read, 3)
+        if admission is not None and admission.budget is not None:
+            figures.update(admission.budget.stats())
         tbw = self._endurance_tbw[index]
         if tbw is not None and written:
             rate = written / max(time.monotonic() - self._started, 1e-9)  # bytes per second
             figures["projected_life_days"] = round(tbw * 1e12 / rate / 86400, 1)
         return figures
 
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Drive the tiers' write budgets by ``clock`` (seconds) instead of the wall clock,
+        and count only the tiers' own writes: ``kvtier replay`` passes its trace's time, where
+        a budget in bytes per second means what it would in the trace's deployment (the
+        drive's counter runs on wall time, which a replay compresses)."""
+        for _, budget in self._budgets:
+            budget.use_clock(clock, count_device=False)
+
     def _finish_demotion(self, index: int, job: TierJob, result: TierJobResult) -> None:
         counters = self._counters[index]
+        admission = self._admission[index]
+        if admission is not None and admission.budget is not None:
+            admission.budget.wrote(result.nbytes)
         counters.demotions += len(result.ok)
         counters.demoted_bytes += result.nbytes
         counters.demote_failures += len(result.failed)

@@ -1,16 +1,19 @@
-"""Admission to a lower tier: write a block below only once it has proven reuse (TinyLFU style)."""
+"""Admission to a lower tier: write a block below only once it has proven reuse (TinyLFU style),
+or, under a write budget, once its reuse clears the bar the budget sets."""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
+from kvtier.policies.write_budget import WriteBudget
 
-__all__ = ["ADMIT_MODES", "AdmissionFilter", "CountMinSketch"]
+__all__ = ["ADMIT_MODES", "AdmissionFilter", "CountMinSketch", "key_draw"]
 
 #: ``admit`` values of a lower tier's configuration
-ADMIT_MODES = ("all", "reuse")
+ADMIT_MODES = ("all", "reuse", "budget")
 #: rows of the sketch: the estimate is the least of these counters
 _DEPTH = 4
 #: a counter never goes past this (a byte; reuse thresholds are small)
@@ -68,15 +71,28 @@ class CountMinSketch:
         self._added = 0
 
 
+def key_draw(key: Hashable) -> float:
+    """A number in [0, 1) fixed by ``key``, the same in every process (CRC-32 of a bytes key,
+    which an OffloadKey is; Python's salted ``hash`` otherwise)."""
+    if isinstance(key, bytes):
+        return zlib.crc32(key) / 2**32
+    return (hash(key) & 0xFFFFFFFF) / 2**32
+
+
 @dataclass
 class AdmissionFilter:
-    """Decides which blocks a lower tier takes: all of them, or those seen ``min_reuse`` times.
+    """Decides which blocks a lower tier takes: all of them, those seen ``min_reuse`` times, or
+    (``mode="budget"``) those whose count clears the threshold ``budget`` sets.
 
     The manager calls :meth:`record` when a key is offered for storing or looked up, and
     :meth:`admit` when a block is about to be written to the tier. With ``mode="reuse"`` a
     block is admitted once its key was recorded at least ``min_reuse`` times (an estimate
     from a bounded :class:`CountMinSketch`, so a one-off block never reaches flash, and a
     collision can only admit early, never refuse a block that earned its place).
+
+    With ``mode="budget"`` the threshold is the :class:`WriteBudget`'s, fractional (a
+    key's :func:`key_draw` is added to its count), and a block is admitted only while the
+    budget has ``block_bytes`` left for it.
 
     Who calls it: the owning manager, on the scheduler thread; every call O(1).
     """
@@ -87,6 +103,9 @@ class AdmissionFilter:
     sketch_width: int = 1 << 16
     admitted: int = 0
     refused: int = 0
+    #: with mode "budget": the controller, and the bytes one block costs it
+    budget: WriteBudget | None = None
+    block_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ADMIT_MODES:
@@ -103,7 +122,14 @@ class AdmissionFilter:
                 "an integer >= 1",
                 "2 writes a block below once it was seen twice",
             )
-        self._sketch = CountMinSketch(self.sketch_width) if self.mode == "reuse" else None
+        if (self.mode == "budget") != (self.budget is not None):
+            raise ValueError("a WriteBudget goes with mode 'budget', and only with it")
+        self._sketch = CountMinSketch(self.sketch_width) if self.counts_sightings else None
+
+    @property
+    def counts_sightings(self) -> bool:
+        """Whether :meth:`record` counts anything (the manager skips the calls otherwise)."""
+        return self.mode != "all"
 
     def record(self, key: Hashable) -> None:
         """``key`` was offered for storing or looked up."""
@@ -112,7 +138,11 @@ class AdmissionFilter:
 
     def admit(self, key: Hashable) -> bool:
         """Whether the block of ``key`` may be written to the tier now (counted either way)."""
-        ok = self._sketch is None or self._sketch.estimate(key) >= self.min_reuse
+        if self.budget is not None:
+            assert self._sketch is not None
+            ok = self.budget.admit(self._sketch.estimate(key), key_draw(key), self.block_bytes)
+        else:
+            ok = self._sketch is None or self._sketch.estimate(key) >= self.min_reuse
         if ok:
             self.admitted += 1
         else:

@@ -18,8 +18,9 @@ It owns a "GPU" KV cache (a CUDA tensor, or a CPU tensor standing in without CUD
    wait for the copy: the store completes at the first step after the handler reports it,
    and until then its GPU blocks are neither evicted nor reused.
 
-It never looks at the trace's timestamps: requests run back to back, one at a time, so the
-figures are about what the tiers hold and move, not about queueing. When it has nothing to
+Requests run back to back, one at a time, whatever the trace's timestamps, so the figures are
+about what the tiers hold and move, not about queueing; the timestamps serve only as the clock
+of the tiers' write budgets (``admit: budget``), which are rates in the trace's time. When it has nothing to
 do but wait, it blocks, as a request waits in an engine's queue, rather than sleeping,
 polling or stepping empty: on the tiers' ``wait_loads`` for a promotion or a remote tier's
 answer (on ``drain_jobs`` if a round of reads moved no answer), on ``drain_jobs`` for room
@@ -157,6 +158,8 @@ class ReplayEngine:
         self._lower = getattr(self.manager, "tiers", [])  # a single-tier manager has none
         self._lower_names = [tier.name for tier in self._lower]
         self.counts = ReplayCounts(hits={"gpu": 0, self._cpu_name: 0, **dict.fromkeys(self._lower_names, 0)})
+        #: the trace's time (seconds) at the request in hand; None before the first
+        self.trace_s: float | None = None
 
     # -- the GPU side ----------------------------------------------------------------------
 
@@ -362,6 +365,12 @@ class ReplayEngine:
     def run_request(self, index: int, request: Request) -> None:
         """Serve one request end to end (see the module docstring)."""
         counts = self.counts
+        first = self.trace_s is None
+        self.trace_s = request.timestamp_ms / 1000
+        if first and hasattr(self.manager, "use_clock"):
+            # Write budgets run on the trace's time (from its first request), not on how
+            # fast this machine replays it: see docs/design/write-budget.md.
+            self.manager.use_clock(self._trace_clock)
         known = self._keys
         keys = [known.get(h) or known.setdefault(h, block_key(h)) for h in request.hash_ids]
         counts.requests += 1
@@ -410,6 +419,9 @@ class ReplayEngine:
             self._store(offer, ctx)
         manager.on_request_finished(ctx)
         self.step()
+
+    def _trace_clock(self) -> float:
+        return self.trace_s or 0.0
 
     def _load(self, hits: list[OffloadKey], first_index: int, ctx: ReqContext, keep: set) -> bool:
         """Load ``hits`` into GPU blocks and verify them; whether the transfer succeeded."""

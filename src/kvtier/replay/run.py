@@ -121,6 +121,12 @@ _ADMISSION_FIGURES = (
     "bytes_read_later",
     "write_amplification",
     "projected_life_days",
+    # admit: budget (in the trace's time)
+    "budget_bytes_per_s",
+    "write_bytes_per_s",
+    "admit_threshold",
+    "projected_life_years",
+    "device_written_bytes",
 )
 
 
