@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import subprocess
 import sys
+import tempfile
 import warnings
+
+from pathlib import Path
 
 import pytest
 
@@ -352,6 +356,42 @@ def test_admission_reuse_keeps_one_off_pages_off_the_disk(tmp_path):
         assert stats["pages_refused"] == 2 and stats["nvme.refused"] == 2 and stats["pages_stored"] == 2
     finally:
         backend.close()
+
+
+def test_a_write_budget_holds_the_disk_to_its_rate(tmp_path):
+    # One drive write a day of a drive of 86,400 x 6,144 bytes: 6,144 B/s, two pages' payload
+    # a second; the bucket holds 1.5 s of it, three pages. A burst of eight is cut down to
+    # what the bucket holds, the rest refused and counted; the refill lets a later page in.
+    # On tmpfs: no drive counter, so other writers on this machine's disk cannot drain it.
+    shm = tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    tier = disk(Path(shm.name) / "store", admit="budget", drive_writes_per_day=1, drive_bytes=86400 * 6144)
+    tier["budget_window_s"] = 1.5
+    pool = mha_pool("page_first")
+    backend = build_backend(pool, extra_config([tier]))
+    try:
+        slots, written = fill_pages(pool, 9, seed=65)
+        names = keys(9)
+        for _ in range(3):  # seen a few times: reuse does not hold them back, only the budget
+            backend.batch_exists(names)
+        burst = backend.batch_set_v1(names[:8], slots[: 8 * PAGE])
+        stats = backend.stats()
+        assert stats["nvme.budget_bytes_per_s"] == pytest.approx(6144)
+        assert sum(burst) <= 4, burst  # three pages in the bucket, plus what flowed in meanwhile
+        assert stats["pages_refused"] == 8 - sum(burst) and stats["nvme.refused"] == 8 - sum(burst)
+        late = [False]
+        for _ in range(100):  # the bucket refills at two pages a second
+            late = backend.batch_set_v1(names[8:], slots[8 * PAGE :])
+            if late[0]:
+                break
+            time.sleep(0.05)
+        assert late == [True]
+        assert backend.stats()["nvme.device_written_bytes"] >= (sum(burst) + 1) * 2 * 1536
+        target = pool.alloc(pool.page_size)
+        assert backend.batch_get_v1(names[8:], target) == [True]
+        assert torch.equal(written[8], page_bytes(pool, target, 1)[0])
+    finally:
+        backend.close()
+        shm.cleanup()
 
 
 def test_capacity_bounds_the_store(tmp_path):

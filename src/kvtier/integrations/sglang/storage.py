@@ -39,6 +39,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvtier.base import OffloadKey
+from kvtier.build import admission_filters
 from kvtier.errors import KvtierError
 from kvtier.integrations.sglang.pages import PageRows
 from kvtier.integrations.sglang.settings import (
@@ -86,7 +87,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self._admission: list[AdmissionFilter] = []
         self._pages: PageRows | None = None
         self._counters: dict[str, int] = {}
-        self._final: dict[str, int] = {}
+        self._final: dict[str, float] = {}
         self._metrics: dict[str, list[float]] = {
             "prefetch_pgs": [],
             "backup_pgs": [],
@@ -123,10 +124,15 @@ class KvtierHiCacheStorage(HiCacheStorage):
             for opened in tiers:
                 opened.close()
             raise
-        for tier_config in self.settings.lower_tiers:
-            admit, min_reuse, _ = tier_config.admission()
-            width = min(1 << 22, max(1 << 12, 4 * (tier_config.capacity_bytes // pages.block_bytes)))
-            self._admission.append(AdmissionFilter(admit, min_reuse, sketch_width=width))
+        try:
+            # one decision per page: a budget charges, and a sketch sizes by, a whole page
+            self._admission = admission_filters(
+                self.settings.lower_tiers, pages.block_bytes * pages.parts, field=self.settings.tier_field
+            )
+        except BaseException:  # a budget contradicting the drive's size is found only now
+            for opened in tiers:
+                opened.close()
+            raise
         self._pages, self._tiers = pages, tiers
         logger.info(
             "kvtier: %s pages of %d tokens as %d block(s) of %d bytes (%s), shard %d%s, tiers %s; layout %s",
@@ -256,6 +262,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         refused = [False] * len(keys)
         page_keys = [self._page_keys(key) for key in keys]
         for tier, admission in zip(self._tiers, self._admission):
+            if admission.budget is not None:
+                with self._lock:
+                    admission.budget.tick()
             job_keys: list[OffloadKey] = []
             job_rows: list[int] = []
             wanted: list[int] = []
@@ -278,6 +287,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
             if not job_keys:
                 continue
             result = self._run(tier, False, job_keys, job_rows)
+            if admission.budget is not None:
+                with self._lock:
+                    admission.budget.wrote(result.nbytes)
             ok = set(result.ok)
             for index in wanted:
                 if all(key in ok for key in page_keys[index]):
@@ -514,18 +526,20 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     # -- stats and lifecycle ---------------------------------------------------------------------
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         """kvtier's counters: the backend's (``pages_stored``, ``pages_loaded``,
         ``pages_load_failed``, ``blocks_corrupt``, ``pages_refused``, ``exists_hit_pages`` ...)
         and each tier's as ``<tier>.<counter>``; after :meth:`close`, the last figures."""
         if not self._tiers:
             return dict(self._final)
         with self._lock:
-            figures = dict(self._counters)
+            figures: dict[str, float] = dict(self._counters)
             for tier, admission in zip(self._tiers, self._admission):
                 figures.update((f"{tier.name}.{k}", v) for k, v in tier.stats().items())
                 figures[f"{tier.name}.admitted"] = admission.admitted
                 figures[f"{tier.name}.refused"] = admission.refused
+                if admission.budget is not None:
+                    figures.update((f"{tier.name}.{k}", v) for k, v in admission.budget.stats().items())
         return figures
 
     def get_stats(self) -> Any:
@@ -571,9 +585,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         finally:
             self._final = final
 
-    def _stats_of(self, tiers: Iterable[SecondaryTier]) -> dict[str, int]:
+    def _stats_of(self, tiers: Iterable[SecondaryTier]) -> dict[str, float]:
         with self._lock:
-            figures = dict(self._counters)
+            figures: dict[str, float] = dict(self._counters)
             for tier in tiers:
                 figures.update((f"{tier.name}.{k}", v) for k, v in tier.stats().items())
         return figures
