@@ -127,6 +127,7 @@ def render() -> str:
         ("The whole file", getattr(config, "KvtierConfig", None)),
         ("cascade", getattr(config, "CascadeConfig", None)),
         ("metrics", getattr(config, "MetricsConfig", None)),
+        ("miss_causes", getattr(config, "MissCausesConfig", None)),
     ):
         if cls is None:
             continue

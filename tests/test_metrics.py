@@ -72,7 +72,7 @@ class TestNames:
     def test_misses_no_cause_claims_are_unattributed(self):
         get = registry_of(FUTURE_STATS).get_sample_value
         assert get("kvtier_lookup_misses_blocks_total", {"tier": "", "cause": "unattributed"}) == 50 - 47
-        # today's stats(): no cause counted yet, every miss unattributed
+        # a stack with miss_causes: off counts no cause: every miss unattributed
         today = registry_of({"misses": 6}).get_sample_value
         assert today("kvtier_lookup_misses_blocks_total", {"tier": "", "cause": "unattributed"}) == 6
 

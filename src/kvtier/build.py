@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from kvtier.config import KvtierConfig, load_config
@@ -10,9 +11,11 @@ from kvtier.policies import get_policy_class
 
 if TYPE_CHECKING:
     from kvtier.manager.single import SingleTierManager
+    from kvtier.config.schema import TierConfig
+    from kvtier.policies.admission import AdmissionFilter
     from kvtier.tiers.disk.format import LayoutFingerprint
 
-__all__ = ["build_manager"]
+__all__ = ["admission_filters", "build_manager"]
 
 M = TypeVar("M", bound="SingleTierManager")
 
@@ -45,10 +48,24 @@ def build_manager(
     policy_cls = get_policy_class(first.eviction, first.eviction_module_path, field="tiers[0].eviction")
     backend = first.open_first(block_bytes, field="tiers[0]")
     policy = policy_cls(backend.get_num_free_blocks())
+    causes = None
+    if config.miss_causes.enabled:
+        from kvtier.manager.causes import MAX_TIERS, MissCauses
+
+        if len(config.tiers) > MAX_TIERS:
+            raise ConfigError(
+                "miss_causes",
+                "on",
+                f"a stack of at most {MAX_TIERS} tiers (it has {len(config.tiers)})",
+                "set miss_causes: off",
+            )
+        causes = MissCauses(config.miss_causes.keys, [tier.name for tier in config.tiers])
     if len(config.tiers) == 1:
         from kvtier.manager.single import SingleTierManager
 
-        return _reporting(SingleTierManager(backend, policy, enable_events=enable_events), config)
+        return _reporting(
+            SingleTierManager(backend, policy, enable_events=enable_events, causes=causes), config
+        )
 
     from kvtier.manager.stack import TierStackManager
     from kvtier.tiers.disk.format import LayoutFingerprint
@@ -63,19 +80,8 @@ def build_manager(
             opened.close()
         backend.shutdown()
         raise
-    from kvtier.policies.admission import AdmissionFilter
-
-    admission, endurance = [], []
     try:
-        for index, tier in enumerate(config.tiers[1:], start=1):
-            admit, min_reuse, endurance_tbw = tier.admission()
-            # A few sketch counters per block the tier can hold; bounded (4 rows of 1 byte each).
-            width = min(1 << 22, max(1 << 12, 4 * (tier.capacity_bytes // block_bytes)))
-            budget = tier.write_budget(f"tiers[{index}]")
-            admission.append(
-                AdmissionFilter(admit, min_reuse, sketch_width=width, budget=budget, block_bytes=block_bytes)
-            )
-            endurance.append(endurance_tbw)
+        admission = admission_filters(config.tiers[1:], block_bytes)
     except BaseException:  # a budget contradicting the drive's size is found only now
         for opened in lower:
             opened.close()
@@ -88,10 +94,31 @@ def build_manager(
         config.cascade,
         enable_events=enable_events,
         admission=admission,
-        endurance_tbw=endurance,
+        endurance_tbw=[tier.admission()[2] for tier in config.tiers[1:]],
         receives=[tier.receives for tier in config.tiers[1:]],
+        causes=causes,
     )
     return _reporting(stack, config)
+
+
+def admission_filters(
+    tiers: Sequence[TierConfig], block_bytes: int, field: Callable[[int], str] = "tiers[{}]".format
+) -> list[AdmissionFilter]:
+    """One admission filter per lower tier (``tiers`` are config's ``tiers[1:]``; ``field``
+    names tiers[i] in errors), each with its write budget under ``admit: budget``: the
+    caller ticks the budgets and tells them what was written."""
+    from kvtier.policies.admission import AdmissionFilter
+
+    filters = []
+    for index, tier in enumerate(tiers, start=1):
+        admit, min_reuse, _ = tier.admission()
+        # A few sketch counters per block the tier can hold; bounded (4 rows of 1 byte each).
+        width = min(1 << 22, max(1 << 12, 4 * (tier.capacity_bytes // block_bytes)))
+        budget = tier.write_budget(field(index))
+        filters.append(
+            AdmissionFilter(admit, min_reuse, sketch_width=width, budget=budget, block_bytes=block_bytes)
+        )
+    return filters
 
 
 def _reporting(manager: M, config: KvtierConfig) -> M:

@@ -22,6 +22,8 @@ for folder, dirs, files in os.walk(root):
     rel = os.path.relpath(folder, os.path.dirname(root))
     if rel.replace(os.sep, ".").startswith("kvtier.integrations.vllm"):
         continue
+    if rel.replace(os.sep, ".") == "kvtier.integrations.sglang":
+        files = [f for f in files if f != "storage.py"]  # subclasses SGLang's class: needs SGLang
     for file in files:
         if file.endswith(".py"):
             module = os.path.join(rel, file[:-3]).replace(os.sep, ".")

@@ -342,6 +342,36 @@ def test_vllms_connector_is_served_from_disk_after_a_restart(tmp_path):
         second.shutdown()
 
 
+def test_miss_causes_reach_vllms_prometheus_metrics(tmp_path):
+    """A prompt never seen misses as new, through vLLM's own lookups; the cause counters and
+    the sketch's size and error rate reach vLLM's gauges like every kvtier figure."""
+    extra = {
+        "spec_name": "TieredOffloadingSpec",
+        "spec_module_path": SPEC_MODULE,
+        "tiers": [
+            {"kind": "cpu", "capacity": "1MiB", "pin_memory": "off"},
+            {"name": "nvme", "kind": "lmdb", "path": str(tmp_path / "store"), "capacity": "8MiB"},
+        ],
+        "miss_causes": {"keys": 4096},
+    }
+    sink, registry = prometheus(extra)
+    engine = EngineLoop(extra, "kvtier-miss-causes-test")
+    try:
+        engine.serve("r", prompt(2, 4))
+        engine.step()
+        sink.observe(engine.scheduler.get_stats().data)
+        figures = engine.manager.stats()
+        assert figures["misses"] >= 1
+        assert figures["miss_new"] == figures["misses"]
+        assert figures["miss_evicted"] == 0 and figures["nvme.miss_evicted"] == 0
+        assert figures["sketch_keys"] == 4096 and figures["sketch_bytes"] <= 16 * 4096
+        for name in ("miss_new", "miss_evicted", "nvme.miss_evicted", "sketch_bytes", "sketch_error_rate"):
+            sample = registry.get_sample_value("vllm:kv_offload_kvtier_stat", {"engine": "0", "stat": name})
+            assert sample == figures[name], name
+    finally:
+        engine.shutdown()
+
+
 def test_kvtiers_statistics_reach_vllms_prometheus_metrics(tmp_path):
     extra = {
         "spec_name": "TieredOffloadingSpec",
@@ -421,7 +451,12 @@ def test_kvtiers_metrics_reach_vllms_prometheus_under_their_own_names(tmp_path):
     assert get("kvtier_moved_bytes_total", tier="nvme", direction="load") == figures["nvme.promoted_bytes"]
     assert get("kvtier_evictions_blocks_total", tier="cpu") == figures["evictions"]
     assert get("kvtier_tier_blocks", tier="nvme") == figures["nvme.blocks"]
-    assert get("kvtier_lookup_misses_blocks_total", tier="", cause="unattributed") == figures["misses"]
+    # every miss has its cause, under the metric's cause label; none is left unattributed
+    assert get("kvtier_lookup_misses_blocks_total", tier="", cause="new") == figures["miss_new"] > 0
+    assert get("kvtier_lookup_misses_blocks_total", tier="", cause="unattributed") in (
+        0,
+        None,
+    )  # None: not sent
     for direction, jobs in (("load", "nvme.promote_jobs"), ("store", "nvme.demote_jobs")):
         count = get("kvtier_job_duration_seconds_count", tier="nvme", direction=direction)
         assert count == seconds[("nvme", direction)].count == figures[jobs] > 0

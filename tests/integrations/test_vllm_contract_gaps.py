@@ -86,6 +86,8 @@ def test_a_request_kept_off_the_disk_misses_and_starts_no_promotion(tmp_path, lo
             drain_disk(manager)
         figures = manager.stats()
         assert figures["nvme.promote_jobs"] == 0 and figures["nvme.queued_promotions"] == 0
+        # each of the 9 misses is the request's filter's: the disk holds the block
+        assert figures["misses"] == figures["miss_filtered"] == figures["nvme.miss_filtered"] == 9
         manager.on_request_finished(ctx)
         free = request_context("free")  # the blocks are there for a request that may read them
         manager.on_new_request(free)

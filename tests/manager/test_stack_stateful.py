@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtier_testing import key, payload
 from kvtier.base import ReqContext
 from kvtier.config import CascadeConfig
+from kvtier.manager.causes import CAUSES, MissCauses
 from kvtier.manager.stack import TierStackManager
 from kvtier.policies import get_policy_class, registered_policies
 from kvtier.policies.admission import AdmissionFilter
@@ -76,6 +77,7 @@ class StackMachine(RuleBasedStateMachine):
             CascadeConfig(write_policy=self.write_policy, max_demote_bytes_per_step=2 * BLOCK),
             admission=admission,
             receives=receives,
+            causes=MissCauses(256, ["cpu", *(tier.name for tier in tiers)]),
         )
         self.rows = backend.rows
         self.store_jobs: list = []
@@ -187,6 +189,13 @@ class StackMachine(RuleBasedStateMachine):
                         or k in self.evicted_below
                         or k in self.admission.refused_keys
                     ), "a block the disk could take was dropped from the CPU tier"
+
+    @invariant()
+    def each_miss_has_one_cause(self):
+        stats = self.manager.stats()
+        assert sum(stats[f"miss_{cause}"] for cause in CAUSES) == stats["misses"]
+        per_tier = sum(stats[f"{name}.miss_{cause}"] for name in ("cpu", "disk") for cause in CAUSES[1:])
+        assert per_tier <= stats["misses"] - stats["miss_new"]
 
     @invariant()
     def cpu_rows_accounted_for(self):

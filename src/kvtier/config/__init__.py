@@ -24,7 +24,14 @@ from kvtier.config.describe import describe
 from kvtier.config.kinds import TIER_KINDS
 from kvtier.config.load import load_config
 from kvtier.config.parse import parse_tier
-from kvtier.config.schema import RECEIVES, CascadeConfig, KvtierConfig, MetricsConfig, TierConfig
+from kvtier.config.schema import (
+    RECEIVES,
+    CascadeConfig,
+    KvtierConfig,
+    MetricsConfig,
+    MissCausesConfig,
+    TierConfig,
+)
 from kvtier.config.units import format_size, parse_size, positive_int, positive_size
 
 # Module attributes of the old single-file kvtier.config, kept importable from here; each
@@ -47,6 +54,7 @@ __all__ = [
     "CPUTierConfig",
     "DiskTierConfig",
     "CascadeConfig",
+    "MissCausesConfig",
     "RECEIVES",
     "KvtierConfig",
     "MetricsConfig",

@@ -45,6 +45,8 @@ def describe(config: KvtierConfig) -> str:
         f"max_demote_bytes_per_step={describe_size(cascade.max_demote_bytes_per_step)}  "
         f"max_promote_bytes_per_step={describe_size(cascade.max_promote_bytes_per_step)}"
     )
+    keys = config.miss_causes.keys
+    lines.append(f"miss_causes: {keys} keys remembered" if keys else "miss_causes: off")
     metrics = config.metrics
     reported = []
     if metrics.port is not None:

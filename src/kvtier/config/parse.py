@@ -28,6 +28,7 @@ from kvtier.config.schema import (
     CascadeConfig,
     KvtierConfig,
     MetricsConfig,
+    MissCausesConfig,
     TierConfig,
 )
 from kvtier.config.source import load_yaml, read_file
@@ -37,7 +38,7 @@ from kvtier.policies import POLICIES
 
 __all__ = ["parse_document", "parse_tier"]
 
-_TOP_KEYS = ("tiers", "block_size_tokens", "cascade", "metrics")
+_TOP_KEYS = ("tiers", "block_size_tokens", "cascade", "metrics", "miss_causes")
 # Keys of vLLM's kv_connector_extra_config that belong to vLLM; kvtier accepts and skips them
 # so that the whole extra config can be handed over untouched.
 _VLLM_PASSTHROUGH_KEYS = ("spec_name", "spec_module_path", "offload_prompt_only")
@@ -48,6 +49,8 @@ _INCLUDE_KEY = "kvtier_config"
 _VLLM_KEYS = _VLLM_PASSTHROUGH_KEYS + (_VLLM_BLOCK_SIZE_KEY, _INCLUDE_KEY)
 _TIER_NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
 
+#: the fewest keys a cause sketch remembers (one bucket of 4 ways)
+MIN_SKETCH_KEYS = 4
 _CASCADE_KEYS = tuple(f.name for f in fields(CascadeConfig))
 _METRICS_KEYS = tuple(f.name for f in fields(MetricsConfig))
 
@@ -293,6 +296,30 @@ def _parse_metrics(value: object) -> MetricsConfig:
     return MetricsConfig(**settings)
 
 
+def _parse_miss_causes(value: object) -> MissCausesConfig:
+    """``miss_causes: off`` (or false), or ``{keys: N}``."""
+    if value is False or value == "off":
+        return MissCausesConfig(keys=0)
+    section = require_mapping(
+        value,
+        "miss_causes",
+        "off, or a mapping of keys",
+        "write miss_causes: {keys: 1000000}, or miss_causes: off",
+    )
+    check_keys(section, ("keys",), "miss_causes", "miss_causes")
+    if "keys" not in section:
+        return MissCausesConfig()
+    keys = positive_int(section["keys"], "miss_causes.keys")
+    if keys < MIN_SKETCH_KEYS:
+        raise ConfigError(
+            "miss_causes.keys",
+            keys,
+            f"at least {MIN_SKETCH_KEYS} keys",
+            "remember more keys (about 5 bytes each), or write miss_causes: off",
+        )
+    return MissCausesConfig(keys=keys)
+
+
 def parse_document(document: object, root: str, from_yaml: bool) -> KvtierConfig:
     """Build a KvtierConfig from one mapping.
 
@@ -327,7 +354,16 @@ def parse_document(document: object, root: str, from_yaml: bool) -> KvtierConfig
     block_size_tokens = _merge_block_size(document, block_size_tokens)
     cascade = _parse_cascade(document["cascade"]) if "cascade" in document else CascadeConfig()
     metrics = _parse_metrics(document["metrics"]) if "metrics" in document else MetricsConfig()
-    return KvtierConfig(tiers=tiers, block_size_tokens=block_size_tokens, cascade=cascade, metrics=metrics)
+    miss_causes = (
+        _parse_miss_causes(document["miss_causes"]) if "miss_causes" in document else MissCausesConfig()
+    )
+    return KvtierConfig(
+        tiers=tiers,
+        block_size_tokens=block_size_tokens,
+        cascade=cascade,
+        metrics=metrics,
+        miss_causes=miss_causes,
+    )
 
 
 def _merge_block_size(document: Mapping, block_size_tokens: int | None) -> int | None:
@@ -354,7 +390,8 @@ def _parse_include(document: Mapping) -> KvtierConfig:
             _INCLUDE_KEY,
             document[_INCLUDE_KEY],
             f"no inline kvtier keys beside it (found {', '.join(inline)})",
-            "give either kvtier_config or inline keys (tiers, cascade, block_size_tokens), not both",
+            "give either kvtier_config or inline keys (tiers, cascade, block_size_tokens, "
+            "metrics, miss_causes), not both",
         )
     include = non_empty_str(
         document[_INCLUDE_KEY],

@@ -14,7 +14,15 @@ from typing import Any, ClassVar
 from kvtier.config.units import MiB
 from kvtier.errors import ConfigError
 
-__all__ = ["RECEIVES", "WRITE_POLICIES", "CascadeConfig", "KvtierConfig", "TierConfig"]
+__all__ = [
+    "RECEIVES",
+    "WRITE_POLICIES",
+    "CascadeConfig",
+    "KvtierConfig",
+    "MetricsConfig",
+    "MissCausesConfig",
+    "TierConfig",
+]
 
 WRITE_POLICIES = ("write_back", "write_through")
 #: how a tier below the first receives blocks (TierConfig.receives)
@@ -158,6 +166,20 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class MissCausesConfig:
+    """Counting each miss under its cause (new, evicted, refused, ...): how many keys the
+    stack remembers to tell them apart (``miss_causes: off`` turns it off)."""
+
+    # keys remembered (about 6.6 bytes each; beyond it the oldest are forgotten and their
+    # misses read as new); 0: off, no sketch and no miss_<cause> counters
+    keys: int = 1_000_000
+
+    @property
+    def enabled(self) -> bool:
+        return self.keys > 0
+
+
+@dataclass(frozen=True)
 class KvtierConfig:
     """A whole kvtier setup: the ordered tier stack and how blocks move along it."""
 
@@ -169,3 +191,5 @@ class KvtierConfig:
     cascade: CascadeConfig = field(default_factory=CascadeConfig)
     # a metrics endpoint and a stats file for a running stack (both off by default)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    # miss causes and the bounded sketch behind them (docs/operations/miss-causes.md)
+    miss_causes: MissCausesConfig = field(default_factory=MissCausesConfig)

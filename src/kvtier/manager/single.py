@@ -18,6 +18,7 @@ from kvtier.base import (
     RequestOffloadingContext,
 )
 from kvtier.errors import BlockStateError
+from kvtier.manager.causes import EVICTED, MissCauses
 from kvtier.policies.base import EvictionPolicy, tail_first
 
 __all__ = ["SingleTierManager"]
@@ -109,7 +110,16 @@ class SingleTierManager(OffloadingManager):
     Threading: the engine's scheduler thread only (see :class:`~kvtier.base.OffloadingManager`).
     """
 
-    def __init__(self, backend: Backend, policy: EvictionPolicy, *, enable_events: bool = True):
+    def __init__(
+        self,
+        backend: Backend,
+        policy: EvictionPolicy,
+        *,
+        enable_events: bool = True,
+        causes: MissCauses | None = None,
+    ):
+        """``causes``: count each miss under its cause (:mod:`kvtier.manager.causes`);
+        None: no causes, no sketch."""
         self._backend = backend
         self._policy = policy
         self._pending: dict[OffloadKey, int] = {}
@@ -117,6 +127,9 @@ class SingleTierManager(OffloadingManager):
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         #: ready blocks dropped to make room, since start
         self.evictions = 0
+        #: lookups answered False for want of the block (counted only with ``causes``)
+        self.misses = 0
+        self._causes = causes
         #: run once at shutdown, before anything closes (see :meth:`add_shutdown_hook`)
         self._shutdown_hooks: list[Callable[[], None]] = []
         # Bound once: these run per key on the hot path.
@@ -139,7 +152,19 @@ class SingleTierManager(OffloadingManager):
     # -- lookups and loads -------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        return self._contains(key)
+        if self._contains(key):
+            return True
+        causes = self._causes
+        if causes is not None and key not in self._pending:  # being written: not a miss
+            self.misses += 1
+            cause, tier, part = causes.recorded(key)
+            causes.count(cause, tier, part)
+        return False
+
+    @property
+    def miss_causes(self) -> MissCauses | None:
+        """The miss-cause counters and sketch (None: off)."""
+        return self._causes
 
     def is_storing(self, key: OffloadKey) -> bool:
         """Whether ``key`` is being written into this tier (prepared, not yet completed).
@@ -325,6 +350,8 @@ class SingleTierManager(OffloadingManager):
         backend = self._backend
         backend.free_block_ids([block_id for _, block_id in victims])
         self.evictions += len(evicted_keys)
+        if self._causes is not None:
+            self._causes.sketch.put(evicted_keys, EVICTED, 0)
         if self._events is not None:
             self._events.append(
                 OffloadingEvent(evicted_keys, backend.block_size, backend.medium, removed=True)
@@ -392,6 +419,8 @@ class SingleTierManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         dropped = self._policy.clear()
+        if dropped and self._causes is not None:
+            self._causes.sketch.put([key for key, _ in dropped], EVICTED, 0)
         backend = self._backend
         backend.free_block_ids([block_id for _, block_id in dropped])
         backend.free_block_ids(self._pending.values())
@@ -428,4 +457,7 @@ class SingleTierManager(OffloadingManager):
         }
         for name, value in self._policy.describe().items():
             figures["policy_" + name] = value
+        if self._causes is not None:
+            figures["misses"] = self.misses
+            figures.update(self._causes.stats())
         return figures

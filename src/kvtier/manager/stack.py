@@ -34,6 +34,13 @@ refused, write amplification (bytes written per byte later read) and, with
 :class:`~kvtier.policies.write_budget.WriteBudget` sets (ticked each step, told each job's
 bytes), and adds the budget's figures to its stats.
 
+**Miss causes** (optional, :mod:`kvtier.manager.causes`): each lookup answered ``False`` for
+want of the block, each failed read from below and each read with no CPU row is counted as a
+miss under one cause, from what the tiers say (a filter, an outage, a corrupt value) or what
+a bounded sketch remembers of the key (saved, evicted, refused ...), fed by the job results,
+admission answers, CPU evictions and the tiers' removal events. A ``new`` miss may start a
+tier's background probe for the key under another layout or namespace (``foreign``).
+
 Both directions are bounded per step (``max_promote_bytes_per_step``,
 ``max_demote_bytes_per_step``) so I/O never piles up behind the scheduler. Every call is
 bookkeeping; the tiers' own threads move the bytes, and their completions are polled here.
@@ -60,6 +67,7 @@ from kvtier.base import (
     ReqContext,
 )
 from kvtier.config import RECEIVES, CascadeConfig
+from kvtier.manager.causes import EVICTED, REFUSED, STORED, MissCauses, failure_cause
 from kvtier.manager.coldqueue import ColdQueue
 from kvtier.manager.single import SingleTierManager
 from kvtier.metrics.histogram import LatencyHistogram
@@ -93,6 +101,11 @@ class _TierCounters:
     demote_failures: int = 0
     demote_jobs: int = 0
     promote_jobs: int = 0
+
+
+def _overrides(tier: SecondaryTier, method: str) -> bool:
+    """Whether ``tier``'s class replaces the contract's default ``method``."""
+    return getattr(type(tier), method) is not getattr(SecondaryTier, method)
 
 
 def _job_id(result: TierJobResult) -> int:
@@ -150,8 +163,9 @@ class TierStackManager(SingleTierManager):
         admission: Sequence[AdmissionFilter | None] | None = None,
         endurance_tbw: Sequence[float | None] | None = None,
         receives: Sequence[str] | None = None,
+        causes: MissCauses | None = None,
     ):
-        super().__init__(backend, policy, enable_events=enable_events)
+        super().__init__(backend, policy, enable_events=enable_events, causes=causes)
         self._tiers = list(tiers)
         # -- admission (None per tier: it takes every block) --
         self._admission = list(admission) if admission is not None else [None] * len(self._tiers)
@@ -213,6 +227,12 @@ class TierStackManager(SingleTierManager):
         self._closed = False
         #: stats() once shut down (set by shutdown, just before the tiers close)
         self._final_stats: dict[str, float] | None = None
+        #: with causes: the lower tiers' events, taken early to see their evictions
+        self._lower_events: list[OffloadingEvent] = []
+        #: the tiers that may know why they missed, and those that probe siblings (asked on
+        #: a miss only; the others keep the contract's no-op defaults)
+        self._explaining = {i for i, t in enumerate(self._tiers, 1) if _overrides(t, "miss_reason")}
+        self._probing = [t for t in self._tiers if _overrides(t, "probe_foreign")]
 
     @property
     def tiers(self) -> list[SecondaryTier]:
@@ -252,7 +272,37 @@ class TierStackManager(SingleTierManager):
         if unknown:
             return None  # a tier finds out by the end of the step (a remote tier asks its server)
         self.misses += 1
+        if self._causes is not None:
+            self._classify_miss(key, limit)
         return False
+
+    def _classify_miss(self, key: OffloadKey, limit: LoadTiers | None) -> None:
+        """Count the miss of ``key`` (no tier it may load from holds it) under its cause.
+
+        A tier the request may not load from that holds it: ``filtered``. A tier that knows
+        why it has not (its server is down, its read found it corrupt): that reason. Else
+        what the sketch remembers of the key (``new`` if nothing).
+        """
+        causes = cast("MissCauses", self._causes)
+        for index, tier in enumerate(self._tiers, start=1):
+            if limit is not None and tier.name not in limit.names:
+                # A remote tier would have to ask its server: the sketch says if it stored it.
+                held = causes.stored_at(key) == index if tier.remote else tier.lookup(key) is True
+                if held:
+                    causes.count("filtered", index)
+                    return
+                continue
+            reason = tier.miss_reason(key) if index in self._explaining else None
+            if reason is not None:
+                cause, part = failure_cause(reason)
+                if cause != "evicted":
+                    causes.count(cause, index, part)
+                    return
+        cause, tier_index, part = causes.recorded(key)
+        causes.count(cause, tier_index, part)
+        if cause == "new":
+            for tier in self._probing:  # is it there under another layout or namespace?
+                tier.probe_foreign(key)
 
     def is_promoting(self, key: OffloadKey) -> bool:
         """Whether a read of ``key`` from a lower tier is queued or in flight.
@@ -374,6 +424,12 @@ class TierStackManager(SingleTierManager):
         self._submit_demotions()
         for tier in self._tiers:
             tier.on_schedule_end()
+        self._note_lower_events()
+        if self._causes is not None:
+            found = self._causes.found_foreign
+            for index, tier in enumerate(self._tiers, start=1):
+                for key, part in tier.foreign_found():
+                    found(key, part, index)
 
     def _poll(self) -> None:
         now = time.monotonic()
@@ -407,6 +463,10 @@ class TierStackManager(SingleTierManager):
                     for key in queue:
                         del self._promoting[key]
                     self._no_room.update(queue)
+                    # misses: the CPU tier could not take them
+                    self.misses += len(queue)
+                    if self._causes is not None:
+                        self._causes.count("store_failed", 0, n=len(queue))
                     queue.clear()
                 continue  # else blocks being saved below free rows soon: try next step
             keys = tuple(queue.popleft() for _ in range(len(rows)))
@@ -441,6 +501,9 @@ class TierStackManager(SingleTierManager):
             counters.corrupt_blocks += sum(
                 1 for reason in result.failed.values() if reason.kind is FailureKind.CORRUPT
             )
+            self.misses += len(failed)  # the lookup that queued each read said None, not False
+            if self._causes is not None:
+                self._causes.read_failed(result.failed, index + 1)
 
     def _submit_demotions(self) -> None:
         if not self._dirty and not self._spill:
@@ -551,7 +614,11 @@ class TierStackManager(SingleTierManager):
         admission = self._admission[index]
         if admission is None:
             return keys
-        return [key for key in keys if admission.admit(key)]
+        taken = [key for key in keys if admission.admit(key)]
+        if self._causes is not None and len(taken) != len(keys):
+            admitted = set(taken)
+            self._causes.sketch.put([key for key in keys if key not in admitted], REFUSED, index + 1)
+        return taken
 
     def _admission_stats(self, index: int, counters: _TierCounters) -> dict[str, int | float]:
         """Admission and wear figures of tier ``index``; every value a number (metrics export
@@ -591,6 +658,11 @@ class TierStackManager(SingleTierManager):
         counters.demotions += len(result.ok)
         counters.demoted_bytes += result.nbytes
         counters.demote_failures += len(result.failed)
+        causes = self._causes
+        if causes is not None:
+            causes.sketch.put(result.ok, STORED, index + 1)
+            if result.failed:
+                causes.store_failed(result.failed, index + 1)
         if self._is_victim[index]:
             holds, release = self._holds, self._policy.release
             for key in _jobs_done(self._spilling, job.keys):
@@ -613,9 +685,28 @@ class TierStackManager(SingleTierManager):
 
     def take_events(self) -> Iterator[OffloadingEvent]:
         own = list(super().take_events())
+        self._note_lower_events()
+        own.extend(self._lower_events)
+        self._lower_events = []
         for tier in self._tiers:
             own.extend(tier.take_events())
         return iter(own)
+
+    def _note_lower_events(self) -> None:
+        """With causes: take the lower tiers' events now (kept for :meth:`take_events`) and
+        remember each block a tier removed as evicted by it, whoever takes events when."""
+        causes = self._causes
+        if causes is None:
+            return
+        put = causes.sketch.put
+        for index, tier in enumerate(self._tiers, start=1):
+            events = tier.take_events()
+            if not events:
+                continue
+            self._lower_events.extend(events)
+            for event in events:
+                if event.removed and not event.metadata_only:
+                    put(event.keys, EVICTED, index)
 
     def _drain(self) -> None:
         for tier in self._tiers:

@@ -135,12 +135,14 @@ def plan(
     told: dict[str, list[float]] = {}  # policy -> its reuse-oracle hit ratio per capacity
     seconds: dict[str, float] = {}
     learnt: dict[str, list[dict[str, float]]] = {}  # policy -> what it learnt, per capacity
+    misses: dict[str, list[dict[str, int]]] = {}  # policy -> missed refs by cause, per capacity
     for name in policies:
         results = [done["policy", classes[name], c] for c in capacities]
-        hit_ratio[name] = [ratio for ratio, _, _ in results]
-        seconds[name] = sum(spent for _, spent, _ in results)
-        if any(described for _, _, described in results):
-            learnt[name] = [described for _, _, described in results]
+        hit_ratio[name] = [ratio for ratio, _, _, _ in results]
+        seconds[name] = sum(spent for _, spent, _, _ in results)
+        if any(described for _, _, described, _ in results):
+            learnt[name] = [described for _, _, described, _ in results]
+        misses[name] = [causes for _, _, _, causes in results]
         told[name] = [done["oracle", classes[name], c] for c in capacities]
     opt = [done["belady", None, c][0] for c in capacities]
     opt_s = sum(done["belady", None, c][1] for c in capacities)
@@ -183,6 +185,9 @@ def plan(
         "reuse_oracle_policy": oracle_policy,
         "admission": admission,
         "learnt": learnt,
+        # per policy, per capacity: the missed block refs (refs - hits) by cause: new (never
+        # stored before), evicted (stored, then let go), behind (present, after a miss)
+        "misses": misses,
         "jobs": jobs,
     }
     if signals:
@@ -256,8 +261,8 @@ def _simulate_task(task: tuple[str, str | None, int], chains: Sequence[Sequence[
     cls = get_policy_class(target, field="--policies")
     if kind == "policy":
         policy = cls(capacity)
-        result = simulate(chains, policy, capacity)
-        return round(result.hit_ratio, 4), result.seconds, policy.describe()
+        result = simulate(chains, policy, capacity, causes=True)
+        return round(result.hit_ratio, 4), result.seconds, policy.describe(), result.misses
     if kind == "oracle":
         return round(reuse_oracle(chains, cls, capacity).hit_ratio, 4)
     return _admission_row(chains, cls, capacity, min_reuse)
@@ -336,6 +341,15 @@ def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None
         file=out,
     )
     print_table(rows, ["blocks", *policies, "reuse_oracle", "opt", "ceiling"], out)
+    print("missed block refs by cause, with the best policy at each size:", file=out)
+    print_table(
+        [
+            {"blocks": capacity, "policy": name, **record["misses"][name][i]}
+            for i, (capacity, name) in enumerate(zip(record["capacities"], record["best_policy"]))
+        ],
+        ["blocks", "policy", "new", "evicted", "behind"],
+        out,
+    )
     print(
         "reuse_oracle: the best of these policies evicting first the blocks never referenced "
         f"again (knows whether, not when): {record['reuse_oracle_policy']}",

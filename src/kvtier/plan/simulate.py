@@ -18,6 +18,10 @@ class SimResult:
     hits: int
     refs: int
     seconds: float = 0.0
+    #: with ``causes``: the missed references (``refs - hits``) by cause: ``new`` (never
+    #: stored before), ``evicted`` (stored, then evicted), ``behind`` (present, but after
+    #: the request's first miss, so computed again under prefix matching)
+    misses: dict[str, int] | None = None
 
     @property
     def hit_ratio(self) -> float:
@@ -29,6 +33,7 @@ def simulate(
     policy: EvictionPolicy,
     capacity: int,
     on_request: Callable[[int], None] | None = None,
+    causes: bool = False,
 ) -> SimResult:
     """Replay ``chains`` (each request's block ids, prefix order) through ``capacity`` slots.
 
@@ -45,6 +50,8 @@ def simulate(
     A request longer than the cache stores only its first ``capacity`` blocks.
     ``on_request``, if given, is called with each request's index before its lookups: the
     planner's oracle (:mod:`kvtier.plan.oracle`) learns the time from it; policies never do.
+    ``causes``: also count each missed reference as new, evicted or behind a miss
+    (:attr:`SimResult.misses`; exact: the simulation knows every block it ever stored).
     """
     import time
 
@@ -54,6 +61,8 @@ def simulate(
     evict = keyed.evict_unheld
     free = list(range(capacity))
     hits = refs = 0
+    stored: set[int] | None = set() if causes else None  # every block ever inserted
+    new = evicted = behind = 0
     for index, chain in enumerate(chains):
         if on_request is not None:
             on_request(index)
@@ -71,6 +80,11 @@ def simulate(
                 present.append(block)
             else:
                 missing.append(block)
+        if stored is not None:
+            behind += len(present) - found
+            gone = sum(1 for block in missing if block in stored)
+            evicted += gone
+            new += len(missing) - gone
         if not missing:
             finished(chain, set(present))
             continue
@@ -88,5 +102,8 @@ def simulate(
         slots = free[-len(missing) :]
         del free[-len(missing) :]
         insert(missing, slots)
+        if stored is not None:
+            stored.update(missing)
         finished(chain, set(present))
-    return SimResult(hits, refs, time.process_time() - start)
+    misses = {"new": new, "evicted": evicted, "behind": behind} if stored is not None else None
+    return SimResult(hits, refs, time.process_time() - start, misses)

@@ -104,6 +104,9 @@ class ReplayCounts:
     shutdown_bytes_written: dict[str, int] = field(default_factory=dict)
     #: (requests done, cumulative hits by tier, cumulative block refs), one per sample
     timeline: list[tuple[int, dict[str, int], int]] = field(default_factory=list)
+    #: the manager's cumulative misses by cause at each sample of ``timeline`` (empty: the
+    #: stack counts no causes)
+    cause_timeline: list[dict[str, int]] = field(default_factory=list)
     #: per request, in order: its blocks by where they came from ("gpu", a tier's name,
     #: "computed"), in prefix order; what a time model (``kvtier replay --model``) prices
     served: list[dict[str, int]] = field(default_factory=list)
@@ -494,14 +497,22 @@ class ReplayEngine:
             if progress is not None:
                 progress(1)
             if (index + 1) % every == 0:
-                self.counts.timeline.append((index + 1, dict(self.counts.hits), self.counts.block_refs))
+                self._sample(index + 1)
         self._wait_for_stores()  # the run ends when what it started has finished
         while getattr(self.manager, "has_pending_work", lambda: False)():
             self._wait_for_tiers()
             self.step()
         self.step()
-        self.counts.timeline.append((self.counts.requests, dict(self.counts.hits), self.counts.block_refs))
+        self._sample(self.counts.requests)
         return time.perf_counter() - start
+
+    def _sample(self, done: int) -> None:
+        """One point of the timelines: hits so far, and misses by cause where counted."""
+        counts = self.counts
+        counts.timeline.append((done, dict(counts.hits), counts.block_refs))
+        causes = getattr(self.manager, "miss_causes", None)
+        if causes is not None:
+            counts.cause_timeline.append(dict(causes.counts))
 
     def close(self) -> None:
         """Stop the handlers and the manager (the manager saves dirty CPU blocks below)."""

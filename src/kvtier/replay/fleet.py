@@ -35,7 +35,7 @@ from typing import Any, TextIO
 from kvtier.bench.report import print_json, print_table
 from kvtier.config import load_config
 from kvtier.errors import KvtierError
-from kvtier.replay.run import DEFAULT_BLOCK_BYTES, DEFAULT_GPU_BLOCKS, _fitting, default_config
+from kvtier.replay.run import DEFAULT_BLOCK_BYTES, DEFAULT_GPU_BLOCKS, _fitting, default_config, miss_causes
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, bundled_trace_path, ceiling_hit_ratio, load_trace
 
 __all__ = ["replay_fleet"]
@@ -91,6 +91,9 @@ def _engine_main(
                 ),
                 shared_outages=stats.get(f"{SHARED_TIER}.outages", 0),
             )
+            causes = miss_causes(stats, [tier.name for tier in spec.config.tiers])
+            if causes is not None:  # this engine's misses by cause (foreign: another engine's layout)
+                record["miss_causes"] = causes
         except BaseException as exc:  # reported to the parent, which fails the run with it
             record["error"] = f"{type(exc).__name__}: {exc}"
             start.abort()  # the other engines must not wait for this one
@@ -200,6 +203,7 @@ def _summary(records: list[dict]) -> dict[str, Any]:
                 "hit_ratio": sum(r["hits"].values()) / r["block_refs"] if r["block_refs"] else 0.0,
                 "hits": r["hits"],
                 "elapsed_s": r["elapsed_s"],
+                **({"miss_causes": r["miss_causes"]} if "miss_causes" in r else {}),
             }
             for r in records
         ],

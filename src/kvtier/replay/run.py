@@ -136,6 +136,58 @@ def _admission(stats: dict[str, int], tier: str) -> dict[str, int | float]:
     return {name: stats[f"{tier}.{name}"] for name in _ADMISSION_FIGURES if f"{tier}.{name}" in stats}
 
 
+def miss_causes(stats: dict, tiers: list[str]) -> dict[str, Any] | None:
+    """The stack's misses by cause from its ``stats()`` (None: it counts no causes): the
+    totals, each tier's share of them, the foreign parts, and the sketch's size and stated
+    error rate."""
+    from kvtier.manager.causes import CAUSES, FOREIGN_PARTS
+
+    if "miss_new" not in stats:
+        return None
+    by_tier = {
+        name: {
+            cause: stats[f"{name}.miss_{cause}"] for cause in CAUSES[1:] if stats.get(f"{name}.miss_{cause}")
+        }
+        for name in tiers
+    }
+    return {
+        "misses": stats.get("misses", 0),
+        "causes": {cause: stats[f"miss_{cause}"] for cause in CAUSES},
+        "by_tier": {name: found for name, found in by_tier.items() if found},
+        "foreign": {part: stats.get(f"foreign_{part}", 0) for part in FOREIGN_PARTS},
+        "sketch": {
+            "keys": stats["sketch_keys"],
+            "bytes": stats["sketch_bytes"],
+            "error_rate": stats["sketch_error_rate"],
+            "forgotten": stats["sketch_forgotten"],
+        },
+    }
+
+
+def _print_causes(causes: dict[str, Any], out: TextIO) -> None:
+    """The misses-by-cause table under the tier table."""
+    total = causes["misses"]
+    rows = []
+    for cause, count in causes["causes"].items():
+        tiers = ", ".join(
+            f"{name} {found[cause]}" for name, found in causes["by_tier"].items() if found.get(cause)
+        )
+        if cause == "foreign":
+            parts = ", ".join(f"{part} {n}" for part, n in causes["foreign"].items() if n)
+            tiers = "; ".join(text for text in (tiers, parts and f"differs: {parts}") if text)
+        rows.append(
+            {"cause": cause, "misses": count, "share": count / total if total else 0.0, "where": tiers}
+        )
+    sketch = causes["sketch"]
+    print(
+        f"misses by cause (a request's lookups stop at its first miss: one block each): {total}; "
+        f"sketch of {sketch['keys']} keys in {sketch['bytes']} bytes, error rate "
+        f"{sketch['error_rate']:.1e}, {sketch['forgotten']} forgotten",
+        file=out,
+    )
+    print_table(rows, ["cause", "misses", "share", "where"], out)
+
+
 def replay(
     trace: str | None = None,
     config: str | None = None,
@@ -254,6 +306,10 @@ def replay(
         # per lower tier: what its admission let through and what the writes bought
         "admission": {name: _admission(stats, name) for name in lower},
     }
+    causes = miss_causes(stats, [tier.name for tier in parsed.tiers])
+    if causes is not None:
+        # each lookup that missed, and each read from below that failed, under its one cause
+        record["miss_causes"] = causes
     if cpu_only is not None:
         record["cpu_only_hit_ratio"] = sum(cpu_only.hits.values()) / cpu_only.block_refs
     if cost is not None:
@@ -282,6 +338,8 @@ def replay(
         file=out,
     )
     print_table(rows, ["tier", "hits", "hit_ratio", "bytes_read", "bytes_written"], out)
+    if causes is not None:
+        _print_causes(causes, out)
     if "time" in record:
         from kvtier.replay.ttft import print_time
 
@@ -350,7 +408,12 @@ def _plot(counts, path: str, ceiling: list[float], cpu_only=None) -> None:
     except ImportError as exc:
         raise SystemExit(f"--plot needs matplotlib: pip install 'kvtier[plot]' ({exc})") from exc
     xs = [requests for requests, _, _ in counts.timeline]
-    figure, axes = plt.subplots(figsize=(8, 4.5))
+    with_causes = len(counts.cause_timeline) == len(counts.timeline) and counts.cause_timeline
+    below = None
+    if with_causes:
+        figure, (axes, below) = plt.subplots(2, 1, figsize=(8, 8), sharex=True)
+    else:
+        figure, axes = plt.subplots(figsize=(8, 4.5))
     for name in counts.hits:
         ys = [hits[name] / refs if refs else 0.0 for _, hits, refs in counts.timeline]
         axes.plot(xs, ys, label=name)
@@ -372,6 +435,20 @@ def _plot(counts, path: str, ceiling: list[float], cpu_only=None) -> None:
     axes.grid(alpha=0.3)
     axes.legend()
     axes.set_title("kvtier replay: hits per tier")
+    if below is not None:
+        _plot_causes(below, xs, counts.cause_timeline)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _plot_causes(axes, xs: list[int], timeline: list[dict[str, int]]) -> None:
+    """Cumulative misses by cause, stacked (the causes no miss had are left out)."""
+    causes = [cause for cause in timeline[-1] if timeline[-1][cause]]
+    if causes:
+        axes.stackplot(xs, [[sample.get(cause, 0) for sample in timeline] for cause in causes], labels=causes)
+        axes.legend(loc="upper left")
+    axes.set_xlabel("requests replayed")
+    axes.set_ylabel("misses (cumulative)")
+    axes.grid(alpha=0.3)
+    axes.set_title("kvtier replay: misses by cause")

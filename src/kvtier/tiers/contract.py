@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection
 
 from kvtier.base import OffloadingEvent, OffloadKey
-from kvtier.tiers.jobs import CheckReport, TierJob, TierJobResult
+from kvtier.tiers.jobs import CheckReport, Failure, TierJob, TierJobResult
 
 __all__ = ["SecondaryTier"]
 
@@ -71,6 +71,28 @@ class SecondaryTier(ABC):
         the engine retries it next step; the tier must settle it (``True``/``False``) within a
         bounded number of steps. Never waits for I/O.
         """
+
+    def miss_reason(self, key: OffloadKey) -> Failure | None:
+        """Why :meth:`lookup` just answered ``False`` for ``key``, where the tier knows more
+        than "absent": its server is unreachable (``UNAVAILABLE``), or a read of it found a
+        block that failed verification (``CORRUPT`` and the check). None (the default): absent,
+        as far as the tier knows.
+
+        Called by the manager on the scheduler thread, only after a lookup missed, to count
+        the miss under its cause; must not wait for I/O.
+        """
+        return None
+
+    def probe_foreign(self, key: OffloadKey) -> None:
+        """``key`` missed and was never stored here: look, bounded and in the background, for
+        the same key under a sibling this tier can see (another namespace on a shared server),
+        reported by :meth:`foreign_found`. No-op default; must not wait for I/O, and may drop
+        the request (a probe is a diagnosis: a tier limits how many keys it probes a step)."""
+
+    def foreign_found(self) -> list[tuple[OffloadKey, str]]:
+        """``(key, part)`` for each probed key found under a sibling since the last call; the
+        part names what differs (``layout``, ``tp``, ``namespace``). Never waits."""
+        return []
 
     def on_schedule_end(self) -> None:
         """The scheduler step's lookups are over: send what they asked for (no-op default).

@@ -215,6 +215,10 @@ class TierKeys:
         self._enc_key = _subkey(master, b"block encryption")
         self._name_key = _subkey(master, b"value names")
         self._namespace_key = _subkey(master, b"namespace")
+        #: 16 bits naming this secret in every block it writes (never 0: 0 is "no id"), so
+        #: a reader under another secret reports "other secret" rather than a bad MAC; a
+        #: subkey's bits, which tell nothing of the secret
+        self.key_id = int.from_bytes(_subkey(master, b"key id")[:2], "big") or 1
 
     @property
     def flags(self) -> int:
@@ -319,4 +323,5 @@ def encode_block_header(
             checksum=0,
             flags=keys.flags,
             salt=keys.new_salt(),
+            key_id=keys.key_id,
         )

@@ -78,7 +78,7 @@ def test_blocks_written_without_the_secret_or_under_another_are_misses(kind, tmp
     assert store(tier, shm.rows, keyed_b, first_row=2).success
     tier = reopen(tier, kind, tmp_path / "s", shm.rows, secret_file=str(secrets_dir / "a"))
     refused(tier, shm.rows, plain[0], "unkeyed")
-    refused(tier, shm.rows, keyed_b[0], "MAC")
+    refused(tier, shm.rows, keyed_b[0], "other secret")  # its header's key id is b's
     tier = reopen(tier, kind, tmp_path / "s", shm.rows)  # and a block with a tag, read without a secret
     refused(tier, shm.rows, keyed_b[1], "keyed (no secret here)")
     assert load(tier, shm.rows, [plain[1]], first_row=20).success and holds(shm.rows, 20, plain[1])
@@ -126,7 +126,8 @@ def test_encryption_round_trips_and_stores_no_plaintext(kind, tmp_path, shm, sec
     tier = reopen(tier, kind, tmp_path / "s", shm.rows, secret_file=str(secrets_dir / "b"), encrypt="aes-gcm")
     corrupt = tier.stats()["corrupt"]
     result = load(tier, shm.rows, [keys[0]], first_row=20)
-    assert result.failed == {keys[0]: Failure.corrupt("MAC")}  # a wrong key: a counted corrupt miss
+    # a wrong key: a counted corrupt miss, told apart by the header's key id
+    assert result.failed == {keys[0]: Failure.corrupt("other secret")}
     assert tier.stats()["corrupt"] == corrupt + 1 and tier.lookup(keys[0]) is False
     tier.close()
 
@@ -162,6 +163,6 @@ def test_kvtier_check_takes_the_secret_file(kind, tmp_path, shm, secrets_dir, ca
         secret_bytes = stream.read()
     assert main(["check", str(tmp_path / "s"), "--secret-file", str(secrets_dir / "b")]) == 1
     out = capsys.readouterr()
-    assert "MAC" in out.out and secret_bytes.hex() not in out.out + out.err
+    assert "other secret" in out.out and secret_bytes.hex() not in out.out + out.err
     assert main(["check", str(tmp_path / "s"), "--fix"]) == 1
     assert "--secret-file" in capsys.readouterr().err

@@ -33,6 +33,10 @@ def test_a_fleet_shares_prefixes_through_the_shared_tier(server_binary, capsys, 
     assert shared["verified_blocks"] >= shared["hits"]["shared"]
     assert record["shared_hit_ratio"] > record["local_hit_ratio"]
     assert record["sharing_gain"] == record["shared_hit_ratio"] - record["local_hit_ratio"]
+    for engine in shared["engines"] + local["engines"]:  # each engine's misses, by cause
+        causes = engine["miss_causes"]
+        assert sum(causes["causes"].values()) == causes["misses"] > 0
+        assert causes["causes"]["foreign"] == 0  # every engine runs one layout in one namespace
     assert list(tmp_path.iterdir()) == []  # the engines' disks are cleaned up
 
 

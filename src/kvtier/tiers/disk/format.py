@@ -198,6 +198,9 @@ class BlockHeader:
     salt: bytes = _NO_SALT
     #: a keyed block's MAC or GCM tag (zeros when unkeyed)
     tag: bytes = _NO_TAG
+    #: a keyed block's 16-bit id of the secret that wrote it (0: unkeyed, or written before
+    #: key ids), so a block under another secret is told from a damaged one
+    key_id: int = 0
 
 
 def encode_header_into(
@@ -209,6 +212,7 @@ def encode_header_into(
     checksum: int,
     flags: int = 0,
     salt: bytes = _NO_SALT,
+    key_id: int = 0,
 ) -> None:
     """Write the header of a block into the first :data:`HEADER_BYTES` of ``buffer``.
 
@@ -224,7 +228,7 @@ def encode_header_into(
         0,
         _MAGIC,
         FORMAT_VERSION,
-        0,
+        key_id,  # the field version 1 reserved; covered by the MAC and the header checksum
         flags,
         layout_digest,
         payload_bytes,
@@ -272,14 +276,14 @@ def decode_header(buffer) -> BlockHeader | str:
         return "bad magic"
     if version not in READ_VERSIONS:
         return f"format version {version}"
-    salt, tag = _NO_SALT, _NO_TAG
+    salt, tag, key_id = _NO_SALT, _NO_TAG, 0
     if version == 1:
         _m, _v, _reserved, flags, digest, payload_bytes, checksum, key_len = _FIXED_V1.unpack_from(view, 0)
         start = _FIXED_V1.size
         if flags:
             return "header checksum"  # version 1 never set a flag
     else:
-        _m, _v, _reserved, flags, digest, payload_bytes, checksum, salt, tag, key_len = _FIXED.unpack_from(
+        _m, _v, key_id, flags, digest, payload_bytes, checksum, salt, tag, key_len = _FIXED.unpack_from(
             view, 0
         )
         start = _FIXED.size
@@ -291,7 +295,9 @@ def decode_header(buffer) -> BlockHeader | str:
     (stored_sum,) = _HEADER_SUM.unpack_from(view, end)
     if xxhash.xxh3_64_intdigest(view[:end]) != stored_sum:
         return "header checksum"
-    return BlockHeader(version, digest, payload_bytes, checksum, bytes(view[start:end]), flags, salt, tag)
+    return BlockHeader(
+        version, digest, payload_bytes, checksum, bytes(view[start:end]), flags, salt, tag, key_id
+    )
 
 
 def verify(
@@ -316,7 +322,7 @@ def verify(
     ``keys`` a keyed block is refused (it cannot be verified).
     Reasons: ``truncated``, ``bad magic``, ``format version N``, ``header checksum``,
     ``other layout``, ``other key``, ``payload length``, ``checksum``, ``unkeyed``,
-    ``keyed (no secret here)``, ``MAC``.
+    ``keyed (no secret here)``, ``other secret``, ``MAC``.
     """
     if nread < HEADER_BYTES:
         return "truncated"
@@ -335,6 +341,8 @@ def verify(
         # Checked before the payload is trusted: without the secret no one can make a tag hold.
         if keys is None:
             return "keyed (no secret here)"
+        if header.key_id and header.key_id != keys.key_id:
+            return "other secret"  # written under another secret: its tag cannot hold here
         return keys.open(header_page, header, payload, source)
     if keys is not None:
         return "unkeyed"  # written without the secret, or planted: never served with one

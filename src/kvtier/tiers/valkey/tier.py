@@ -65,6 +65,7 @@ from kvtier.tiers.disk.format import HEADER_BYTES, LayoutFingerprint
 from kvtier.tiers.jobs import CheckReport, Failure, FailureKind, TierJob, TierJobResult
 from kvtier.tiers.secret import tier_keys
 from kvtier.tiers.valkey.check import check_namespace, namespace_names
+from kvtier.tiers.valkey.siblings import SiblingProbe
 from kvtier.tiers.valkey.config import ValkeyTierConfig, redact_url
 from kvtier.tiers.valkey.connection import ValkeyConnection, fix_for, is_outage, reason_of
 from kvtier.tiers.valkey.outage import BACKOFF_MAX_S, Outage
@@ -78,6 +79,8 @@ logger = logging.getLogger(__name__)
 #: the most keys the tier remembers as present, or as missing; the oldest are forgotten first
 #: (a forgotten key is asked again: one GET, never a wrong answer)
 MAX_REMEMBERED_KEYS = 1 << 18
+#: the most keys whose failed read's reason is kept for :meth:`ValkeyTier.miss_reason`
+MAX_MISS_REASONS = 4096
 #: how often the server's memory and hit counters are refreshed (from the step's end)
 SERVER_FIGURES_PERIOD_S = 1.0
 #: how long a read value waits here for its load before it is dropped
@@ -86,6 +89,8 @@ STAGED_TTL_S = 30.0
 
 #: a job's keys while the tier is down and no reason is known (it always is, but never crash)
 _UNAVAILABLE = Failure(FailureKind.UNAVAILABLE)
+#: a read that outlived timeout_s
+_TIMEOUT = Failure(FailureKind.UNAVAILABLE, detail="timeout")
 
 
 def default_namespace(fingerprint: LayoutFingerprint) -> str:
@@ -133,6 +138,8 @@ class ValkeyTier(SecondaryTier):
 
         # scheduler-thread state
         self._present: OrderedDict[OffloadKey, None] = OrderedDict()
+        #: why a read found a key bad or could not ask (corrupt, timeout ...): the last few
+        self._miss_reasons: OrderedDict[OffloadKey, Failure] = OrderedDict()
         self._missing: OrderedDict[OffloadKey, float] = OrderedDict()  # key -> answer False until
         # key -> (value, its payload checksum from the checked header, drop at)
         self._staged: OrderedDict[OffloadKey, tuple[np.ndarray, int, float]] = OrderedDict()
@@ -185,6 +192,12 @@ class ValkeyTier(SecondaryTier):
 
         # outage state, shared with the worker threads
         self._outage = Outage(self.counters)
+        # near-miss probes of other namespaces (not with a secret: see siblings.py)
+        self._siblings = (
+            SiblingProbe(lambda: self._conn.client, self.namespace, fingerprint)
+            if self._keys is None
+            else None
+        )
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -342,6 +355,25 @@ class ValkeyTier(SecondaryTier):
         self._wanted[key] = None
         return None
 
+    def probe_foreign(self, key: OffloadKey) -> None:
+        if self._siblings is not None and not self._outage.down:
+            self._siblings.want(key)
+
+    def foreign_found(self) -> list[tuple[OffloadKey, str]]:
+        return self._siblings.take_found() if self._siblings is not None else []
+
+    def miss_reason(self, key: OffloadKey) -> Failure | None:
+        if self._outage.down:
+            return self._outage.reason or _UNAVAILABLE
+        return self._miss_reasons.get(key)
+
+    def _remember_reason(self, key: OffloadKey, reason: Failure) -> None:
+        reasons = self._miss_reasons
+        reasons[key] = reason
+        reasons.move_to_end(key)
+        if len(reasons) > MAX_MISS_REASONS:
+            reasons.popitem(last=False)
+
     def touch(self, keys: Collection[OffloadKey]) -> None:
         # The server's LRU sees every GET; a touch without a read is not worth a round trip.
         return None
@@ -366,6 +398,8 @@ class ValkeyTier(SecondaryTier):
             self._wanted.clear()
             for start in range(0, len(keys), self._batch_keys):
                 self._send_probe(keys[start : start + self._batch_keys], now)
+        if self._siblings is not None:
+            self._siblings.send(lambda fn, *args: self._submit(self._reader, fn, *args))
         if now >= self._next_figures:
             self._next_figures = now + SERVER_FIGURES_PERIOD_S
             self._submit(self._reader, self._refresh_figures)
@@ -390,6 +424,7 @@ class ValkeyTier(SecondaryTier):
             if self._probing.get(key) == batch:
                 del self._probing[key]
                 self._remember_missing(key, until)
+                self._remember_reason(key, _TIMEOUT)
         self.counters["probe_timeouts"] += len(probe.keys)
 
     def _remember_missing(self, key: OffloadKey, until: float) -> None:
@@ -562,6 +597,10 @@ class ValkeyTier(SecondaryTier):
         self._count_failures(outcome.failed.values(), keys=False)
         for key in [*outcome.missing, *outcome.corrupt, *outcome.failed]:
             self._remember_missing(key, until)
+        for key in [*outcome.found, *outcome.missing]:
+            self._miss_reasons.pop(key, None)
+        for key, reason in [*outcome.corrupt.items(), *outcome.failed.items()]:
+            self._remember_reason(key, reason)
 
     # -- figures, check, close -------------------------------------------------------------------
 
@@ -576,6 +615,8 @@ class ValkeyTier(SecondaryTier):
             staged_bytes=self._staged_bytes,
             known_blocks=len(self._present),
         )
+        if self._siblings is not None:
+            figures.update(sibling_probed_keys=self._siblings.probed, sibling_found_keys=self._siblings.found)
         for name, value in self._server_figures.items():
             figures["server_" + name] = value
         return figures

@@ -1,0 +1,248 @@
+"""The SGLang integration's parts that need no SGLang: settings, shards, keys, fingerprint.
+
+Runs in the default CI (no SGLang installed); the backend itself is tested against SGLang's
+own classes in test_sglang_backend.py (marked ``sglang``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kvtier.base import get_offload_block_hash, get_offload_group_idx
+from kvtier.errors import ConfigError
+from kvtier.integrations.sglang.settings import (
+    HOST_TIER_NAME,
+    PoolFacts,
+    ShardFacts,
+    layout_fingerprint,
+    page_key,
+    resolve_settings,
+)
+
+FACTORY = {
+    "backend_name": "kvtier",
+    "module_path": "kvtier.integrations.sglang",
+    "class_name": "KvtierHiCacheStorage",
+}
+LMDB = {"name": "nvme", "kind": "lmdb", "path": "/srv/kvtier/sglang", "capacity": "2GiB"}
+
+
+def storage_config(**changes):
+    """The fields of SGLang's HiCacheStorageConfig this integration reads."""
+    fields = dict(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        model_name="org/model-7b",
+        should_split_heads=False,
+        dcp_size=1,
+        extra_config={},
+    )
+    fields.update(changes)
+    return SimpleNamespace(**fields)
+
+
+# -- the extra config ------------------------------------------------------------------------
+
+
+def test_inline_lower_tiers_get_a_host_tier_in_front():
+    settings = resolve_settings({**FACTORY, "interface_v1": 1, "tiers": [LMDB]})
+    assert settings.config.tiers[0].name == HOST_TIER_NAME and settings.config.tiers[0].kind == "cpu"
+    assert [(t.name, t.kind, t.capacity_bytes) for t in settings.lower_tiers] == [("nvme", "lmdb", 2 << 30)]
+    assert settings.interface_v1 and settings.staging_pages == 16
+
+
+def test_a_vllm_yaml_is_taken_as_it_is(tmp_path):
+    path = tmp_path / "tiers.yaml"
+    path.write_text(
+        "tiers:\n"
+        "  - {name: cpu, kind: cpu, capacity: 8GiB}\n"
+        "  - {name: nvme, kind: files, path: /srv/kvtier/f, capacity: 1TiB, admit: reuse}\n"
+    )
+    settings = resolve_settings({**FACTORY, "config": str(path), "kvtier_staging_pages": 4})
+    assert [t.name for t in settings.config.tiers] == ["cpu", "nvme"]
+    assert settings.lower_tiers[0].admission()[:2] == ("reuse", 2)
+    assert settings.staging_pages == 4 and not settings.interface_v1
+
+
+def test_a_yaml_of_lower_tiers_only(tmp_path):
+    path = tmp_path / "tiers.yaml"
+    path.write_text("tiers:\n  - {name: nvme, kind: lmdb, path: /srv/kvtier/l, capacity: 1GiB}\n")
+    assert [t.name for t in resolve_settings({"kvtier_config": str(path)}).lower_tiers] == ["nvme"]
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({**FACTORY}, "hicache-storage-backend-extra-config"),
+        ({"config": "a.yaml", "tiers": [LMDB]}, "hicache-storage-backend-extra-config"),
+        ({"config": "a.yaml", "kvtier_config": "b.yaml"}, "kvtier_config"),
+        ({"config": 3}, "config"),
+        ({"tiers": [LMDB], "block_size_tokens": 64}, "block_size_tokens"),
+        ({"tiers": [{"name": "cpu", "kind": "cpu", "capacity": "1GiB"}]}, "tiers"),
+        ({"tiers": [{**LMDB, "capacty": "1GiB"}]}, "capacty"),
+        ({"tiers": [LMDB], "kvtier_staging_pages": 0}, "kvtier_staging_pages"),
+    ],
+)
+def test_bad_extra_config_names_the_setting(extra, field):
+    with pytest.raises(ConfigError) as error:
+        resolve_settings(extra)
+    assert field in str(error.value)
+
+
+def test_errors_name_the_users_own_tier_index():
+    with pytest.raises(ConfigError) as error:
+        resolve_settings({"tiers": [LMDB, {**LMDB, "name": "b", "capacity": "lots"}]})
+    assert error.value.field.startswith("tiers[1]")
+    assert resolve_settings({"tiers": [LMDB]}).tier_field(1) == "tiers[0]"
+
+
+def test_an_extra_config_that_is_not_a_mapping_is_refused():
+    with pytest.raises(ConfigError, match="JSON object"):
+        resolve_settings(["tiers"])  # type: ignore[arg-type]
+
+
+def test_a_missing_yaml_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        resolve_settings({"config": str(tmp_path / "missing.yaml")})
+
+
+# -- shards, keys and the fingerprint ----------------------------------------------------------
+
+
+def test_each_tensor_rank_has_its_own_shard_and_mla_ranks_share_one():
+    mha = [ShardFacts.from_storage_config(storage_config(tp_rank=r, tp_size=4)) for r in range(4)]
+    assert [s.shard for s in mha] == [0, 1, 2, 3] and all(s.writer for s in mha)
+    mla = [
+        ShardFacts.from_storage_config(storage_config(tp_rank=r, tp_size=4, is_mla_model=True))
+        for r in range(4)
+    ]
+    assert {s.shard for s in mla} == {0}
+    assert [s.writer for s in mla] == [True, False, False, False]
+    # pipeline stages hold different layers: a shard each, MLA or not
+    stage = ShardFacts.from_storage_config(storage_config(pp_rank=1, pp_size=2, is_mla_model=True))
+    assert stage.shard == 1
+    # SGLang's own answer wins where it gives one
+    assert not ShardFacts.from_storage_config(
+        storage_config(is_mla_model=True, is_storage_writer=False)
+    ).writer
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [({"should_split_heads": True, "tp_lcm_size": 8}, "tp_lcm_size"), ({"dcp_size": 2}, "dcp_size")],
+)
+def test_layouts_kvtier_does_not_store_are_refused(changes, field):
+    with pytest.raises(ConfigError, match=field):
+        ShardFacts.from_storage_config(storage_config(**changes))
+
+
+def test_page_keys_keep_sglangs_hash_and_tell_shards_and_parts_apart():
+    name = hashlib.sha256(b"page").hexdigest()
+    key = page_key(name, shard=3, part=1)
+    assert get_offload_block_hash(key) == bytes.fromhex(name)
+    assert len({page_key(name, s, p) for s in range(4) for p in range(2)}) == 8
+    assert get_offload_group_idx(page_key(name, 2, 0)) != get_offload_group_idx(page_key(name, 0, 2))
+    # a key that is not SGLang's hex digest (a custom hash, a sidecar's name) is hashed
+    other = page_key(name + ".mamba", 0, 0)
+    assert get_offload_block_hash(other) == hashlib.sha256(b"sglang:" + (name + ".mamba").encode()).digest()
+    with pytest.raises(ValueError):
+        page_key(name, 0, 4)
+    with pytest.raises(TypeError):
+        page_key(b"bytes", 0, 0)  # type: ignore[arg-type]
+
+
+def _pool(**changes) -> PoolFacts:
+    fields = dict(
+        dtype="torch.bfloat16",
+        page_size=64,
+        layout="page_first",
+        layer_num=32,
+        head_num=8,
+        head_dim=128,
+        v_head_dim=128,
+    )
+    fields.update(changes)
+    pool = type("MHATokenToKVPoolHost", (), {})()
+    pool.__dict__.update(fields)
+    return PoolFacts.from_host_pool(pool)
+
+
+def _digest(pool: PoolFacts, **shard) -> bytes:
+    facts = ShardFacts.from_storage_config(storage_config(**shard))
+    return layout_fingerprint(pool, facts, block_bytes=4 << 20, parts=2, staged=False).digest()
+
+
+def test_the_fingerprint_is_one_per_engine_and_names_what_the_bytes_mean():
+    pool = _pool()
+    assert pool.geometry == (("layer_num", 32), ("head_num", 8), ("head_dim", 128), ("v_head_dim", 128))
+    # every rank of one engine writes under one fingerprint (one store, one capacity)
+    assert _digest(pool, tp_rank=0, tp_size=2) == _digest(pool, tp_rank=1, tp_size=2)
+    base = _digest(pool, tp_size=2)
+    assert _digest(pool, tp_size=4) != base
+    assert _digest(pool, tp_size=2, model_name="org/other") != base
+    for changes in (
+        {"dtype": "torch.float16"},
+        {"layout": "page_first_direct"},
+        {"page_size": 32},
+        {"head_num": 4},
+    ):
+        assert _digest(_pool(**changes), tp_size=2) != base, changes
+    # MLA: every tensor rank holds the same bytes, so TP=2 and TP=4 engines share blocks
+    assert _digest(pool, is_mla_model=True, tp_size=2) == _digest(pool, is_mla_model=True, tp_size=4)
+    facts = ShardFacts.from_storage_config(storage_config())
+    staged = layout_fingerprint(pool, facts, block_bytes=4 << 20, parts=1, staged=True)
+    assert (
+        staged.digest()
+        != layout_fingerprint(pool, facts, block_bytes=4 << 20, parts=1, staged=False).digest()
+    )
+    assert staged.tokens_per_block == 64 and staged.block_bytes == 4 << 20
+
+
+# -- importing -------------------------------------------------------------------------------
+
+_PROBE = """
+import sys
+import kvtier, kvtier.integrations.sglang, kvtier.integrations.sglang.settings, kvtier.integrations.sglang.pages
+print(sorted(m for m in sys.modules if m == "sglang" or m.startswith("sglang.")))
+"""
+
+
+def test_the_integration_imports_without_importing_sglang():
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here")
+def test_the_backend_class_without_sglang_is_a_clear_error():
+    import kvtier.integrations.sglang as integration
+
+    with pytest.raises(ImportError, match="sglang==0.5.23"):
+        integration.KvtierHiCacheStorage  # noqa: B018 - the attribute access is what imports
+
+
+def test_the_example_settings_resolve():
+    root = Path(__file__).resolve().parents[2]
+    extra = json.loads((root / "examples/sglang/extra-config.json").read_text())
+    assert (
+        extra["module_path"] == "kvtier.integrations.sglang" and extra["class_name"] == "KvtierHiCacheStorage"
+    )
+    extra["config"] = str(root / extra["config"])  # the README runs it from the repository root
+    settings = resolve_settings(extra)
+    assert settings.interface_v1
+    assert [(t.name, t.kind, t.admission()[0]) for t in settings.lower_tiers] == [("nvme", "lmdb", "reuse")]

@@ -1,0 +1,338 @@
+"""The cause sketch's memory and error rate, and each cause through a manager over real tiers."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from kvtier_testing import key, store_blocks
+from kvtier_testing.store import flip, locate
+
+import kvtier
+from kvtier.base import LoadTiers, ReqContext
+from kvtier.manager.causes import (
+    CAUSES,
+    EVICTED,
+    FAILED,
+    REFUSED,
+    STORED,
+    CauseSketch,
+    MissCauses,
+)
+from kvtier.tiers.cpu.region import row_stride_for
+
+BLOCK = 8192
+
+
+def random_keys(rng: random.Random, count: int) -> list[bytes]:
+    return [rng.randbytes(36) for _ in range(count)]
+
+
+class TestSketch:
+    @pytest.mark.parametrize("keys", [4, 5, 1000, 1_000_000])
+    def test_memory_is_at_most_16_bytes_a_key(self, keys):
+        sketch = CauseSketch(keys)
+        assert sketch.keys >= keys
+        assert sketch.nbytes <= 16 * keys
+        # 4 tag bytes and 1 record byte a slot, 1 cursor byte a bucket of 4; 1.25 slots a key
+        slots = -(-(keys * 5 // 4) // 4) * 4
+        assert sketch.nbytes == slots * 5 + slots // 4
+
+    def test_remembers_what_fits_exactly(self):
+        rng = random.Random(1)
+        sketch = CauseSketch(4096)
+        stored = random_keys(rng, 1000)  # a quarter full: two buckets of 4 a key never both overflow
+        for i, k in enumerate(stored):
+            sketch.put((k,), EVICTED, i % 7)
+        assert sketch.forgotten == 0
+        assert [sketch.get(k) for k in stored] == [EVICTED << 5 | i % 7 for i in range(len(stored))]
+
+    @pytest.mark.parametrize(("tag_bits", "seed"), [(8, 1), (10, 2), (12, 3)])
+    def test_observed_false_match_rate_is_within_the_stated_one(self, tag_bits, seed):
+        """A full table, then keys it never saw: the share taken for remembered ones is the
+        stated rate (a binomial count; the bound allows 4 standard deviations)."""
+        rng = random.Random(seed)
+        sketch = CauseSketch(8192, tag_bits=tag_bits, seed=seed)
+        sketch.put(random_keys(rng, 3 * sketch.keys), STORED, 1)  # every slot taken
+        trials = 200_000
+        wrong = sum(1 for k in random_keys(rng, trials) if sketch.get(k))
+        rate = sketch.error_rate
+        spread = 4 * (rate * (1 - rate) / trials) ** 0.5
+        assert wrong / trials <= rate + spread
+        assert wrong / trials >= rate - spread  # the bound is tight, not a loose ceiling
+
+    def test_the_default_rate_is_stated_and_small(self):
+        sketch = CauseSketch(1000)
+        assert sketch.error_rate == pytest.approx(8 * 2.0**-32, rel=1e-6)
+
+    def test_at_its_size_it_forgets_few_and_reports_how_many(self):
+        rng = random.Random(5)
+        sketch = CauseSketch(1 << 14)
+        keys = random_keys(rng, sketch.keys)
+        sketch.put(keys, EVICTED, 0)
+        remembered = sum(1 for k in keys if sketch.get(k))
+        assert remembered == len(keys) - sketch.forgotten  # each forgotten key, counted once
+        assert sketch.forgotten <= 0.03 * len(keys)  # 1.4% measured (docs/design/miss-causes.md)
+
+    def test_beyond_its_size_the_oldest_are_forgotten(self):
+        rng = random.Random(4)
+        sketch = CauseSketch(64)
+        keys = random_keys(rng, 1000)
+        sketch.put(keys, EVICTED, 0)
+        slots = len(sketch._tags)
+        assert sketch.forgotten == 1000 - slots
+        assert sum(1 for k in keys[-64:] if sketch.get(k)) > sum(1 for k in keys[:64] if sketch.get(k))
+
+    def test_a_refusal_outlasts_the_eviction_that_follows(self):
+        sketch = CauseSketch(16)
+        k = key(1)
+        sketch.put((k,), REFUSED, 1)
+        sketch.put((k,), EVICTED, 0)
+        assert sketch.get(k) == REFUSED << 5 | 1
+        sketch.put((k,), STORED, 1)  # admitted later
+        sketch.put((k,), EVICTED, 0)  # the CPU tier lets it go: the lower tier still has it
+        assert sketch.get(k) == STORED << 5 | 1
+        sketch.put((k,), EVICTED, 1)
+        assert sketch.get(k) == EVICTED << 5 | 1
+        sketch.put((k,), FAILED, 2)
+        assert sketch.get(k) == FAILED << 5 | 2
+
+
+def cpu_section(blocks: int) -> dict:
+    return {"name": "cpu", "kind": "cpu", "capacity": blocks * row_stride_for(BLOCK), "pin_memory": "off"}
+
+
+def assert_causes_sum(stats: dict) -> None:
+    assert sum(stats[f"miss_{cause}"] for cause in CAUSES) == stats["misses"]
+
+
+def test_single_tier_new_then_evicted_exactly():
+    manager = kvtier.build_manager({"tiers": [cpu_section(8)]}, BLOCK)
+    ctx = ReqContext("r")
+    try:
+        first = [key(i) for i in range(8)]
+        assert [manager.lookup(k, ctx) for k in first] == [False] * 8
+        store_blocks(manager, first, ctx)
+        store_blocks(manager, [key(i) for i in range(100, 105)], ctx)  # evicts 5 of the first
+        answers = [manager.lookup(k, ctx) for k in first]
+        stats = manager.stats()
+        assert answers.count(False) == 5
+        assert stats["miss_new"] == 8 and stats["miss_evicted"] == 5 and stats["cpu.miss_evicted"] == 5
+        assert stats["misses"] == 13
+        assert_causes_sum(stats)
+        assert stats["sketch_bytes"] <= 16 * stats["sketch_keys"]
+        assert stats["sketch_error_rate"] > 0
+    finally:
+        manager.shutdown()
+
+
+def test_off_means_no_sketch_and_no_cause_counters():
+    manager = kvtier.build_manager({"tiers": [cpu_section(8)], "miss_causes": "off"}, BLOCK)
+    try:
+        assert manager.lookup(key(1), ReqContext("r")) is False
+        assert manager.miss_causes is None
+        assert not any(name.startswith(("miss_", "sketch_")) for name in manager.stats())
+    finally:
+        manager.shutdown()
+
+
+def test_configured_size_is_the_sketch_size():
+    manager = kvtier.build_manager({"tiers": [cpu_section(8)], "miss_causes": {"keys": 4096}}, BLOCK)
+    try:
+        stats = manager.stats()
+        assert stats["sketch_keys"] == 4096 and stats["sketch_bytes"] == 5120 * 5 + 1280
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"keys": 0}, "miss_causes.keys"),
+        ({"keys": 3}, "miss_causes.keys"),
+        ({"size": 3}, "miss_causes.size"),
+        ("on", "miss_causes"),
+    ],
+)
+def test_bad_miss_causes_settings_name_the_field(section, field):
+    with pytest.raises(kvtier.ConfigError) as caught:
+        kvtier.load_config({"tiers": [cpu_section(8)], "miss_causes": section})
+    assert caught.value.field == field
+
+
+def disk_stack(tmp_path, cpu_blocks=16, disk_blocks=64, **disk):
+    from kvtier.tiers.disk.format import on_disk_block_bytes
+
+    config = {
+        "tiers": [
+            cpu_section(cpu_blocks),
+            {
+                "name": "disk",
+                "kind": "lmdb",
+                "path": str(tmp_path / "store"),
+                "capacity": disk_blocks * on_disk_block_bytes(BLOCK),
+                "fsync": "none",
+                **disk,
+            },
+        ],
+        "cascade": {"write_policy": "write_through"},
+    }
+    return kvtier.build_manager(config, BLOCK)
+
+
+def settle(manager, keys, ctx):
+    """Look ``keys`` up once each as an engine does (stepping while any is None); answers."""
+    for _ in range(200):
+        answers = [manager.lookup(k, ctx) for k in keys]
+        if None not in answers:
+            return answers
+        manager.on_schedule_end()
+        for tier in manager.tiers:
+            tier.drain_jobs()
+    raise AssertionError("lookups never settled")
+
+
+def test_refused_by_admission_then_evicted_is_refused(tmp_path):
+    manager = disk_stack(tmp_path, admit="reuse", min_reuse=2)
+    ctx = ReqContext("r")
+    try:
+        blocks = [key(i) for i in range(8)]
+        store_blocks(manager, blocks, ctx)  # seen once: the disk's admission refuses them
+        manager.on_schedule_end()
+        manager.flush()
+        manager.reset_cache()
+        assert settle(manager, blocks, ctx) == [False] * 8
+        stats = manager.stats()
+        assert stats["miss_refused"] == 8 and stats["disk.miss_refused"] == 8
+        assert stats["disk.refused_blocks"] == 8
+        assert_causes_sum(stats)
+    finally:
+        manager.shutdown()
+
+
+def test_evicted_by_the_lower_tier_names_it(tmp_path):
+    manager = disk_stack(tmp_path, cpu_blocks=8, disk_blocks=8)
+    ctx = ReqContext("r")
+    try:
+        blocks = [key(i) for i in range(16)]
+        for first in range(0, 16, 4):
+            store_blocks(manager, blocks[first : first + 4], ctx)
+            manager.on_schedule_end()
+            manager.flush()
+        manager.on_schedule_end()
+        manager.reset_cache()
+        gone = [k for k in blocks if manager.tiers[0].lookup(k) is not True]
+        assert len(gone) == 8
+        assert settle(manager, gone, ctx) == [False] * 8
+        stats = manager.stats()
+        assert (
+            stats["miss_evicted"] == 8 and stats["disk.miss_evicted"] == 8 and stats["cpu.miss_evicted"] == 0
+        )
+        assert_causes_sum(stats)
+    finally:
+        manager.shutdown()
+
+
+def test_a_request_filtered_off_the_tier_that_holds_it(tmp_path):
+    manager = disk_stack(tmp_path)
+    ctx = ReqContext("r")
+    try:
+        blocks = [key(i) for i in range(6)]
+        store_blocks(manager, blocks, ctx)
+        manager.on_schedule_end()
+        manager.flush()
+        manager.reset_cache()
+        limited = ReqContext("limited")
+        limited.set_state(LoadTiers(frozenset()))
+        assert settle(manager, blocks, limited) == [False] * 6
+        stats = manager.stats()
+        assert stats["miss_filtered"] == 6 and stats["disk.miss_filtered"] == 6
+        assert_causes_sum(stats)
+        assert settle(manager, blocks, ctx) == [True] * 6  # unfiltered, the same blocks come up
+    finally:
+        manager.shutdown()
+
+
+def test_blocks_written_without_a_secret_are_foreign_to_a_tier_with_one(tmp_path):
+    pytest.importorskip("cryptography")
+    ctx = ReqContext("r")
+    blocks = [key(i) for i in range(5)]
+    manager = disk_stack(tmp_path)
+    try:
+        store_blocks(manager, blocks, ctx)
+        manager.on_schedule_end()
+        manager.flush()
+    finally:
+        manager.shutdown()
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    manager = disk_stack(tmp_path, secret_file=str(secret))
+    try:
+        assert settle(manager, blocks, ctx) == [False] * 5
+        stats = manager.stats()
+        assert stats["miss_foreign"] == 5 and stats["foreign_secret"] == 5 and stats["disk.miss_foreign"] == 5
+        assert_causes_sum(stats)
+    finally:
+        manager.shutdown()
+
+
+def test_counts_attribute_to_tiers_and_parts():
+    causes = MissCauses(64, ["cpu", "disk"])
+    causes.count("corrupt", 1)
+    causes.count("foreign", 1, "layout")
+    causes.count("new")
+    stats = causes.stats()
+    assert stats["miss_corrupt"] == 1 and stats["disk.miss_corrupt"] == 1
+    assert stats["foreign_layout"] == 1 and stats["disk.miss_foreign"] == 1
+    assert stats["miss_new"] == 1 and "disk.miss_new" not in stats
+
+
+def write_secret(path) -> str:
+    path.write_bytes(os.urandom(32))
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_blocks_under_another_secret_are_foreign_and_a_bad_mac_is_corrupt(tmp_path):
+    """The header's key id tells a block written under another secret from a damaged one."""
+    pytest.importorskip("cryptography")
+    ctx = ReqContext("r")
+    blocks = [key(i) for i in range(4)]
+    first, second = write_secret(tmp_path / "a"), write_secret(tmp_path / "b")
+    manager = disk_stack(tmp_path, secret_file=first)
+    try:
+        store_blocks(manager, blocks, ctx)
+        manager.on_schedule_end()
+        manager.flush()
+    finally:
+        manager.shutdown()
+    manager = disk_stack(tmp_path, secret_file=second)
+    try:
+        assert settle(manager, blocks[:2], ctx) == [False] * 2
+        stats = manager.stats()
+        assert stats["miss_foreign"] == 2 and stats["foreign_secret"] == 2
+        assert stats["disk.corrupt_other_secret"] == 2
+    finally:
+        manager.shutdown()
+    manager = disk_stack(tmp_path, secret_file=first)  # the right secret, one tag altered
+    try:
+        path, offset = locate(manager.tiers[0], blocks[2])
+        flip(path, offset + 4096 + 7)  # a payload byte: the tag no longer holds
+        assert settle(manager, blocks[2:], ctx) == [False, True]
+        stats = manager.stats()
+        assert stats["miss_corrupt"] == 1 and stats["miss_foreign"] == 0
+        assert stats["disk.corrupt_MAC"] == 1
+    finally:
+        manager.shutdown()
+
+
+def test_config_check_shows_the_sketch_size():
+    from kvtier.config import describe
+
+    sized = kvtier.load_config({"tiers": [cpu_section(8)], "miss_causes": {"keys": 4096}})
+    assert "miss_causes: 4096 keys remembered" in describe(sized)
+    assert "miss_causes: off" in describe(
+        kvtier.load_config({"tiers": [cpu_section(8)], "miss_causes": False})
+    )
