@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from kvtier_testing import payload, read_blocks, store_blocks
+from kvtier_testing import key, payload, read_blocks, store_blocks
 from kvtier_testing.conformance.tier_harness import BLOCK, Harness
 
 import kvtier
@@ -123,3 +123,16 @@ class Stack:
         if not self._closed:
             self._closed = True
             self.manager.shutdown()
+
+
+def keys(start: int, count: int) -> list:
+    """The test keys ``start`` .. ``start + count - 1``."""
+    return [key(i) for i in range(start, start + count)]
+
+
+def build(harness, stacks: list[Stack], scenario: str, **sizes) -> Stack:
+    """A stack over ``harness`` set up for ``scenario``, shut down by the ``stacks`` fixture."""
+    harness.place(scenario)
+    stack = Stack(harness, **sizes)
+    stacks.append(stack)
+    return stack

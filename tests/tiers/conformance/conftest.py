@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvtier_testing.conformance import tier_harness
+from kvtier_testing.conformance.conformance_stack import Stack
 
 
 def pytest_generate_tests(metafunc):
@@ -23,6 +24,15 @@ def harness(harness_case, request, tmp_path):
         yield made
     finally:
         made.close()
+
+
+@pytest.fixture
+def stacks():
+    """Stacks to shut down after the test (before the harness undoes its mounts)."""
+    made: list[Stack] = []
+    yield made
+    for stack in made:
+        stack.shutdown()
 
 
 @pytest.fixture(scope="session")

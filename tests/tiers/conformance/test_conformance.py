@@ -12,28 +12,7 @@ A scenario a kind cannot express is skipped by its harness, naming the kind and 
 from __future__ import annotations
 
 import pytest
-from kvtier_testing.conformance.conformance_stack import Stack
-from kvtier_testing import key
-
-
-def keys(start: int, count: int):
-    return [key(i) for i in range(start, start + count)]
-
-
-@pytest.fixture
-def stacks():
-    """Stacks to shut down after the test (before the harness undoes its mounts)."""
-    made: list[Stack] = []
-    yield made
-    for stack in made:
-        stack.shutdown()
-
-
-def build(harness, stacks, scenario: str, **sizes) -> Stack:
-    harness.place(scenario)
-    stack = Stack(harness, **sizes)
-    stacks.append(stack)
-    return stack
+from kvtier_testing.conformance.conformance_stack import Stack, build, keys
 
 
 def assert_round_trip(stack: Stack, blocks) -> None:

@@ -10,31 +10,10 @@ each miss is counted once, and the scenario decides its cause and its count exac
 from __future__ import annotations
 
 import pytest
-from kvtier_testing import key
-from kvtier_testing.conformance.conformance_stack import FAR, Stack
+from kvtier_testing.conformance.conformance_stack import FAR, Stack, build, keys
 
 from kvtier.base import LoadTiers, ReqContext
 from kvtier.manager.causes import CAUSES
-
-
-def keys(start: int, count: int):
-    return [key(i) for i in range(start, start + count)]
-
-
-@pytest.fixture
-def stacks():
-    """Stacks to shut down after the test (before the harness undoes its mounts)."""
-    made: list[Stack] = []
-    yield made
-    for stack in made:
-        stack.shutdown()
-
-
-def build(harness, stacks, scenario: str, **sizes) -> Stack:
-    harness.place(scenario)
-    stack = Stack(harness, **sizes)
-    stacks.append(stack)
-    return stack
 
 
 def settle_each(stack: Stack, blocks, ctx: ReqContext | None = None) -> list[bool]:
