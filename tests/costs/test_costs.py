@@ -12,16 +12,7 @@ from kvtier.costs.queue import percentile, request_service, run_queue
 from kvtier.costs.sweep import hit_sweep
 from kvtier.costs.timing import tier_speeds
 from kvtier.errors import ConfigError
-
-# A one-layer model whose numbers are easy: 1 layer x 2 x 1 KV head x 8 dims x 4 bytes = 64 B/token.
-TINY = {
-    "num_hidden_layers": 1,
-    "hidden_size": 8,
-    "intermediate_size": 8,
-    "num_attention_heads": 1,
-    "vocab_size": 0,
-    "torch_dtype": "float32",
-}
+from kvtier_testing.costs import TINY
 
 
 def test_kv_bytes_per_token_of_the_bundled_models():

@@ -11,15 +11,8 @@ from kvtier.costs.timing import tier_speeds
 from kvtier.plan.money import money_plan
 from kvtier.replay.trace import Request
 from kvtier.replay.ttft import gpu_only_served
+from kvtier_testing.costs import TINY
 
-TINY = {
-    "num_hidden_layers": 1,
-    "hidden_size": 8,
-    "intermediate_size": 8,
-    "num_attention_heads": 1,
-    "vocab_size": 0,
-    "torch_dtype": "float32",
-}
 BLOCK_BYTES = 64 * 512  # 64 B/token x 512 tokens
 MONTH_MS = 730 * 3600 * 1000  # the month of a GB-month price
 
