@@ -298,7 +298,7 @@ LIFE = _m(
     "gauge",
     T,
     "seconds",
-    "The drive's projected life at the write rate seen so far (needs endurance_tbw).",
+    "The drive's projected life at the write rate seen so far (from endurance_tbw, or under admit: budget from its drive writes per day).",
     "`<tier>.projected_life_years`, `<tier>.projected_life_days`",
 )
 OUTAGES = _m(
