@@ -1,4 +1,5 @@
-"""How every benchmark reports: an aligned table for people, then one JSON line for tools."""
+"""How every benchmark reports: an aligned table for people, then one JSON line for tools (and,
+where asked for, a plot)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,16 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], out: Tex
 def print_json(record: dict[str, Any], out: TextIO) -> None:
     """``record`` as one JSON line (the last line a benchmark prints)."""
     print(json.dumps(record, sort_keys=True), file=out, flush=True)
+
+
+def pyplot(option: str) -> Any:
+    """matplotlib's pyplot on the file-only Agg backend; without matplotlib, exit naming
+    ``option`` (the command-line option that asked for a plot) and the extra to install."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit(f"{option} needs matplotlib: pip install 'kvtier[plot]' ({exc})") from exc
+    return plt

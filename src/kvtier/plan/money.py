@@ -22,7 +22,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from kvtier.bench.report import print_table
+from kvtier.bench.report import print_table, pyplot
 from kvtier.costs.prices import Prices
 from kvtier.costs.queue import BLOCK_TOKENS
 from kvtier.costs.timing import CostModel, TierSpeed, tier_speeds
@@ -158,13 +158,7 @@ def print_money(record: dict[str, Any], out: TextIO, top: int = 12) -> None:
 
 def plot_money(record: dict[str, Any], path: str) -> None:
     """Saving against cost, one point per combination, online and Belady's; the pick circled."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise SystemExit(f"--money-plot needs matplotlib: pip install 'kvtier[plot]' ({exc})") from exc
+    plt = pyplot("--money-plot")
     rows = record["combinations"]
     figure, axes = plt.subplots(figsize=(8, 4.5))
     axes.scatter(

@@ -9,7 +9,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvtier.bench.report import print_json, print_table
+from kvtier.bench.report import print_json, print_table, pyplot
 from kvtier.errors import ConfigError
 from kvtier.plan.admission import simulate_admission
 from kvtier.plan.belady import belady
@@ -455,13 +455,7 @@ def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None
 
 
 def _plot(record: dict[str, Any], policies: Sequence[str], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise SystemExit(f"--plot needs matplotlib: pip install 'kvtier[plot]' ({exc})") from exc
+    plt = pyplot("--plot")
     xs = record["capacities"]
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for name in policies:

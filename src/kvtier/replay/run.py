@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvtier.bench.report import print_json, print_table
+from kvtier.bench.report import print_json, print_table, pyplot
 from kvtier.config import KvtierConfig, MetricsConfig, load_config
 from kvtier.errors import KvtierError
 from kvtier.replay.engine import ReplayEngine
@@ -400,13 +400,7 @@ def _ceiling_timeline(requests, timeline) -> list[float]:
 
 
 def _plot(counts, path: str, ceiling: list[float], cpu_only=None) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise SystemExit(f"--plot needs matplotlib: pip install 'kvtier[plot]' ({exc})") from exc
+    plt = pyplot("--plot")
     xs = [requests for requests, _, _ in counts.timeline]
     with_causes = len(counts.cause_timeline) == len(counts.timeline) and counts.cause_timeline
     below = None
