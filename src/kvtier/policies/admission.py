@@ -3,14 +3,13 @@ or, under a write budget, once its reuse clears the bar the budget sets."""
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
 from kvtier.policies.write_budget import WriteBudget
 
-__all__ = ["ADMIT_MODES", "AdmissionFilter", "CountMinSketch", "key_draw"]
+__all__ = ["ADMIT_MODES", "AdmissionFilter", "CountMinSketch"]
 
 #: ``admit`` values of a lower tier's configuration
 ADMIT_MODES = ("all", "reuse", "budget")
@@ -69,14 +68,6 @@ class CountMinSketch:
         halve = bytes(value >> 1 for value in range(256))  # a translation table: C-level
         self._rows = [bytearray(row.translate(halve)) for row in self._rows]
         self._added = 0
-
-
-def key_draw(key: Hashable) -> float:
-    """A number in [0, 1) fixed by ``key``, the same in every process (CRC-32 of a bytes key,
-    which an OffloadKey is; Python's salted ``hash`` otherwise)."""
-    if isinstance(key, bytes):
-        return zlib.crc32(key) / 2**32
-    return (hash(key) & 0xFFFFFFFF) / 2**32
 
 
 @dataclass
