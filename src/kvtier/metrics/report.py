@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from kvtier.atomic import replace_file
 from kvtier.config import MetricsConfig
 from kvtier.errors import KvtierError
 from kvtier.metrics.exporter import MetricsEndpoint, job_seconds_of, serve_metrics
@@ -45,21 +46,9 @@ def snapshot(manager: Any) -> dict[str, Any]:
 
 
 def write_atomically(path: str, text: str) -> None:
-    """Replace ``path`` with ``text``: a temporary file of mode 0600 beside it, renamed over it."""
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # a leftover temporary file of looser mode is tightened too
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Replace ``path`` with ``text`` whole, readable by its user alone (not fsynced: the
+    next snapshot follows within seconds)."""
+    replace_file(path, text.encode(), durable=False)
 
 
 class StatsReporter:

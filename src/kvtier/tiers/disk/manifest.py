@@ -14,11 +14,11 @@ from __future__ import annotations
 import errno
 import json
 import os
-import secrets
 import stat
 import time
 from dataclasses import dataclass
 
+from kvtier.atomic import replace_file
 from kvtier.errors import ManifestError
 from kvtier.tiers.disk.format import FORMAT_VERSION, READ_VERSIONS, LayoutFingerprint
 
@@ -126,24 +126,8 @@ def read_manifest(directory: str) -> StoreManifest | None:
 
 def write_manifest(directory: str, manifest: StoreManifest) -> None:
     """Write ``manifest`` into ``directory`` atomically and durably (raises ``OSError``)."""
-    path = os.path.join(directory, MANIFEST_NAME)
-    temp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     text = json.dumps(manifest.to_dict(), indent=2, sort_keys=True) + "\n"
-    try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.fchmod(fd, 0o600)  # whatever the umask: a store's files are its user's alone
-            os.write(fd, text.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temp, path)
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
-        raise
+    replace_file(os.path.join(directory, MANIFEST_NAME), text.encode(), durable=True)
     fsync_directory(directory)
 
 
