@@ -44,6 +44,35 @@ def test_reuse_mode_refuses_one_off_blocks_and_admits_at_min_reuse():
     assert (admission.admitted, admission.refused) == (1, 2)
 
 
+def test_fractional_min_reuse_admits_blocks_seen_once_for_its_share_of_each_minute():
+    now = [0.0]
+    admission = AdmissionFilter("reuse", min_reuse=1.75, sketch_width=1 << 12, clock=lambda: now[0])
+    admission.record(key(1))  # seen once
+    admission.record(key(2))
+    admission.record(key(2))  # seen twice
+    once, twice = [], []
+    for second in range(120):  # two draw cycles (DITHER_S = 60), a block offered each second
+        now[0] = second + 0.5
+        once.append(admission.admit(key(1)))
+        twice.append(admission.admit(key(2)))
+    assert all(twice)  # at or above the bar's next whole number: always
+    # seen once: 1 + draw >= 1.75 for the last quarter of each minute, in one spell
+    assert once == [second % 60 >= 45 for second in range(120)]
+    assert admission.admit(key(3)) is False  # never seen: 0 + draw < 1.75
+
+
+def test_whole_min_reuse_never_reads_the_clock():
+    def clock() -> float:
+        raise AssertionError("an integral bar needs no draw")
+
+    admission = AdmissionFilter("reuse", min_reuse=3, sketch_width=1 << 12, clock=clock)
+    for _ in range(2):
+        admission.record(key(1))
+    assert admission.admit(key(1)) is False
+    admission.record(key(1))
+    assert admission.admit(key(1)) is True
+
+
 def test_all_mode_admits_everything():
     admission = AdmissionFilter("all")
     assert all(admission.admit(key(i)) for i in range(5))
@@ -52,7 +81,15 @@ def test_all_mode_admits_everything():
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [({"mode": "some"}, "admit"), ({"min_reuse": 0}, "min_reuse"), ({"min_reuse": True}, "min_reuse")],
+    [
+        ({"mode": "some"}, "admit"),
+        ({"min_reuse": 0}, "min_reuse"),
+        ({"min_reuse": 0.5}, "min_reuse"),
+        ({"min_reuse": float("nan")}, "min_reuse"),
+        ({"min_reuse": 256}, "min_reuse"),
+        ({"min_reuse": "2"}, "min_reuse"),
+        ({"min_reuse": True}, "min_reuse"),
+    ],
 )
 def test_bad_settings_name_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):

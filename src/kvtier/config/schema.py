@@ -95,7 +95,7 @@ class TierConfig:
             if f.name not in common and not (where is not None and getattr(self, f.name) == where)
         )
 
-    def admission(self) -> tuple[str, int, float | None]:
+    def admission(self) -> tuple[str, float, float | None]:
         """Which blocks a lower tier takes: ``(admit, min_reuse, endurance_tbw)``, see
         :class:`~kvtier.policies.admission.AdmissionFilter`. Default: every block, no
         endurance figure; a kind with such settings (the disk kinds) returns its own."""

@@ -646,9 +646,12 @@ class TierStackManager(SingleTierManager):
         """Drive the tiers' write budgets by ``clock`` (seconds) instead of the wall clock,
         and count only the tiers' own writes: ``kvtier replay`` passes its trace's time, where
         a budget in bytes per second means what it would in the trace's deployment (the
-        drive's counter runs on wall time, which a replay compresses)."""
+        drive's counter runs on wall time, which a replay compresses). A fractional
+        ``min_reuse`` draws by it too, so a replay on the trace's clock repeats."""
         for _, budget in self._budgets:
             budget.use_clock(clock, count_device=False)
+        for admission in self._counting:
+            admission.clock = clock  # the draw of a fractional min_reuse
 
     def _finish_demotion(self, index: int, job: TierJob, result: TierJobResult) -> None:
         counters = self._counters[index]

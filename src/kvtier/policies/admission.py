@@ -3,13 +3,14 @@ or, under a write budget, once its reuse clears the bar the budget sets."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
-from kvtier.policies.write_budget import WriteBudget
+from kvtier.policies.write_budget import WriteBudget, time_draw
 
-__all__ = ["ADMIT_MODES", "AdmissionFilter", "CountMinSketch"]
+__all__ = ["ADMIT_MODES", "AdmissionFilter", "CountMinSketch", "check_min_reuse"]
 
 #: ``admit`` values of a lower tier's configuration
 ADMIT_MODES = ("all", "reuse", "budget")
@@ -70,6 +71,20 @@ class CountMinSketch:
         self._added = 0
 
 
+def check_min_reuse(value: object, field: str) -> float:
+    """``value`` as a ``min_reuse``: a number of sightings, at least 1 (may be fractional);
+    a :class:`ConfigError` naming ``field`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= _SATURATE:
+        raise ConfigError(
+            field,
+            value,
+            f"a number of sightings from 1 to {_SATURATE} (fractional allowed)",
+            "2 writes a block below once it was seen twice; 1.5 also writes blocks seen once "
+            "half of the time",
+        )
+    return value
+
+
 @dataclass
 class AdmissionFilter:
     """Decides which blocks a lower tier takes: all of them, those seen ``min_reuse`` times, or
@@ -80,6 +95,9 @@ class AdmissionFilter:
     block is admitted once its key was recorded at least ``min_reuse`` times (an estimate
     from a bounded :class:`CountMinSketch`, so a one-off block never reaches flash, and a
     collision can only admit early, never refuse a block that earned its place).
+    ``min_reuse`` may be fractional, a fixed threshold of the budget's kind: 1.8 admits every
+    block seen twice and, 20% of the time (in spells of the ``clock``'s minute, see
+    :func:`~kvtier.policies.write_budget.time_draw`), those seen once.
 
     With ``mode="budget"`` the threshold is the :class:`WriteBudget`'s, fractional (the
     budget's :meth:`~kvtier.policies.write_budget.WriteBudget.phase` is added to the count,
@@ -90,7 +108,7 @@ class AdmissionFilter:
     """
 
     mode: str = "all"
-    min_reuse: int = 2
+    min_reuse: float = 2
     #: counters per sketch row; a few per block the tier can hold is plenty
     sketch_width: int = 1 << 16
     admitted: int = 0
@@ -98,6 +116,8 @@ class AdmissionFilter:
     #: with mode "budget": the controller, and the bytes one block costs it
     budget: WriteBudget | None = None
     block_bytes: int = 0
+    #: seconds, for the draw of a fractional ``min_reuse`` (a replay sets its trace's clock)
+    clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
         if self.mode not in ADMIT_MODES:
@@ -107,13 +127,7 @@ class AdmissionFilter:
                 "one of " + ", ".join(ADMIT_MODES),
                 "use admit: reuse to keep one-off blocks off the tier",
             )
-        if isinstance(self.min_reuse, bool) or not isinstance(self.min_reuse, int) or self.min_reuse < 1:
-            raise ConfigError(
-                "min_reuse",
-                self.min_reuse,
-                "an integer >= 1",
-                "2 writes a block below once it was seen twice",
-            )
+        check_min_reuse(self.min_reuse, "min_reuse")
         if (self.mode == "budget") != (self.budget is not None):
             raise ValueError("a WriteBudget goes with mode 'budget', and only with it")
         self._sketch = CountMinSketch(self.sketch_width) if self.counts_sightings else None
@@ -134,8 +148,12 @@ class AdmissionFilter:
             assert self._sketch is not None
             budget = self.budget
             ok = budget.admit(self._sketch.estimate(key), budget.phase(), self.block_bytes)
+        elif self._sketch is None:
+            ok = True
         else:
-            ok = self._sketch is None or self._sketch.estimate(key) >= self.min_reuse
+            seen, bar = self._sketch.estimate(key), self.min_reuse
+            # an integral bar needs no draw: seen is whole, so seen + draw >= bar iff seen >= bar
+            ok = seen >= bar or (seen + 1 > bar and seen + time_draw(self.clock()) >= bar)
         if ok:
             self.admitted += 1
         else:

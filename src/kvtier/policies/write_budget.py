@@ -27,7 +27,7 @@ import math
 import time
 from collections.abc import Callable
 
-__all__ = ["MAX_ESTIMATE", "SECONDS_PER_YEAR", "WriteBudget"]
+__all__ = ["MAX_ESTIMATE", "SECONDS_PER_YEAR", "WriteBudget", "time_draw"]
 
 #: reuse estimates are counted up to this (higher ones count as this): the threshold moves
 #: between 1 (every block) and MAX_ESTIMATE + 1 (none)
@@ -47,6 +47,13 @@ DITHER_S = 60.0
 #: the drive's counter is read at most this often (seconds of the clock): a file read per
 #: scheduler step would cost more than the rest of the controller
 DEVICE_READ_INTERVAL_S = 1.0
+
+
+def time_draw(now: float) -> float:
+    """The draw of blocks offered at clock time ``now`` (seconds): where it is in its
+    :data:`DITHER_S` cycle, in [0, 1). A block seen ``n`` times passes a fractional
+    threshold ``t`` when ``n + draw >= t``, so blocks offered together pass or fail together."""
+    return now / DITHER_S % 1.0
 
 
 class WriteBudget:
@@ -116,7 +123,7 @@ class WriteBudget:
     def phase(self) -> float:
         """The draw for blocks offered now: where the clock is in its :data:`DITHER_S`
         cycle, in [0, 1)."""
-        return self._clock() / DITHER_S % 1.0
+        return time_draw(self._clock())
 
     def admit(self, estimate: int, draw: float, nbytes: int) -> bool:
         """Whether a block of ``nbytes`` seen ``estimate`` times may be written now; ``draw``

@@ -142,3 +142,32 @@ def test_a_budget_stack_reports_its_figures_and_serves_what_it_wrote(tmp_path):
             assert bytes(rows[row][:BLOCK]) == payload[i].tobytes()
     finally:
         manager.shutdown()
+
+
+@pytest.mark.parametrize("value", [0.5, 0, 300, "1.5", True, float("inf")])
+def test_a_min_reuse_below_one_or_not_a_number_is_named(tmp_path, value):
+    e = error(tmp_path, admit="reuse", min_reuse=value)
+    assert e.field == "tiers[1].min_reuse" and "fractional allowed" in str(e)
+
+
+@pytest.mark.parametrize("second, written", [(15.0, 0), (45.0, 8)])
+def test_a_fractional_min_reuse_draws_by_the_clock_the_stack_is_given(tmp_path, second, written):
+    # min_reuse 1.5: blocks seen once are written in the second half of each minute of the
+    # clock (1 + draw >= 1.5); use_clock (as replay does) hands the filter that clock
+    manager = build_manager(config(tmp_path, admit="reuse", min_reuse=1.5), BLOCK)
+    try:
+        manager.use_clock(lambda: second)
+        ctx = ReqContext("r")
+        keys = [make(i) for i in range(8)]
+        out = manager.prepare_store(keys, ctx)
+        rows = manager._backend.rows
+        for i, row in enumerate(out.store_spec.block_ids):
+            rows[row][:BLOCK] = i
+        manager.complete_store(keys, ctx)
+        manager.flush()
+        stats = manager.stats()
+        assert stats["nvme.admitted_blocks"] == written
+        assert stats["nvme.refused_blocks"] == len(keys) - written
+        assert stats["nvme.demoted_bytes"] == written * BLOCK
+    finally:
+        manager.shutdown()

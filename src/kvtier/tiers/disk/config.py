@@ -18,7 +18,7 @@ from kvtier.config.checks import MISSING, non_empty_str, parse_choice
 from kvtier.config.schema import TierConfig
 from kvtier.config.units import format_size, positive_int, positive_size
 from kvtier.errors import ConfigError
-from kvtier.policies.admission import ADMIT_MODES
+from kvtier.policies.admission import ADMIT_MODES, check_min_reuse
 from kvtier.policies.write_budget import SECONDS_PER_YEAR, WriteBudget
 from kvtier.registry import Registry
 from kvtier.tiers.base import SecondaryTier
@@ -83,8 +83,9 @@ class DiskTierConfig(TierConfig):
     # needs adapts so the drive's writes stay within drive_writes_per_day, or within
     # endurance_tbw spread over target_life_years)
     admit: str = "all"
-    # with admit: reuse, the sightings a block needs before it is written here
-    min_reuse: int = 2
+    # with admit: reuse, the sightings a block needs before it is written here; fractional
+    # allowed: 1.8 writes every block seen twice and, 20% of the time, those seen once
+    min_reuse: float = 2
     # the drive's rated endurance in terabytes written; stats project its life from it
     endurance_tbw: float | None = None
     # admit: budget: the drive's full writes per day the tier may make (DWPD, of drive_bytes)
@@ -142,7 +143,7 @@ class DiskTierConfig(TierConfig):
         if "admit" in section:
             options["admit"] = parse_choice(section["admit"], f"{field}.admit", ADMIT_MODES)
         if "min_reuse" in section:
-            options["min_reuse"] = positive_int(section["min_reuse"], f"{field}.min_reuse")
+            options["min_reuse"] = check_min_reuse(section["min_reuse"], f"{field}.min_reuse")
         if "endurance_tbw" in section:
             options["endurance_tbw"] = _positive_number(
                 section["endurance_tbw"],
@@ -167,7 +168,7 @@ class DiskTierConfig(TierConfig):
     def location(self) -> str | None:
         return self.path
 
-    def admission(self) -> tuple[str, int, float | None]:
+    def admission(self) -> tuple[str, float, float | None]:
         return self.admit, self.min_reuse, self.endurance_tbw
 
     def write_budget(self, field: str) -> WriteBudget | None:
