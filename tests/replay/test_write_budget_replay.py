@@ -12,8 +12,14 @@ def record():
 
 
 def test_a_budget_of_half_the_unthrottled_rate_is_written_within_ten_percent(record):
-    full, reuse, half, matched = record["runs"]
-    assert [run["run"] for run in record["runs"]] == ["all", "reuse", "budget", "budget_matched"]
+    full, reuse, half, matched, _ = record["runs"]
+    assert [run["run"] for run in record["runs"]] == [
+        "all",
+        "reuse",
+        "budget",
+        "budget_matched",
+        "reuse_same_bytes",
+    ]
     assert 0.9 <= record["budget_share"] <= 1.1
     assert half["bytes_written"] < full["bytes_written"]
     # the budget bites: some blocks seen once are refused, not all
@@ -24,6 +30,18 @@ def test_a_budget_of_half_the_unthrottled_rate_is_written_within_ten_percent(rec
     assert half["peak_bytes_per_s"] <= 2 * budget
     # a budget at min_reuse 2's rate writes about what min_reuse 2 wrote (the bank aside)
     assert matched["bytes_written"] == pytest.approx(reuse["bytes_written"], rel=0.2)
+
+
+def test_a_fractional_min_reuse_is_found_that_writes_the_budgets_bytes(record):
+    full, reuse, half, _, same = record["runs"]
+    # between min_reuse 1 (every block) and 2, the bar that writes what the budget wrote
+    assert 1 < same["min_reuse"] < 2
+    assert same["bytes_written"] == pytest.approx(half["bytes_written"], rel=0.03)
+    assert record["same_bytes_share"] == same["bytes_written"] / half["bytes_written"]
+    assert reuse["hit_ratio"] < same["hit_ratio"] < full["hit_ratio"]
+    assert record["hit_ratio_over_same_bytes"] == half["hit_ratio"] - same["hit_ratio"]
+    # a fixed bar has no bound: writes follow the trace's bursts
+    assert same["stats"]["refused_blocks"] > 0 and "budget_bytes_per_s" not in same["stats"]
 
 
 def test_every_loaded_block_was_verified(record):

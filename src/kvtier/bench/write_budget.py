@@ -1,13 +1,17 @@
 """``admit: budget`` against ``admit: all`` and ``admit: reuse`` over a trace, in the trace's time.
 
-Four deterministic replays of the default stack (CPU tier over a disk tier):
+Deterministic replays of the default stack (CPU tier over a disk tier):
 
 1. ``all``: every block written — the baseline, whose bytes over the trace's span give the
    unthrottled write rate;
 2. ``reuse``: ``min_reuse`` sightings before a write;
 3. ``budget``: ``admit: budget`` at ``fraction`` of the unthrottled rate;
 4. ``budget_matched``: ``admit: budget`` at the rate ``reuse`` wrote, for a comparison at the
-   same bytes.
+   same bytes;
+5. ``reuse_same_bytes``: ``admit: reuse`` at the fractional ``min_reuse`` (between 1 and
+   ``min_reuse``) that writes what ``budget`` wrote, within :data:`SAME_BYTES` (found by
+   regula falsi, at most :data:`SEARCH_RUNS` replays; the closest is reported): the same
+   reuse filter a budget steers, held fixed, at the same bytes.
 
 Budgets are given as ``drive_writes_per_day`` of a nominal drive (:data:`DRIVE_BYTES`), with
 ``budget_window_s`` of ``window_s``; bytes are those written while the trace ran (not the
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -36,6 +40,10 @@ __all__ = ["DRIVE_BYTES", "compare_write_budget"]
 
 #: the nominal drive the budgets are written against (its size only scales drive_writes_per_day)
 DRIVE_BYTES = 10**12
+#: how close (a share of the budget run's bytes) ``reuse_same_bytes`` must write to stop looking
+SAME_BYTES = 0.01
+#: the most replays spent looking for ``reuse_same_bytes``'s ``min_reuse``
+SEARCH_RUNS = 3
 _BUDGET_FIGURES = (
     "budget_bytes_per_s",
     "write_bytes_per_s",
@@ -104,6 +112,29 @@ def _peak_rate(times: Sequence[float], written: Sequence[int], span_s: float) ->
     return peak
 
 
+def _same_bytes(
+    run: Callable[[float], dict[str, Any]], target: int, low: dict[str, Any], high: dict[str, Any]
+) -> dict[str, Any]:
+    """The run of ``run(min_reuse)`` writing closest to ``target`` bytes, looking between
+    ``low`` and ``high`` (runs whose ``min_reuse`` wrote more and less than ``target``)."""
+    best: dict[str, Any] | None = None
+    for _ in range(SEARCH_RUNS):
+        spread = low["bytes_written"] - high["bytes_written"]
+        if spread <= 0:
+            break
+        share = (low["bytes_written"] - target) / spread
+        found = run(round(low["min_reuse"] + share * (high["min_reuse"] - low["min_reuse"]), 4))
+        if best is None or abs(found["bytes_written"] - target) < abs(best["bytes_written"] - target):
+            best = found
+        if abs(found["bytes_written"] - target) <= SAME_BYTES * target:
+            break
+        if found["bytes_written"] > target:
+            low = found
+        else:
+            high = found
+    return best if best is not None else low
+
+
 def _budget(bytes_per_s: float, window_s: float) -> dict[str, Any]:
     return {
         "admit": "budget",
@@ -122,8 +153,9 @@ def compare_write_budget(
     window_s: float = 300.0,
     out: TextIO | None = None,
 ) -> dict[str, Any]:
-    """The four runs above; a record with each run's figures and the budget runs' written
-    bytes as a share of their budget (``*_share``: 1.0 is the budget exactly)."""
+    """The runs above; a record with each run's figures, the budget runs' written bytes as a
+    share of their budget (``*_share``: 1.0 is the budget exactly), and the budget's hit ratio
+    less that of ``reuse_same_bytes`` (``hit_ratio_over_same_bytes``)."""
     trace = trace or str(bundled_trace_path())
     requests = [r for r in load_trace(trace, limit) if len(r.hash_ids) <= DEFAULT_GPU_BLOCKS]
     span_s = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000
@@ -137,6 +169,18 @@ def compare_write_budget(
         half = _run(requests, directory, "budget", _budget(half_rate, window_s), window_s)
         matched_rate = reuse["bytes_written"] / span_s
         matched = _run(requests, directory, "budget_matched", _budget(matched_rate, window_s), window_s)
+
+        def fixed(bar: float) -> dict[str, Any]:
+            name = f"reuse_{bar:g}".replace(".", "_")
+            found = _run(requests, directory, name, {"admit": "reuse", "min_reuse": bar}, window_s)
+            return {**found, "run": "reuse_same_bytes", "min_reuse": bar}
+
+        same = _same_bytes(
+            fixed,
+            half["bytes_written"],
+            {**full, "min_reuse": 1},
+            {**reuse, "min_reuse": min_reuse},
+        )
     record = {
         "trace": Path(trace).name,
         "requests": len(requests),
@@ -144,17 +188,24 @@ def compare_write_budget(
         "fraction": fraction,
         "min_reuse": min_reuse,
         "window_s": window_s,
-        "runs": [full, reuse, half, matched],
+        "runs": [full, reuse, half, matched, same],
         "budget_share": half["bytes_written"] / (half_rate * span_s),
         "budget_matched_share": matched["bytes_written"] / (matched_rate * span_s),
+        "same_bytes_share": same["bytes_written"] / half["bytes_written"],
+        "hit_ratio_over_same_bytes": half["hit_ratio"] - same["hit_ratio"],
     }
     if out is not None:
         from kvtier.bench.report import print_table
 
+        bars = {"reuse": min_reuse, "reuse_same_bytes": same["min_reuse"]}
         print_table(
-            [{k: v for k, v in run.items() if k != "stats"} for run in record["runs"]],
+            [
+                {**run, "min_reuse": bars.get(run["run"]), "hit_ratio": f"{run['hit_ratio']:.4f}"}
+                for run in record["runs"]
+            ],
             [
                 "run",
+                "min_reuse",
                 "bytes_written",
                 "hit_ratio",
                 "disk_hits",
