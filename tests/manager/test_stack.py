@@ -230,6 +230,47 @@ def test_a_read_with_no_cpu_row_is_a_miss_for_a_step_not_a_livelock():
     np.testing.assert_array_equal(load_bytes(manager, [key(0)])[0], payload(key(0), BLOCK))
 
 
+def wear_stack(admission, tbw=600.0):
+    backend = MemoryBackend(4, BLOCK)
+    return TierStackManager(
+        backend,
+        LRUPolicy(4),
+        [MemoryTier("disk", backend.rows, 8)],
+        CascadeConfig(write_policy="write_through"),
+        admission=[admission],
+        endurance_tbw=[tbw],
+    )
+
+
+def test_projected_life_takes_its_write_rate_from_the_clock_the_stack_is_given():
+    now = [1000.0]
+    manager = wear_stack(None)
+    manager.use_clock(lambda: now[0])  # as replay does: the trace's time
+    store(manager, [key(0), key(1)])
+    settle(manager)
+    now[0] += 10.0  # ten seconds of that clock, however long the test took
+    figures = manager.stats()
+    rate = 2 * BLOCK / 10.0
+    assert figures["disk.projected_life_days"] == round(600e12 / rate / 86400, 1)
+
+
+def test_a_budgeted_tier_reports_one_life_its_budgets():
+    from kvtier.policies.admission import AdmissionFilter
+    from kvtier.policies.write_budget import WriteBudget
+
+    now = [0.0]
+    budget = WriteBudget(1000.0, 60.0, endurance_bytes=600e12, clock=lambda: now[0])
+    manager = wear_stack(AdmissionFilter("budget", budget=budget, block_bytes=BLOCK, sketch_width=64))
+    store(manager, [key(0), key(1)])
+    settle(manager)
+    now[0] = 30.0
+    settle(manager)  # a step's tick: the budget measures its rate
+    figures = manager.stats()
+    assert figures["disk.bytes_written"] == 2 * BLOCK
+    assert "disk.projected_life_years" in figures
+    assert "disk.projected_life_days" not in figures  # not a second figure on another average
+
+
 def test_reuse_admission_keeps_one_off_blocks_off_the_disk_and_counts_wear():
     from kvtier.policies.admission import AdmissionFilter
 

@@ -174,6 +174,8 @@ class TierStackManager(SingleTierManager):
         self._counting = [f for f in self._admission if f is not None and f.counts_sightings]
         #: (tier index, write budget) of the tiers under ``admit: budget``
         self._budgets = [(i, f.budget) for i, f in enumerate(self._admission) if f is not None and f.budget]
+        #: the clock wear is measured on (a replay's trace time after use_clock), and its start
+        self._wear_clock: Callable[[], float] = time.monotonic
         self._started = time.monotonic()
         # -- the cascade: "saved" tiers mirror the CPU tier, "evicted" ones take its victims --
         receives = list(receives) if receives is not None else ["saved"] * len(self._tiers)
@@ -635,10 +637,14 @@ class TierStackManager(SingleTierManager):
             # bytes written per byte ever read back: 1.0 would mean no write was wasted
             figures["write_amplification"] = round(written / read, 3)
         if admission is not None and admission.budget is not None:
+            # the budget projects the life itself (from endurance_tbw where given), over its
+            # window: one life per tier, not a second one averaged since start
             figures.update(admission.budget.stats())
+            return figures
         tbw = self._endurance_tbw[index]
         if tbw is not None and written:
-            rate = written / max(time.monotonic() - self._started, 1e-9)  # bytes per second
+            seconds = self._wear_clock() - self._started
+            rate = written / max(seconds, 1e-9)  # bytes per second
             figures["projected_life_days"] = round(tbw * 1e12 / rate / 86400, 1)
         return figures
 
@@ -647,11 +653,13 @@ class TierStackManager(SingleTierManager):
         and count only the tiers' own writes: ``kvtier replay`` passes its trace's time, where
         a budget in bytes per second means what it would in the trace's deployment (the
         drive's counter runs on wall time, which a replay compresses). A fractional
-        ``min_reuse`` draws by it too, so a replay on the trace's clock repeats."""
+        ``min_reuse`` draws by it too, so a replay on the trace's clock repeats, and
+        ``projected_life_days`` takes its write rate from it."""
         for _, budget in self._budgets:
             budget.use_clock(clock, count_device=False)
         for admission in self._counting:
             admission.clock = clock  # the draw of a fractional min_reuse
+        self._wear_clock, self._started = clock, clock()  # projected_life_days too
 
     def _finish_demotion(self, index: int, job: TierJob, result: TierJobResult) -> None:
         counters = self._counters[index]
