@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -51,6 +52,7 @@ __all__ = [
     "BlockHeader",
     "LayoutFingerprint",
     "decode_header",
+    "differing_part",
     "encode_header_into",
     "header_flags",
     "mac_parts",
@@ -102,6 +104,21 @@ def padded_payload_bytes(block_bytes: int) -> int:
 def on_disk_block_bytes(block_bytes: int) -> int:
     """Bytes one block takes on disk (header page + padded payload); capacity is counted in these."""
     return HEADER_BYTES + padded_payload_bytes(block_bytes)
+
+
+#: fields of a layout whose difference is a tensor-parallel mismatch
+_TP_FIELDS = ("rank", "world_size")
+
+
+def differing_part(own: Mapping[str, object], other: Mapping[str, object]) -> str:
+    """Which part of a block's identity two layouts (:meth:`LayoutFingerprint.to_dict`)
+    disagree on: ``tp`` (rank or world size alone), ``layout`` (model, dtype, tokens per
+    block, page or block bytes), or ``namespace`` (none: the same layout, so what differs is
+    where the blocks were put)."""
+    differ = {name for name in set(own) | set(other) if own.get(name) != other.get(name)}
+    if not differ:
+        return "namespace"
+    return "tp" if differ <= set(_TP_FIELDS) else "layout"
 
 
 @dataclass(frozen=True)

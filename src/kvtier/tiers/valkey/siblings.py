@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 
 from kvtier.base import OffloadKey
-from kvtier.tiers.disk.format import LayoutFingerprint
+from kvtier.tiers.disk.format import LayoutFingerprint, differing_part
 
 __all__ = ["KEYS_PER_STEP", "LAYOUTS_NAME", "MAX_SIBLINGS", "SiblingProbe", "differing_part"]
 
@@ -45,19 +45,6 @@ MAX_SIBLINGS = 4
 MAX_WAITING = 64
 #: how long the list of siblings is reused before it is read again
 SIBLINGS_TTL_S = 10.0
-
-#: fields of a layout whose difference is a tensor-parallel mismatch
-_TP_FIELDS = ("rank", "world_size")
-
-
-def differing_part(own: dict, other: dict) -> str:
-    """Which part of a block's identity two published layouts disagree on: ``tp`` (rank or
-    world size alone), ``layout`` (model, dtype, tokens per block, page or block bytes), or
-    ``namespace`` (the same layout, configured under another namespace)."""
-    differ = {name for name in set(own) | set(other) if own.get(name) != other.get(name)}
-    if not differ:
-        return "namespace"
-    return "tp" if differ <= set(_TP_FIELDS) else "layout"
 
 
 class SiblingProbe:
