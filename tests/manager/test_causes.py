@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -21,6 +22,7 @@ from kvtier.manager.causes import (
     MissCauses,
 )
 from kvtier.tiers.cpu.region import row_stride_for
+from kvtier.tiers.disk.format import LayoutFingerprint
 
 BLOCK = 8192
 
@@ -161,7 +163,7 @@ def test_bad_miss_causes_settings_name_the_field(section, field):
     assert caught.value.field == field
 
 
-def disk_stack(tmp_path, cpu_blocks=16, disk_blocks=64, **disk):
+def disk_stack(tmp_path, cpu_blocks=16, disk_blocks=64, fingerprint=None, causes=None, **disk):
     from kvtier.tiers.disk.format import on_disk_block_bytes
 
     config = {
@@ -178,7 +180,9 @@ def disk_stack(tmp_path, cpu_blocks=16, disk_blocks=64, **disk):
         ],
         "cascade": {"write_policy": "write_through"},
     }
-    return kvtier.build_manager(config, BLOCK)
+    if causes is not None:
+        config["miss_causes"] = causes
+    return kvtier.build_manager(config, BLOCK, fingerprint=fingerprint)
 
 
 def settle(manager, keys, ctx):
@@ -191,6 +195,71 @@ def settle(manager, keys, ctx):
         for tier in manager.tiers:
             tier.drain_jobs()
     raise AssertionError("lookups never settled")
+
+
+def store_then_reopen(tmp_path, kind, blocks, change, causes=None):
+    """Store ``blocks`` in a ``kind`` store under the standalone layout, shut down, and open
+    the store again under that layout with ``change`` (which wipes it)."""
+    before = LayoutFingerprint.standalone(BLOCK)
+    manager = disk_stack(tmp_path, kind=kind, fingerprint=before)
+    try:
+        store_blocks(manager, blocks, ReqContext("r"))
+        manager.on_schedule_end()
+        manager.flush()
+        assert all(manager.tiers[0].lookup(k) is True for k in blocks)
+    finally:
+        manager.shutdown()
+    return disk_stack(tmp_path, kind=kind, fingerprint=dataclasses.replace(before, **change), causes=causes)
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "files"])
+@pytest.mark.parametrize(
+    "change, part", [({"rank": 1, "world_size": 2}, "tp"), ({"dtype": "float16"}, "layout")]
+)
+def test_a_store_wiped_for_another_layout_names_the_part_in_its_misses(tmp_path, kind, change, part):
+    blocks = [key(i) for i in range(6)]
+    manager = store_then_reopen(tmp_path, kind, blocks, change)
+    ctx = ReqContext("r")
+    try:
+        assert all(manager.tiers[0].lookup(k) is False for k in blocks)  # wiped, not served
+        assert settle(manager, [*blocks, key(99)], ctx) == [False] * 7
+        stats = manager.stats()
+        assert stats["miss_foreign"] == 6 and stats[f"foreign_{part}"] == 6
+        assert stats["miss_new"] == 1  # never stored anywhere
+        assert_causes_sum(stats)
+        assert manager.tiers[0].foreign_stored() is None  # handed to the stack once
+    finally:
+        manager.shutdown()
+
+
+def test_a_wiped_store_with_miss_causes_off_lets_the_keys_go(tmp_path):
+    blocks = [key(i) for i in range(4)]
+    manager = store_then_reopen(tmp_path, "lmdb", blocks, {"dtype": "float16"}, causes="off")
+    try:
+        assert manager.tiers[0].foreign_stored() is None
+        assert settle(manager, blocks, ReqContext("r")) == [False] * 4
+        assert "miss_foreign" not in manager.stats()
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "files"])
+def test_a_store_lists_its_keys_up_to_a_limit_without_opening(tmp_path, kind):
+    blocks = [key(i) for i in range(10)]
+    manager = disk_stack(tmp_path, kind=kind)
+    try:
+        store_blocks(manager, blocks, ReqContext("r"))
+        manager.on_schedule_end()
+        manager.flush()
+        cls = type(manager.tiers[0])
+    finally:
+        manager.shutdown()
+    directory = str(tmp_path / "store")
+    if kind == "files":  # a writer's temp file is no block
+        subdir = next(p for p in (tmp_path / "store" / "blocks").iterdir() if p.is_dir())
+        (subdir / f".{key(50).hex()}.1.2.tmp").write_bytes(b"")
+    assert sorted(cls.stored_keys(directory, 100)) == sorted(blocks)
+    assert len(cls.stored_keys(directory, 3)) == 3
 
 
 def test_refused_by_admission_then_evicted_is_refused(tmp_path):

@@ -279,6 +279,11 @@ class MissCauses:
             put((key,), _READ_RECORD[cause], tier)
             self.count(cause, tier)
 
+    def remember_foreign(self, keys: Iterable[OffloadKey], part: str) -> None:
+        """``keys`` were held under an identity differing in ``part`` and are gone (a disk
+        store wiped for another layout): their misses are ``foreign``, not ``new``."""
+        self.sketch.put(keys, FOREIGN, FOREIGN_PARTS.index(part) if part in FOREIGN_PARTS else 0)
+
     def found_foreign(self, key: OffloadKey, part: str, tier: int) -> None:
         """A probe found ``key``, counted as a ``new`` miss, under a sibling of tier ``tier``
         that differs in ``part``: the miss moves from new to foreign, and later misses of

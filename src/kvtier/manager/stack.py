@@ -235,6 +235,10 @@ class TierStackManager(SingleTierManager):
         #: a miss only; the others keep the contract's no-op defaults)
         self._explaining = {i for i, t in enumerate(self._tiers, 1) if _overrides(t, "miss_reason")}
         self._probing = [t for t in self._tiers if _overrides(t, "probe_foreign")]
+        for tier in self._tiers:
+            wiped = tier.foreign_stored()  # asked once, causes or not: the tier lets them go
+            if wiped is not None and self._causes is not None:
+                self._causes.remember_foreign(wiped[1], wiped[0])
 
     @property
     def tiers(self) -> list[SecondaryTier]:

@@ -94,6 +94,13 @@ class SecondaryTier(ABC):
         part names what differs (``layout``, ``tp``, ``namespace``). Never waits."""
         return []
 
+    def foreign_stored(self) -> tuple[str, list[OffloadKey]] | None:
+        """Keys this tier held under another identity and dropped before serving (a disk
+        store wiped when it opened under another layout), with the part that differed
+        (``layout``, ``tp``), or None (the default). The manager asks once, as it starts, so
+        their misses count as ``foreign``, not ``new``."""
+        return None
+
     def on_schedule_end(self) -> None:
         """The scheduler step's lookups are over: send what they asked for (no-op default).
 

@@ -50,6 +50,7 @@ from kvtier.tiers.disk.format import LayoutFingerprint, on_disk_block_bytes
 from kvtier.tiers.disk.mover import Mover, MoverJob
 from kvtier.tiers.disk.store import (
     StoreLocks,
+    Wiped,
     claim_path,
     decide_direct,
     default_store_path,
@@ -88,8 +89,23 @@ class DiskTier(IndexedTier):
     kind: ClassVar[str] = ""
     #: entries of the store directory that belong to the medium (removed when wiping)
     medium_names: ClassVar[tuple[str, ...]] = ()
+    #: what a store of another layout held before this open wiped it (foreign_stored)
+    _wiped: Wiped | None
 
     # -- opening ------------------------------------------------------------------------------
+
+    @classmethod
+    def stored_keys(cls, directory: str, limit: int) -> list[OffloadKey]:
+        """Up to ``limit`` keys the store in ``directory`` holds, read from its index or names
+        without opening it for serving (the caller holds the store alone): those of a store
+        about to be wiped for another layout. Default: none known."""
+        return []
+
+    def foreign_stored(self) -> tuple[str, list[OffloadKey]] | None:
+        """The keys of a store of another layout wiped when this tier opened, with the part
+        of the layout that differed; handed over once (then None)."""
+        wiped, self._wiped = self._wiped, None
+        return None if wiped is None else (wiped.part, wiped.keys)
 
     @classmethod
     def open(
@@ -157,7 +173,7 @@ class DiskTier(IndexedTier):
             # every file of the store is opened relative to this descriptor, never through a symlink
             dir_fd = open_store_directory(directory, field, config.path, read_only=read_only)
             locks = StoreLocks(dir_fd, directory, timeout_s=config.lock_timeout_s, read_only=read_only)
-            _, created = settle_manifest(
+            _, created, wiped = settle_manifest(
                 directory,
                 cls.kind,
                 cls.medium_names,
@@ -166,6 +182,7 @@ class DiskTier(IndexedTier):
                 locks.alone,
                 field,
                 read_only=read_only,
+                stored_keys=cls.stored_keys,
             )
             if read_only:
                 direct, fallback = False, None  # the O_DIRECT probe writes a file
@@ -185,6 +202,7 @@ class DiskTier(IndexedTier):
             )
             tier._access = access
             tier._alone = locks.alone
+            tier._wiped = wiped
             tier._store_fd, dir_fd = dir_fd, -1  # the tier's now: closed by close()
             if fallback is not None:
                 tier._io.fall_back(fallback)
@@ -302,6 +320,7 @@ class DiskTier(IndexedTier):
         self._store_fd = -1
         #: ``serve``, ``check`` or ``fix`` (see :meth:`open`)
         self._access = "serve"
+        self._wiped = None
         #: no other process had the store open when this one opened it
         self._alone = False
 

@@ -115,6 +115,25 @@ class FilesTier(DiskTier):
 
     # -- open / close (caller's thread) ---------------------------------------------------------
 
+    @classmethod
+    def stored_keys(cls, directory: str, limit: int) -> list[OffloadKey]:
+        # a block's file name is its key in hex; temp files start with "."
+        keys: list[OffloadKey] = []
+        with os.scandir(os.path.join(directory, _BLOCKS_DIR)) as subdirs:
+            for subdir in subdirs:
+                if not subdir.is_dir(follow_symlinks=False):
+                    continue
+                with os.scandir(subdir.path) as names:
+                    for entry in names:
+                        name = entry.name
+                        if name.startswith(".") or not name.endswith(_SUFFIX):
+                            continue
+                        with contextlib.suppress(ValueError):
+                            keys.append(OffloadKey(bytes.fromhex(name[: -len(_SUFFIX)])))
+                        if len(keys) >= limit:
+                            return keys
+        return keys
+
     def _open_medium(self, alone: bool, created: bool) -> list[tuple[OffloadKey, int, int]]:
         # typed as always there: it is, from just below until the tier closes
         self._count: SharedCount = None  # type: ignore[assignment]

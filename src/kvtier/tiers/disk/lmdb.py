@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import stat
@@ -226,6 +227,16 @@ class LMDBTier(DiskTier):
     medium_names = (_INDEX_DIR, _SLAB)
 
     # -- open / close (caller's thread) ---------------------------------------------------------
+
+    @classmethod
+    def stored_keys(cls, directory: str, limit: int) -> list[OffloadKey]:
+        # the index, read-only and without a reader slot: the caller holds the store alone
+        with lmdb.open(
+            os.path.join(directory, _INDEX_DIR), readonly=True, lock=False, create=False, max_dbs=4
+        ) as env:
+            blocks = env.open_db(b"blocks", create=False)
+            with env.begin(db=blocks) as txn:
+                return [key for key, _ in itertools.islice(_keyed(txn.cursor()), limit)]
 
     def _open_medium(self, alone: bool, created: bool) -> list[tuple[OffloadKey, int, int]]:
         # typed as always there: it is, from just below until the tier closes

@@ -32,12 +32,15 @@ import shutil
 import stat
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from kvtier.base import OffloadKey
 from kvtier.config import format_size
 from kvtier.errors import ConfigError, DiskTierError, ManifestError
 from kvtier.tiers.disk.blockio import RowIO, probe_o_direct
 from kvtier.tiers.disk.config import DiskTierConfig, default_store_path, user_cache_root
-from kvtier.tiers.disk.format import LayoutFingerprint
+from kvtier.tiers.disk.format import LayoutFingerprint, differing_part
 from kvtier.tiers.disk.manifest import (
     MANIFEST_NAME,
     StoreManifest,
@@ -48,6 +51,8 @@ from kvtier.tiers.disk.manifest import (
 __all__ = [
     "DIR_MODE",
     "FILE_MODE",
+    "MAX_WIPED_KEYS",
+    "Wiped",
     "StoreLocks",
     "claim_path",
     "decide_direct",
@@ -434,12 +439,17 @@ def settle_manifest(
     field: str,
     *,
     read_only: bool = False,
-) -> tuple[StoreManifest, bool]:
-    """Read, create or replace the manifest of a ``kind`` store; ``(manifest, created)``.
+    stored_keys: Callable[[str, int], list[OffloadKey]] | None = None,
+) -> tuple[StoreManifest, bool, Wiped | None]:
+    """Read, create or replace the manifest of a ``kind`` store; ``(manifest, created,
+    wiped)``.
 
     Under the maintenance lock. ``medium_names`` are the directory entries the medium owns
     (removed when a store of another layout is wiped). ``read_only``: the manifest must
-    exist and match ``kind`` and ``fingerprint``; nothing is written.
+    exist and match ``kind`` and ``fingerprint``; nothing is written. ``wiped``: when a store
+    of another layout was wiped, the part of the layout that differed and up to
+    :data:`MAX_WIPED_KEYS` of the keys it held (``stored_keys(directory, limit)``, read before
+    the wipe), so their misses can be told as ``foreign``, not ``new``.
     """
     try:
         manifest = read_manifest(directory)
@@ -455,7 +465,7 @@ def settle_manifest(
                 f"a {kind} store of layout ({fingerprint.describe()})",
                 f"{directory}/{MANIFEST_NAME} is missing or describes another store",
             )
-        return manifest, False
+        return manifest, False, None
     if manifest is None:
         foreign = [
             name
@@ -473,7 +483,7 @@ def settle_manifest(
             )
         manifest = StoreManifest.new(kind, fingerprint, config.capacity_bytes)
         _write_manifest(directory, manifest, config, field)
-        return manifest, True
+        return manifest, True, None
     if manifest.kind != kind:
         raise ConfigError(
             f"{field}.kind",
@@ -494,18 +504,23 @@ def settle_manifest(
         # Wiped rather than moved aside: a cache is recomputable, nothing would ever read
         # an aside copy back, and keeping it would hold disk space outside any capacity
         # (each model switch would leave another copy, until the disk is full).
+        part = differing_part(fingerprint.to_dict(), manifest.fingerprint.to_dict())
+        wiped = Wiped(part, _keys_before_wipe(stored_keys, directory, config.name))
         logger.warning(
             "kvtier tier %s: %s holds blocks of another layout (%s); this engine's layout is "
-            "(%s). Serving none of them: wiping the old blocks and starting empty.",
+            "(%s). Serving none of them: wiping the old blocks and starting empty (with "
+            "miss_causes on, misses of %d of them count as foreign_%s).",
             config.name,
             directory,
             manifest.fingerprint.describe(),
             fingerprint.describe(),
+            len(wiped.keys),
+            part,
         )
         _wipe(directory, medium_names)
         manifest = StoreManifest.new(kind, fingerprint, config.capacity_bytes)
         _write_manifest(directory, manifest, config, field)
-        return manifest, True
+        return manifest, True, wiped
     if manifest.capacity_bytes != config.capacity_bytes:
         if not alone:
             raise ConfigError(
@@ -524,7 +539,35 @@ def settle_manifest(
         _write_manifest(directory, manifest, config, field)
     if alone:
         _remove_trash(directory)
-    return manifest, False
+    return manifest, False, None
+
+
+@dataclass(frozen=True)
+class Wiped:
+    """What a store of another layout held when it was wiped (see :func:`settle_manifest`)."""
+
+    #: the part of the layout that differed (``tp`` or ``layout``, as
+    #: :func:`~kvtier.tiers.disk.format.differing_part` names it)
+    part: str
+    #: keys the store held (at most :data:`MAX_WIPED_KEYS`)
+    keys: list[OffloadKey]
+
+
+def _keys_before_wipe(
+    stored_keys: Callable[[str, int], list[OffloadKey]] | None, directory: str, name: str
+) -> list[OffloadKey]:
+    if stored_keys is None:
+        return []
+    try:
+        return stored_keys(directory, MAX_WIPED_KEYS)
+    except Exception as exc:  # a diagnosis only: an unreadable old index never fails the open
+        logger.info("kvtier tier %s: could not list the wiped store's keys: %s", name, exc)
+        return []
+
+
+#: the most keys of a wiped store remembered (as ``foreign`` for the miss causes): listing and
+#: remembering this many takes 0.3-0.6 s at open and ~21 MB until the stack takes them
+MAX_WIPED_KEYS = 1 << 18
 
 
 def _write_manifest(directory: str, manifest: StoreManifest, config: DiskTierConfig, field: str) -> None:
