@@ -255,11 +255,34 @@ def test_a_store_lists_its_keys_up_to_a_limit_without_opening(tmp_path, kind):
     finally:
         manager.shutdown()
     directory = str(tmp_path / "store")
-    if kind == "files":  # a writer's temp file is no block
+    if kind == "files":  # a writer's temp file, or a name that is no key, is no block
         subdir = next(p for p in (tmp_path / "store" / "blocks").iterdir() if p.is_dir())
         (subdir / f".{key(50).hex()}.1.2.tmp").write_bytes(b"")
+        (subdir / "not-hex.kvb").write_bytes(b"")
     assert sorted(cls.stored_keys(directory, 100)) == sorted(blocks)
     assert len(cls.stored_keys(directory, 3)) == 3
+
+
+def test_a_damaged_index_is_wiped_without_listing_it(tmp_path):
+    # LMDB maps data.mdb: a truncated one must not be listed (SIGBUS), only wiped as before
+    blocks = [key(i) for i in range(4)]
+    manager = disk_stack(tmp_path, fingerprint=LayoutFingerprint.standalone(BLOCK))
+    try:
+        store_blocks(manager, blocks, ReqContext("r"))
+        manager.on_schedule_end()
+        manager.flush()
+    finally:
+        manager.shutdown()
+    data = tmp_path / "store" / "index" / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    changed = dataclasses.replace(LayoutFingerprint.standalone(BLOCK), dtype="float16")
+    manager = disk_stack(tmp_path, fingerprint=changed)
+    try:
+        assert settle(manager, blocks, ReqContext("r")) == [False] * 4
+        stats = manager.stats()
+        assert stats["miss_new"] == 4 and stats["miss_foreign"] == 0  # nothing could be listed
+    finally:
+        manager.shutdown()
 
 
 def test_refused_by_admission_then_evicted_is_refused(tmp_path):

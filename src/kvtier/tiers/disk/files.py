@@ -72,7 +72,7 @@ from kvtier.tiers.disk.blockio import O_DIRECT
 from kvtier.tiers.disk.group_flush import GroupFlush
 from kvtier.tiers.disk.mover import MoverJob
 from kvtier.tiers.disk.recency import encode_records, read_recency
-from kvtier.tiers.disk.store import open_private, open_private_dir, pid_alive
+from kvtier.tiers.disk.store import open_private, open_private_dir, own_entries, pid_alive
 from kvtier.tiers.disk.syscalls import RENAME_NOREPLACE, renameat2, syncfs
 from kvtier.tiers.disk.usage import SharedCount
 
@@ -119,7 +119,10 @@ class FilesTier(DiskTier):
     def stored_keys(cls, directory: str, limit: int) -> list[OffloadKey]:
         # a block's file name is its key in hex; temp files start with "."
         keys: list[OffloadKey] = []
-        with os.scandir(os.path.join(directory, _BLOCKS_DIR)) as subdirs:
+        blocks = os.path.join(directory, _BLOCKS_DIR)
+        if not own_entries(blocks, ()):  # this user's, not a symlink
+            return keys
+        with os.scandir(blocks) as subdirs:
             for subdir in subdirs:
                 if not subdir.is_dir(follow_symlinks=False):
                     continue

@@ -69,7 +69,7 @@ from kvtier.tiers.disk.base import DiskTier
 from kvtier.tiers.disk.blockio import O_DIRECT
 from kvtier.tiers.disk.format import HEADER_BYTES, decode_header
 from kvtier.tiers.disk.mover import MoverJob
-from kvtier.tiers.disk.store import FILE_MODE, open_private, open_private_dir, pid_alive
+from kvtier.tiers.disk.store import FILE_MODE, open_private, open_private_dir, own_entries, pid_alive
 
 __all__ = ["LMDBTier"]
 
@@ -230,10 +230,13 @@ class LMDBTier(DiskTier):
 
     @classmethod
     def stored_keys(cls, directory: str, limit: int) -> list[OffloadKey]:
-        # the index, read-only and without a reader slot: the caller holds the store alone
-        with lmdb.open(
-            os.path.join(directory, _INDEX_DIR), readonly=True, lock=False, create=False, max_dbs=4
-        ) as env:
+        # the index, read-only and without a reader slot: the caller holds the store alone.
+        # Only an index that is this user's, no symlink, and whole: LMDB maps data.mdb, and
+        # mapping a truncated one kills the process (SIGBUS) where no except can catch it.
+        index_dir = os.path.join(directory, _INDEX_DIR)
+        if not own_entries(index_dir, (_DATA_FILE, _LOCK_FILE)) or index_damage(index_dir) is not None:
+            return []
+        with lmdb.open(index_dir, readonly=True, lock=False, create=False, max_dbs=4) as env:
             blocks = env.open_db(b"blocks", create=False)
             with env.begin(db=blocks) as txn:
                 return [key for key, _ in itertools.islice(_keyed(txn.cursor()), limit)]

@@ -58,6 +58,7 @@ __all__ = [
     "decide_direct",
     "default_store_path",
     "open_private",
+    "own_entries",
     "open_private_dir",
     "open_store_directory",
     "pid_alive",
@@ -508,8 +509,8 @@ def settle_manifest(
         wiped = Wiped(part, _keys_before_wipe(stored_keys, directory, config.name))
         logger.warning(
             "kvtier tier %s: %s holds blocks of another layout (%s); this engine's layout is "
-            "(%s). Serving none of them: wiping the old blocks and starting empty (with "
-            "miss_causes on, misses of %d of them count as foreign_%s).",
+            "(%s). Serving none of them: wiping the old blocks and starting empty (where miss "
+            "causes are counted, misses of %d of them count as foreign_%s).",
             config.name,
             directory,
             manifest.fingerprint.describe(),
@@ -551,6 +552,28 @@ class Wiped:
     part: str
     #: keys the store held (at most :data:`MAX_WIPED_KEYS`)
     keys: list[OffloadKey]
+
+
+def own_entries(directory: str, names: tuple[str, ...]) -> bool:
+    """Whether ``directory`` is a directory of this user's (not a symlink) and each of
+    ``names`` in it is absent or a regular file of this user's."""
+    uid = os.geteuid()
+    try:
+        info = os.lstat(directory)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
+        return False
+    for name in names:
+        try:
+            info = os.lstat(os.path.join(directory, name))
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return False
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+            return False
+    return True
 
 
 def _keys_before_wipe(
