@@ -154,3 +154,45 @@ def test_manifest_round_trip_and_damage(tmp_path):
     (tmp_path / "kvtier-store.json").write_text("{not json")
     with pytest.raises(ManifestError, match="kvtier-store.json"):
         read_manifest(str(tmp_path))
+
+
+def _vllm_like(tp: int, dtype: str = "bfloat16", name: str = "meta-llama/Llama-3.1-8B") -> dict:
+    # the model string vLLM's layout_fingerprint builds: the parallel layout rides in it, the
+    # worker's page bytes and the row's block bytes follow from it, rank is 0
+    facts = (
+        f"kv_cache_layout=NHD;groups=0:32x16;tp={tp};pp=1;pcp=1;dcp=1;replicated=0;canonical=0;shards={tp}"
+    )
+    return LayoutFingerprint(
+        model=f"{name}|{facts}",
+        dtype=dtype,
+        tokens_per_block=16,
+        page_bytes=(2 * 1024 * 1024 // tp,),
+        rank=0,
+        world_size=tp,
+        block_bytes=2 * 1024 * 1024,
+    ).to_dict()
+
+
+def _sglang_like(tp: int, layers: int = 32) -> dict:
+    from kvtier.integrations.sglang.settings import PoolFacts, ShardFacts, layout_fingerprint
+
+    pool = PoolFacts(
+        "MHATokenToKVPoolHost",
+        "torch.bfloat16",
+        64,
+        "layer_first",
+        (("layer_num", layers), ("head_num", 32 // tp), ("head_dim", 128)),
+    )
+    shard = ShardFacts(tp_rank=0, tp_size=tp, model_name="Qwen/Qwen3-8B")
+    return layout_fingerprint(pool, shard, block_bytes=64 * 1024 // tp, parts=1, staged=False).to_dict()
+
+
+def test_the_part_that_differs_sees_the_parallel_layout_engines_put_in_the_model():
+    from kvtier.tiers.disk.format import differing_part
+
+    assert differing_part(_vllm_like(2), _vllm_like(4)) == "tp"
+    assert differing_part(_vllm_like(2), _vllm_like(2, dtype="fp8_e4m3")) == "layout"
+    assert differing_part(_vllm_like(2), _vllm_like(4, name="Qwen/Qwen3-8B")) == "layout"
+    assert differing_part(_vllm_like(2), _vllm_like(2)) == "namespace"
+    assert differing_part(_sglang_like(2), _sglang_like(4)) == "tp"  # head_num follows tp
+    assert differing_part(_sglang_like(2), _sglang_like(2, layers=40)) == "layout"  # another model's depth

@@ -108,17 +108,50 @@ def on_disk_block_bytes(block_bytes: int) -> int:
 
 #: fields of a layout whose difference is a tensor-parallel mismatch
 _TP_FIELDS = ("rank", "world_size")
+#: facts of the parallel layout the engine integrations put in the ``model`` string
+#: (vLLM: tp, pp, pcp, dcp, shards, replicated; SGLang: tp, pp, cp, replicated)
+_PARALLEL_FACTS = frozenset({"tp", "pp", "pcp", "dcp", "cp", "shards", "replicated"})
+#: what follows from the parallel layout: a shard's sizes (fields, and SGLang's per-rank
+#: pool geometry in the ``model`` string), which change with it
+_SHARD_FIELDS = frozenset({"page_bytes", "block_bytes", *_TP_FIELDS})
+_SHARD_FACTS = frozenset({"head_num", "layer_num", "size_per_token"})
+
+
+def _model_facts(model: object) -> tuple[list[str], dict[str, str]]:
+    """A ``model`` string's plain parts and its ``name=value`` facts (split at ``|`` and ``;``)."""
+    plain: list[str] = []
+    facts: dict[str, str] = {}
+    for part in str(model).replace("|", ";").split(";"):
+        name, equals, value = part.partition("=")
+        if equals:
+            facts[name] = value
+        else:
+            plain.append(part)
+    return plain, facts
 
 
 def differing_part(own: Mapping[str, object], other: Mapping[str, object]) -> str:
     """Which part of a block's identity two layouts (:meth:`LayoutFingerprint.to_dict`)
-    disagree on: ``tp`` (rank or world size alone), ``layout`` (model, dtype, tokens per
-    block, page or block bytes), or ``namespace`` (none: the same layout, so what differs is
-    where the blocks were put)."""
+    disagree on: ``tp`` (the parallel layout: rank or world size alone, or the tp/pp/cp facts
+    engines put in ``model`` with the shard sizes that follow from them), ``layout`` (model,
+    dtype, tokens per block, page or block bytes), or ``namespace`` (none: the same layout, so
+    what differs is where the blocks were put)."""
     differ = {name for name in set(own) | set(other) if own.get(name) != other.get(name)}
     if not differ:
         return "namespace"
-    return "tp" if differ <= set(_TP_FIELDS) else "layout"
+    if differ <= set(_TP_FIELDS):
+        return "tp"
+    if not differ <= _SHARD_FIELDS | {"model"}:
+        return "layout"  # dtype or tokens per block
+    (own_plain, own_facts), (other_plain, other_facts) = (
+        _model_facts(own.get("model")),
+        _model_facts(other.get("model")),
+    )
+    names = set(own_facts) | set(other_facts)
+    parallel = any(own_facts.get(n) != other_facts.get(n) for n in names & _PARALLEL_FACTS)
+    rest = names - _PARALLEL_FACTS - _SHARD_FACTS
+    same_rest = own_plain == other_plain and all(own_facts.get(n) == other_facts.get(n) for n in rest)
+    return "tp" if parallel and same_rest else "layout"
 
 
 @dataclass(frozen=True)
