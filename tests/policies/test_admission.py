@@ -1,5 +1,6 @@
 """The lower-tier admission filter and its count-min sketch."""
 
+import numpy as np
 import pytest
 
 from kvtier_testing import key
@@ -61,11 +62,12 @@ def test_fractional_min_reuse_admits_blocks_seen_once_for_its_share_of_each_minu
     assert admission.admit(key(3)) is False  # never seen: 0 + draw < 1.75
 
 
-def test_whole_min_reuse_never_reads_the_clock():
+@pytest.mark.parametrize("bar", [3, 3.0, np.int64(3)])
+def test_whole_min_reuse_never_reads_the_clock(bar):
     def clock() -> float:
         raise AssertionError("an integral bar needs no draw")
 
-    admission = AdmissionFilter("reuse", min_reuse=3, sketch_width=1 << 12, clock=clock)
+    admission = AdmissionFilter("reuse", min_reuse=bar, sketch_width=1 << 12, clock=clock)
     for _ in range(2):
         admission.record(key(1))
     assert admission.admit(key(1)) is False

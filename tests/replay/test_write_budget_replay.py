@@ -37,9 +37,10 @@ def test_a_fractional_min_reuse_is_found_that_writes_the_budgets_bytes(record):
     # between min_reuse 1 (every block) and 2, the bar that writes what the budget wrote
     assert 1 < same["min_reuse"] < 2
     assert same["bytes_written"] == pytest.approx(half["bytes_written"], rel=0.03)
-    assert record["same_bytes_share"] == same["bytes_written"] / half["bytes_written"]
+    assert record["same_bytes_share"] == pytest.approx(1, abs=0.03)
+    # between the two bars it lies between, in bytes and in hits
+    assert reuse["bytes_written"] < same["bytes_written"] < full["bytes_written"]
     assert reuse["hit_ratio"] < same["hit_ratio"] < full["hit_ratio"]
-    assert record["hit_ratio_over_same_bytes"] == half["hit_ratio"] - same["hit_ratio"]
     # a fixed bar has no bound: writes follow the trace's bursts
     assert same["stats"]["refused_blocks"] > 0 and "budget_bytes_per_s" not in same["stats"]
 
@@ -57,3 +58,30 @@ def test_the_budget_figures_are_reported_in_trace_time(record):
     assert stats["device_written_bytes"] >= half["bytes_written"]
     assert 0 < stats["write_bytes_per_s"] < 3 * budget
     assert stats["projected_life_years"] > 0
+
+
+def test_the_same_bytes_search_stays_between_its_bars():
+    from kvtier.bench.write_budget import SAME_BYTES, _same_bytes
+
+    def bytes_at(bar):  # convex in the bar, as the trace's bytes are: regula falsi needs steps
+        return int(600e6 / bar**1.5)
+
+    tried = []
+
+    def run(bar):
+        tried.append(bar)
+        return {"run": "fixed", "min_reuse": bar, "bytes_written": bytes_at(bar)}
+
+    low = {"run": "all", "min_reuse": 1, "bytes_written": bytes_at(1)}
+    high = {"run": "reuse", "min_reuse": 2, "bytes_written": bytes_at(2)}
+    found = _same_bytes(run, 400_000_000, low, high)
+    assert found["run"] == "reuse_same_bytes" and 1 < found["min_reuse"] < 2
+    assert found["bytes_written"] == pytest.approx(400e6, rel=SAME_BYTES)
+    assert all(1 < bar < 2 for bar in tried)
+    # a target outside the bracket: no bar outside it is tried, the nearer end is the answer
+    tried.clear()
+    above = _same_bytes(run, 700_000_000, low, high)
+    below = _same_bytes(run, 100_000_000, low, high)
+    assert tried == []
+    assert (above["min_reuse"], above["run"]) == (1, "reuse_same_bytes")
+    assert (below["min_reuse"], below["run"]) == (2, "reuse_same_bytes")

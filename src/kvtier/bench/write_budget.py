@@ -43,7 +43,7 @@ DRIVE_BYTES = 10**12
 #: how close (a share of the budget run's bytes) ``reuse_same_bytes`` must write to stop looking
 SAME_BYTES = 0.01
 #: the most replays spent looking for ``reuse_same_bytes``'s ``min_reuse``
-SEARCH_RUNS = 3
+SEARCH_RUNS = 4
 _BUDGET_FIGURES = (
     "budget_bytes_per_s",
     "write_bytes_per_s",
@@ -115,24 +115,35 @@ def _peak_rate(times: Sequence[float], written: Sequence[int], span_s: float) ->
 def _same_bytes(
     run: Callable[[float], dict[str, Any]], target: int, low: dict[str, Any], high: dict[str, Any]
 ) -> dict[str, Any]:
-    """The run of ``run(min_reuse)`` writing closest to ``target`` bytes, looking between
-    ``low`` and ``high`` (runs whose ``min_reuse`` wrote more and less than ``target``)."""
-    best: dict[str, Any] | None = None
-    for _ in range(SEARCH_RUNS):
-        spread = low["bytes_written"] - high["bytes_written"]
-        if spread <= 0:
-            break
-        share = (low["bytes_written"] - target) / spread
-        found = run(round(low["min_reuse"] + share * (high["min_reuse"] - low["min_reuse"]), 4))
-        if best is None or abs(found["bytes_written"] - target) < abs(best["bytes_written"] - target):
-            best = found
-        if abs(found["bytes_written"] - target) <= SAME_BYTES * target:
-            break
-        if found["bytes_written"] > target:
-            low = found
-        else:
-            high = found
-    return best if best is not None else low
+    """The run of ``run(min_reuse)`` writing closest to ``target`` bytes, looking between the
+    runs ``low`` and ``high`` (a lower and a higher ``min_reuse``, already run): regula falsi
+    (Illinois: an end kept twice counts half, so a curved bytes-by-bar converges from both
+    sides) while they bracket ``target``; the closest of every run seen, endpoints included,
+    labelled as ``run``'s. A target outside the bracket gets the nearer endpoint: no bar
+    outside it is tried (below 1 there is none)."""
+    seen = [low, high]
+    if high["bytes_written"] < target < low["bytes_written"]:
+        (low_bar, low_off), (high_bar, high_off) = (
+            (run_["min_reuse"], run_["bytes_written"] - target) for run_ in (low, high)
+        )
+        kept = ""
+        for _ in range(SEARCH_RUNS):
+            bar = round(low_bar + low_off * (high_bar - low_bar) / (low_off - high_off), 4)
+            found = run(bar)
+            seen.append(found)
+            off = found["bytes_written"] - target
+            if abs(off) <= SAME_BYTES * target:
+                break
+            if off > 0:
+                low_bar, low_off = bar, off
+                high_off /= 2 if kept == "high" else 1
+                kept = "high"
+            else:
+                high_bar, high_off = bar, off
+                low_off /= 2 if kept == "low" else 1
+                kept = "low"
+    best = min(seen, key=lambda r: abs(r["bytes_written"] - target))
+    return {**best, "run": "reuse_same_bytes"}
 
 
 def _budget(bytes_per_s: float, window_s: float) -> dict[str, Any]:
@@ -173,7 +184,7 @@ def compare_write_budget(
         def fixed(bar: float) -> dict[str, Any]:
             name = f"reuse_{bar:g}".replace(".", "_")
             found = _run(requests, directory, name, {"admit": "reuse", "min_reuse": bar}, window_s)
-            return {**found, "run": "reuse_same_bytes", "min_reuse": bar}
+            return {**found, "min_reuse": bar}
 
         same = _same_bytes(
             fixed,

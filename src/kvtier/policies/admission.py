@@ -3,6 +3,7 @@ or, under a write budget, once its reuse clears the bar the budget sets."""
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -74,7 +75,10 @@ class CountMinSketch:
 def check_min_reuse(value: object, field: str) -> float:
     """``value`` as a ``min_reuse``: a number of sightings, at least 1 (may be fractional);
     a :class:`ConfigError` naming ``field`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= _SATURATE:
+    number: float | None = None
+    if not isinstance(value, bool) and isinstance(value, numbers.Real):  # numpy's numbers too
+        number = float(value)
+    if number is None or not 1 <= number <= _SATURATE:
         raise ConfigError(
             field,
             value,
@@ -82,7 +86,8 @@ def check_min_reuse(value: object, field: str) -> float:
             "2 writes a block below once it was seen twice; 1.5 also writes blocks seen once "
             "half of the time",
         )
-    return value
+    # numpy's numbers as Python's; a whole number stays an int (as the config shows it)
+    return int(number) if number.is_integer() and isinstance(value, numbers.Integral) else number
 
 
 @dataclass
@@ -127,7 +132,7 @@ class AdmissionFilter:
                 "one of " + ", ".join(ADMIT_MODES),
                 "use admit: reuse to keep one-off blocks off the tier",
             )
-        check_min_reuse(self.min_reuse, "min_reuse")
+        self.min_reuse = check_min_reuse(self.min_reuse, "min_reuse")
         if (self.mode == "budget") != (self.budget is not None):
             raise ValueError("a WriteBudget goes with mode 'budget', and only with it")
         self._sketch = CountMinSketch(self.sketch_width) if self.counts_sightings else None

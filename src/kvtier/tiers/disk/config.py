@@ -83,8 +83,8 @@ class DiskTierConfig(TierConfig):
     # needs adapts so the drive's writes stay within drive_writes_per_day, or within
     # endurance_tbw spread over target_life_years)
     admit: str = "all"
-    # with admit: reuse, the sightings a block needs before it is written here; fractional
-    # allowed: 1.8 writes every block seen twice and, 20% of the time, those seen once
+    # with admit: reuse, the sightings a block needs before it is written here, from 1 to 255;
+    # fractional allowed: 1.8 writes every block seen twice and, 20% of the time, those seen once
     min_reuse: float = 2
     # the drive's rated endurance in terabytes written; stats project its life from it
     endurance_tbw: float | None = None
