@@ -238,7 +238,8 @@ class TierStackManager(SingleTierManager):
         for tier in self._tiers:
             wiped = tier.foreign_stored()  # asked once, causes or not: the tier lets them go
             if wiped is not None and self._causes is not None:
-                self._causes.remember_foreign(wiped[1], wiped[0])
+                # no more than the sketch holds: more would only push each other out
+                self._causes.remember_foreign(wiped[1][: self._causes.sketch.keys], wiped[0])
 
     @property
     def tiers(self) -> list[SecondaryTier]:
@@ -646,9 +647,9 @@ class TierStackManager(SingleTierManager):
             figures.update(admission.budget.stats())
             return figures
         tbw = self._endurance_tbw[index]
-        if tbw is not None and written:
-            seconds = self._wear_clock() - self._started
-            rate = written / max(seconds, 1e-9)  # bytes per second
+        seconds = self._wear_clock() - self._started
+        if tbw is not None and written and seconds > 0:  # no rate before any time has passed
+            rate = written / seconds  # bytes per second
             figures["projected_life_days"] = round(tbw * 1e12 / rate / 86400, 1)
         return figures
 
