@@ -249,6 +249,12 @@ def test_blocks_stored_at_tp2_are_read_at_tp4_when_every_rank_holds_the_same(tmp
         if hit_chunks:
             # every one of the 4 ranks got the bytes rank 0 of the TP=2 engine wrote
             assert tp4.sources == {CacheHitSource.DISK: hit_chunks * connector.BLOCK_TOKENS}
+        else:
+            # the TP=4 open wiped the TP=2 store; the miss says why: the parallel layout
+            # (vLLM's fingerprint keeps rank 0 and writes tp= into its model string)
+            figures = tp4.manager.stats()
+            assert figures["miss_foreign"] == figures["foreign_tp"] >= 1
+            assert figures["miss_new"] == 0
     finally:
         tp4.shutdown()
 
