@@ -7,9 +7,10 @@ below only when this controller says so. Two parts (docs/design/write-budget.md 
   seconds' worth, and each admitted block takes its bytes out; a block never passes an empty
   bucket, so the bytes written over any span stay within the budget plus the bucket;
 * **a reuse threshold**, the choice: the blocks offered for writing are counted by their
-  reuse estimate (a histogram decaying over ``window_s``), and the threshold is set where
-  the blocks above it would write the budget's rate — nudged up while the bucket is below
-  half full and down while above (a quarter of the difference), so it settles half full. The
+  reuse estimate (a histogram decaying over :data:`HISTOGRAM_WINDOWS` windows), and the
+  threshold is set where the blocks above it would write the budget's rate — nudged up
+  while the bucket is below half full and down while above (a quarter of the difference a
+  window), so it settles half full. The
   threshold is fractional: a block seen ``n`` times passes ``t`` when ``n + draw >= t``, the
   draw in [0, 1) being the phase of a :data:`DITHER_S` cycle of the clock (:meth:`phase`), so
   the blocks at the margin go in spells of time, whole prefixes together, not scattered.
@@ -27,7 +28,7 @@ import math
 import time
 from collections.abc import Callable
 
-__all__ = ["MAX_ESTIMATE", "SECONDS_PER_YEAR", "WriteBudget", "time_draw"]
+__all__ = ["HISTOGRAM_WINDOWS", "MAX_ESTIMATE", "SECONDS_PER_YEAR", "WriteBudget", "time_draw"]
 
 #: reuse estimates are counted up to this (higher ones count as this): the threshold moves
 #: between 1 (every block) and MAX_ESTIMATE + 1 (none)
@@ -38,6 +39,12 @@ TARGET_FILL = 0.5
 #: holds back) on top of a window's budget: the bank is evened out over about four windows.
 #: 1 made the threshold swing with each burst and wrote fewer reused blocks (design doc)
 BANK_GAIN = 0.25
+#: the windows the offers' histogram decays over: a longer memory of the reuse mix than the
+#: bucket's, so quiet minutes do not pull the threshold down to blocks seen once that the
+#: busy minutes after would have needed the bank for. At half the unthrottled rate on the
+#: bundled trace, 0.010 more hit ratio than a fixed min_reuse writing the same bytes (1:
+#: 0.0015), writing 0.951 of the budget (1: 0.989) (design doc, "The histogram's memory")
+HISTOGRAM_WINDOWS = 3.0
 SECONDS_PER_YEAR = 365.25 * 86400
 #: the cycle (seconds of the clock) whose phase is the draw of the blocks at a fractional
 #: threshold: blocks written about the same time — a request's prefix — share one decision.
@@ -99,7 +106,7 @@ class WriteBudget:
         # its budget, no more (the burst) and no less.
         self._tokens = self.capacity_bytes * TARGET_FILL
         #: bytes offered for writing by reuse estimate (index 1..MAX_ESTIMATE), each decaying
-        #: by e per window since it was offered
+        #: by e per HISTOGRAM_WINDOWS windows since it was offered
         self._offered = [0.0] * (MAX_ESTIMATE + 1)
         #: when the first block was offered (the histogram's age counts from it); None: not yet
         self._first_offer: float | None = None
@@ -164,7 +171,8 @@ class WriteBudget:
         if span > 0:
             weight = math.exp(-span / self.window_s)
             self._rate_sum = weight * self._rate_sum + (1 - weight) * (counted - self._counted_at_tick) / span
-            self._offered = [weight * offered for offered in self._offered]
+            fading = math.exp(-span / (HISTOGRAM_WINDOWS * self.window_s))
+            self._offered = [fading * offered for offered in self._offered]
             self._counted_at_tick = counted
             self._ticked = now
         self.threshold = self._threshold()
@@ -186,11 +194,13 @@ class WriteBudget:
             return 1.0
         assert self._first_offer is not None  # there are offers
         seen = max(self._clock(), self._ticked) - self._first_offer
-        # the offers' span (their weights decay by e per window), at first as long as the
-        # half bucket the budget starts with, which the first offers may spend
-        span = self.window_s * max(TARGET_FILL, -math.expm1(-seen / self.window_s))
+        # the offers' span (their weights decay by e per HISTOGRAM_WINDOWS windows), at first
+        # as long as the half bucket the budget starts with, which the first offers may spend
+        memory = HISTOGRAM_WINDOWS * self.window_s
+        span = max(TARGET_FILL * self.window_s, -memory * math.expm1(-seen / memory))
         bank = self._tokens - self.capacity_bytes * TARGET_FILL
-        allowed = self.budget_bytes_per_s * span + BANK_GAIN * bank
+        # the bank's pull, BANK_GAIN of it a window, over the histogram's windows
+        allowed = self.budget_bytes_per_s * span + BANK_GAIN * HISTOGRAM_WINDOWS * bank
         if allowed >= total:
             return 1.0
         if allowed <= 0:
