@@ -69,12 +69,15 @@ def build_manager(
 
     from kvtier.manager.stack import TierStackManager
     from kvtier.tiers.disk.format import LayoutFingerprint
+    from kvtier.tiers.disk.store import MAX_WIPED_KEYS
 
     fingerprint = fingerprint or LayoutFingerprint.standalone(block_bytes)
+    # a disk store wiped for another layout lists its keys only for a sketch to remember
+    options = {} if causes is None else {"wiped_keys": min(MAX_WIPED_KEYS, causes.sketch.keys)}
     lower = []
     try:
         for index, tier in enumerate(config.tiers[1:], start=1):
-            lower.append(tier.open_lower(backend.rows, fingerprint, field=f"tiers[{index}]"))
+            lower.append(tier.open_lower(backend.rows, fingerprint, field=f"tiers[{index}]", **options))
     except BaseException:
         for opened in lower:
             opened.close()

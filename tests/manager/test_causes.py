@@ -6,6 +6,7 @@ import dataclasses
 import os
 import random
 
+import numpy as np
 import pytest
 from kvtier_testing import key, store_blocks
 from kvtier_testing.store import flip, locate
@@ -261,6 +262,34 @@ def test_a_store_lists_its_keys_up_to_a_limit_without_opening(tmp_path, kind):
         (subdir / "not-hex.kvb").write_bytes(b"")
     assert sorted(cls.stored_keys(directory, 100)) == sorted(blocks)
     assert len(cls.stored_keys(directory, 3)) == 3
+
+
+@pytest.mark.parametrize("asked", [0, 3])
+def test_a_wiped_store_lists_only_the_keys_its_opener_asks_for(tmp_path, asked):
+    # vLLM's and SGLang's tier paths count no causes and ask for none: their opens list nothing
+    from kvtier.config import parse_tier
+
+    blocks = [key(i) for i in range(6)]
+    manager = disk_stack(tmp_path, fingerprint=LayoutFingerprint.standalone(BLOCK))
+    try:
+        store_blocks(manager, blocks, ReqContext("r"))
+        manager.on_schedule_end()
+        manager.flush()
+        stride = manager._backend.rows.shape[1]
+        section = parse_tier(
+            {"name": "disk", "kind": "lmdb", "path": str(tmp_path / "store"), "capacity": "4MiB"},
+            "tiers[1]",
+        )
+    finally:
+        manager.shutdown()
+    changed = dataclasses.replace(LayoutFingerprint.standalone(BLOCK), dtype="float16")
+    rows = np.zeros((8, stride), dtype=np.uint8)  # rows of its own: the stack's are gone
+    tier = section.open_lower(rows, changed, field="tiers[1]", wiped_keys=asked)
+    try:
+        part, keys = tier.foreign_stored()
+        assert part == "layout" and len(keys) == asked and set(keys) <= set(blocks)
+    finally:
+        tier.close()
 
 
 def test_a_damaged_index_is_wiped_without_listing_it(tmp_path):

@@ -238,8 +238,7 @@ class TierStackManager(SingleTierManager):
         for tier in self._tiers:
             wiped = tier.foreign_stored()  # asked once, causes or not: the tier lets them go
             if wiped is not None and self._causes is not None:
-                # no more than the sketch holds: more would only push each other out
-                self._causes.remember_foreign(wiped[1][: self._causes.sketch.keys], wiped[0])
+                self._causes.remember_foreign(wiped[1], wiped[0])
 
     @property
     def tiers(self) -> list[SecondaryTier]:

@@ -120,7 +120,6 @@ class KvtierHiCacheStorage(HiCacheStorage):
         try:
             for index, tier in enumerate(self.settings.lower_tiers, start=1):
                 tiers.append(tier.open_lower(pages.rows, fingerprint, field=self.settings.tier_field(index)))
-                tiers[-1].foreign_stored()  # no miss causes here: a wiped store's keys go at once
         except BaseException:
             for opened in tiers:
                 opened.close()

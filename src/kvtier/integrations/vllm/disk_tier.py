@@ -152,8 +152,6 @@ class KvtierDiskTier(SecondaryTierManager):
         self.config = parse_disk_tier_entry(section, rows.nbytes)
         fingerprint = layout_fingerprint(offloading_spec.config, rows.shape[1])
         self._tier: SecondaryTier | None = self.config.open_lower(rows, fingerprint, field=_SECTION)
-        # vLLM's manager counts no miss causes: a wiped store's keys are let go at once
-        self._tier.foreign_stored()
         self._final_stats: dict[str, int] = {}
         self._events = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
         #: vLLM job id -> whether it is a promotion (a load), until its result is handed over

@@ -39,11 +39,8 @@ def get_store_class(kind: str, *, field: str = "kind") -> type[DiskTier]:
 def open_store(
     config: DiskTierConfig, rows: Any, fingerprint: Any, field: str = "tiers[1]", **options: Any
 ) -> DiskTier:
-    """Open the disk tier ``config`` describes over CPU rows ``rows`` (see ``DiskTier.open``),
-    alone: a store wiped for another layout does not keep its keys for a stack's miss causes."""
-    tier = config.open_lower(rows, fingerprint, field=field, **options)
-    tier.foreign_stored()
-    return tier
+    """Open the disk tier ``config`` describes over CPU rows ``rows`` (see ``DiskTier.open``)."""
+    return config.open_lower(rows, fingerprint, field=field, **options)
 
 
 def check_store(path: str, fix: bool = False, secret_file: str | None = None) -> CheckReport:

@@ -117,6 +117,7 @@ class DiskTier(IndexedTier):
         field: str = "tiers[1]",
         threads: int | None = None,
         access: str = "serve",
+        wiped_keys: int = 0,
     ) -> DiskTier:
         """Open (creating if need be) the store at ``config.path`` for CPU rows ``rows``.
 
@@ -132,6 +133,10 @@ class DiskTier(IndexedTier):
         ``--fix``: every file opened read-only, nothing created or written, a damaged index
         reported by :meth:`check` rather than raised) or ``fix`` (``kvtier check --fix``:
         like ``serve``, but a damaged index is left for :meth:`check` to rebuild).
+
+        ``wiped_keys``: when the store is of another layout and wiped, how many of its keys to
+        list first and hand to :meth:`foreign_stored` (a stack counting miss causes asks; 0,
+        the default, lists none).
         """
         if access not in _ACCESS:
             raise ConfigError("access", access, "one of " + ", ".join(_ACCESS))
@@ -183,6 +188,7 @@ class DiskTier(IndexedTier):
                 field,
                 read_only=read_only,
                 stored_keys=cls.stored_keys,
+                keep_keys=wiped_keys,
             )
             if read_only:
                 direct, fallback = False, None  # the O_DIRECT probe writes a file

@@ -441,6 +441,7 @@ def settle_manifest(
     *,
     read_only: bool = False,
     stored_keys: Callable[[str, int], list[OffloadKey]] | None = None,
+    keep_keys: int = 0,
 ) -> tuple[StoreManifest, bool, Wiped | None]:
     """Read, create or replace the manifest of a ``kind`` store; ``(manifest, created,
     wiped)``.
@@ -449,8 +450,8 @@ def settle_manifest(
     (removed when a store of another layout is wiped). ``read_only``: the manifest must
     exist and match ``kind`` and ``fingerprint``; nothing is written. ``wiped``: when a store
     of another layout was wiped, the part of the layout that differed and up to
-    :data:`MAX_WIPED_KEYS` of the keys it held (``stored_keys(directory, limit)``, read before
-    the wipe), so their misses can be told as ``foreign``, not ``new``.
+    ``keep_keys`` of the keys it held (``stored_keys(directory, keep_keys)``, read before the
+    wipe; none by default), so their misses can be told as ``foreign``, not ``new``.
     """
     try:
         manifest = read_manifest(directory)
@@ -506,17 +507,15 @@ def settle_manifest(
         # an aside copy back, and keeping it would hold disk space outside any capacity
         # (each model switch would leave another copy, until the disk is full).
         part = differing_part(fingerprint.to_dict(), manifest.fingerprint.to_dict())
-        wiped = Wiped(part, _keys_before_wipe(stored_keys, directory, config.name))
+        wiped = Wiped(part, _keys_before_wipe(stored_keys, keep_keys, directory, config.name))
         logger.warning(
             "kvtier tier %s: %s holds blocks of another layout (%s); this engine's layout is "
-            "(%s). Serving none of them: wiping the old blocks and starting empty (where miss "
-            "causes are counted, misses of %d of them count as foreign_%s).",
+            "(%s). Serving none of them: wiping the old blocks and starting empty%s.",
             config.name,
             directory,
             manifest.fingerprint.describe(),
             fingerprint.describe(),
-            len(wiped.keys),
-            part,
+            f" (misses of {len(wiped.keys)} of them count as foreign_{part})" if wiped.keys else "",
         )
         _wipe(directory, medium_names)
         manifest = StoreManifest.new(kind, fingerprint, config.capacity_bytes)
@@ -550,7 +549,7 @@ class Wiped:
     #: the part of the layout that differed (``tp`` or ``layout``, as
     #: :func:`~kvtier.tiers.disk.format.differing_part` names it)
     part: str
-    #: keys the store held (at most :data:`MAX_WIPED_KEYS`)
+    #: keys the store held (as many as the opener asked to keep, at most)
     keys: list[OffloadKey]
 
 
@@ -577,19 +576,19 @@ def own_entries(directory: str, names: tuple[str, ...]) -> bool:
 
 
 def _keys_before_wipe(
-    stored_keys: Callable[[str, int], list[OffloadKey]] | None, directory: str, name: str
+    stored_keys: Callable[[str, int], list[OffloadKey]] | None, limit: int, directory: str, name: str
 ) -> list[OffloadKey]:
-    if stored_keys is None:
-        return []
+    if stored_keys is None or limit <= 0:
+        return []  # nobody counts miss causes: nothing is listed
     try:
-        return stored_keys(directory, MAX_WIPED_KEYS)
+        return stored_keys(directory, limit)
     except Exception as exc:  # a diagnosis only: an unreadable old index never fails the open
         logger.info("kvtier tier %s: could not list the wiped store's keys: %s", name, exc)
         return []
 
 
-#: the most keys of a wiped store remembered (as ``foreign`` for the miss causes): listing and
-#: remembering this many takes 0.3-0.6 s at open and ~21 MB until the stack takes them
+#: the most keys of a wiped store a stack with miss causes keeps (as ``foreign``): listing
+#: and remembering this many takes 0.3-0.6 s at open and ~21 MB until the stack takes them
 MAX_WIPED_KEYS = 1 << 18
 
 
