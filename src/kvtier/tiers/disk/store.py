@@ -554,24 +554,26 @@ class Wiped:
 
 
 def own_entries(directory: str, names: tuple[str, ...]) -> bool:
-    """Whether ``directory`` is a directory of this user's (not a symlink) and each of
-    ``names`` in it is absent or a regular file of this user's."""
-    uid = os.geteuid()
+    """Whether ``directory`` is a directory of this user's (not a symlink, not writable by
+    others) and each of ``names`` in it is absent or a regular file of this user's: the
+    checks of :func:`open_private_dir` and :func:`open_private`, read-only."""
+    parent, name = os.path.split(directory)
     try:
-        info = os.lstat(directory)
+        parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return False
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
-        return False
-    for name in names:
+    try:
+        fd = open_private_dir(name, dir_fd=parent_fd, read_only=True)
         try:
-            info = os.lstat(os.path.join(directory, name))
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return False
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
-            return False
+            for entry in names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.close(open_private(entry, os.O_RDONLY, dir_fd=fd))
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        os.close(parent_fd)
     return True
 
 
