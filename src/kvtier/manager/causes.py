@@ -281,7 +281,8 @@ class MissCauses:
 
     def remember_foreign(self, keys: Iterable[OffloadKey], part: str) -> None:
         """``keys`` were held under an identity differing in ``part`` and are gone (a disk
-        store wiped for another layout): their misses are ``foreign``, not ``new``."""
+        store wiped for another layout, a sibling's namespace): their misses are ``foreign``,
+        not ``new``."""
         self.sketch.put(keys, FOREIGN, FOREIGN_PARTS.index(part) if part in FOREIGN_PARTS else 0)
 
     def found_foreign(self, key: OffloadKey, part: str, tier: int) -> None:
@@ -291,8 +292,7 @@ class MissCauses:
         if self.counts["new"]:
             self.counts["new"] -= 1
             self.count("foreign", tier, part)
-        index = FOREIGN_PARTS.index(part) if part in FOREIGN_PARTS else 0
-        self.sketch.put((key,), FOREIGN, index)
+        self.remember_foreign((key,), part)
 
     def stats(self) -> dict[str, float]:
         """``miss_<cause>``, ``foreign_<part>``, per tier ``<tier>.miss_<cause>``, and the

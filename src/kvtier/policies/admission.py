@@ -87,7 +87,7 @@ def check_min_reuse(value: object, field: str) -> float:
             "half of the time",
         )
     # numpy's numbers as Python's; a whole number stays an int (as the config shows it)
-    return int(number) if number.is_integer() and isinstance(value, numbers.Integral) else number
+    return int(number) if isinstance(value, numbers.Integral) else number
 
 
 @dataclass
