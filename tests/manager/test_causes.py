@@ -198,19 +198,26 @@ def settle(manager, keys, ctx):
     raise AssertionError("lookups never settled")
 
 
-def store_then_reopen(tmp_path, kind, blocks, change, causes=None):
-    """Store ``blocks`` in a ``kind`` store under the standalone layout, shut down, and open
-    the store again under that layout with ``change`` (which wipes it)."""
-    before = LayoutFingerprint.standalone(BLOCK)
-    manager = disk_stack(tmp_path, kind=kind, fingerprint=before)
+def fill_store(tmp_path, kind, blocks):
+    """Store ``blocks`` in a ``kind`` store under the standalone layout and shut down; the
+    CPU rows' stride."""
+    manager = disk_stack(tmp_path, kind=kind, fingerprint=LayoutFingerprint.standalone(BLOCK))
     try:
         store_blocks(manager, blocks, ReqContext("r"))
         manager.on_schedule_end()
         manager.flush()
         assert all(manager.tiers[0].lookup(k) is True for k in blocks)
+        return manager._backend.rows.shape[1]
     finally:
         manager.shutdown()
-    return disk_stack(tmp_path, kind=kind, fingerprint=dataclasses.replace(before, **change), causes=causes)
+
+
+def store_then_reopen(tmp_path, kind, blocks, change, causes=None):
+    """:func:`fill_store`, then open the store again under the standalone layout with
+    ``change`` (which wipes it)."""
+    fill_store(tmp_path, kind, blocks)
+    changed = dataclasses.replace(LayoutFingerprint.standalone(BLOCK), **change)
+    return disk_stack(tmp_path, kind=kind, fingerprint=changed, causes=causes)
 
 
 @pytest.mark.parametrize("kind", ["lmdb", "files"])
@@ -246,15 +253,11 @@ def test_a_wiped_store_with_miss_causes_off_lets_the_keys_go(tmp_path):
 
 @pytest.mark.parametrize("kind", ["lmdb", "files"])
 def test_a_store_lists_its_keys_up_to_a_limit_without_opening(tmp_path, kind):
+    from kvtier.tiers.disk import get_store_class
+
     blocks = [key(i) for i in range(10)]
-    manager = disk_stack(tmp_path, kind=kind)
-    try:
-        store_blocks(manager, blocks, ReqContext("r"))
-        manager.on_schedule_end()
-        manager.flush()
-        cls = type(manager.tiers[0])
-    finally:
-        manager.shutdown()
+    fill_store(tmp_path, kind, blocks)
+    cls = get_store_class(kind)
     directory = str(tmp_path / "store")
     if kind == "files":  # a writer's temp file, or a name that is no key, is no block
         subdir = next(p for p in (tmp_path / "store" / "blocks").iterdir() if p.is_dir())
@@ -270,18 +273,11 @@ def test_a_wiped_store_lists_only_the_keys_its_opener_asks_for(tmp_path, asked):
     from kvtier.config import parse_tier
 
     blocks = [key(i) for i in range(6)]
-    manager = disk_stack(tmp_path, fingerprint=LayoutFingerprint.standalone(BLOCK))
-    try:
-        store_blocks(manager, blocks, ReqContext("r"))
-        manager.on_schedule_end()
-        manager.flush()
-        stride = manager._backend.rows.shape[1]
-        section = parse_tier(
-            {"name": "disk", "kind": "lmdb", "path": str(tmp_path / "store"), "capacity": "4MiB"},
-            "tiers[1]",
-        )
-    finally:
-        manager.shutdown()
+    stride = fill_store(tmp_path, "lmdb", blocks)
+    section = parse_tier(
+        {"name": "disk", "kind": "lmdb", "path": str(tmp_path / "store"), "capacity": "4MiB"},
+        "tiers[1]",
+    )
     changed = dataclasses.replace(LayoutFingerprint.standalone(BLOCK), dtype="float16")
     rows = np.zeros((8, stride), dtype=np.uint8)  # rows of its own: the stack's are gone
     tier = section.open_lower(rows, changed, field="tiers[1]", wiped_keys=asked)
@@ -295,13 +291,7 @@ def test_a_wiped_store_lists_only_the_keys_its_opener_asks_for(tmp_path, asked):
 def test_a_damaged_index_is_wiped_without_listing_it(tmp_path):
     # LMDB maps data.mdb: a truncated one must not be listed (SIGBUS), only wiped as before
     blocks = [key(i) for i in range(4)]
-    manager = disk_stack(tmp_path, fingerprint=LayoutFingerprint.standalone(BLOCK))
-    try:
-        store_blocks(manager, blocks, ReqContext("r"))
-        manager.on_schedule_end()
-        manager.flush()
-    finally:
-        manager.shutdown()
+    fill_store(tmp_path, "lmdb", blocks)
     data = tmp_path / "store" / "index" / "data.mdb"
     os.truncate(data, data.stat().st_size // 2)
     changed = dataclasses.replace(LayoutFingerprint.standalone(BLOCK), dtype="float16")
