@@ -182,6 +182,15 @@ class StackDriver:
                 return tier.name
         return self.lower_names[0]
 
+    def served(self, keys: list[OffloadKey], promoted: set[OffloadKey]) -> dict[str, int]:
+        """Loaded ``keys`` counted by the tier that served them: the CPU tier's name, or for a
+        key that was ``promoted`` (see :meth:`lookup_prefix`) the lower tier it came from."""
+        counts: dict[str, int] = {}
+        for key in keys:
+            tier = self.served_by(key) if key in promoted else self.cpu_name
+            counts[tier] = counts.get(tier, 0) + 1
+        return counts
+
     def lookup_prefix(self, keys: list[OffloadKey], ctx: ReqContext) -> tuple[int, set[OffloadKey]]:
         """How many of ``keys`` (in order) the offloading tiers can load now, and which keys
         were pending (being promoted from a lower tier) at some point.

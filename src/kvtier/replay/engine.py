@@ -50,6 +50,7 @@ from kvtier.replay.trace import Request
 
 __all__ = ["ReplayEngine", "ReplayCounts", "block_key", "block_bytes_of"]
 
+
 def block_key(hash_id: int) -> OffloadKey:
     """The offload key of trace block ``hash_id`` (a 32-byte hash, KV group 0, like vLLM's)."""
     return make_offload_key(hashlib.sha256(hash_id.to_bytes(8, "little")).digest(), 0)
@@ -266,10 +267,9 @@ class ReplayEngine(StackDriver):
         served = {"gpu": gpu_hits} if gpu_hits else {}
         if hits:
             if self._load(hits, gpu_hits, ctx, keep):
-                for key in hits:
-                    tier = self.served_by(key) if key in promoted else self.cpu_name
-                    counts.hits[tier] += 1
-                    served[tier] = served.get(tier, 0) + 1
+                for tier, count in self.served(hits, promoted).items():
+                    counts.hits[tier] += count
+                    served[tier] = count
             else:
                 loaded = 0  # nothing arrived: the engine computes those blocks instead
         keep.update(hits[:loaded])
