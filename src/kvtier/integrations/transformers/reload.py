@@ -32,7 +32,7 @@ class Reloaded:
     cached_tokens: int
     #: blocks loaded, by the tier that served them
     hits: dict[str, int]
-    #: the manager's counters after the reload (misses by cause, bytes per tier ...)
+    #: the reloading stack's counters, once closed (misses by cause, bytes per tier ...)
     stats: dict[str, float]
 
 
@@ -42,31 +42,33 @@ def reload_logits(
     prefix_ids: Sequence[int],
     continuation_ids: Sequence[int],
     *,
+    reload_config: KvtierConfig | dict | str | None = None,
     model_id: str | None = None,
 ) -> Reloaded:
     """Prefill ``prefix_ids`` through a stack built from ``config`` (storing its full blocks),
     then prefill ``prefix_ids + continuation_ids`` loading them back; the continuation's
     logits both ways.
 
-    With tiers below the CPU tier, the first stack is closed (which saves every block below)
-    and a second one opened on the same configuration, so the prefix comes back from the
-    lower tiers, through their checks and codecs; with a CPU tier alone, from it.
+    With tiers below the CPU tier, or a ``reload_config``, the first stack is closed (which
+    saves every block below) and a second one opened on ``reload_config`` (default:
+    ``config`` again), so the prefix comes back from the lower tiers, through their checks and
+    codecs; with a CPU tier alone, from it. A ``reload_config`` sharing only some of the
+    tiers is another engine: one sharing only the Valkey tier reads from it.
     """
     parsed = load_config(config)
     prefix = [int(t) for t in prefix_ids]
     continuation = [int(t) for t in continuation_ids]
     first = TieredPrefixCache(model, parsed, model_id=model_id)
-    model_id = first.layout.weights  # hashed once
     try:
         stored = first.prefill(prefix)
-        if len(parsed.tiers) > 1:
+        if len(parsed.tiers) > 1 or reload_config is not None:
             first.close()
-            second = TieredPrefixCache(model, parsed, model_id=model_id)
+            # the weights are hashed once
+            second = TieredPrefixCache(model, reload_config or parsed, model_id=first.layout.weights)
         else:
             second = first
         try:
             loaded = second.prefill(prefix + continuation, logits=len(continuation), store=False)
-            stats = second.stats()
         finally:
             second.close()
     finally:
@@ -75,4 +77,4 @@ def reload_logits(
     memory = forward(
         model, (prefix + continuation)[split:], cache_prefix(model, stored.cache, split), len(continuation)
     )
-    return Reloaded(loaded.logits, memory, split, loaded.hits, stats)
+    return Reloaded(loaded.logits, memory, split, loaded.hits, second.stats())
