@@ -20,7 +20,8 @@ import textwrap
 
 import torch
 from transformers import DynamicCache
-from transformers_support import PASSAGE, disk_tier, stack, valkey_server, valkey_tier
+from kvtier_testing.valkey_tier import local_server as valkey_server
+from transformers_support import PASSAGE, disk_tier, stack, valkey_tier
 
 from kvtier.cli.main import main
 from kvtier.integrations.transformers import (

