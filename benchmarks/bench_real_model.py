@@ -15,16 +15,20 @@ and over kvtier (CPU tier of ``--cpu-mib`` MiB, small enough that early conversa
 the LMDB tier below it). ``--rounds`` rounds, each on a fresh stack; the medians are reported.
 
 The prediction is ``kvtier.costs`` for the same model and the speeds measured in the same
-run: the prefill rate (``--calibrate`` tokens computed in full) as the "GPU"'s measured
-prefill rate, this machine's memory bandwidth (numpy copy) as its HBM and host link, and the
-LMDB tier's default read speed. Per request it prices the blocks each tier served, as
-``kvtier replay --model`` does. Prints a table per request, the totals and their ratios
-(predicted / measured), then one JSON line.
+round, just before it: a forward pass's fixed cost (``step``: a one-token pass), the prefill
+rate beyond it at ``--calibrate`` tokens (default: the cut, which most prompts reach), this
+machine's memory bandwidth (numpy copy) as the "GPU"'s HBM and host link, and the LMDB tier's
+default read speed. Per request it prices the blocks each tier served, as ``kvtier replay
+--model`` does; ``*_ratio`` is predicted / measured over all requests (the median of the
+rounds'), ``hit_ratio`` the same over the requests the tiers served at least half of, and
+``*_without_step`` the same for the model without the fixed cost (as it was before this
+benchmark). Prints a table per request and the totals, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -106,9 +110,11 @@ def prefill_seconds(model, tokens: int, repeats: int) -> float:
 
 
 def cost_model(model, calibrate: int, repeats: int) -> CostModel:
-    """``kvtier.costs`` for SmolLM2 on this CPU, from speeds measured now: the prefill rate of
-    a ``calibrate``-token prompt, and the memory bandwidth as the "GPU"'s HBM and host link."""
-    rate = calibrate / prefill_seconds(model, calibrate, repeats)
+    """``kvtier.costs`` for SmolLM2 on this CPU, from speeds measured now: a forward pass's
+    fixed cost (``step``: a one-token pass), the prefill rate of a ``calibrate``-token prompt
+    beyond it, and the memory bandwidth as the "GPU"'s HBM and host link."""
+    step = prefill_seconds(model, 1, repeats)
+    rate = calibrate / max(prefill_seconds(model, calibrate, repeats) - step, 1e-9)
     memory = memory_gbps()
     engine = model_from_config(
         {**model.config.to_dict(), "torch_dtype": "bfloat16"}, name="SmolLM2-135M-Instruct", source="smollm2"
@@ -120,6 +126,7 @@ def cost_model(model, calibrate: int, repeats: int) -> CostModel:
         pcie_gbps=memory,
         source="measured in this run",
         prefill_tokens_per_s=rate,
+        step_s=step,
     )
     speeds = tier_speeds([("cpu", "cpu"), ("disk", "lmdb")], cpu)
     return CostModel(engine, cpu, {speed.name: speed for speed in speeds})
@@ -138,7 +145,8 @@ def run_round(model, workload: list[dict], round_index: int, args) -> list[dict]
     what the cost model predicts from speeds measured just before."""
     from kvtier.integrations.transformers import TieredPrefixCache
 
-    cost = cost_model(model, args.calibrate, repeats=3)
+    cost = cost_model(model, args.calibrate, repeats=5)
+    stepless = CostModel(cost.model, dataclasses.replace(cost.gpu, step_s=0.0), cost.tiers)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-model-") as directory:
         config = {
@@ -157,13 +165,28 @@ def run_round(model, workload: list[dict], round_index: int, args) -> list[dict]
                     row[f"{run}_s"] = result.ttft_s
                     if run == "kvtier":
                         row["hits"], row["load_s"] = result.hits, result.load_s
-                row["full_predicted_s"] = predicted_s(cost, tokens, {}, args.block_tokens)
-                row["kvtier_predicted_s"] = predicted_s(cost, tokens, row["hits"], args.block_tokens)
+                for name, model_cost in (("predicted", cost), ("predicted_without_step", stepless)):
+                    row[f"full_{name}_s"] = predicted_s(model_cost, tokens, {}, args.block_tokens)
+                    row[f"kvtier_{name}_s"] = predicted_s(model_cost, tokens, row["hits"], args.block_tokens)
                 rows.append(row)
     return rows
 
 
 TIMES = ("full_s", "full_predicted_s", "kvtier_s", "kvtier_predicted_s", "load_s")
+#: per round, predicted / measured over all its requests
+RATIOS = {
+    f"{run}_ratio{suffix}": (f"{run}_predicted{suffix}_s", f"{run}_s")
+    for run in ("full", "kvtier")
+    for suffix in ("", "_without_step")
+}
+
+
+def ratio(rows: list[dict], predicted: str, measured: str) -> float:
+    return sum(row[predicted] for row in rows) / sum(row[measured] for row in rows)
+
+
+def mostly_cached(row: dict, block_tokens: int) -> bool:
+    return sum(row["hits"].values()) * block_tokens * 2 >= row["prompt_tokens"]
 
 
 def main() -> None:
@@ -176,7 +199,11 @@ def main() -> None:
     )
     parser.add_argument("--max-blocks", type=int, default=24, help="trace blocks a prompt is cut at")
     parser.add_argument("--cpu-mib", type=int, default=24, help="the CPU tier's capacity")
-    parser.add_argument("--calibrate", type=int, default=512, help="prompt tokens of the prefill-rate run")
+    parser.add_argument(
+        "--calibrate",
+        type=int,
+        help="prompt tokens of the prefill-rate run (default: the cut, the usual length)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
     out = open(os.devnull, "w") if args.json else sys.stdout
@@ -193,6 +220,7 @@ def main() -> None:
     workload = conversations(
         args.conversations, args.turns, args.block_tokens, args.max_blocks, model.config.vocab_size
     )
+    args.calibrate = args.calibrate or args.max_blocks * args.block_tokens
     prefill_seconds(model, 16, repeats=1)  # the first forward pass pays for its setup
     rounds = [run_round(model, workload, index, args) for index in range(args.rounds)]
 
@@ -202,11 +230,19 @@ def main() -> None:
         for request_rows in zip(*rounds)
     ]
     ratios = {
-        f"{run}_ratio": statistics.median(
-            sum(r[f"{run}_predicted_s"] for r in one) / sum(r[f"{run}_s"] for r in one) for one in rounds
-        )
-        for run in ("full", "kvtier")
+        name: statistics.median(ratio(one, predicted, measured) for one in rounds)
+        for name, (predicted, measured) in RATIOS.items()
     }
+    # the requests kvtier served mostly from the tiers, alone (the totals are the others')
+    for suffix in ("", "_without_step"):
+        ratios[f"hit_ratio{suffix}"] = statistics.median(
+            ratio(
+                [r for r in one if mostly_cached(r, args.block_tokens)],
+                f"kvtier_predicted{suffix}_s",
+                "kvtier_s",
+            )
+            for one in rounds
+        )
     totals = {key: sum(row[key] for row in rows) for key in TIMES}
     columns = ["conversation", "turn", "prompt_tokens", "cached", *TIMES]
     table = [{**row, "cached": ",".join(f"{t}:{n}" for t, n in row["hits"].items()) or "-"} for row in rows]
@@ -230,7 +266,9 @@ def main() -> None:
         f"TTFT summed over {len(rows)} requests (medians of {args.rounds} rounds): computed in full "
         f"{totals['full_s']:.2f} s, predicted {totals['full_predicted_s']:.2f}; over kvtier "
         f"{totals['kvtier_s']:.2f} s, predicted {totals['kvtier_predicted_s']:.2f}; predicted/measured "
-        f"(median of the rounds') {ratios['full_ratio']:.2f} and {ratios['kvtier_ratio']:.2f}",
+        f"(median of the rounds') {ratios['full_ratio']:.2f} and {ratios['kvtier_ratio']:.2f}; "
+        f"over the requests mostly served by the tiers {ratios['hit_ratio']:.2f} "
+        f"({ratios['hit_ratio_without_step']:.2f} without a pass's fixed cost)",
         file=out,
     )
     print_json(record, sys.stdout)

