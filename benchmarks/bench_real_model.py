@@ -229,20 +229,21 @@ def main() -> None:
         {**request_rows[-1], **{key: statistics.median(r[key] for r in request_rows) for key in TIMES}}
         for request_rows in zip(*rounds)
     ]
-    ratios = {
-        name: statistics.median(ratio(one, predicted, measured) for one in rounds)
+    per_round = {
+        name: [ratio(one, predicted, measured) for one in rounds]
         for name, (predicted, measured) in RATIOS.items()
     }
     # the requests kvtier served mostly from the tiers, alone (the totals are the others')
     for suffix in ("", "_without_step"):
-        ratios[f"hit_ratio{suffix}"] = statistics.median(
+        per_round[f"hit_ratio{suffix}"] = [
             ratio(
                 [r for r in one if mostly_cached(r, args.block_tokens)],
                 f"kvtier_predicted{suffix}_s",
                 "kvtier_s",
             )
             for one in rounds
-        )
+        ]
+    ratios = {name: statistics.median(values) for name, values in per_round.items()}
     totals = {key: sum(row[key] for row in rows) for key in TIMES}
     columns = ["conversation", "turn", "prompt_tokens", "cached", *TIMES]
     table = [{**row, "cached": ",".join(f"{t}:{n}" for t, n in row["hits"].items()) or "-"} for row in rows]
@@ -258,6 +259,7 @@ def main() -> None:
         "cached_tokens": sum(sum(row["hits"].values()) for row in rows) * args.block_tokens,
         **totals,
         **ratios,
+        "ratios_per_round": per_round,
         "speedup_measured": totals["full_s"] / totals["kvtier_s"],
         "speedup_predicted": totals["full_predicted_s"] / totals["kvtier_predicted_s"],
         "rows": rows,
