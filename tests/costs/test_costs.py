@@ -146,8 +146,10 @@ def test_a_step_cost_is_added_to_every_prefill():
     assert measured.prefill_seconds(1) == pytest.approx(0.05 + 0.001)
     assert measured.prefill_seconds(2000, cached=500) == pytest.approx(0.05 + 2.0)
     assert measured.prefill_seconds(0) == 0  # no pass at all
-    flops = CostModel(model, parse_gpu("tflops=1,hbm=1,pcie=1,mfu=0.5,step=0.05"), {})
-    assert flops.prefill_seconds(1) == pytest.approx(0.05 + model.weight_bytes / 1e9)
+    # the measured step replaces the floor of reading the weights (it read them once)
+    flops = CostModel(model, parse_gpu("tflops=1,hbm=1e-9,pcie=1,mfu=0.5,step=0.05"), {})
+    assert flops.prefill_seconds(1) == pytest.approx(0.05 + model.prefill_flops(1) / 0.5e12)
+    assert flops.prefill_seconds(64, cached=10) == pytest.approx(0.05 + model.prefill_flops(64, 10) / 0.5e12)
     # with every block hit the last token is still computed: one pass, its fixed cost included
     assert request_service(measured, 1024, {"gpu": 2})[1] == pytest.approx(0.051)
     with pytest.raises(ConfigError, match="step"):

@@ -38,8 +38,9 @@ class GPUSpec:
     mfu: float = DEFAULT_MFU
     #: a measured prefill rate, tokens per second; when set it replaces the FLOPs model
     prefill_tokens_per_s: float | None = None
-    #: seconds every forward pass costs whatever its length (launches, scheduling, sampling;
-    #: measured: a one-token step's time), added to each prefill; 0: none modelled
+    #: seconds every forward pass costs whatever its length (launches, scheduling, sampling,
+    #: reading the weights once): a one-token step's time, measured; added to each prefill in
+    #: place of the weights-over-HBM floor; 0: the floor alone
     step_s: float = 0.0
 
     def describe(self) -> dict[str, Any]:
