@@ -2,8 +2,8 @@
 
 * Prefill of ``n`` tokens after ``h`` cached ones: with a measured rate, ``n / rate``; else
   ``max(FLOPs / (peak x MFU), weight bytes / HBM bandwidth)`` (a forward pass reads every
-  weight at least once, which bounds a short prefill from below). With a measured ``step``
-  (a one-token pass: its fixed costs and that read), ``step + n / rate`` or ``step + FLOPs /
+  weight at least once, which bounds a short prefill from below). Given a ``step`` (the time
+  of a one-token pass: its fixed costs and that read), ``step + n / rate`` or ``step + FLOPs /
   (peak x MFU)``.
 * A load of ``b`` bytes from the CPU tier: ``b / cpu``; from a lower tier: ``b / tier + b / cpu``
   (read up into the CPU tier, then copied to the GPU, one after the other as kvtier does).
