@@ -657,3 +657,43 @@ def test_a_host_pool_without_sglangs_geometry_is_refused_by_name(tmp_path):
         assert all(roundtrip(backend, pool, 2, seed=121))
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("draft_attention", ["mla", "mha"])
+def test_an_mla_models_ranks_share_its_draft_pages_only_when_the_draft_is_mla(valkey_server, draft_attention):
+    # An MLA model's KV is one copy for every tensor rank, written by rank 0. A draft model of
+    # MLA is too; an MHA draft's pages are each rank's own heads: rank 1 must never be served
+    # rank 0's.
+    tiers = [{"name": "shared", "kind": "valkey", "url": valkey_server.url, "timeout_s": 2.0}]
+    make_draft = mla_pool if draft_attention == "mla" else mha_pool
+    pools = [(mla_pool("page_first"), make_draft("page_first", layers=1)) for _ in range(2)]
+    ranks = [
+        build_backend(pool, extra_config(tiers), mla=True, tp_rank=r, tp_size=2)
+        for r, (pool, _) in enumerate(pools)
+    ]
+    try:
+        for backend, (_, draft) in zip(ranks, pools):
+            backend.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+        (pool_0, draft_0), (pool_1, draft_1) = pools
+        slots, kv_written = fill_pages(pool_0, 3, seed=130)
+        _, draft_written = fill_pages(draft_0, 3, seed=131, slots=slots)
+        names = keys(3)
+        both = (PoolName.KV, PoolName.DRAFT)
+        assert ranks[0].batch_set_v2(
+            [PoolTransfer(name=n, host_indices=slots, keys=names) for n in both]
+        ) == {n: [True] * 3 for n in both}
+        hit = ranks[1].batch_exists_v2(names, [PoolTransfer(name=PoolName.DRAFT)])
+        target = pool_1.alloc(3 * PAGE)
+        got = ranks[1].batch_get_v2([PoolTransfer(name=n, host_indices=target, keys=names) for n in both])
+        assert got[PoolName.KV] == [True] * 3
+        assert all(torch.equal(x, y) for x, y in zip(kv_written, page_bytes(pool_1, target, 3)))
+        if draft_attention == "mla":
+            assert hit.kv_hit_pages == 3 and got[PoolName.DRAFT] == [True] * 3
+            assert all(torch.equal(x, y) for x, y in zip(draft_written, page_bytes(draft_1, target, 3)))
+        else:  # rank 1's own draft shard was never written: no prefix, no bytes of rank 0's
+            assert hit.kv_hit_pages == 0 and PoolName.DRAFT not in hit.extra_pool_hit_pages
+            assert got[PoolName.DRAFT] == [False] * 3
+            assert not any(page.any() for page in page_bytes(draft_1, target, 3))
+    finally:
+        for backend in ranks:
+            backend.close()

@@ -226,6 +226,15 @@ def test_an_extra_pool_is_named_in_its_fingerprint():
     assert kv.digest() != draft.digest()  # never one store for both, even with one geometry
 
 
+def test_an_mha_pool_beside_an_mla_model_is_split_per_rank():
+    rank = ShardFacts.from_storage_config(storage_config(is_mla_model=True, tp_rank=1, tp_size=2))
+    assert (rank.shard, rank.replicated, rank.writer) == (0, True, False)
+    mla = _pool(layer_num=1, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert mla.latent and rank.for_pool(mla) is rank  # an MLA draft: one copy, rank 0's
+    mha = rank.for_pool(_pool(layer_num=1))  # an MHA draft: each rank's own heads
+    assert (mha.shard, mha.replicated, mha.writer) == (1, False, True)
+
+
 def test_a_host_pool_without_sglangs_geometry_is_refused_by_name():
     bare = SimpleNamespace(page_size=64, layout="page_first")
     with pytest.raises(ConfigError) as error:

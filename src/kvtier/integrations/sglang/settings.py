@@ -292,6 +292,14 @@ class ShardFacts:
             return f"pp={self.pp_size};cp={self.cp_size};replicated=1"
         return f"tp={self.tp_size};pp={self.pp_size};cp={self.cp_size};replicated=0"
 
+    def for_pool(self, pool: PoolFacts) -> ShardFacts:
+        """This rank's shard of ``pool``'s pages. SGLang replicates an MLA model's KV over the
+        tensor ranks, but a pool of heads beside it (an MHA draft model's KV) is split per
+        rank all the same: its pages are this rank's own, which only this rank writes."""
+        if not self.replicated or pool.latent:
+            return self
+        return dataclasses.replace(self, replicated=False, writer=True)
+
 
 #: host pool attributes that fix what a page's bytes mean, when the pool has them
 _GEOMETRY_ATTRS = (
@@ -331,6 +339,11 @@ class PoolFacts:
     layout: str
     #: (name, value) of every geometry attribute the pool has
     geometry: tuple[tuple[str, int], ...]
+
+    @property
+    def latent(self) -> bool:
+        """An MLA pool (one latent row per token, the same on every tensor rank)."""
+        return any(name == "kv_lora_rank" for name, _ in self.geometry)
 
     @classmethod
     def from_host_pool(cls, pool: Any, name: str = "kv") -> PoolFacts:

@@ -80,6 +80,8 @@ class _PoolStore:
     #: SGLang's pool name (``kv``, ``draft``)
     name: str
     pages: PageRows
+    #: this rank's shard of the pool's pages
+    shard: ShardFacts
     #: the open tiers, fastest first, and each one's admission
     tiers: list[SecondaryTier]
     admission: list[AdmissionFilter]
@@ -184,10 +186,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
         name = str(name)
         facts = PoolFacts.from_host_pool(pool, name)
         pages = PageRows(pool, self.settings.staging_pages, in_place=in_place)
+        shard = self.shard.for_pool(facts)
         configs = tiers_for(pages)
         fingerprint = layout_fingerprint(
             facts,
-            self.shard,
+            shard,
             block_bytes=pages.block_bytes,
             parts=pages.parts,
             staged=pages.flat,
@@ -212,7 +215,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             if kv.budget is not None:
                 admission[index] = replace(admission[index], budget=kv.budget)
         with self._lock:  # a draft pool registers while SGLang's storage threads run
-            self._stores[name] = _PoolStore(name, pages, tiers, admission)
+            self._stores[name] = _PoolStore(name, pages, shard, tiers, admission)
         logger.info(
             "kvtier: %s pool, %s pages of %d tokens as %d block(s) of %d bytes (%s), shard %d%s, "
             "tiers %s; layout %s",
@@ -222,8 +225,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
             pages.parts,
             pages.block_bytes,
             "staged" if pages.staged else "in place",
-            self.shard.shard,
-            " (replicated: MLA)" if self.shard.replicated else "",
+            shard.shard,
+            " (replicated: MLA)" if shard.replicated else "",
             ", ".join(f"{t.name} ({t.medium})" for t in tiers),
             fingerprint.describe(),
         )
@@ -303,7 +306,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         return [bool(answer) for answer in answers]
 
     def _page_keys(self, store: _PoolStore, key: str) -> list[OffloadKey]:
-        return [page_key(key, self.shard.shard, part) for part in range(store.pages.parts)]
+        return [page_key(key, store.shard.shard, part) for part in range(store.pages.parts)]
 
     def _page_starts(self, store: _PoolStore, keys: Sequence[str], host_indices: Any) -> list[int] | None:
         page_size = store.pages.page_size
@@ -424,7 +427,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             remaining = [i for i in range(len(keys)) if not loaded[i]]
             if not remaining:
                 break
-            if not self._defers:
+            if not self._defers(store):
                 # pages this tier does not hold are not asked of it (a disk read each)
                 held = self._lookup(tier, [page_keys[i][0] for i in remaining])
                 remaining = [i for i, present in zip(remaining, held) if present]
@@ -452,17 +455,17 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self._record(store, "prefetch", done, time.perf_counter() - started)
         return loaded
 
-    @property
-    def _defers(self) -> bool:
+    @staticmethod
+    def _defers(store: _PoolStore) -> bool:
         """A replicated (MLA) rank that does not write: the writing rank stored its pages in
         the shared store after this process opened it, so this process's view lacks them.
         It answers "present" and reads them (loads resolve on the medium, and verify), and
         SGLang's minimum over ranks takes the writer's answer."""
-        return self.shard.replicated and not self.shard.writer
+        return store.shard.replicated and not store.shard.writer
 
     def _present(self, store: _PoolStore, keys: Sequence[str]) -> list[bool]:
         """Whether each page is held, every part of it in one tier."""
-        if self._defers:
+        if self._defers(store):
             return [True] * len(keys)
         page_keys = [self._page_keys(store, key) for key in keys]
         present = [False] * len(keys)
