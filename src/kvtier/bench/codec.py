@@ -163,6 +163,7 @@ def run(
     names = ["none", *[name for name in codecs if name != "none"]]
     storage = np.dtype(ELEMENT_DTYPES[dtype][1])
     rows: list[dict[str, Any]] = []
+    lossy: dict[str, bool] = {}
     figures: dict[str, dict[str, Any]] = {name: {"by_block_bytes": {}} for name in names}
     for size in block_sizes:
         if blocks is not None:
@@ -173,6 +174,7 @@ def run(
         made = {
             name: _Copy(size) if name == "none" else make_codec(name, size, dtype, "bench") for name in names
         }
+        lossy = {name: bool(getattr(made[name], "lossy", False)) for name in names}
         timings: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
         ratios: dict[str, float] = {}
         errors: dict[str, float] = {}
@@ -225,7 +227,7 @@ def run(
         record["codecs"][name] = {
             **headline,
             **{key: (quality or {}).get(name, {}).get(key) for key in MODEL_KEYS},
-            "lossy": bool(made[name].lossy),
+            "lossy": lossy[name],
             "by_block_bytes": figures[name]["by_block_bytes"],
         }
     print(

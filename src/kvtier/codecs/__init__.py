@@ -53,7 +53,9 @@ def parse_codec_option(section, field: str) -> dict[str, object]:
     name = section["codec"]
     if name is None or name is False:
         name = "none"
-    if not isinstance(name, str) or (name != "none" and name not in CODECS and not CODECS.is_class_path(name)):
+    if not isinstance(name, str) or (
+        name != "none" and name not in CODECS and not CODECS.is_class_path(name)
+    ):
         raise ConfigError(
             f"{field}.codec",
             name,

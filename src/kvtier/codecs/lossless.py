@@ -85,7 +85,7 @@ class LosslessCodec(BlockCodec):
         table = self._table_bytes
         at = table
         for index, plane in enumerate(self._split(block)):
-            packed = compressor.compress(plane)
+            packed = compressor.compress(plane)  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
             stored, flag = (packed, _COMPRESSED) if len(packed) < len(plane) else (plane, 0)
             end = at + len(stored)
             if end >= self.block_bytes:  # no smaller than the block: store the block
@@ -115,10 +115,10 @@ class LosslessCodec(BlockCodec):
             if not entry & _COMPRESSED:
                 plane = stored
             else:
-                if zstandard.frame_content_size(stored) != self._plane_bytes:
+                if zstandard.frame_content_size(stored) != self._plane_bytes:  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
                     raise CodecError(f"plane {index}'s zstd frame is not of the plane's size")
                 try:
-                    plane = np.frombuffer(decompressor.decompress(stored), dtype=np.uint8)
+                    plane = np.frombuffer(decompressor.decompress(stored), dtype=np.uint8)  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
                 except zstandard.ZstdError as exc:
                     raise CodecError(f"plane {index}: {exc}") from None
             if len(plane) != self._plane_bytes:

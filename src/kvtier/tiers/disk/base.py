@@ -308,7 +308,9 @@ class DiskTier(IndexedTier):
         self.fingerprint = fingerprint
         #: bytes one block takes on disk (capacity is counted in these): with a codec, room
         #: for the largest encoded block, so a compressed tier holds more blocks
-        self.slot_bytes = on_disk_block_bytes(codec.max_encoded_bytes if codec is not None else rowio.block_bytes)
+        self.slot_bytes = on_disk_block_bytes(
+            codec.max_encoded_bytes if codec is not None else rowio.block_bytes
+        )
         #: seconds the last open took to build the index
         self.open_s = 0.0
         self._field = field
@@ -429,6 +431,11 @@ class DiskTier(IndexedTier):
             # the ratio achieved: codec_block_bytes / codec_stored_bytes of the blocks written
             figures.update(codec_block_bytes=0, codec_stored_bytes=0)
         return figures
+
+    @property
+    def codec(self) -> BlockCodec | None:
+        """The codec blocks are stored with (None: as they are)."""
+        return self._io.codec
 
     @property
     def o_direct(self) -> bool:

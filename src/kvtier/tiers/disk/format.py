@@ -244,7 +244,10 @@ class LayoutFingerprint:
     @classmethod
     def from_dict(cls, record: dict) -> LayoutFingerprint:
         """Inverse of :meth:`to_dict`; raises ``ValueError``/``TypeError``/``KeyError`` if malformed."""
-        return cls(**{f.name: record[f.name] for f in fields(cls) if f.name != "codec"}, codec=record.get("codec", "none"))
+        return cls(
+            **{f.name: record[f.name] for f in fields(cls) if f.name != "codec"},
+            codec=record.get("codec", "none"),
+        )
 
     def digest(self) -> bytes:
         """16 bytes naming this layout: xxh3-128 of a canonical JSON encoding.

@@ -135,8 +135,8 @@ class ValueIO:
         )
         if keys is None:
             return bytes(header), payload.data
-        out = self._buffer(self.cipher_buffers, slot)[: len(payload)] if keys.encrypt else None
-        sealed = keys.seal(header, payload, out)  # the ciphertext when encrypting, else the row
+        cipher = self._buffer(self.cipher_buffers, slot)[: len(payload)] if keys.encrypt else None
+        sealed = keys.seal(header, payload, cipher)  # the ciphertext when encrypting, else the row
         return bytes(header), memoryview(sealed).cast("B")
 
     def _buffer(self, buffers: list[np.ndarray], slot: int) -> np.ndarray:
