@@ -91,6 +91,9 @@ class ValueIO:
         self.exact = codec is None or codec.fixed_size
         #: the longest value (exactly every value's length where ``exact``)
         self.value_bytes = HEADER_BYTES + self.payload_bytes
+        # the longest value read whole: one of this layout stored without a codec, so that a
+        # value of another codec is read far enough to be told by its header, not its length
+        self.read_bytes = HEADER_BYTES + self.block_bytes
         self.batch_keys = batch_keys
         self.ttl_s = ttl_s
         self.copier = copier
@@ -228,8 +231,6 @@ class ValueIO:
         encrypted one is decrypted there), then decode it into ``target``."""
         codec = self.codec
         assert codec is not None
-        if len(view) > self.value_bytes:
-            return Failure.corrupt("payload length")
         received = np.frombuffer(view, dtype=np.uint8, offset=min(HEADER_BYTES, len(view)))
         reason = verify(
             view[:HEADER_BYTES],
@@ -244,6 +245,10 @@ class ValueIO:
         )
         if reason is not None:
             return Failure.corrupt(reason)
+        header = decode_header(view[:HEADER_BYTES])
+        assert not isinstance(header, str)  # verified just above
+        if len(received) != header.payload_bytes:
+            return Failure.corrupt("payload length")  # bytes after the payload: not what a tier wrote
         try:
             codec.decode_into(received, target)
         except CodecError:
@@ -286,7 +291,9 @@ class ValueIO:
                     for key, _ in chunk:
                         result.failed[key] = outage
                     continue
-                values = self.conn.get_many([self.name_of(key) for key, _ in chunk], self.value_bytes)
+                values = self.conn.get_many(
+                    [self.name_of(key) for key, _ in chunk], self.value_bytes, self.read_bytes
+                )
                 self.received_bytes += _value_bytes(values)
                 for (key, row), value in zip(chunk, values):
                     reason = self.place(key, self.rows[row], value)
@@ -334,7 +341,7 @@ class ValueIO:
     def run_probe(self, batch: int, keys: list[OffloadKey]) -> None:
         outcome = ProbeOutcome(batch)
         try:
-            values = self.conn.get_many([self.name_of(key) for key in keys], self.value_bytes)
+            values = self.conn.get_many([self.name_of(key) for key in keys], self.value_bytes, self.read_bytes)
             self.received_bytes += _value_bytes(values)
             for key, value in zip(keys, values):
                 if isinstance(value, Failure):
