@@ -115,9 +115,9 @@ class LosslessCodec(BlockCodec):
             if not entry & _COMPRESSED:
                 plane = stored
             else:
-                if zstandard.frame_content_size(stored) != self._plane_bytes:  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
-                    raise CodecError(f"plane {index}'s zstd frame is not of the plane's size")
                 try:
+                    if zstandard.frame_content_size(stored) != self._plane_bytes:  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
+                        raise CodecError(f"plane {index}'s zstd frame is not of the plane's size")
                     plane = np.frombuffer(decompressor.decompress(stored), dtype=np.uint8)  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
                 except zstandard.ZstdError as exc:
                     raise CodecError(f"plane {index}: {exc}") from None

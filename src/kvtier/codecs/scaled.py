@@ -102,6 +102,7 @@ class ScaledCodec(BlockCodec):
         """``(codes, scales, top)`` of float32 ``values`` (groups, group; overwritten): each
         group's codes, its scale (float32 on the dtype's grid) and its largest code's value."""
         largest = np.maximum(values.max(axis=1), -values.min(axis=1))
+        np.abs(largest, out=largest)  # an all-zero group's is -0.0 at times: its scale must be +0
         scales = self._scale_of(largest)
         inverse = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales > 0)
         values *= inverse[:, None]

@@ -341,7 +341,9 @@ class ValueIO:
     def run_probe(self, batch: int, keys: list[OffloadKey]) -> None:
         outcome = ProbeOutcome(batch)
         try:
-            values = self.conn.get_many([self.name_of(key) for key in keys], self.value_bytes, self.read_bytes)
+            values = self.conn.get_many(
+                [self.name_of(key) for key in keys], self.value_bytes, self.read_bytes
+            )
             self.received_bytes += _value_bytes(values)
             for key, value in zip(keys, values):
                 if isinstance(value, Failure):
