@@ -200,7 +200,9 @@ def plan(
     if slots is not None:
         raw_slot, codec_slot = slots
         held = [c * raw_slot // codec_slot for c in capacities]
-        more = [("policy", classes[name], c) for name, c in zip(best_policy, held)]
+        more: list[tuple[str, str | None, int]] = [
+            ("policy", classes[name], c) for name, c in zip(best_policy, held)
+        ]
         ratios = [result[0] for result in _run_all(more, chains, min_reuse, jobs)]
         reached = smallest_reaching(capacities, ratios, target * ceiling)
         record["codec"] = {
