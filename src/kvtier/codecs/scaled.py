@@ -36,6 +36,16 @@ __all__ = ["ScaledCodec"]
 _SETTLE_ROUNDS = 4
 
 
+def _largest_magnitudes(values: np.ndarray) -> np.ndarray:
+    """Each row's largest ``|value|`` (never -0.0). By halving the rows with elementwise
+    maxima: numpy reduces a short last axis row by row, two to three times slower."""
+    found = np.abs(values)
+    while found.shape[1] > 1 and found.shape[1] % 2 == 0:
+        half = found.shape[1] // 2
+        found = np.maximum(found[:, :half], found[:, half:])
+    return found.max(axis=1)
+
+
 class ScaledCodec(BlockCodec):
     """A lossy codec of scaled groups (see the module docstring). A subclass sets
     :attr:`qmax`, :attr:`default_group`, :attr:`code_bits` and the three code hooks."""
@@ -101,8 +111,7 @@ class ScaledCodec(BlockCodec):
     def _quantize(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(codes, scales, top)`` of float32 ``values`` (groups, group; overwritten): each
         group's codes, its scale (float32 on the dtype's grid) and its largest code's value."""
-        largest = np.maximum(values.max(axis=1), -values.min(axis=1))
-        np.abs(largest, out=largest)  # an all-zero group's is -0.0 at times: its scale must be +0
+        largest = _largest_magnitudes(values)
         scales = self._scale_of(largest)
         inverse = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales > 0)
         values *= inverse[:, None]
