@@ -17,7 +17,7 @@ def test_bench_codec_measures_every_codec_against_memcpy(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1  # --json: the JSON line alone
     record = json.loads(lines[0])
-    assert record["bench"] == "codec" and record["data"] == "synthetic"
+    assert record["bench"] == "codec" and record["data"] == "synthetic KV"
     assert set(record["codecs"]) == set(CODEC_NAMES)
     for name, figures in record["codecs"].items():
         assert figures["encode_gbps"] > 0 and figures["decode_gbps"] > 0

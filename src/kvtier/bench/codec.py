@@ -144,7 +144,7 @@ def run(
     dtype: str = "bfloat16",
     blocks: Mapping[int, Sequence[np.ndarray]] | None = None,
     quality: Mapping[str, Mapping[str, float]] | None = None,
-    data: str = "synthetic",
+    data: str = "synthetic KV",
     out: TextIO | None = None,
 ) -> dict[str, Any]:
     """Measure ``codecs`` (``none``, the memcpy baseline, always included) at each of
@@ -240,8 +240,8 @@ def run(
             "by_block_bytes": figures[name]["by_block_bytes"],
         }
     print(
-        f"kvtier bench codec: {data} {dtype} KV, {len(names)} codecs (none = memcpy, the baseline), "
-        f"{rounds} rounds (medians), one core; GB/s of raw block bytes",
+        f"kvtier bench codec: {data} ({dtype}), {len(names)} codecs (none = memcpy, the baseline), "
+        f"{rounds} rounds (medians), one core; GB/s of raw block bytes per CPU-second",
         file=out,
     )
     print_table(

@@ -25,14 +25,6 @@ class Int4Codec(ScaledCodec):
     default_group = 32
     code_bits = 4
 
-    def _to_codes(self, scaled: np.ndarray) -> np.ndarray:
-        np.rint(scaled, out=scaled)
-        np.clip(scaled, -self.qmax, self.qmax, out=scaled)
-        return scaled.astype(np.int8)
-
-    def _code_values(self, codes: np.ndarray) -> np.ndarray:
-        return codes.astype(np.float32)
-
     def _pack(self, codes: np.ndarray, out: np.ndarray) -> None:
         half = self.group // 2
         packed = out.reshape(-1, half)

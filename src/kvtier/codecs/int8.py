@@ -8,8 +8,6 @@ change of +0.01 at most (issue #33's measurement). See :mod:`kvtier.codecs.scale
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvtier.codecs.scaled import ScaledCodec
 
 __all__ = ["Int8Codec"]
@@ -22,11 +20,3 @@ class Int8Codec(ScaledCodec):
     qmax = 127.0
     default_group = 64
     code_bits = 8
-
-    def _to_codes(self, scaled: np.ndarray) -> np.ndarray:
-        np.rint(scaled, out=scaled)
-        np.clip(scaled, -self.qmax, self.qmax, out=scaled)
-        return scaled.astype(np.int8)
-
-    def _code_values(self, codes: np.ndarray) -> np.ndarray:
-        return codes.astype(np.float32)

@@ -23,7 +23,6 @@ Who calls it: the codecs' ``encode_into``/``decode_into``, on a tier's I/O threa
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from typing import ClassVar
 
 import numpy as np
@@ -48,7 +47,8 @@ def _largest_magnitudes(values: np.ndarray) -> np.ndarray:
 
 class ScaledCodec(BlockCodec):
     """A lossy codec of scaled groups (see the module docstring). A subclass sets
-    :attr:`qmax`, :attr:`default_group`, :attr:`code_bits` and the three code hooks."""
+    :attr:`qmax`, :attr:`default_group` and :attr:`code_bits`; one whose codes are not the
+    integers up to ``qmax`` in a byte each overrides the code hooks."""
 
     lossy = True
     #: the largest code magnitude: a group's scale maps its largest element there
@@ -90,13 +90,16 @@ class ScaledCodec(BlockCodec):
 
     # -- the codes ------------------------------------------------------------------------------
 
-    @abstractmethod
     def _to_codes(self, scaled: np.ndarray) -> np.ndarray:
-        """Codes of ``scaled`` (float32, elements over their scale; may be overwritten)."""
+        """Codes of ``scaled`` (float32, elements over their scale; may be overwritten):
+        integers from ``-qmax`` to ``qmax`` (a codec of another grid overrides this)."""
+        np.rint(scaled, out=scaled)
+        np.clip(scaled, -self.qmax, self.qmax, out=scaled)
+        return scaled.astype(np.int8)
 
-    @abstractmethod
     def _code_values(self, codes: np.ndarray) -> np.ndarray:
         """The float32 value of each code."""
+        return codes.astype(np.float32)
 
     def _pack(self, codes: np.ndarray, out: np.ndarray) -> None:
         """Write ``codes`` (groups, group) into ``out`` (``_code_bytes`` uint8)."""

@@ -50,16 +50,16 @@ class CodecCost:
 
 
 #: each codec's ratio on bf16 KV and its decode speed on one core, when no ``bench codec``
-#: record gives them: the lossy ratios are exact (scales and codes per group), lossless's is
-#: issue #33's measurement on SmolLM2-135M's KV; the speeds are this project's ``kvtier bench
-#: codec`` at 2 MiB blocks on its development machine (docs/results.md): a starting point
+#: record gives them: this project's measurement on SmolLM2-135M's KV (docs/results.md#codecs;
+#: the lossy ratios are exact for any bf16 KV), a starting point for other machines
 DEFAULT_CODEC_COSTS: dict[str, CodecCost] = {
-    "lossless": CodecCost(
-        "lossless", 1.43, 2.0, "docs/results.md: kvtier bench codec (ratio: issue #33, real KV)"
-    ),
-    "int8": CodecCost("int8", 1.94, 2.0, "docs/results.md: kvtier bench codec"),
-    "fp8": CodecCost("fp8", 1.94, 1.0, "docs/results.md: kvtier bench codec"),
-    "int4": CodecCost("int4", 3.56, 1.3, "docs/results.md: kvtier bench codec"),
+    name: CodecCost(name, ratio, decode, "docs/results.md#codecs: kvtier bench codec on SmolLM2-135M's KV")
+    for name, ratio, decode in (
+        ("lossless", 1.44, 1.76),
+        ("int8", 128 / 66, 2.47),
+        ("fp8", 128 / 66, 1.19),
+        ("int4", 64 / 18, 1.45),
+    )
 }
 
 

@@ -7,9 +7,8 @@
   (read up into the CPU tier, then copied to the GPU, one after the other as kvtier does);
   with a codec of ratio ``r`` decoding at ``d`` (one core): ``b / (r x tier) + b / d + b / cpu``
   (fewer bytes read, then decoded into the CPU row). Against the same tier without it, the
-  codec loses load speed wherever ``tier > d x (1 - 1/r)``: lossless at 1.4x decoding 2 GB/s
-  speeds up only tiers below 0.6 GB/s (a Valkey over 10 GbE; not a local NVMe drive); what
-  it buys there is capacity and wire bytes, not speed.
+  codec loses load speed wherever ``tier > d x (1 - 1/r)``: what it buys on a faster tier is
+  capacity and wire bytes, not speed (docs/tiers/codecs.md has the figures).
 * Break-even bandwidth: ``KV bytes per token x prefill tokens/s``; a tier whose effective
   load speed is below it is slower than recomputing the same tokens.
 """
@@ -60,7 +59,7 @@ def tier_speeds(
     """Each ``(name, kind)`` of a stack (the CPU tier first) with its load speed: a measured
     figure by tier name, then by kind, then the kind's default; :class:`ConfigError` for a
     kind without one. ``codecs``: tier name -> the codec it stores blocks with (its ratio and
-    decode speed from ``measured``'s ``bench codec`` records, else the defaults)."""
+    decode speed from a ``bench codec`` record among those, else the defaults)."""
     measured = measured or {}
     codecs = codecs or {}
     speeds: list[TierSpeed] = []

@@ -214,17 +214,24 @@ class ValueIO:
         else:
             target[:] = received
         # Verified where the bytes will be served from, after the copy: nothing else is trusted.
-        reason = verify(
+        reason = self._verify(key, view, target, source)
+        return None if reason is None else Failure.corrupt(reason)
+
+    def _verify(self, key: OffloadKey, view: memoryview, payload: np.ndarray, source=None) -> str | None:
+        """:func:`~kvtier.tiers.disk.format.verify` of the value in ``view`` (its payload in
+        ``payload``, or decrypted there from ``source``) as this tier reads it."""
+        return verify(
             view[:HEADER_BYTES],
-            target,
+            payload,
             len(view),
             key=self.header_key(key),
             layout_digest=self.digest,
-            payload_bytes=self.block_bytes,
+            payload_bytes=self.payload_bytes,
             keys=self.keys,
             source=source,
+            codec=self.descriptor,
+            exact=self.exact,
         )
-        return None if reason is None else Failure.corrupt(reason)
 
     def _place_encoded(self, key: OffloadKey, target: np.ndarray, view: memoryview) -> Failure | None:
         """:meth:`place` with a codec: verify the stored payload where it was received (an
@@ -232,17 +239,7 @@ class ValueIO:
         codec = self.codec
         assert codec is not None
         received = np.frombuffer(view, dtype=np.uint8, offset=min(HEADER_BYTES, len(view)))
-        reason = verify(
-            view[:HEADER_BYTES],
-            received,
-            len(view),
-            key=self.header_key(key),
-            layout_digest=self.digest,
-            payload_bytes=self.payload_bytes,
-            keys=self.keys,
-            codec=self.descriptor,
-            exact=self.exact,
-        )
+        reason = self._verify(key, view, received)
         if reason is not None:
             return Failure.corrupt(reason)
         header = decode_header(view[:HEADER_BYTES])
