@@ -58,7 +58,7 @@ DEFAULT_CODEC_COSTS: dict[str, CodecCost] = {
         ("lossless", 1.44, 1.76),
         ("int8", 128 / 66, 2.47),
         ("fp8", 128 / 66, 1.19),
-        ("int4", 64 / 18, 1.45),
+        ("int4", 64 / 20, 1.45),
     )
 }
 
