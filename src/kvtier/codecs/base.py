@@ -100,9 +100,8 @@ class BlockCodec(ABC):
         #: bytes of one element (1 when the dtype is unknown)
         self.element_bytes = np.dtype(storage).itemsize
         self._dtype_code = code
-
-    #: elements sharing one scale (0: the codec has no groups)
-    group: int = 0
+        #: elements sharing one scale (0: the codec has no groups)
+        self.group = 0
 
     @property
     @abstractmethod
