@@ -35,6 +35,7 @@ def test_bench_codec_measures_every_codec_against_memcpy(capsys):
     assert main(argv) == 0
     shown = capsys.readouterr().out
     assert "memcpy" in shown and "needs a real model" in shown
+    assert not any(line.startswith("{") for line in shown.splitlines())  # no JSON without --json
 
 
 def test_bench_codec_refuses_bad_arguments(capsys):

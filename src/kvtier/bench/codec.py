@@ -146,9 +146,11 @@ def run(
     quality: Mapping[str, Mapping[str, float]] | None = None,
     data: str = "synthetic KV",
     out: TextIO | None = None,
+    json_line: bool = False,
 ) -> dict[str, Any]:
     """Measure ``codecs`` (``none``, the memcpy baseline, always included) at each of
-    ``block_sizes``; print a table and one JSON line to ``out``; return the JSON record.
+    ``block_sizes``; print a table to ``out`` (and, with ``json_line``, one JSON line);
+    return the JSON record.
 
     ``blocks``: block size -> the blocks to measure (real KV, say), instead of ``mib`` MiB of
     :func:`synthetic_kv` per size; ``data`` names where they came from. ``quality``: codec ->
@@ -260,5 +262,6 @@ def run(
     )
     if quality is None:
         print("model error (kl_mean, ppl_delta, greedy_agreement): needs a real model's KV", file=out)
-    print_json(record, out)
+    if json_line:
+        print_json(record, out)
     return record

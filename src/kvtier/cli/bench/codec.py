@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
                 dtype=args.dtype,
                 out=out,
             ),
-        )
+        )  # the JSON line only with --json (printed by report): a person gets the table
     except KvtierError as exc:
         print(f"kvtier bench codec: {exc}", file=sys.stderr)
         return 2
