@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from kvtier.cli.common import disk_kinds, report, warn_password_in_url
+from kvtier.codecs import CODEC_NAMES
 from kvtier.cli.costing import add_cost_options, time_model
 from kvtier.errors import KvtierError
 
@@ -34,6 +35,12 @@ def add_parser(sub: Any) -> None:
     replay.add_argument("--limit", type=int, help="replay only the first N requests")
     replay.add_argument(
         "--disk", choices=disk_kinds(), default="lmdb", help="disk tier kind of the default stack"
+    )
+    replay.add_argument(
+        "--codec",
+        choices=CODEC_NAMES,
+        help="store blocks in every lower tier with this codec (in the bytes the stack gives it); "
+        "lossy ones are verified against their own decode",
     )
     replay.add_argument("--no-baseline", action="store_true", help="skip the CPU-tier-only comparison run")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -127,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
                 deterministic=args.deterministic,
                 time_model=priced,
                 arrival_scale=args.arrival_scale,
+                codec=args.codec,
             ),
         )  # the JSON line only with --json (printed by report): a person gets the table
     except KvtierError as exc:

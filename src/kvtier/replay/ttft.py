@@ -125,6 +125,18 @@ def print_break_even(figures: dict[str, Any], out: TextIO) -> None:
                 f"the break-even {figures['break_even_gbps']:.3g} GB/s: recomputing its blocks is faster",
                 file=out,
             )
+        if speed.get("codec"):
+            verdict = (
+                "slower than without it: the tier reads faster than the codec decodes what it saves"
+                if speed["codec_slows_loads"]
+                else "faster than without it"
+            )
+            print(
+                f"tier {name!r}: codec {speed['codec']} ({speed['codec_ratio']:.2f}x, decoding "
+                f"{speed['decode_gbps']:.3g} GB/s on one core) makes its loads {verdict} (it loses "
+                f"wherever the tier reads above {speed['codec_loses_above_gbps']:.3g} GB/s)",
+                file=out,
+            )
 
 
 def print_time(record: dict[str, Any], out: TextIO) -> None:
