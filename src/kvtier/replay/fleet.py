@@ -33,10 +33,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvtier.bench.report import print_json, print_table
-from kvtier.config import load_config
+from kvtier.config import KvtierConfig, MetricsConfig, TierConfig, load_config
 from kvtier.errors import KvtierError
 from kvtier.replay.run import DEFAULT_BLOCK_BYTES, DEFAULT_GPU_BLOCKS, _fitting, default_config, miss_causes
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, bundled_trace_path, ceiling_hit_ratio, load_trace
+from kvtier.tiers.valkey.config import ValkeyTierConfig, redact_url
+from kvtier.tiers.valkey.config import parse as parse_valkey
 
 __all__ = ["replay_fleet"]
 
@@ -49,7 +51,7 @@ _ENGINE_TIMEOUT_S = 3600.0
 
 
 def _engine_main(
-    index: int, configs: list[dict], requests: list, gpu_blocks: int, block_bytes: int, start, results
+    index: int, configs: list[KvtierConfig], requests: list, gpu_blocks: int, block_bytes: int, start, results
 ) -> None:
     """One engine process: replay its share of the trace once per config in ``configs`` (the
     fleet's runs, in order), putting ``(run, figures)`` on ``results`` after each.
@@ -103,7 +105,7 @@ def _engine_main(
 
 
 def _run_fleet(
-    configs: list[list[dict]], shares: list[list], gpu_blocks: int, block_bytes: int
+    configs: list[list[KvtierConfig]], shares: list[list], gpu_blocks: int, block_bytes: int
 ) -> list[list[dict]]:
     """Run engine ``i`` with ``configs[i]`` (one config per run) on ``shares[i]``; per run,
     the engines' figures in engine order."""
@@ -147,47 +149,50 @@ def _run_fleet(
     ]
 
 
-def _engine_configs(base: dict, engines: int, directory: str, shared: dict | None) -> list[dict]:
-    """Per engine: ``base`` with its own disk paths (under ``directory``), plus ``shared``."""
+def _engine_configs(
+    base: KvtierConfig, engines: int, directory: str, shared: TierConfig | None
+) -> list[KvtierConfig]:
+    """Per engine: ``base`` with its own disk paths (under ``directory``), then ``shared``;
+    ``write_through``, and no metrics endpoint or stats file (the engines would share them).
+
+    The parsed sections are copied with new paths, never written back out as YAML keys: a
+    round trip through a document sets every field, and the parser refuses some it set
+    (``receives`` on the first tier)."""
     configs = []
     for index in range(engines):
+        own = Path(directory) / f"engine-{index}"
         tiers = []
-        for tier in base["tiers"]:
-            tier = dict(tier)
-            if tier.get("kind") == "cpu":
-                tier.pop("path", None)  # each engine its own region (a fresh /dev/shm file)
-            elif tier.get("kind") not in ("valkey", "redis") and "path" in tier:
-                own = Path(directory) / f"engine-{index}"
+        for position, tier in enumerate(base.tiers):
+            path = getattr(tier, "path", None)  # a field of the kind's (cpu, lmdb, files)
+            section: Any = tier
+            if path is not None and position == 0:
+                section = dataclasses.replace(section, path=None)  # each engine its own region
+            elif path is not None:
                 own.mkdir(parents=True, exist_ok=True)
-                tier["path"] = str(own / Path(tier["path"]).name)
-            tiers.append(tier)
+                section = dataclasses.replace(section, path=str(own / Path(path).name))
+            tiers.append(section)
         if shared is not None:
             tiers.append(shared)
         configs.append(
-            {**base, "tiers": tiers, "cascade": {**base.get("cascade", {}), "write_policy": "write_through"}}
+            dataclasses.replace(
+                base,
+                tiers=tuple(tiers),
+                cascade=dataclasses.replace(base.cascade, write_policy="write_through"),
+                metrics=MetricsConfig(),
+            )
         )
     return configs
 
 
-def _config_dict(config: str | None, directory: str, block_bytes: int) -> dict:
-    if config is None:
-        return default_config(directory, block_bytes)
-    parsed = load_config(config)
+def _local_config(config: str | None, directory: str, block_bytes: int) -> KvtierConfig:
+    """Each engine's local stack: ``config`` (a YAML path), or the replay's default stack."""
+    parsed = load_config(config if config is not None else default_config(directory, block_bytes))
     if any(tier.kind in ("valkey", "redis") for tier in parsed.tiers):
         raise KvtierError(
             "fleet replay: --config is each engine's local stack; name the shared server with "
             "--valkey URL or --valkey-cluster HOST:PORT,... instead of a valkey tier"
         )
-    tiers = []
-    for tier in parsed.tiers:
-        section = {f.name: getattr(tier, f.name) for f in dataclasses.fields(tier)}
-        section["capacity"] = section.pop("capacity_bytes")
-        section = {k: v for k, v in section.items() if v is not None}
-        tiers.append(section)
-    document: dict[str, Any] = {"tiers": tiers, "cascade": dataclasses.asdict(parsed.cascade)}
-    if parsed.block_size_tokens is not None:
-        document["block_size_tokens"] = parsed.block_size_tokens
-    return document
+    return parsed
 
 
 def _summary(records: list[dict]) -> dict[str, Any]:
@@ -216,15 +221,14 @@ def _summary(records: list[dict]) -> dict[str, Any]:
     }
 
 
-def _delete_namespace(section: dict) -> None:
+def _delete_namespace(section: ValkeyTierConfig) -> None:
     """Best effort: remove a finished run's values from the server."""
     with contextlib.suppress(Exception):
-        from kvtier.tiers.valkey.config import parse
         from kvtier.tiers.valkey.connection import ValkeyConnection
 
-        connection = ValkeyConnection(parse(section, "shared"))
+        connection = ValkeyConnection(section)
         try:
-            names = connection.scan_names((section["namespace"] + ":*").encode())
+            names = connection.scan_names(f"{section.namespace}:*".encode())
             for first in range(0, len(names), 1000):
                 connection.delete(names[first : first + 1000])
         finally:
@@ -257,14 +261,12 @@ def replay_fleet(
     shares = [requests[i::engines] for i in range(engines)]
     with contextlib.ExitStack() as stack:
         directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-fleet-", dir=Path.cwd()))
-        base = _config_dict(config, directory, block_bytes)
+        base = _local_config(config, directory, block_bytes)
         target: dict[str, Any]
         if cluster_nodes:
             target = {"cluster_nodes": list(cluster_nodes)}
             where = "cluster " + ",".join(cluster_nodes)
         elif valkey_url:
-            from kvtier.tiers.valkey.config import redact_url
-
             target = {"url": valkey_url}
             where = redact_url(valkey_url)  # printed and in the JSON: never the password
         else:
@@ -273,13 +275,16 @@ def replay_fleet(
             server = stack.enter_context(LocalValkeyServer(maxmemory=DEFAULT_SERVER_MAXMEMORY))
             target = {"url": server.url}
             where = f"local valkey-server {server.url}"
-        shared = {
-            "name": SHARED_TIER,
-            "kind": "valkey",
-            "timeout_s": 2.0,
-            "namespace": f"kvtier-fleet-{uuid.uuid4().hex[:12]}",
-            **target,
-        }
+        shared = parse_valkey(
+            {
+                "name": SHARED_TIER,
+                "kind": "valkey",
+                "timeout_s": 2.0,
+                "namespace": f"kvtier-fleet-{uuid.uuid4().hex[:12]}",
+                **target,
+            },
+            f"tiers[{len(base.tiers)}]",
+        )
         stack.callback(_delete_namespace, shared)
         runs = [
             _engine_configs(base, engines, str(Path(directory) / "shared"), shared),
@@ -301,7 +306,7 @@ def replay_fleet(
         "shared": with_shared,
         "local": local_only,
         "shared_tier": where,
-        "tiers": [f"{t['name']}:{t['kind']}" for t in base["tiers"]] + [f"{SHARED_TIER}:valkey"],
+        "tiers": [f"{t.name}:{t.kind}" for t in base.tiers] + [f"{SHARED_TIER}:valkey"],
         "mismatched_blocks": with_shared["mismatched_blocks"] + local_only["mismatched_blocks"],
         "skipped_requests": len(skipped),
         "skipped_block_refs": sum(len(request.hash_ids) for request in skipped),
