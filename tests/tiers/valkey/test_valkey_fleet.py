@@ -1,4 +1,4 @@
-"""``kvtier replay --engines N`` over a real server with the user's own local stack."""
+"""``kvtier replay --engines N`` over a real server: the user's own local stack, and the routers."""
 
 from __future__ import annotations
 
@@ -45,3 +45,25 @@ def test_a_fleet_runs_the_users_own_local_stack(with_disk, valkey_server, tmp_pa
         assert local["hits"]["nvme"] > 0 and local["verified_blocks"] >= local["hits"]["nvme"]
     assert not store.exists()  # never the user's store: each engine had its own
     assert [path.name for path in tmp_path.iterdir()] == ["local.yaml"]  # the copies are gone
+
+
+def test_prefix_routing_keeps_prefixes_where_they_are_within_the_load_bound(
+    valkey_server, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    common = ("--valkey", valkey_server.url, "--limit", "200", "--gpu-blocks", "400", "--no-baseline")
+    dealt = fleet(capsys, *common)
+    routed = fleet(capsys, *common, "--router", "prefix", "--model", "Llama-3.1-8B", "--gpu", "H100")
+    assert dealt["router"] == "round_robin" and routed["router"] == "prefix"
+    assert "local" not in routed and "local_hit_ratio" not in routed  # --no-baseline: shared run only
+    assert dealt["shared"]["requests_per_engine"] == [100, 100]
+    shared = routed["shared"]
+    assert sum(shared["requests_per_engine"]) == 200 and shared["imbalance"] <= 1.2
+    # the engines' GPU caches served more of the prefixes once requests went where they were
+    assert shared["hits"]["gpu"] > 1.2 * dealt["shared"]["hits"]["gpu"]
+    assert shared["hit_ratios"]["gpu"] == shared["hits"]["gpu"] / routed["block_refs"]
+    loaded = sum(hits for tier, hits in shared["hits"].items() if tier != "gpu")
+    assert routed["mismatched_blocks"] == 0 and shared["verified_blocks"] == loaded > 0
+    time = shared["time"]  # each engine a prefill queue over the requests it was sent
+    assert 0 < time["ttft_p50_s"] <= time["ttft_p99_s"] and time["gpu_seconds"] > 0
+    assert routed["time_model"]["model"]["name"] == "Llama-3.1-8B"
