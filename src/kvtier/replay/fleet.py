@@ -460,10 +460,7 @@ def _print(record: dict, summaries: dict[str, dict], where: str, ceiling: float,
     print_table(rows, ["run", "engine", "requests", "hit_ratio", *tiers], out)
     timed = [{"run": name, **summary["time"]} for name, summary in summaries.items() if "time" in summary]
     if timed:
-        print(
-            f"time model: {record['time_model']['model']['name']} on {record['time_model']['gpu']['name']}; each engine a FIFO prefill queue",
-            file=out,
-        )
-        print_table(
-            timed, ["run", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "gpu_seconds"], out
-        )
+        model, gpu = record["time_model"]["model"]["name"], record["time_model"]["gpu"]["name"]
+        print(f"time model: {model} on {gpu}; each engine a FIFO prefill queue at the arrivals", file=out)
+        columns = ["ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "gpu_seconds", "offered_load"]
+        print_table(timed, ["run", *columns], out)

@@ -116,9 +116,13 @@ def fleet_time(
 ) -> dict[str, Any]:
     """A fleet's TTFT percentiles and GPU-seconds: each engine one prefill queue over the
     requests it was sent (``shares[i]``, in order, and what served their blocks,
-    ``served[i]``), the percentiles over every request of the fleet."""
+    ``served[i]``), the percentiles over every request of the fleet. ``offered_load``: the
+    busiest engine's busy seconds per second of the fleet's arrivals (above 1 its queue grows
+    without end)."""
     ttft: list[float] = []
-    compute_s = load_s = makespan_s = 0.0
+    compute_s = load_s = makespan_s = busiest_s = 0.0
+    stamps = [request.timestamp_ms for requests in shares for request in requests]
+    span = (max(stamps) - min(stamps)) / 1000 * arrival_scale if stamps else 0.0
     for requests, blocks in zip(shares, served):
         arrivals = [request.timestamp_ms / 1000 * arrival_scale for request in requests]
         queue = run_queue(
@@ -128,7 +132,9 @@ def fleet_time(
         compute_s += queue.compute_s
         load_s += queue.load_s
         makespan_s = max(makespan_s, queue.makespan_s)
-    return QueueResult(ttft, compute_s, load_s, makespan_s).summary()
+        busiest_s = max(busiest_s, queue.compute_s + queue.load_s)
+    summary = QueueResult(ttft, compute_s, load_s, makespan_s).summary()
+    return {**summary, "offered_load": busiest_s / span if span else None}
 
 
 def print_break_even(figures: dict[str, Any], out: TextIO) -> None:

@@ -170,16 +170,17 @@ class PrefixIndex:
                 weight = weights[slot // stride]
                 if weight > best.get(holder, 0.0):
                     best[holder] = weight
-            shared = best.get(engines, 0.0)
-            still = []
-            for engine in alive:
-                weight = max(best.get(engine, 0.0), shared)
-                if weight > 0.0:
-                    totals[engine] += weight
-                    still.append(engine)
-            if not still:
+            shared = best.pop(engines, 0.0)
+            if shared:  # every engine still matching goes on, at its best or the shared weight
+                for engine in alive:
+                    weight = best.get(engine, 0.0)
+                    totals[engine] += weight if weight > shared else shared
+                continue
+            alive = [engine for engine in alive if engine in best]
+            if not alive:
                 break
-            alive = still
+            for engine in alive:
+                totals[engine] += best[engine]
         return totals
 
     def holders(self, block_hash: Hashable) -> dict[int, set[str]]:
