@@ -43,7 +43,8 @@ DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = {
 UNKNOWN_MEDIUM_WEIGHT = 0.5
 #: media every engine reads, so a block on one is every engine's
 DEFAULT_SHARED_MEDIA = ("VALKEY",)
-#: the most block hashes an index keeps unless told otherwise (about 250 bytes each)
+#: the most block hashes an index keeps unless told otherwise (memory per hash:
+#: docs/routing.md#the-cost-of-the-index)
 DEFAULT_MAX_BLOCKS = 1_000_000
 
 

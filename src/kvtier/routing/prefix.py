@@ -3,13 +3,12 @@
 Each request goes to the engine whose held prefix (:meth:`~kvtier.routing.index.PrefixIndex.score`:
 leading blocks held, each weighted by its fastest medium's speed) is longest, among the
 engines whose load stays within ``balance`` times the mean once the request is counted,
-rounded up (bounded loads, as in consistent hashing with bounded loads: affinity wins until
-an engine is ``balance`` x busier than average, then the next best takes the request). Among equal
-scores, and when no engine holds anything, the least loaded wins, ties rotating.
+rounded up (as in consistent hashing with bounded loads: affinity wins until an engine is
+``balance`` x busier than average, then the next best takes the request). Among equal scores,
+and when no engine holds anything, the least loaded wins, ties rotating.
 
-A score alone minus a load penalty was the other shape (Dynamo's KV router weighs both in
-one cost); a bound is what an operator can state ("no engine above 1.2x the mean") and
-it holds whatever the prefix lengths, where a penalty's effect changes with them.
+A score minus a load penalty (Dynamo's KV router weighs both in one cost) was the other
+shape: see docs/design/routing.md#a-bound-on-load-not-a-penalty-in-the-score.
 """
 
 from __future__ import annotations
