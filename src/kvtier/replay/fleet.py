@@ -273,7 +273,9 @@ def _summary(
         "hit_ratios": {name: count / refs if refs else 0.0 for name, count in hits.items()},
         "hits": hits,
         "requests_per_engine": sent,
-        "imbalance": max(sent) * len(sent) / sum(sent) if sum(sent) else 0.0,
+        "imbalance": _over_mean(sent),
+        # the same for the work: blocks each engine computed (a request is not a unit of work)
+        "computed_imbalance": _over_mean([r["computed_blocks"] for r in records]),
         "engines": [
             {
                 "engine": r["engine"],
@@ -299,6 +301,11 @@ def _summary(
         shares = [[request for request, e in zip(requests, assigned) if e == r["engine"]] for r in records]
         summary["time"] = fleet_time(cost, shares, [r["served"] for r in records], arrival_scale)
     return summary
+
+
+def _over_mean(values: list[int]) -> float:
+    """The largest of ``values`` over their mean (1.0: even; 0.0 when they are all 0)."""
+    return max(values) * len(values) / sum(values) if sum(values) else 0.0
 
 
 def _delete_namespace(section: ValkeyTierConfig) -> None:

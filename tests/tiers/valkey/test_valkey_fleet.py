@@ -59,6 +59,8 @@ def test_prefix_routing_keeps_prefixes_where_they_are_within_the_load_bound(
     assert dealt["shared"]["requests_per_engine"] == [100, 100]
     shared = routed["shared"]
     assert sum(shared["requests_per_engine"]) == 200 and shared["imbalance"] <= 1.2
+    computed = [engine["computed_blocks"] for engine in shared["engines"]]
+    assert shared["computed_imbalance"] == max(computed) / (sum(computed) / 2)
     # the engines' GPU caches served more of the prefixes once requests went where they were
     assert shared["hits"]["gpu"] > 1.2 * dealt["shared"]["hits"]["gpu"]
     assert shared["hit_ratios"]["gpu"] == shared["hits"]["gpu"] / routed["block_refs"]
