@@ -86,9 +86,11 @@ def test_bad_settings_are_refused_by_name(options, named):
         PrefixIndex(**options)
 
 
-def test_an_event_for_an_engine_outside_the_fleet_is_refused():
+def test_an_event_for_an_engine_outside_the_fleet_or_of_no_known_kind_is_refused():
     with pytest.raises(ValueError, match="engine 2"):
         PrefixIndex(2).apply(2, [stored("GPU", 1)])
+    with pytest.raises(ValueError, match="'pinned'"):
+        PrefixIndex(2).apply(0, [BlockEvent("pinned", "GPU", [1])])
 
 
 ENGINES = 3

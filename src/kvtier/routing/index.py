@@ -121,7 +121,7 @@ class PrefixIndex:
                     else:
                         blocks.move_to_end(block_hash)
                     holders[slot] = holders.get(slot, 0) + 1
-            else:
+            elif event.kind == "removed":
                 for block_hash in event.block_hashes:
                     holders = blocks.get(block_hash)
                     if holders is None or slot not in holders:
@@ -132,6 +132,10 @@ class PrefixIndex:
                         del holders[slot]
                         if not holders:
                             del blocks[block_hash]
+            else:
+                raise ValueError(
+                    f"a block event's kind is {event.kind!r}; expected stored, removed or cleared"
+                )
 
     def forget_engine(self, engine: int) -> None:
         """Drop everything ``engine`` reported (it left the fleet, or restarted empty)."""
