@@ -11,29 +11,25 @@ from kvtier.routing import BlockEvent, PrefixRouter, batch_events  # noqa: E402
 H1, H2, H3 = (bytes([i]) * 32 for i in (1, 2, 3))
 
 
+def stored(hashes, parent, medium, **extra):
+    return kv_events.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=list(range(16 * len(hashes))),
+        block_size=16,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        **extra,
+    )
+
+
 def vllm_batch():
     return kv_events.KVEventBatch(
         ts=1.0,
         events=[
-            kv_events.BlockStored(
-                block_hashes=[H1, H2],
-                parent_block_hash=None,
-                token_ids=list(range(32)),
-                block_size=16,
-                lora_id=None,
-                medium=kv_events.MEDIUM_GPU,
-                lora_name=None,
-            ),
-            kv_events.BlockStored(
-                block_hashes=[H3],
-                parent_block_hash=H2,
-                token_ids=list(range(16)),
-                block_size=16,
-                lora_id=None,
-                medium=kv_events.MEDIUM_CPU,
-                lora_name=None,
-                group_idx=0,
-            ),
+            stored([H1, H2], None, kv_events.MEDIUM_GPU),
+            stored([H3], H2, kv_events.MEDIUM_CPU, group_idx=0),
             kv_events.BlockRemoved(block_hashes=[H1], medium=kv_events.MEDIUM_GPU),
             kv_events.AllBlocksCleared(),
         ],
