@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.base import OffloadKey, ReqContext, TransferResult, make_offload_key
+from kvtier.base import OffloadingEvent, OffloadKey, ReqContext, TransferResult, make_offload_key
 from kvtier.errors import KvtierError
 from kvtier.mediums import GPULoadStoreSpec
 from kvtier.replay.trace import Request
@@ -175,6 +175,9 @@ class ReplayEngine:
         self.counts = ReplayCounts(hits={"gpu": 0, self._cpu_name: 0, **dict.fromkeys(self._lower_names, 0)})
         #: the trace's time (seconds) at the request in hand; None before the first
         self.trace_s: float | None = None
+        #: when a list (a router reads this engine's KV events): every block its GPU cache
+        #: and its stack stored or removed, in order, until :meth:`take_kv_events`
+        self.kv_events: list[OffloadingEvent] | None = None
 
     # -- the GPU side ----------------------------------------------------------------------
 
@@ -193,6 +196,10 @@ class ReplayEngine:
                 if victim not in keep and block not in copying:
                     del self._gpu_cache[victim]
                     self._free_gpu.append(block)
+                    if self.kv_events is not None:
+                        self.kv_events.append(
+                            OffloadingEvent([victim], self.block_bytes, GPULoadStoreSpec.medium(), True)
+                        )
                     break
             else:
                 if self._storing:  # blocks still being copied out: theirs come free then
@@ -211,6 +218,12 @@ class ReplayEngine:
         its request's prefix and so computed or loaded again, gives up its old block: free
         now, or once the store copy reading it ends (replacing the entry alone leaked it)."""
         cache = self._gpu_cache
+        if self.kv_events is not None:
+            new = [key for key in keys if key not in cache]
+            if new:
+                self.kv_events.append(
+                    OffloadingEvent(new, self.block_bytes, GPULoadStoreSpec.medium(), False)
+                )
         for key, block in zip(keys, blocks):
             old = cache.pop(key, None)
             if old is not None:
@@ -301,6 +314,8 @@ class ReplayEngine:
             self._wait_for_tiers()
         self.counts.steps += 1
         for event in self.manager.take_events():
+            if self.kv_events is not None:
+                self.kv_events.append(event)
             if event.removed and not event.metadata_only and event.medium == "CPU" and self._lower:
                 self.counts.dropped_blocks += sum(
                     1 for key in event.keys if not any(tier.lookup(key) for tier in self._lower)
@@ -435,6 +450,13 @@ class ReplayEngine:
             self._store(offer, ctx)
         manager.on_request_finished(ctx)
         self.step()
+
+    def take_kv_events(self) -> list[OffloadingEvent]:
+        """The KV events gathered since the last call (none unless :attr:`kv_events` is on)."""
+        events = self.kv_events or []
+        if self.kv_events is not None:
+            self.kv_events = []
+        return events
 
     def _trace_clock(self) -> float:
         return self.trace_s or 0.0
