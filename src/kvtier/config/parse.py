@@ -53,6 +53,8 @@ _TIER_NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
 MIN_SKETCH_KEYS = 4
 _CASCADE_KEYS = tuple(f.name for f in fields(CascadeConfig))
 _METRICS_KEYS = tuple(f.name for f in fields(MetricsConfig))
+#: the longest stats_interval_s: a day (a thread cannot wait for ever, nor for 1e300 s)
+MAX_STATS_INTERVAL_S = 86400
 
 
 def _parse_tier(section: object, path: str) -> TierConfig:
@@ -276,6 +278,13 @@ def _parse_metrics(value: object) -> MetricsConfig:
         settings["addr"] = non_empty_str(
             section["addr"], "metrics.addr", "an address to bind", "write e.g. addr: 127.0.0.1"
         )
+    if section.get("unix_socket") is not None:
+        settings["unix_socket"] = non_empty_str(
+            section["unix_socket"],
+            "metrics.unix_socket",
+            "the path of a Unix socket to create",
+            "write e.g. unix_socket: /run/user/UID/kvtier-metrics.sock",
+        )
     if section.get("stats_file") is not None:
         settings["stats_file"] = non_empty_str(
             section["stats_file"],
@@ -285,11 +294,15 @@ def _parse_metrics(value: object) -> MetricsConfig:
         )
     if "stats_interval_s" in section:
         interval = section["stats_interval_s"]
-        if isinstance(interval, bool) or not isinstance(interval, int | float) or not interval > 0:
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, int | float)
+            or not 0 < interval <= MAX_STATS_INTERVAL_S
+        ):
             raise ConfigError(
                 "metrics.stats_interval_s",
                 interval,
-                "a number of seconds > 0",
+                f"a number of seconds > 0 and at most {MAX_STATS_INTERVAL_S} (a day)",
                 "write e.g. stats_interval_s: 5",
             )
         settings["stats_interval_s"] = float(interval)

@@ -158,6 +158,9 @@ class MetricsConfig:
     port: int | None = None
     # address the endpoint binds: loopback unless the counters are meant to leave the machine
     addr: str = "127.0.0.1"
+    # path of a Unix socket serving the same endpoint, mode 0600 (this user alone may scrape
+    # it, where any local user may reach a port); in a folder only this user may write
+    unix_socket: str | None = None
     # a file rewritten with stats() as JSON every stats_interval_s (atomically, mode 0600),
     # for `kvtier stats PATH`; none: no file
     stats_file: str | None = None
