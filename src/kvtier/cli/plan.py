@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from kvtier.cli.common import report
+from kvtier.cli.common import count, report
 from kvtier.cli.costing import add_cost_options, time_model
 from kvtier.errors import KvtierError
 
@@ -31,7 +31,7 @@ def add_parser(sub: Any) -> None:
     )
     plan.add_argument(
         "--capacities",
-        type=int,
+        type=count(),
         nargs="+",
         default=list(DEFAULT_CAPACITIES),
         metavar="N",
@@ -101,7 +101,7 @@ def add_parser(sub: Any) -> None:
     )
     plan.add_argument(
         "--gpu-blocks",
-        type=int,
+        type=count(),
         default=2000,
         help="with --prices: blocks of the GPU prefix cache (default 2000)",
     )

@@ -9,7 +9,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvtier.bench.report import print_json, print_table, pyplot
+from kvtier.bench.report import print_json, print_table, pyplot, save_figure
 from kvtier.errors import ConfigError
 from kvtier.plan.admission import simulate_admission
 from kvtier.plan.belady import belady
@@ -123,13 +123,20 @@ def plan(
 
     classes = {name: _class_path(get_policy_class(name, field="--policies")) for name in policies}
     admitting = _class_path(get_policy_class(admission_policy, field="--admission-policy"))
+    # A cache of at least the trace's distinct blocks never evicts, so it gives what one of
+    # exactly that many gives: simulated at that size (a capacity of 10^15 blocks would
+    # otherwise be allocated slot by slot).
+    distinct = max(1, len({block for chain in chains for block in chain}))
+    sized = {c: min(c, distinct) for c in capacities}
     tasks: list[tuple[str, str | None, int]] = []
     for name in policies:
-        tasks += [("policy", classes[name], c) for c in capacities]
-        tasks += [("oracle", classes[name], c) for c in capacities]
-    tasks += [("belady", None, c) for c in capacities]
-    tasks += [("admission", admitting, c) for c in capacities]
-    done = dict(zip(tasks, _run_all(tasks, chains, min_reuse, jobs)))
+        tasks += [("policy", classes[name], sized[c]) for c in capacities]
+        tasks += [("oracle", classes[name], sized[c]) for c in capacities]
+    tasks += [("belady", None, sized[c]) for c in capacities]
+    tasks += [("admission", admitting, sized[c]) for c in capacities]
+    tasks = list(dict.fromkeys(tasks))
+    ran = dict(zip(tasks, _run_all(tasks, chains, min_reuse, jobs)))
+    done = {(kind, path, c): ran[kind, path, sized[c]] for kind, path, _ in tasks for c in capacities}
 
     hit_ratio: dict[str, list[float]] = {}
     told: dict[str, list[float]] = {}  # policy -> its reuse-oracle hit ratio per capacity
@@ -475,5 +482,4 @@ def _plot(record: dict[str, Any], policies: Sequence[str], path: str) -> None:
     axes.set_ylabel("prefix hit ratio")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    save_figure(plt, figure, path, "--plot")

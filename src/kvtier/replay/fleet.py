@@ -45,7 +45,11 @@ SHARED_TIER = "shared"
 #: a local server's memory when the fleet starts its own: the bundled trace's 43,924 distinct
 #: blocks of 16 KiB and their headers fit in about 1 GiB
 DEFAULT_SERVER_MAXMEMORY = 2 << 30
+#: the most engines a fleet runs: each is a process of its own, with its own caches
+MAX_ENGINES = 64
 _ENGINE_TIMEOUT_S = 3600.0
+#: how long engines stopping early (a failure, SIGTERM) get to close their stacks, all together
+_STOP_GRACE_S = 10.0
 
 
 def _engine_main(
@@ -56,50 +60,53 @@ def _engine_main(
 
     One process serves every run so that the fleet pays for starting engines (importing
     torch, mostly) once; each run builds a fresh stack, and starts when every engine is ready.
+    SIGTERM (the parent stopping early) unwinds through the stack's close, then is reported.
     """
+    from kvtier.cli.signals import Stopped, stop_on_signals
     from kvtier.replay.engine import ReplayEngine
     from kvtier.spec import TieredOffloadingSpec
 
-    for run, config in enumerate(configs):
-        record: dict[str, Any] = {"engine": index}
-        try:
-            spec = TieredOffloadingSpec(
-                config, gpu_block_size_tokens=TRACE_BLOCK_TOKENS, page_bytes=[block_bytes]
-            )
-            engine = ReplayEngine(spec, gpu_blocks)
+    with contextlib.suppress(Stopped), stop_on_signals():  # stopped between two runs: nothing is open
+        for run, config in enumerate(configs):
+            record: dict[str, Any] = {"engine": index}
             try:
-                start.wait()
-                record["elapsed_s"] = engine.run(requests)
-                stats = engine.manager.stats() if hasattr(engine.manager, "stats") else {}
-            finally:
-                engine.close()
-            counts = engine.counts
-            record.update(
-                requests=counts.requests,
-                block_refs=counts.block_refs,
-                hits=counts.hits,
-                verified_blocks=counts.verified_blocks,
-                mismatched_blocks=counts.mismatched_blocks,
-                computed_blocks=counts.computed_blocks,
-                # the local tiers' corrupt reads, and every corrupt value the shared tier met
-                # (also those whose header failed when read at the end of a step)
-                corrupt_blocks=stats.get(f"{SHARED_TIER}.corrupt_values", 0)
-                + sum(
-                    v
-                    for k, v in stats.items()
-                    if k.endswith(".corrupt_blocks") and not k.startswith(SHARED_TIER + ".")
-                ),
-                shared_outages=stats.get(f"{SHARED_TIER}.outages", 0),
-            )
-            causes = miss_causes(stats, [tier.name for tier in spec.config.tiers])
-            if causes is not None:  # this engine's misses by cause (foreign: another engine's layout)
-                record["miss_causes"] = causes
-        except BaseException as exc:  # reported to the parent, which fails the run with it
-            record["error"] = f"{type(exc).__name__}: {exc}"
-            start.abort()  # the other engines must not wait for this one
-        results.put((run, record))
-        if "error" in record:
-            return
+                spec = TieredOffloadingSpec(
+                    config, gpu_block_size_tokens=TRACE_BLOCK_TOKENS, page_bytes=[block_bytes]
+                )
+                engine = ReplayEngine(spec, gpu_blocks)
+                try:
+                    start.wait()
+                    record["elapsed_s"] = engine.run(requests)
+                    stats = engine.manager.stats() if hasattr(engine.manager, "stats") else {}
+                finally:
+                    engine.close()
+                counts = engine.counts
+                record.update(
+                    requests=counts.requests,
+                    block_refs=counts.block_refs,
+                    hits=counts.hits,
+                    verified_blocks=counts.verified_blocks,
+                    mismatched_blocks=counts.mismatched_blocks,
+                    computed_blocks=counts.computed_blocks,
+                    # the local tiers' corrupt reads, and every corrupt value the shared tier met
+                    # (also those whose header failed when read at the end of a step)
+                    corrupt_blocks=stats.get(f"{SHARED_TIER}.corrupt_values", 0)
+                    + sum(
+                        v
+                        for k, v in stats.items()
+                        if k.endswith(".corrupt_blocks") and not k.startswith(SHARED_TIER + ".")
+                    ),
+                    shared_outages=stats.get(f"{SHARED_TIER}.outages", 0),
+                )
+                causes = miss_causes(stats, [tier.name for tier in spec.config.tiers])
+                if causes is not None:  # this engine's misses by cause (foreign: another engine's layout)
+                    record["miss_causes"] = causes
+            except BaseException as exc:  # reported to the parent, which fails the run with it
+                record["error"] = f"{type(exc).__name__}: {exc}"
+                start.abort()  # the other engines must not wait for this one
+            results.put((run, record))
+            if "error" in record:
+                return
 
 
 def _run_fleet(
@@ -119,10 +126,10 @@ def _run_fleet(
         )
         for i in range(engines)
     ]
-    for process in processes:
-        process.start()
     records: list[tuple[int, dict]] = []
     try:
+        for process in processes:
+            process.start()
         deadline = time.monotonic() + _ENGINE_TIMEOUT_S
         while len(records) < engines * runs:
             try:
@@ -133,8 +140,19 @@ def _run_fleet(
             if any("error" in record for _, record in records):
                 break
     finally:
-        for process in processes:
-            process.join(timeout=60)
+        # Stopped early (an engine failed, a timeout, SIGTERM or Ctrl-C here): the others need
+        # not finish. Each is asked to stop (SIGTERM: it closes its stack and region), and
+        # all of them together get a few seconds before they are killed, however many.
+        started = [process for process in processes if process.pid is not None]
+        if len(records) < engines * runs:
+            start.abort()  # no engine waits for the others any longer
+            for process in started:
+                if process.is_alive():
+                    process.terminate()
+        grace = time.monotonic() + _STOP_GRACE_S
+        for process in started:
+            process.join(timeout=max(0.0, grace - time.monotonic()))
+        for process in started:
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -246,8 +264,11 @@ def replay_fleet(
     """Run the fleet with the shared tier and with local disks only; print a table and one
     JSON line; return the JSON record (see the module docstring)."""
     out = out or sys.stdout
-    if engines < 1:
-        raise KvtierError(f"fleet replay: --engines must be >= 1, got {engines}")
+    if not 1 <= engines <= MAX_ENGINES:
+        raise KvtierError(
+            f"fleet replay: --engines takes 1 to {MAX_ENGINES} (got {engines}): each engine is a "
+            "process of its own, with its own caches"
+        )
     if gpu_blocks < 1:
         raise KvtierError(f"--gpu-blocks must be at least 1 (got {gpu_blocks}): the engine needs a GPU cache")
     # as in one engine's replay: a request larger than the GPU cache is left out up front,

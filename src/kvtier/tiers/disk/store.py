@@ -23,6 +23,7 @@ Who calls it: the opener's thread, blocking by design; never the scheduler's hot
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -34,7 +35,6 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvtier.base import OffloadKey
 from kvtier.config import format_size
@@ -505,6 +505,7 @@ def settle_manifest(
     read_only: bool = False,
     stored_keys: Callable[[str, int], list[OffloadKey]] | None = None,
     keep_keys: int = 0,
+    key_id: int | None = None,
 ) -> tuple[StoreManifest, bool, Wiped | None]:
     """Read, create or replace the manifest of a ``kind`` store; ``(manifest, created,
     wiped)``.
@@ -515,6 +516,11 @@ def settle_manifest(
     of another layout was wiped, the part of the layout that differed and up to
     ``keep_keys`` of the keys it held (``stored_keys(directory, keep_keys)``, read before the
     wipe; none by default), so their misses can be told as ``foreign``, not ``new``.
+
+    ``key_id``: the id of the opener's secret (0: none), recorded in the manifest; a store
+    keyed under a secret is refused to an opener without one (every block would fail its
+    check and be dropped). None (``kvtier check``): not compared, the check reports such
+    blocks.
     """
     try:
         manifest = read_manifest(directory)
@@ -533,7 +539,7 @@ def settle_manifest(
         return manifest, False, None
     if manifest is None:
         refuse_foreign_entries(os.listdir(directory), field, str(config.path))
-        manifest = StoreManifest.new(kind, fingerprint, config.capacity_bytes)
+        manifest = StoreManifest.new(kind, fingerprint, config.capacity_bytes, key_id or 0)
         _write_manifest(directory, manifest, config, field)
         return manifest, True, None
     if manifest.kind != kind:
@@ -568,9 +574,21 @@ def settle_manifest(
             f" (misses of {len(wiped.keys)} of them count as foreign_{part})" if wiped.keys else "",
         )
         _wipe(directory, medium_names)
-        manifest = StoreManifest.new(kind, fingerprint, config.capacity_bytes)
+        manifest = StoreManifest.new(kind, fingerprint, config.capacity_bytes, key_id or 0)
         _write_manifest(directory, manifest, config, field)
         return manifest, True, wiped
+    if key_id == 0 and manifest.key_id:
+        raise ConfigError(
+            f"{field}.secret_file",
+            None,
+            "the secret the store's blocks were written with",
+            f"{directory} holds blocks keyed under a secret: without it each would fail its "
+            f"check and be dropped. Give the tier that secret_file, or another path (or remove "
+            f"{directory} to start over without a secret)",
+        )
+    if key_id and manifest.key_id != key_id:  # keyed from now on (another secret's blocks: foreign)
+        manifest = dataclasses.replace(manifest, key_id=key_id)
+        _write_manifest(directory, manifest, config, field)
     if manifest.capacity_bytes != config.capacity_bytes:
         if not alone:
             raise ConfigError(
@@ -579,20 +597,14 @@ def settle_manifest(
                 f"{format_size(manifest.capacity_bytes)}, the capacity another process uses {directory} with",
                 "give every process sharing a path the same capacity (or its own path)",
             )
-        manifest = StoreManifest(
-            manifest.kind,
-            manifest.format_version,
-            manifest.fingerprint,
-            config.capacity_bytes,
-            manifest.created_s,
-        )
+        manifest = dataclasses.replace(manifest, capacity_bytes=config.capacity_bytes)
         _write_manifest(directory, manifest, config, field)
     if alone:
         _remove_trash(directory)
     return manifest, False, None
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Wiped:
     """What a store of another layout held when it was wiped (see :func:`settle_manifest`)."""
 

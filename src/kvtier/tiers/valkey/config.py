@@ -373,7 +373,15 @@ def _parse_url(value: object, field: str) -> str:
             "a server URL: " + ", ".join(f"{s}://" for s in URL_SCHEMES),
             "write url: valkey://host:6379/0 (or unix:///path/to/valkey.sock)",
         )
-    parts = urlsplit(value)
+    try:
+        parts = urlsplit(value)
+    except ValueError as exc:  # an unclosed [ of an IPv6 address, among others
+        raise ConfigError(
+            field,
+            redact_url(value),
+            f"a server URL ({exc})",
+            "write url: valkey://host:6379/0, or valkey://[::1]:6379/0",
+        ) from None
     if parts.scheme not in URL_SCHEMES:
         raise ConfigError(
             field,
