@@ -278,20 +278,14 @@ def _parse_metrics(value: object) -> MetricsConfig:
         settings["addr"] = non_empty_str(
             section["addr"], "metrics.addr", "an address to bind", "write e.g. addr: 127.0.0.1"
         )
-    if section.get("unix_socket") is not None:
-        settings["unix_socket"] = non_empty_str(
-            section["unix_socket"],
-            "metrics.unix_socket",
-            "the path of a Unix socket to create",
-            "write e.g. unix_socket: /run/user/UID/kvtier-metrics.sock",
-        )
-    if section.get("stats_file") is not None:
-        settings["stats_file"] = non_empty_str(
-            section["stats_file"],
-            "metrics.stats_file",
-            "the path of a file to write",
-            "write e.g. stats_file: /run/kvtier/stats.json",
-        )
+    for key, what, example in (
+        ("unix_socket", "the path of a Unix socket to create", "/run/user/UID/kvtier-metrics.sock"),
+        ("stats_file", "the path of a file to write", "/run/kvtier/stats.json"),
+    ):
+        if section.get(key) is not None:
+            settings[key] = non_empty_str(
+                section[key], f"metrics.{key}", what, f"write e.g. {key}: {example}"
+            )
     if "stats_interval_s" in section:
         interval = section["stats_interval_s"]
         if (
