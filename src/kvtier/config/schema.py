@@ -162,9 +162,10 @@ class MetricsConfig:
     # it, where any local user may reach a port); in a folder only this user may write
     unix_socket: str | None = None
     # a file rewritten with stats() as JSON every stats_interval_s (atomically, mode 0600),
-    # for `kvtier stats PATH`; none: no file
+    # for `kvtier stats PATH`: a new path or a previous stats file, in a folder only this user
+    # may write; none: no file
     stats_file: str | None = None
-    # seconds between two writes of stats_file
+    # seconds between two writes of stats_file (at most a day)
     stats_interval_s: float = 5.0
 
 
