@@ -166,3 +166,25 @@ def test_a_fleet_of_too_many_engines_is_refused_before_anything_starts(tmp_path)
     assert process.returncode == 2, err.decode()
     assert b"--engines takes 1 to 64" in err and b"Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_plan_stopped_mid_run_ends_its_workers_and_exits_within_seconds(tmp_path):
+    """Issue #32, item 6: SIGTERM to ``kvtier plan --jobs 2`` ends its simulation processes
+    at once, instead of running every simulation still queued before it exits."""
+    process = _kvtier(["plan", "--jobs", "2", "--json"], tmp_path)
+    try:
+        assert _wait_for(lambda: len(_engine_processes(process.pid)) == 2, timeout_s=120), "no workers"
+        time.sleep(1)  # simulating by now
+        process.send_signal(signal.SIGTERM)
+        try:
+            out, err = process.communicate(timeout=60)  # a hang guard, not a speed test
+        except subprocess.TimeoutExpired:
+            pytest.fail("kvtier plan still ran 60 s after SIGTERM")
+        assert process.returncode == 128 + signal.SIGTERM, err.decode()
+        assert b"Traceback" not in err and out == b"", err.decode()
+        assert _wait_for(lambda: _session_processes(process.pid) == [], timeout_s=30), "processes left"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

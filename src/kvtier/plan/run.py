@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
 from kvtier.bench.report import print_json, print_table, pyplot, save_figure
+from kvtier.cli.signals import deferred_stop
 from kvtier.errors import ConfigError
 from kvtier.plan.admission import simulate_admission
 from kvtier.plan.belady import belady
@@ -135,7 +136,7 @@ def plan(
     tasks += [("belady", None, sized[c]) for c in capacities]
     tasks += [("admission", admitting, sized[c]) for c in capacities]
     tasks = list(dict.fromkeys(tasks))
-    ran = dict(zip(tasks, _run_all(tasks, chains, min_reuse, jobs)))
+    ran = dict(zip(tasks, _run_all(tasks, chains, path, min_reuse, jobs)))
     done = {(kind, path, c): ran[kind, path, sized[c]] for kind, path, _ in tasks for c in capacities}
 
     hit_ratio: dict[str, list[float]] = {}
@@ -298,8 +299,10 @@ def _admission_row(
 _WORKER: dict[str, Any] = {}
 
 
-def _start_worker(chains: Sequence[Sequence[int]], min_reuse: int) -> None:
-    _WORKER.update(chains=chains, min_reuse=min_reuse)
+def _start_worker(trace: Path, min_reuse: int) -> None:
+    # The path, not the chains: a worker's start then writes a few bytes to its pipe, where
+    # megabytes would keep the parent writing (a SIGTERM then would cut the pickle short)
+    _WORKER.update(chains=[request.hash_ids for request in load_trace(trace)], min_reuse=min_reuse)
 
 
 def _worker_task(task: tuple[str, str | None, int]) -> Any:
@@ -307,22 +310,30 @@ def _worker_task(task: tuple[str, str | None, int]) -> Any:
 
 
 def _run_all(
-    tasks: list[tuple[str, str | None, int]], chains: Sequence[Sequence[int]], min_reuse: int, jobs: int
+    tasks: list[tuple[str, str | None, int]],
+    chains: Sequence[Sequence[int]],
+    trace: Path,
+    min_reuse: int,
+    jobs: int,
 ) -> list[Any]:
-    """Each task's result, in order: here, or in ``jobs`` spawned worker processes."""
+    """Each task's result, in order: here, or in ``jobs`` spawned worker processes (which
+    read the ``chains`` again from ``trace``)."""
     if jobs == 1 or len(tasks) == 1:
         return [_simulate_task(task, chains, min_reuse) for task in tasks]
-    with ProcessPoolExecutor(
-        max_workers=min(jobs, len(tasks)),
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_start_worker,
-        initargs=(chains, min_reuse),
-    ) as pool:
+    # multiprocessing's Pool rather than concurrent.futures': leaving its `with` terminates the
+    # workers, so SIGTERM or Ctrl-C ends a plan at once, where the executor's exit would run
+    # every simulation still queued first (minutes).
+    context = multiprocessing.get_context("spawn")
+    with contextlib.ExitStack() as stack:
+        with deferred_stop():  # never a worker spawned and left without its data
+            pool = stack.enter_context(
+                context.Pool(min(jobs, len(tasks)), initializer=_start_worker, initargs=(trace, min_reuse))
+            )
         # Handed out slowest first (Belady's heap, then the oracles, then the policies), so
         # the last task to finish is a short one and no worker idles long at the end.
         by_cost = sorted(tasks, key=lambda task: (_COST[task[0]], task[2]), reverse=True)
-        futures = {task: pool.submit(_worker_task, task) for task in by_cost}
-        return [futures[task].result() for task in tasks]
+        pending = {task: pool.apply_async(_worker_task, (task,)) for task in by_cost}
+        return [pending[task].get() for task in tasks]
 
 
 #: rough relative cost of each kind of task, for the order they are handed out in

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvtier.bench.report import print_json, print_table
+from kvtier.cli.signals import deferred_stop
 from kvtier.config import load_config
 from kvtier.errors import KvtierError
 from kvtier.replay.run import DEFAULT_BLOCK_BYTES, DEFAULT_GPU_BLOCKS, _fitting, default_config, miss_causes
@@ -52,11 +53,22 @@ _ENGINE_TIMEOUT_S = 3600.0
 _STOP_GRACE_S = 10.0
 
 
+def _shares(trace: str | None, limit: int | None, gpu_blocks: int, engines: int) -> tuple[list, list, list]:
+    """``(requests, skipped, per engine its share)``: the requests that fit the GPU cache,
+    dealt round-robin."""
+    requests, skipped = _fitting(load_trace(trace or bundled_trace_path(), limit), gpu_blocks)
+    return requests, skipped, [requests[i::engines] for i in range(engines)]
+
+
 def _engine_main(
-    index: int, configs: list[dict], requests: list, gpu_blocks: int, block_bytes: int, start, results
+    index: int, deal: tuple, configs: list[dict], gpu_blocks: int, block_bytes: int, start, results
 ) -> None:
     """One engine process: replay its share of the trace once per config in ``configs`` (the
     fleet's runs, in order), putting ``(run, figures)`` on ``results`` after each.
+
+    ``deal`` is ``(trace, limit, engines)``: the engine reads the trace and takes its share
+    itself, so starting it writes a few bytes to its pipe (megabytes of requests would keep
+    the parent writing, and a SIGTERM then would cut the engine's start short).
 
     One process serves every run so that the fleet pays for starting engines (importing
     torch, mostly) once; each run builds a fresh stack, and starts when every engine is ready.
@@ -67,6 +79,8 @@ def _engine_main(
     from kvtier.spec import TieredOffloadingSpec
 
     with contextlib.suppress(Stopped), stop_on_signals():  # stopped between two runs: nothing is open
+        trace, limit, engines = deal
+        requests = _shares(trace, limit, gpu_blocks, engines)[2][index]
         for run, config in enumerate(configs):
             record: dict[str, Any] = {"engine": index}
             try:
@@ -109,11 +123,9 @@ def _engine_main(
                 return
 
 
-def _run_fleet(
-    configs: list[list[dict]], shares: list[list], gpu_blocks: int, block_bytes: int
-) -> list[list[dict]]:
-    """Run engine ``i`` with ``configs[i]`` (one config per run) on ``shares[i]``; per run,
-    the engines' figures in engine order."""
+def _run_fleet(configs: list[list[dict]], deal: tuple, gpu_blocks: int, block_bytes: int) -> list[list[dict]]:
+    """Run engine ``i`` with ``configs[i]`` (one config per run) on its share of the trace
+    (``deal``: see :func:`_engine_main`); per run, the engines' figures in engine order."""
     context = multiprocessing.get_context("spawn")  # no forked copies of locks or threads
     engines, runs = len(configs), len(configs[0])
     start = context.Barrier(engines)
@@ -121,7 +133,7 @@ def _run_fleet(
     processes = [
         context.Process(
             target=_engine_main,
-            args=(i, configs[i], shares[i], gpu_blocks, block_bytes, start, results),
+            args=(i, deal, configs[i], gpu_blocks, block_bytes, start, results),
             name=f"kvtier-engine-{i}",
         )
         for i in range(engines)
@@ -129,7 +141,8 @@ def _run_fleet(
     records: list[tuple[int, dict]] = []
     try:
         for process in processes:
-            process.start()
+            with deferred_stop():  # never an engine spawned and left without its data
+                process.start()
         deadline = time.monotonic() + _ENGINE_TIMEOUT_S
         while len(records) < engines * runs:
             try:
@@ -273,9 +286,8 @@ def replay_fleet(
         raise KvtierError(f"--gpu-blocks must be at least 1 (got {gpu_blocks}): the engine needs a GPU cache")
     # as in one engine's replay: a request larger than the GPU cache is left out up front,
     # not found mid-run in an engine process
-    requests, skipped = _fitting(load_trace(trace or bundled_trace_path(), limit), gpu_blocks)
+    requests, skipped, _ = _shares(trace, limit, gpu_blocks, engines)
     ceiling, _ = ceiling_hit_ratio(requests)
-    shares = [requests[i::engines] for i in range(engines)]
     with contextlib.ExitStack() as stack:
         directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-fleet-", dir=Path.cwd()))
         base = _config_dict(config, directory, block_bytes)
@@ -308,7 +320,7 @@ def replay_fleet(
         ]
         per_engine = [[run[i] for run in runs] for i in range(engines)]
         with_shared, local_only = (
-            _summary(run) for run in _run_fleet(per_engine, shares, gpu_blocks, block_bytes)
+            _summary(run) for run in _run_fleet(per_engine, (trace, limit, engines), gpu_blocks, block_bytes)
         )
 
     record: dict[str, Any] = {
