@@ -120,7 +120,6 @@ class MetricsEndpoint:
         self.registry = registry
         self._loop = asyncio.new_event_loop()
         self._open = 0
-        self._unix_socket = unix_socket
         self._unix_inode = os.lstat(unix_socket).st_ino if unix_socket is not None else None
         #: the bound port (the one asked for, or the one the system chose for port 0); None without one
         self.port: int | None = None
@@ -192,10 +191,10 @@ class MetricsEndpoint:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
-        if self._unix_socket is not None:
+        if self.unix_socket is not None:
             with contextlib.suppress(OSError):
-                if os.lstat(self._unix_socket).st_ino == self._unix_inode:  # ours, not a successor's
-                    os.unlink(self._unix_socket)
+                if os.lstat(self.unix_socket).st_ino == self._unix_inode:  # ours, not a successor's
+                    os.unlink(self.unix_socket)
 
 
 def serve_metrics(
