@@ -39,3 +39,19 @@ def pyplot(option: str) -> Any:
     except ImportError as exc:
         raise SystemExit(f"{option} needs matplotlib: pip install 'kvtier[plot]' ({exc})") from exc
     return plt
+
+
+def save_figure(plt: Any, figure: Any, path: str, option: str, **options: Any) -> None:
+    """Write ``figure`` to ``path`` and close it; a :class:`~kvtier.errors.KvtierError` naming
+    ``option`` (the command-line option that gave the path) if it cannot be written there."""
+    from kvtier.errors import KvtierError
+
+    try:
+        figure.savefig(path, **options)
+    except OSError as exc:
+        raise KvtierError(
+            f"{option} {path}: the plot cannot be written there ({exc.strerror or exc}); "
+            "give a path in a folder you may write"
+        ) from None
+    finally:
+        plt.close(figure)

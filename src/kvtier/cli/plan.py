@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from kvtier.cli.common import report
+from kvtier.cli.common import count, report
 from kvtier.codecs import CODEC_NAMES
 from kvtier.cli.costing import add_cost_options, time_model
 from kvtier.errors import KvtierError
@@ -32,7 +32,7 @@ def add_parser(sub: Any) -> None:
     )
     plan.add_argument(
         "--capacities",
-        type=int,
+        type=count(),
         nargs="+",
         default=list(DEFAULT_CAPACITIES),
         metavar="N",
@@ -102,7 +102,7 @@ def add_parser(sub: Any) -> None:
     )
     plan.add_argument(
         "--gpu-blocks",
-        type=int,
+        type=count(),
         default=2000,
         help="with --prices: blocks of the GPU prefix cache (default 2000)",
     )

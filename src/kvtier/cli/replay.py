@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvtier.cli.common import disk_kinds, report, warn_password_in_url
+from kvtier.cli.common import count, disk_kinds, report, warn_password_in_url
 from kvtier.codecs import CODEC_NAMES
 from kvtier.cli.costing import add_cost_options, time_model
 from kvtier.errors import KvtierError
@@ -28,12 +28,12 @@ def add_parser(sub: Any) -> None:
         "--config", metavar="CFG", help="kvtier YAML (default: CPU + disk tier in a temp folder)"
     )
     replay.add_argument(
-        "--gpu-blocks", type=int, default=2000, help="blocks in the simulated GPU cache (default 2000)"
+        "--gpu-blocks", type=count(), default=2000, help="blocks in the simulated GPU cache (default 2000)"
     )
     replay.add_argument(
-        "--block-bytes", type=int, default=16 * 1024, help="payload bytes per block (default 16384)"
+        "--block-bytes", type=count(), default=16 * 1024, help="payload bytes per block (default 16384)"
     )
-    replay.add_argument("--limit", type=int, help="replay only the first N requests")
+    replay.add_argument("--limit", type=count(), help="replay only the first N requests")
     replay.add_argument(
         "--disk", choices=disk_kinds(), default="lmdb", help="disk tier kind of the default stack"
     )
@@ -65,10 +65,11 @@ def add_parser(sub: Any) -> None:
     )
     replay.add_argument(
         "--engines",
-        type=int,
+        type=count(),
         metavar="N",
-        help="a fleet: N engine processes behind a router (--router), run with a shared valkey tier and "
-        "with local disks only (--config is then each engine's local stack; --no-baseline: shared only)",
+        help="a fleet: N engine processes (at most 64) behind a router (--router), run with a shared "
+        "valkey tier and with local disks only (--config is then each engine's local stack; "
+        "--no-baseline: shared only)",
     )
     replay.add_argument(
         "--router",
@@ -97,6 +98,13 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvtier.replay.run import replay
 
+    warn_password_in_url(args.valkey, "replay")
+    if args.engines is None and (args.valkey or args.valkey_cluster):
+        print(
+            "kvtier replay: --valkey and --valkey-cluster name a fleet's shared server: add --engines N",
+            file=sys.stderr,
+        )
+        return 2
     if args.engines is not None:
         if args.deterministic:
             print(
@@ -161,7 +169,6 @@ def _run_fleet(args: argparse.Namespace) -> int:
     from kvtier.replay.fleet import replay_fleet
 
     nodes = [node.strip() for node in args.valkey_cluster.split(",")] if args.valkey_cluster else None
-    warn_password_in_url(args.valkey, "replay")
     try:
         priced = _priced(args)
         record = report(

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvtier.bench.report import print_json, print_table, pyplot
+from kvtier.bench.report import print_json, print_table, pyplot, save_figure
+from kvtier.cli.signals import deferred_stop
 from kvtier.errors import ConfigError
 from kvtier.plan.admission import simulate_admission
 from kvtier.plan.belady import belady
@@ -130,13 +131,20 @@ def plan(
 
     classes = {name: _class_path(get_policy_class(name, field="--policies")) for name in policies}
     admitting = _class_path(get_policy_class(admission_policy, field="--admission-policy"))
+    # A cache of at least the trace's distinct blocks never evicts, so it gives what one of
+    # exactly that many gives: simulated at that size (a capacity of 10^15 blocks would
+    # otherwise be allocated slot by slot).
+    distinct = max(1, len({block for chain in chains for block in chain}))
+    sized = {c: min(c, distinct) for c in capacities}
     tasks: list[tuple[str, str | None, int]] = []
     for name in policies:
-        tasks += [("policy", classes[name], c) for c in capacities]
-        tasks += [("oracle", classes[name], c) for c in capacities]
-    tasks += [("belady", None, c) for c in capacities]
-    tasks += [("admission", admitting, c) for c in capacities]
-    done = dict(zip(tasks, _run_all(tasks, chains, min_reuse, jobs)))
+        tasks += [("policy", classes[name], sized[c]) for c in capacities]
+        tasks += [("oracle", classes[name], sized[c]) for c in capacities]
+    tasks += [("belady", None, sized[c]) for c in capacities]
+    tasks += [("admission", admitting, sized[c]) for c in capacities]
+    tasks = list(dict.fromkeys(tasks))
+    ran = dict(zip(tasks, _run_all(tasks, chains, path, min_reuse, jobs)))
+    done = {(kind, path, c): ran[kind, path, sized[c]] for kind, path, _ in tasks for c in capacities}
 
     hit_ratio: dict[str, list[float]] = {}
     told: dict[str, list[float]] = {}  # policy -> its reuse-oracle hit ratio per capacity
@@ -201,9 +209,9 @@ def plan(
         raw_slot, codec_slot = slots
         held = [c * raw_slot // codec_slot for c in capacities]
         more: list[tuple[str, str | None, int]] = [
-            ("policy", classes[name], c) for name, c in zip(best_policy, held)
+            ("policy", classes[name], min(c, distinct)) for name, c in zip(best_policy, held)
         ]
-        ratios = [result[0] for result in _run_all(more, chains, min_reuse, jobs)]
+        ratios = [result[0] for result in _run_all(more, chains, path, min_reuse, jobs)]
         reached = smallest_reaching(capacities, ratios, target * ceiling)
         record["codec"] = {
             "name": codec,
@@ -327,8 +335,10 @@ def _admission_row(
 _WORKER: dict[str, Any] = {}
 
 
-def _start_worker(chains: Sequence[Sequence[int]], min_reuse: int) -> None:
-    _WORKER.update(chains=chains, min_reuse=min_reuse)
+def _start_worker(trace: Path, min_reuse: int) -> None:
+    # The path, not the chains: a worker's start then writes a few bytes to its pipe, where
+    # megabytes would keep the parent writing (a SIGTERM then would cut the pickle short)
+    _WORKER.update(chains=[request.hash_ids for request in load_trace(trace)], min_reuse=min_reuse)
 
 
 def _worker_task(task: tuple[str, str | None, int]) -> Any:
@@ -336,22 +346,30 @@ def _worker_task(task: tuple[str, str | None, int]) -> Any:
 
 
 def _run_all(
-    tasks: list[tuple[str, str | None, int]], chains: Sequence[Sequence[int]], min_reuse: int, jobs: int
+    tasks: list[tuple[str, str | None, int]],
+    chains: Sequence[Sequence[int]],
+    trace: Path,
+    min_reuse: int,
+    jobs: int,
 ) -> list[Any]:
-    """Each task's result, in order: here, or in ``jobs`` spawned worker processes."""
+    """Each task's result, in order: here, or in ``jobs`` spawned worker processes (which
+    read the ``chains`` again from ``trace``)."""
     if jobs == 1 or len(tasks) == 1:
         return [_simulate_task(task, chains, min_reuse) for task in tasks]
-    with ProcessPoolExecutor(
-        max_workers=min(jobs, len(tasks)),
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_start_worker,
-        initargs=(chains, min_reuse),
-    ) as pool:
+    # multiprocessing's Pool rather than concurrent.futures': leaving its `with` terminates the
+    # workers, so SIGTERM or Ctrl-C ends a plan at once, where the executor's exit would run
+    # every simulation still queued first (minutes).
+    context = multiprocessing.get_context("spawn")
+    with contextlib.ExitStack() as stack:
+        with deferred_stop():  # never a worker spawned and left without its data
+            pool = stack.enter_context(
+                context.Pool(min(jobs, len(tasks)), initializer=_start_worker, initargs=(trace, min_reuse))
+            )
         # Handed out slowest first (Belady's heap, then the oracles, then the policies), so
         # the last task to finish is a short one and no worker idles long at the end.
         by_cost = sorted(tasks, key=lambda task: (_COST[task[0]], task[2]), reverse=True)
-        futures = {task: pool.submit(_worker_task, task) for task in by_cost}
-        return [futures[task].result() for task in tasks]
+        pending = {task: pool.apply_async(_worker_task, (task,)) for task in by_cost}
+        return [pending[task].get() for task in tasks]
 
 
 #: rough relative cost of each kind of task, for the order they are handed out in
@@ -540,5 +558,4 @@ def _plot(record: dict[str, Any], policies: Sequence[str], path: str) -> None:
     axes.set_ylabel("prefix hit ratio")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    save_figure(plt, figure, path, "--plot")

@@ -38,10 +38,12 @@ stack's: the manager, the tiers, the handlers.
 from __future__ import annotations
 
 import hashlib
+import os
 import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,6 +123,28 @@ class ReplayCounts:
     served: list[dict[str, int]] = field(default_factory=list)
 
 
+def _gpu_cache(torch: Any, gpu_blocks: int, block_bytes: int, device: str) -> Any:
+    """The simulated GPU cache, zeroed; a KvtierError naming ``--gpu-blocks`` when it is more
+    than the machine's memory (on the CPU: refused before a zeroing that would take it all)
+    or the device cannot allocate it."""
+    wanted = gpu_blocks * block_bytes
+    fix = "lower --gpu-blocks (or --block-bytes)"
+    if device == "cpu" and hasattr(os, "sysconf"):
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if wanted > memory:
+            raise KvtierError(
+                f"--gpu-blocks {gpu_blocks} of {block_bytes} bytes is {wanted / 2**30:.1f} GiB, more "
+                f"than this machine's {memory / 2**30:.1f} GiB of memory: {fix}"
+            )
+    try:
+        return torch.zeros((gpu_blocks, block_bytes), dtype=torch.int8, device=device)
+    except (RuntimeError, MemoryError) as exc:  # torch's allocation failures (CUDA's too)
+        raise KvtierError(
+            f"--gpu-blocks {gpu_blocks} of {block_bytes} bytes ({wanted / 2**30:.1f} GiB) cannot be "
+            f"allocated on {device} ({str(exc).splitlines()[0][:120]}): {fix}"
+        ) from None
+
+
 class ReplayEngine:
     """The simulated engine over a :class:`~kvtier.spec.TieredOffloadingSpec`'s two sides.
 
@@ -139,8 +163,10 @@ class ReplayEngine:
         self.block_bytes = spec.block_bytes
         self.gpu_blocks = gpu_blocks
         self.deterministic = deterministic
+        self._gpu = _gpu_cache(
+            torch, gpu_blocks, self.block_bytes, device
+        )  # before the stack: nothing to undo
         self.manager = spec.get_manager()
-        self._gpu = torch.zeros((gpu_blocks, self.block_bytes), dtype=torch.int8, device=device)
         caches = CanonicalKVCaches(
             [CanonicalKVCacheTensor(self._gpu, self.block_bytes)],
             [[CanonicalKVCacheRef(0, self.block_bytes)]],

@@ -42,6 +42,7 @@ from typing import Any, TextIO
 
 from kvtier.base import get_offload_block_hash
 from kvtier.bench.report import print_json, print_table
+from kvtier.cli.signals import deferred_stop
 from kvtier.config import KvtierConfig, MetricsConfig, TierConfig, load_config
 from kvtier.errors import KvtierError
 from kvtier.replay.engine import block_key
@@ -59,6 +60,10 @@ SHARED_TIER = "shared"
 #: blocks of 16 KiB and their headers fit in about 1 GiB
 DEFAULT_SERVER_MAXMEMORY = 2 << 30
 _ENGINE_TIMEOUT_S = 3600.0
+#: the most engines a fleet runs: each is a process of its own, with its own caches
+MAX_ENGINES = 64
+#: how long engines stopping early (a failure, SIGTERM) get to close their stacks, all together
+_STOP_GRACE_S = 10.0
 
 
 def _engine_main(
@@ -70,8 +75,18 @@ def _engine_main(
 
     One process serves every run so that the fleet pays for starting engines (importing
     torch, mostly) once; each run builds a fresh stack. ``events``: report the engine's KV
-    events (its GPU cache's and its stack's) for the router's index.
+    events (its GPU cache's and its stack's) for the router's index. SIGTERM (the parent
+    stopping early) unwinds through the stack's close.
     """
+    from kvtier.cli.signals import Stopped, stop_on_signals
+
+    with contextlib.suppress(Stopped), stop_on_signals():  # stopped between two runs: nothing is open
+        _run_engine(index, configs, gpu_blocks, block_bytes, events, inbox, results)
+
+
+def _run_engine(
+    index: int, configs: list[KvtierConfig], gpu_blocks: int, block_bytes: int, events: bool, inbox, results
+) -> None:
     from kvtier.replay.engine import ReplayEngine
     from kvtier.spec import TieredOffloadingSpec
 
@@ -150,9 +165,13 @@ class _Fleet:
             )
             for i in range(len(configs))
         ]
-        for process in self.processes:
-            process.start()
         self.deadline = time.monotonic() + _ENGINE_TIMEOUT_S
+
+    def start(self) -> None:
+        """Start the engine processes (call inside the ``try`` whose ``finally`` closes)."""
+        for process in self.processes:
+            with deferred_stop():  # never an engine spawned and left half-started
+                process.start()
 
     def take(self) -> tuple:
         """The next message of an engine; :class:`KvtierError` if one failed or died."""
@@ -207,9 +226,19 @@ class _Fleet:
 
     def close(self, finished: bool) -> None:
         """Wait for the engines to exit (``finished``: they were sent every run), else stop
-        them at once: an engine left waiting for requests would never exit."""
-        for process in self.processes:
-            process.join(timeout=60 if finished else 0)
+        them: an engine left waiting for requests would never exit. Stopped early (an engine
+        failed, a timeout, SIGTERM or Ctrl-C here), each is asked to stop (SIGTERM: it closes
+        its stack and region), and all of them together get a few seconds before they are
+        killed, however many."""
+        started = [process for process in self.processes if process.pid is not None]
+        if not finished:
+            for process in started:
+                if process.is_alive():
+                    process.terminate()
+        grace = time.monotonic() + (60 if finished else _STOP_GRACE_S)
+        for process in started:
+            process.join(timeout=max(0.0, grace - time.monotonic()))
+        for process in started:
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -345,8 +374,11 @@ def replay_fleet(
     docstring). ``time_model`` (``(model, gpu, measured speeds)``, as ``kvtier replay
     --model`` builds it) adds the fleet's TTFT."""
     out = out or sys.stdout
-    if engines < 1:
-        raise KvtierError(f"fleet replay: --engines must be >= 1, got {engines}")
+    if not 1 <= engines <= MAX_ENGINES:
+        raise KvtierError(
+            f"fleet replay: --engines takes 1 to {MAX_ENGINES} (got {engines}): each engine is a "
+            "process of its own, with its own caches"
+        )
     if gpu_blocks < 1:
         raise KvtierError(f"--gpu-blocks must be at least 1 (got {gpu_blocks}): the engine needs a GPU cache")
     router_class = ROUTERS.resolve(router, field="--router")
@@ -398,6 +430,7 @@ def replay_fleet(
         )
         summaries: dict[str, dict] = {}
         try:
+            fleet.start()
             for (name, _), each in zip(runs, routers):
                 records, assigned = fleet.run(requests, each)
                 summaries[name] = _summary(records, assigned, requests, cost, arrival_scale)

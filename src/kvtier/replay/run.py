@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO, cast
 
-from kvtier.bench.report import print_json, print_table, pyplot
+from kvtier.bench.report import print_json, print_table, pyplot, save_figure
 from kvtier.config import KvtierConfig, MetricsConfig, load_config
 from kvtier.errors import KvtierError
 from kvtier.replay.engine import ReplayEngine
@@ -522,8 +522,7 @@ def _plot(counts, path: str, ceiling: list[float], cpu_only=None) -> None:
     if below is not None:
         _plot_causes(below, xs, counts.cause_timeline)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(plt, figure, path, "--plot", dpi=120)
 
 
 def _plot_causes(axes, xs: list[int], timeline: list[dict[str, int]]) -> None:

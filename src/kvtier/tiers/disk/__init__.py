@@ -62,8 +62,9 @@ def check_store(path: str, fix: bool = False, secret_file: str | None = None) ->
     from kvtier.tiers.disk.blockio import aligned_buffer
     from kvtier.tiers.disk.format import padded_payload_bytes
     from kvtier.tiers.disk.manifest import MANIFEST_NAME, read_manifest
+    from kvtier.tiers.disk.store import store_directory_path
 
-    directory = os.path.realpath(os.path.abspath(path))
+    directory = store_directory_path(path, "path")
     loose: list[str] = []
     fixed: list[str] = []
     if os.path.isdir(directory) and os.path.lexists(os.path.join(directory, MANIFEST_NAME)):

@@ -194,6 +194,8 @@ class DiskTier(IndexedTier):
                 read_only=read_only,
                 stored_keys=cls.stored_keys,
                 keep_keys=wiped_keys,
+                # kvtier check (--fix too) reports keyed blocks it cannot verify, never drops them
+                key_id=(keys.key_id if keys is not None else 0) if access == "serve" else None,
             )
             if read_only:
                 direct, fallback = False, None  # the O_DIRECT probe writes a file
