@@ -40,7 +40,7 @@ warnings.filterwarnings("ignore", message="Only CUDA")
 
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KvtierError
 
 if _MISSING is None:
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
@@ -286,6 +286,7 @@ def test_mla_ranks_share_one_copy_the_writer_stores(tmp_path):
     pool = mla_pool("page_first")
     reader = build_backend(pool, extra, mla=True, tp_rank=1, tp_size=2)
     try:
+        assert [tier.name for tier in reader.tiers] == ["nvme"]  # its stores open now
         written = _process(
             {
                 "extra": extra,
@@ -439,6 +440,86 @@ def test_capacity_bounds_the_store(tmp_path):
         assert backend.batch_set_v1(keys(6, salt=2), slots[: 6 * PAGE]).count(False) == 2
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "files"])
+def test_the_kv_and_draft_stores_share_the_tiers_capacity(tmp_path, kind):
+    # Speculative decoding: the draft pool's store lies beside the KV pool's, in one tier's
+    # capacity, split by their pages' size on disk so each holds as many pages. Filled far
+    # past it, the two stores' blocks never take more than the capacity (on disk and in their
+    # own counts), and the pages still held come back byte for byte, after a restart too.
+    capacity, store = 256 << 10, tmp_path / "store"
+
+    def start():
+        pool, draft = mha_pool("page_first", layers=12), mha_pool("page_first", layers=1)
+        backend = build_backend(pool, extra_config([disk(store, kind, capacity=f"{capacity >> 10}KiB")]))
+        backend.register_mem_host_pool_v2(pool, PoolName.KV)  # as SGLang's hybrid attach does
+        backend.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+        return backend, pool, draft
+
+    def within_capacity(backend) -> dict:
+        stats = backend.stats()
+        used = sum(stats[f"{t}.blocks"] * stats[f"{t}.on_disk_block_bytes"] for t in ("nvme", "nvme-draft"))
+        # what the blocks take on disk: lmdb's slabs (reserved whole at open), or the block files
+        blocks = [f for f in store.rglob("*") if f.name == "slab.kvs" or f.suffix == ".kvb"]
+        assert used <= capacity and sum(f.stat().st_size for f in blocks) <= capacity, stats
+        return stats
+
+    def read_back(backend, pool, draft, names, kv_written, draft_written):
+        target = pool.alloc(len(names) * PAGE)
+        draft_view = PoolTransfer(name=PoolName.DRAFT, keys=names, host_indices=target)
+        assert backend.batch_get_v1(names, target) == [True] * len(names)
+        assert backend.batch_get_v2([draft_view]) == {PoolName.DRAFT: [True] * len(names)}
+        assert all(torch.equal(a, b) for a, b in zip(kv_written, page_bytes(pool, target, len(names))))
+        assert all(torch.equal(a, b) for a, b in zip(draft_written, page_bytes(draft, target, len(names))))
+        pool.free(target)
+
+    backend, pool, draft = start()
+    names, kv_written, draft_written = keys(20), [], []
+    try:
+        for begin in range(0, 20, 2):  # as SGLang backs a sequence up: a few pages per call
+            slots, kv_pages = fill_pages(pool, 2, seed=begin)
+            _, draft_pages = fill_pages(draft, 2, seed=100 + begin, slots=slots)
+            part = names[begin : begin + 2]
+            assert backend.batch_set_v1(part, slots) == [True, True]
+            transfer = PoolTransfer(name=PoolName.DRAFT, keys=part, host_indices=slots)
+            assert backend.batch_set_v2([transfer]) == {PoolName.DRAFT: [True, True]}
+            kv_written += kv_pages
+            draft_written += draft_pages
+            pool.free(slots)
+            stats = within_capacity(backend)
+        # both stores full, with as many pages each: the newest, every older one evicted
+        held = stats["nvme.blocks"] // 2
+        assert held == stats["nvme-draft.blocks"] // 2 > 0 and stats["nvme-draft.evicted"] > 0
+        assert stats["nvme.blocks"] == stats["nvme.capacity_blocks"]
+        found = backend.batch_exists_v2(names[-held:], [draft_transfer()])
+        assert (found.kv_hit_pages, found.extra_pool_hit_pages[PoolName.DRAFT]) == (held, held)
+        assert backend.batch_exists(names[:-held]) == 0
+        read_back(backend, pool, draft, names[-held:], kv_written[-held:], draft_written[-held:])
+    finally:
+        backend.close()
+
+    # a restart with the same pools opens the same split: every page held is still there
+    backend, pool, draft = start()
+    try:
+        again = within_capacity(backend)
+        assert (again["nvme.blocks"], again["nvme-draft.blocks"]) == (2 * held, 2 * held)
+        read_back(backend, pool, draft, names[-held:], kv_written[-held:], draft_written[-held:])
+        slots, _ = fill_pages(pool, 2, seed=50)
+        assert backend.batch_set_v1(keys(2, salt=5), slots) == [True, True]
+        within_capacity(backend)
+    finally:
+        backend.close()
+
+    # a draft pool registering after a page operation opened the stores would find the whole
+    # capacity taken: refused by name
+    late = build_backend(mha_pool("page_first"), extra_config([disk(tmp_path / "late", kind)]))
+    try:
+        assert late.batch_exists(names) == 0
+        with pytest.raises(KvtierError, match="'draft' registered after the first page operation"):
+            late.register_mem_host_pool_v2(mha_pool("page_first", layers=1), PoolName.DRAFT)
+    finally:
+        late.close()
 
 
 def prefetch(ctl, request, found, target) -> tuple[int, dict]:

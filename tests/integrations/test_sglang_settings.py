@@ -265,19 +265,24 @@ def test_an_extra_pool_gets_stores_of_its_own_beside_the_kv_pools():
     ]
     settings = resolve_settings({**FACTORY, "tiers": tiers})
     kv_page, draft_page = (512 << 10, 2), (96 << 10, 2)  # (block bytes, blocks per page)
-    draft = pool_tiers(settings, "draft", kv_page, draft_page)
+    assert pool_tiers(settings, {"kv": kv_page}) == {"kv": settings.lower_tiers}  # alone: as configured
+    stores = pool_tiers(settings, {"kv": kv_page, "draft": draft_page})
+    kv, draft = stores["kv"], stores["draft"]
+    assert [t.name for t in kv] == ["nvme", "blobs", "shared", "fleet"]
     assert [t.name for t in draft] == ["nvme-draft", "blobs-draft", "shared-draft", "fleet-draft"]
     assert [t.kind for t in draft] == ["lmdb", "files", "valkey", "valkey"]
+    assert [t.path for t in kv[:2]] == [t.path for t in settings.lower_tiers[:2]]
     assert (draft[0].path, draft[1].path) == ("/srv/kvtier/sglang/draft", "/srv/kvtier/f/draft")
     # an explicit namespace gets the pool's name; one derived from the layout differs already
     assert (draft[2].namespace, draft[3].namespace) == ("llama:draft", None)
-    # each disk store holds as many pages of the draft pool as its KV store holds of the KV
-    # pool (a Valkey server bounds its own memory)
+    # a disk tier's capacity is split: together the two stores hold at most it, and each as
+    # many pages as the other (a Valkey server bounds its own memory)
     kv_disk, draft_disk = (2 * on_disk_block_bytes(b) for b, _ in (kv_page, draft_page))
-    for kv_tier, tier in zip(settings.lower_tiers[:2], draft):
-        assert tier.capacity_bytes // draft_disk == kv_tier.capacity_bytes // kv_disk > 0
-        assert tier.capacity_bytes < kv_tier.capacity_bytes
-    assert draft[2].capacity_bytes == draft[3].capacity_bytes == 0
+    for configured, kv_tier, tier in zip(settings.lower_tiers[:2], kv, draft):
+        assert kv_tier.capacity_bytes + tier.capacity_bytes <= configured.capacity_bytes
+        assert abs(tier.capacity_bytes // draft_disk - kv_tier.capacity_bytes // kv_disk) <= 1
+        assert configured.capacity_bytes // (kv_disk + draft_disk) <= kv_tier.capacity_bytes // kv_disk
+    assert draft[2].capacity_bytes == draft[3].capacity_bytes == kv[2].capacity_bytes == 0
     assert [t.name for t in settings.lower_tiers] == ["nvme", "blobs", "shared", "fleet"]  # unchanged
 
 
@@ -289,7 +294,7 @@ def test_a_tier_kind_that_cannot_keep_a_second_store_is_refused_for_an_extra_poo
     }
     settings = resolve_settings({**FACTORY, "tiers": [LMDB, memory]})
     with pytest.raises(ConfigError, match=r"tiers\[1\].kind: got .*a path or a namespace"):
-        pool_tiers(settings, "draft", (4096, 2), (4096, 2))
+        pool_tiers(settings, {"kv": (4096, 2), "draft": (4096, 2)})
 
 
 # -- importing -------------------------------------------------------------------------------

@@ -441,37 +441,46 @@ def check_pool_name(name: str) -> None:
 
 
 def pool_tiers(
-    settings: SGLangSettings, pool_name: str, kv_page: tuple[int, int], page: tuple[int, int]
-) -> tuple[TierConfig, ...]:
-    """The lower tiers holding the pages of the extra pool ``pool_name``.
+    settings: SGLangSettings, pages: Mapping[str, tuple[int, int]]
+) -> dict[str, tuple[TierConfig, ...]]:
+    """The lower tiers holding each pool's pages: ``pages`` maps SGLang's pool names, KV first,
+    to each pool's ``(block_bytes, blocks per page)``.
 
-    A store serves one layout, so each is a store of its own beside the KV pool's: named
-    ``<tier>-<pool>``, in the directory ``<path>/<pool>`` (disk tiers) or the namespace
-    ``<namespace>:<pool>`` (a Valkey namespace derived from the layout differs already), and
-    sized to hold as many pages as the KV pool's store (``kv_page`` and ``page`` are each
-    pool's ``(block_bytes, blocks per page)``). A tier kind with neither a path nor a
-    namespace cannot keep a second store apart: :class:`ConfigError`.
+    The KV pool's are the configured tiers. A store serves one layout, so an extra pool's are
+    stores of their own beside them: named ``<tier>-<pool>``, in the directory ``<path>/<pool>``
+    (disk tiers) or the namespace ``<namespace>:<pool>`` (a Valkey namespace derived from the
+    layout differs already). A tier's capacity is shared by its pools' stores in proportion to
+    their pages' size on disk, so each holds as many pages and together they hold at most the
+    capacity; the shares depend on the pools alone, so a restart with the same pools reopens
+    the same stores whole. A tier kind with neither a path nor a namespace cannot keep a second
+    store apart: :class:`ConfigError`.
     """
-    kv_page_bytes = kv_page[1] * on_disk_block_bytes(kv_page[0])
-    page_bytes = page[1] * on_disk_block_bytes(page[0])
-    tiers = []
-    for index, tier in enumerate(settings.lower_tiers, start=1):
-        changes: dict[str, Any] = {
-            "name": f"{tier.name}-{pool_name}",
-            "capacity_bytes": tier.capacity_bytes // kv_page_bytes * page_bytes,
-        }
-        own = {f.name: getattr(tier, f.name) for f in dataclasses.fields(tier)}
-        if own.get("path"):
-            changes["path"] = os.path.join(own["path"], pool_name)
-        elif "namespace" in own:
-            changes["namespace"] = f"{own['namespace']}:{pool_name}" if own["namespace"] else None
-        else:
-            raise ConfigError(
-                f"{settings.tier_field(index)}.kind",
-                tier.kind,
-                f"a tier with a path or a namespace, to keep SGLang's {pool_name} pool in a store "
-                "beside the KV pool's",
-                "use lmdb, files or valkey tiers with speculative decoding",
-            )
-        tiers.append(dataclasses.replace(tier, **changes))
-    return tuple(tiers)
+    on_disk = {name: parts * on_disk_block_bytes(block) for name, (block, parts) in pages.items()}
+    total = sum(on_disk.values())
+    stores: dict[str, tuple[TierConfig, ...]] = {}
+    for pool_name, page_bytes in on_disk.items():
+        tiers = []
+        for index, tier in enumerate(settings.lower_tiers, start=1):
+            changes: dict[str, Any] = {"capacity_bytes": tier.capacity_bytes * page_bytes // total}
+            if pool_name != "kv":
+                changes.update(_beside(settings, index, tier, pool_name))
+            tiers.append(dataclasses.replace(tier, **changes))
+        stores[pool_name] = tuple(tiers)
+    return stores
+
+
+def _beside(settings: SGLangSettings, index: int, tier: TierConfig, pool_name: str) -> dict[str, Any]:
+    """Where the extra pool ``pool_name`` keeps its store of ``settings.config.tiers[index]``."""
+    own = {f.name: getattr(tier, f.name) for f in dataclasses.fields(tier)}
+    if own.get("path"):
+        return {"name": f"{tier.name}-{pool_name}", "path": os.path.join(own["path"], pool_name)}
+    if "namespace" in own:
+        namespace = f"{own['namespace']}:{pool_name}" if own["namespace"] else None
+        return {"name": f"{tier.name}-{pool_name}", "namespace": namespace}
+    raise ConfigError(
+        f"{settings.tier_field(index)}.kind",
+        tier.kind,
+        f"a tier with a path or a namespace, to keep SGLang's {pool_name} pool in a store "
+        "beside the KV pool's",
+        "use lmdb, files or valkey tiers with speculative decoding",
+    )

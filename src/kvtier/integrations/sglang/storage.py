@@ -8,13 +8,15 @@ SGLang 0.5.23 builds it from settings alone::
         "interface_v1": 1, "config": "/etc/kvtier/sglang.yaml"}'
 
 Its ``StorageBackendFactory`` calls ``KvtierHiCacheStorage(storage_config, kwargs)`` on every
-rank, then the cache controller registers the rank's host pool. The tiers open then (their
-rows are the host pool's pages, see :mod:`~kvtier.integrations.sglang.pages`), each by its
-kind's ``open_lower`` exactly as under vLLM: capacity, eviction, verified blocks, the layout
-fingerprint, admission and the shared Valkey tier behave the same. An extra pool SGLang
-registers later (``register_mem_host_pool_v2``: the draft model's KV) gets stores of its own
-beside the KV pool's (:func:`~kvtier.integrations.sglang.settings.pool_tiers`); a pool kvtier
-does not store is refused there, which fails SGLang's attach with the reason.
+rank, then the cache controller registers the rank's host pool, and at start perhaps the
+draft model's (``register_mem_host_pool_v2``), whose pages get stores of their own beside the
+KV pool's, sharing each tier's capacity
+(:func:`~kvtier.integrations.sglang.settings.pool_tiers`); a pool kvtier does not store is
+refused there, which fails SGLang's attach with the reason. The tiers open once the pools are
+known — when the draft pool registers, or at the first page operation — over the host pools'
+pages (see :mod:`~kvtier.integrations.sglang.pages`), each by its kind's ``open_lower`` exactly
+as under vLLM: capacity, eviction, verified blocks, the layout fingerprint, admission and the
+shared Valkey tier behave the same.
 
 Who calls it: SGLang's storage threads (the prefetch thread asks ``batch_exists``, the
 prefetch I/O thread ``batch_get_v1``, the backup thread ``batch_set_v1``), concurrently. The
@@ -30,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import (
@@ -82,9 +84,11 @@ class _PoolStore:
     pages: PageRows
     #: this rank's shard of the pool's pages
     shard: ShardFacts
-    #: the open tiers, fastest first, and each one's admission
-    tiers: list[SecondaryTier]
-    admission: list[AdmissionFilter]
+    #: what the pool's pages are (for the layout fingerprint)
+    facts: PoolFacts
+    #: the open tiers, fastest first, and each one's admission (empty until the stores open)
+    tiers: list[SecondaryTier] = field(default_factory=list)
+    admission: list[AdmissionFilter] = field(default_factory=list)
 
     def stat(self, counter: str) -> str:
         """The backend counter ``counter`` of this pool (the KV pool's have no prefix)."""
@@ -96,9 +100,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     Built by SGLang's ``StorageBackendFactory`` (``dynamic`` backend). Construction parses the
     extra config (a :class:`~kvtier.errors.ConfigError` names what is wrong and the fix);
-    :meth:`register_mem_pool_host` opens the tiers over the host pool, and
-    :meth:`register_mem_host_pool_v2` those of an extra pool (both block for the directory
-    checks and the index scan). Every other method may block for its I/O.
+    :meth:`register_mem_pool_host` takes the host pool, :meth:`register_mem_host_pool_v2` an
+    extra pool and opens the tiers (blocking for the directory checks and the index scan), and
+    without an extra pool the first page operation opens them. Every method may block for its
+    I/O.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None):
@@ -112,6 +117,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self._results: dict[int, TierJobResult] = {}
         #: the pools' stores by SGLang's pool name, the KV pool's first (added under _lock)
         self._stores: dict[str, _PoolStore] = {}
+        #: whether the pools' tiers are open (:meth:`_open_stores`, once, under _open_lock)
+        self._opened = False
+        self._open_lock = threading.Lock()
         self._counters: dict[str, int] = {}
         self._final: dict[str, float] = {}
         self._metrics: dict[str, list[float]] = {
@@ -131,23 +139,23 @@ class KvtierHiCacheStorage(HiCacheStorage):
     # -- opening -------------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Open the tiers over ``mem_pool_host``, the KV pool (SGLang's cache controller calls
-        this once). Without ``interface_v1`` SGLang hands over copies of pages, never host
-        slots, so the tiers then open over a staging buffer instead of the pool."""
+        """Take ``mem_pool_host``, the KV pool (SGLang's cache controller calls this once); its
+        tiers open later (:meth:`_open_stores`). Without ``interface_v1`` SGLang hands over
+        copies of pages, never host slots, so the tiers then open over a staging buffer
+        instead of the pool."""
         kv = self._stores.get(PoolName.KV)
         if kv is not None:
             if mem_pool_host is kv.pages.pool:
                 return
             raise KvtierError("kvtier: a second host pool registered; one backend serves one pool")
         super().register_mem_pool_host(mem_pool_host)
-        self._open(
-            PoolName.KV, mem_pool_host, self.settings.interface_v1, lambda pages: self.settings.lower_tiers
-        )
+        self._add(PoolName.KV, mem_pool_host, self.settings.interface_v1)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Open the stores of SGLang's pool ``host_pool_name`` (the KV pool again, or the draft
-        model's, which SGLang registers after attaching the backend); :class:`ConfigError` for a
-        pool kvtier does not store (Mamba, SWA, indexers), which fails SGLang's attach."""
+        """Take SGLang's pool ``host_pool_name`` (the KV pool again, or the draft model's, which
+        SGLang registers after attaching the backend, before serving) and open every pool's
+        tiers; :class:`ConfigError` for a pool kvtier does not store (Mamba, SWA, indexers),
+        which fails SGLang's attach."""
         name = str(host_pool_name)
         check_pool_name(name)
         known = self._stores.get(name)
@@ -156,38 +164,67 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if name == PoolName.KV and known is None:
             self.register_mem_pool_host(host_pool)
             return
-        kv = self._stores.get(PoolName.KV)
-        if known is not None or kv is None:
+        if known is not None or PoolName.KV not in self._stores:
             raise KvtierError(
                 f"kvtier: host pool {name!r} registered "
                 + ("twice, as another pool" if known is not None else "before the KV pool")
             )
-        kv_page = (kv.pages.block_bytes, kv.pages.parts)
-        self._open(
-            name,
-            host_pool,
-            True,  # SGLang hands every extra pool's transfers over with host slots
-            lambda pages: pool_tiers(self.settings, name, kv_page, (pages.block_bytes, pages.parts)),
-            shared_budgets=kv.admission,
-        )
+        with self._open_lock:  # a page operation opening the stores now would leave it out
+            if self._opened:
+                raise KvtierError(
+                    f"kvtier: host pool {name!r} registered after the first page operation, when "
+                    "the KV pool's stores had opened with the whole capacity; SGLang registers it at start"
+                )
+            self._add(name, host_pool, True)  # SGLang hands an extra pool's transfers over with host slots
+        try:
+            self._open_stores()  # the draft is the one extra pool kvtier stores: the pools are known
+        except BaseException:
+            with self._lock:
+                del self._stores[name]
+            raise
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
-    def _open(
-        self,
-        name: str,
-        pool: Any,
-        in_place: bool,
-        tiers_for: Callable[[PageRows], Sequence[TierConfig]],
-        shared_budgets: Sequence[AdmissionFilter] = (),
-    ) -> None:
-        """Open pool ``name``'s tiers (``tiers_for`` its pages) over ``pool`` and keep them as
-        its store. An extra pool's tiers write on the KV pool's drives, so they charge the KV
-        pool's write budgets (``shared_budgets``)."""
+    def _add(self, name: str, pool: Any, in_place: bool) -> None:
+        """Keep pool ``name``'s pages, to open its tiers over (:class:`ConfigError` for a pool
+        kvtier cannot read)."""
         name = str(name)
         facts = PoolFacts.from_host_pool(pool, name)
         pages = PageRows(pool, self.settings.staging_pages, in_place=in_place)
-        shard = self.shard.for_pool(facts)
-        configs = tiers_for(pages)
+        store = _PoolStore(name, pages, self.shard.for_pool(facts), facts)
+        with self._lock:  # the draft pool registers while SGLang's storage threads run
+            self._stores[name] = store
+
+    def _open_stores(self) -> None:
+        """Open every registered pool's tiers, once, sharing each tier's capacity
+        (:func:`~kvtier.integrations.sglang.settings.pool_tiers`). Not when the KV pool
+        registers: the draft pool comes later, and a KV store opened with the whole capacity
+        and narrowed then would already have taken the room (an lmdb slab) its draft store
+        needs. So they open when the draft pool registers, or, without one, at the first page
+        operation (docs/sglang.md, "Capacity with a draft pool")."""
+        with self._open_lock:
+            if self._opened or PoolName.KV not in self._stores:
+                return
+            forms = {name: (s.pages.block_bytes, s.pages.parts) for name, s in self._stores.items()}
+            configs = pool_tiers(self.settings, forms)
+            opened: list[_PoolStore] = []
+            try:
+                for store in self._stores.values():
+                    # an extra pool's tiers write on the KV pool's drives: they charge its budgets
+                    self._open(store, configs[store.name], opened[0].admission if opened else ())
+                    opened.append(store)
+            except BaseException:
+                for store in opened:
+                    for tier in store.tiers:
+                        tier.close()
+                    store.tiers, store.admission = [], []
+                raise
+            self._opened = True
+
+    def _open(
+        self, store: _PoolStore, configs: Sequence[TierConfig], shared_budgets: Sequence[AdmissionFilter]
+    ) -> None:
+        """Open ``store``'s tiers (``configs``) over its pages."""
+        name, pages, shard, facts = store.name, store.pages, store.shard, store.facts
         fingerprint = layout_fingerprint(
             facts,
             shard,
@@ -196,7 +233,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             staged=pages.flat,
             pool_name=name,
         )
-        field = (
+        named = (
             self.settings.tier_field
             if name == PoolName.KV
             else (lambda i: f"{self.settings.tier_field(i)} ({name} pool)")
@@ -204,9 +241,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         tiers: list[SecondaryTier] = []
         try:
             for index, tier in enumerate(configs, start=1):
-                tiers.append(tier.open_lower(pages.rows, fingerprint, field=field(index)))
+                tiers.append(tier.open_lower(pages.rows, fingerprint, field=named(index)))
             # one decision per page: a budget charges, and a sketch sizes by, a whole page
-            admission = admission_filters(configs, pages.page_bytes, field=field)
+            admission = admission_filters(configs, pages.page_bytes, field=named)
         except BaseException:  # a budget contradicting the drive's size is found only at open
             for opened in tiers:
                 opened.close()
@@ -214,8 +251,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         for index, kv in enumerate(shared_budgets):
             if kv.budget is not None:
                 admission[index] = replace(admission[index], budget=kv.budget)
-        with self._lock:  # a draft pool registers while SGLang's storage threads run
-            self._stores[name] = _PoolStore(name, pages, shard, tiers, admission)
+        with self._lock:
+            store.tiers, store.admission = tiers, admission
         logger.info(
             "kvtier: %s pool, %s pages of %d tokens as %d block(s) of %d bytes (%s), shard %d%s, "
             "tiers %s; layout %s",
@@ -233,11 +270,15 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     @property
     def tiers(self) -> list[SecondaryTier]:
-        """The KV pool's open tiers, fastest first (for ``check()`` and tests)."""
+        """The KV pool's tiers, fastest first, opened if they are not yet (for ``check()`` and
+        tests)."""
+        self._open_stores()
         kv = self._stores.get(PoolName.KV)
         return list(kv.tiers) if kv is not None else []
 
     def _kv(self) -> _PoolStore:
+        """The KV pool's store, its tiers open (every page operation starts here)."""
+        self._open_stores()
         kv = self._stores.get(PoolName.KV)
         if kv is None:
             raise KvtierError(
@@ -556,6 +597,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         return PoolTransferResult(usable, hit_count, list(range(1, usable + 1)))
 
     def _batch_v2(self, transfers: list[PoolTransfer], is_load: bool) -> dict[str, list[bool]]:
+        self._open_stores()
         results: dict[str, list[bool]] = {}
         for transfer in transfers:
             keys = list(transfer.keys or [])
