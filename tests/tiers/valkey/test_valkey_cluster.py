@@ -251,3 +251,43 @@ def test_a_primary_added_under_load_takes_slots_and_serves_them(fleet):
     assert all(answer is True for answer in fleet.read(fleet.keys).values())
     assert fleet.on(fresh) and fleet.store(fleet.keys) == set(fleet.keys)
     assert fresh.client().dbsize() == len(fleet.on(fresh))  # the blocks live on the new node
+
+
+@pytest.mark.slow
+def test_a_fleet_replay_goes_on_through_a_primary_killed_mid_run(replicated_cluster, tmp_path, monkeypatch):
+    """``kvtier replay --engines 2`` over the cluster, a primary SIGKILLed a few seconds in:
+    the replay finishes, serves nothing wrong, and reads the failed slots again from the
+    replica that took them over (its own hit counter says so)."""
+    import io
+    import threading
+
+    from kvtier.replay.fleet import replay_fleet
+
+    monkeypatch.chdir(tmp_path)  # the fleet's engines keep their disks under the working directory
+    cluster = replicated_cluster
+    done: dict = {}
+
+    def replay() -> None:
+        try:
+            done["record"] = replay_fleet(
+                engines=2, cluster_nodes=cluster.nodes, limit=1500, out=io.StringIO()
+            )
+        except BaseException as exc:  # the test fails with it below
+            done["error"] = exc
+
+    thread = threading.Thread(target=replay, daemon=True)
+    thread.start()
+    # the shared run is storing blocks: kill the primary of a third of them
+    cluster.wait_until(
+        lambda: sum(s.client().dbsize() for s in cluster.primaries()) > 200, "blocks stored", 600
+    )
+    victim = cluster.primaries()[0]
+    cluster.kill(victim)
+    successor, _ = cluster.wait_promoted(victim)
+    thread.join(timeout=600)
+    assert not thread.is_alive() and "error" not in done, done.get("error")
+    record = done["record"]
+    shared = record["shared"]
+    assert record["mismatched_blocks"] == 0 and shared["corrupt_blocks"] == 0
+    assert all(engine["hits"].get("shared", 0) > 0 for engine in shared["engines"])
+    assert successor.client().info("stats")["keyspace_hits"] > 0  # the failed slots served again

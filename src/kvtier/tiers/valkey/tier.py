@@ -142,7 +142,8 @@ class ValkeyTier(SecondaryTier):
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{config.name}-r")
         self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{config.name}-c")
         # best-effort round trips that must never hold up a load (a stalled cluster node
-        # holds its caller for timeout_s): the server's figures, sibling probes, slot maps
+        # holds its caller for timeout_s): sibling probes, and (not waited for by
+        # drain_jobs: they are no one's job) the server's figures and slot maps
         self._background = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{config.name}-b")
         self._futures: set[Future] = set()
         self._load_futures: set[Future] = set()  # of those, the reads (what wait_loads waits for)
@@ -407,7 +408,7 @@ class ValkeyTier(SecondaryTier):
         self._fold()
         health = self._conn.health
         if health is not None and health.read_due():  # a node down, or a MOVED: read the slot map
-            self._submit(self._background, self._refresh_topology)
+            self._background.submit(self._refresh_topology)
         now = time.monotonic()
         for batch in [b for b, probe in self._probes.items() if probe.deadline <= now]:
             self._expire_probe(batch)
@@ -429,7 +430,7 @@ class ValkeyTier(SecondaryTier):
             self._siblings.send(lambda fn, *args: self._submit(self._background, fn, *args))
         if now >= self._next_figures:
             self._next_figures = now + SERVER_FIGURES_PERIOD_S
-            self._submit(self._background, self._refresh_figures)
+            self._background.submit(self._refresh_figures)
 
     def _send_probe(self, keys: list[OffloadKey], now: float) -> None:
         self._probe_ids += 1
