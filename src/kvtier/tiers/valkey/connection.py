@@ -80,7 +80,8 @@ def reason_of(error: BaseException) -> Failure:
         if match:
             return Failure(FailureKind.DENIED, detail=match.group(1).lower())
         return Failure(FailureKind.DENIED, detail="key" if "key" in text else "command")
-    if isinstance(error, (errors.ConnectionError, OSError)):
+    # in the chain: a cluster client that reached no node raises its own error from the last one
+    if any(isinstance(e, (errors.ConnectionError, OSError)) for e in chain):
         if any(isinstance(e, ConnectionRefusedError) for e in chain) or "refused" in text.lower():
             return Failure(FailureKind.UNAVAILABLE, detail="refused")
         closed = "closed" in text.lower() or any(
@@ -453,15 +454,10 @@ class ValkeyConnection:
                 node = client.get_node_from_key(name)
             except SlotNotCoveredError:
                 node = None
-            entry = by_node.get(node.name if node is not None else None)
-            if entry is None:
-                entry = by_node[node.name if node is not None else None] = (node, [])
-            entry[1].append(index)
+            by_node.setdefault(None if node is None else node.name, (node, []))[1].append(index)
         return [
-            (node.name, client.get_valkey_connection(node), indexes)
-            if node is not None
-            else (None, None, indexes)
-            for node, indexes in by_node.values()
+            (name, None if node is None else client.get_valkey_connection(node), indexes)
+            for name, (node, indexes) in by_node.items()
         ]
 
     def _node_at(self, host: str, port: int) -> tuple[str, Any]:
@@ -594,8 +590,8 @@ class ValkeyConnection:
         health = self.health
         if health is None or first.kind is not FailureKind.UNAVAILABLE:
             return first
-        serving = self._serving()
-        return first if serving and serving <= health.down_nodes.keys() else None
+        serving = self._serving()  # empty: no slot map yet, no node ever reached
+        return first if serving <= health.down_nodes.keys() else None
 
     def _serving(self) -> set[str]:
         """The names of the nodes the slot map sends keys to (the slots' primaries)."""

@@ -372,7 +372,9 @@ class ValkeyTier(SecondaryTier):
         return None
 
     def probe_foreign(self, key: OffloadKey) -> None:
-        if self._siblings is not None and not self._outage.down:
+        # not while a cluster node is down: the probe goes through the client's own commands,
+        # which a stalled node would hold for timeout_s each (the diagnosis can wait)
+        if self._siblings is not None and not self._outage.down and not self._nodes_down():
             self._siblings.want(key)
 
     def foreign_found(self) -> list[tuple[OffloadKey, str]]:
@@ -426,7 +428,7 @@ class ValkeyTier(SecondaryTier):
             self._wanted.clear()
             for start in range(0, len(keys), self._batch_keys):
                 self._send_probe(keys[start : start + self._batch_keys], now)
-        if self._siblings is not None:
+        if self._siblings is not None and not self._nodes_down():
             self._siblings.send(lambda fn, *args: self._submit(self._background, fn, *args))
         if now >= self._next_figures:
             self._next_figures = now + SERVER_FIGURES_PERIOD_S
