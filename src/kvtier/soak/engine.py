@@ -17,8 +17,9 @@ from kvtier.manager.stack import TierStackManager
 from kvtier.mediums import BlockIDsLoadStoreSpec
 from kvtier.soak.blocks import is_exact, payload
 from kvtier.tiers.cpu.backend import CPUBackend
+from kvtier.tiers.cpu.region import row_stride_for
 
-__all__ = ["BLOCK_BYTES", "CPU_BLOCKS", "CTX", "FAMILIES", "FAMILY_BLOCKS", "SoakEngine"]
+__all__ = ["BLOCK_BYTES", "CPU_BLOCKS", "CTX", "FAMILIES", "FAMILY_BLOCKS", "SoakEngine", "soak_stack"]
 
 BLOCK_BYTES = 16 * 1024
 #: the CPU tier's blocks: far fewer than the requests touch, so blocks keep moving down and up
@@ -27,6 +28,22 @@ CPU_BLOCKS = 128
 FAMILIES = 64
 FAMILY_BLOCKS = 16
 CTX = ReqContext("soak")
+
+
+def soak_stack(below: dict, write_policy: str) -> dict:
+    """The soak's stack configuration: its CPU tier over the tier section ``below``."""
+    return {
+        "tiers": [
+            {
+                "name": "cpu",
+                "kind": "cpu",
+                "capacity": CPU_BLOCKS * row_stride_for(BLOCK_BYTES),
+                "pin_memory": "off",
+            },
+            below,
+        ],
+        "cascade": {"write_policy": write_policy},
+    }
 
 
 class SoakEngine:

@@ -40,11 +40,10 @@ from typing import Any, TextIO
 
 import kvtier
 from kvtier.base import OffloadKey
-from kvtier.bench.report import print_json, print_table
+from kvtier.bench.report import print_counts, print_json
 from kvtier.soak.blocks import block_key
-from kvtier.soak.engine import BLOCK_BYTES, CPU_BLOCKS, FAMILIES, FAMILY_BLOCKS, SoakEngine
+from kvtier.soak.engine import BLOCK_BYTES, FAMILIES, FAMILY_BLOCKS, SoakEngine, soak_stack
 from kvtier.soak.faults import SmallFilesystem, corrupt_blocks, kill_writer, sharer_outcome, start_sharer
-from kvtier.tiers.cpu.region import row_stride_for
 from kvtier.tiers.disk.format import on_disk_block_bytes
 
 __all__ = ["FAULTS", "run"]
@@ -62,25 +61,15 @@ KILLED_STORE_BLOCKS = 2048
 
 def _disk_config(kind: str, path: str) -> dict:
     """The soak's stack: the CPU tier over one disk tier at ``path``, ``write_back``."""
-    return {
-        "tiers": [
-            {
-                "name": "cpu",
-                "kind": "cpu",
-                "capacity": CPU_BLOCKS * row_stride_for(BLOCK_BYTES),
-                "pin_memory": "off",
-            },
-            {
-                "name": "disk",
-                "kind": kind,
-                "path": path,
-                "eviction": "lru",
-                "fsync": "batch",
-                "capacity": DISK_BLOCKS * on_disk_block_bytes(BLOCK_BYTES),
-            },
-        ],
-        "cascade": {"write_policy": "write_back"},
+    disk = {
+        "name": "disk",
+        "kind": kind,
+        "path": path,
+        "eviction": "lru",
+        "fsync": "batch",
+        "capacity": DISK_BLOCKS * on_disk_block_bytes(BLOCK_BYTES),
     }
+    return soak_stack(disk, "write_back")
 
 
 def _checkpoint(
@@ -289,24 +278,21 @@ def run(
         "killed_stores_fixed": counts["writer_stores_fixed"],
         "adopted_blocks": counts["disk.adopted"],
     }
-    print_table(
-        [
-            {"what": name, "count": record[name]}
-            for name in (
-                "operations",
-                "requests",
-                "blocks_loaded",
-                "blocks_stored",
-                "faults_injected",
-                "checkpoints",
-                "committed_verified",
-                "blocks_damaged",
-                "corrupt_detected",
-                "committed_blocks_lost",
-                "wrong_blocks_served",
-            )
-        ],
-        ["what", "count"],
+    print_counts(
+        record,
+        (
+            "operations",
+            "requests",
+            "blocks_loaded",
+            "blocks_stored",
+            "faults_injected",
+            "checkpoints",
+            "committed_verified",
+            "blocks_damaged",
+            "corrupt_detected",
+            "committed_blocks_lost",
+            "wrong_blocks_served",
+        ),
         out,
     )
     for name, reason in left_out.items():

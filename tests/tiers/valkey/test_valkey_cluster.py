@@ -142,20 +142,26 @@ def test_a_killed_primary_costs_only_its_slots_until_its_replica_takes_over(flee
     assert fleet.store(fleet.keys) == set(fleet.keys)
 
 
+def meet_the_stall(fleet, victim) -> None:
+    """Read every block with ``victim`` paused: the batch that meets it waits ``timeout_s``
+    once and marks it down; after that only its blocks miss, without a round trip."""
+    lost, kept = split(fleet, victim)
+    fleet.read(fleet.keys)
+    fleet.reader.drain_jobs()  # the read the step stopped waiting for
+    assert fleet.reader.stats()["nodes_down"] == 1
+    reason = fleet.reader.miss_reason(lost[0])
+    assert reason is not None and reason.kind is FailureKind.UNAVAILABLE and reason.detail == "timeout"
+    fleet.reader._forget_server()
+    answers = fleet.read(fleet.keys)
+    assert all(answers[k] is True for k in kept) and all(answers[k] is False for k in lost)
+
+
 def test_a_stalled_primary_is_waited_for_once_then_skipped_until_its_replica_serves(fleet):
     cluster = fleet.cluster
     victim = cluster.primaries()[1]
-    lost, kept = split(fleet, victim)
     cluster.pause(victim)
     try:
-        fleet.read(fleet.keys)  # its keys time out once (timeout_s) and mark it down
-        fleet.reader.drain_jobs()  # the read the step stopped waiting for
-        assert fleet.reader.stats()["nodes_down"] == 1
-        reason = fleet.reader.miss_reason(lost[0])
-        assert reason is not None and reason.detail == "timeout"
-        fleet.reader._forget_server()
-        answers = fleet.read(fleet.keys)  # no round trip to the stalled node now
-        assert all(answers[k] is True for k in kept) and all(answers[k] is False for k in lost)
+        meet_the_stall(fleet, victim)
         cluster.wait_promoted(victim)
         fleet.read_until_all(fleet.keys)
     finally:
@@ -189,15 +195,9 @@ def test_a_short_stall_ends_when_the_node_answers_again(fleet):
     """No replica takes over (a long cluster-node-timeout): the node's own PING ends it."""
     cluster = fleet.cluster
     victim = cluster.primaries()[0]
-    lost, kept = split(fleet, victim)
     cluster.pause(victim)
     try:
-        fleet.read(fleet.keys)  # the batch that meets the stall waits timeout_s once
-        fleet.reader.drain_jobs()
-        assert fleet.reader.stats()["nodes_down"] == 1
-        fleet.reader._forget_server()
-        answers = fleet.read(fleet.keys)
-        assert all(answers[k] is True for k in kept) and all(answers[k] is False for k in lost)
+        meet_the_stall(fleet, victim)
     finally:
         cluster.resume(victim)
     fleet.read_until_all(fleet.keys)

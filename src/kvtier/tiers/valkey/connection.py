@@ -114,7 +114,8 @@ def fix_for(reason: Failure, default: str) -> str:
             return "grant this user the tier's keys in the server's ACL (~NAMESPACE:*, e.g. ~kvtier:*)"
         return (
             f"grant this user {reason.detail.upper()} in the server's ACL (the tier needs GET SET PING INFO, "
-            "its check SCAN and DEL: +get +set +ping +info +scan +del)"
+            "on a cluster also CLUSTER SLOTS and ASKING, its check SCAN and DEL: +get +set +ping +info "
+            "+cluster|slots +asking +scan +del)"
         )
     if reason.kind is FailureKind.UNAVAILABLE:
         return (
