@@ -47,8 +47,9 @@ reader, and a copier to which the reader hands half of a large load) only run th
 methods of :class:`~kvtier.tiers.valkey.worker.ValueIO`, which touch the CPU rows of their
 job and hand their outcome back through ``_done`` (a deque), folded in by the scheduler
 thread. A background thread runs what must never hold up a load: the server's figures,
-sibling probes, and reading a cluster's slot map. The outage state (:mod:`~kvtier.tiers.valkey.outage`) is shared by both sides, under
-its own lock; a step's reads are :mod:`~kvtier.tiers.valkey.probe` batches.
+sibling probes, and reading a cluster's slot map. The outage state
+(:mod:`~kvtier.tiers.valkey.outage`) is shared by both sides, under its own lock; a step's
+reads are :mod:`~kvtier.tiers.valkey.probe` batches.
 
 Not an :class:`~kvtier.tiers.indexed.IndexedTier`: that one's index is its eviction policy,
 authoritative and bounded by ``capacity_blocks``; here the server owns capacity and eviction,
@@ -180,6 +181,8 @@ class ValkeyTier(SecondaryTier):
             self._went_down,
         )
         self._next_figures = 0.0
+        self._figures: Future = Future()  # the last refresh of the server's figures
+        self._figures.set_result(None)
         self._server_figures: dict[str, int] = {}
         self.counters = dict.fromkeys(
             (
@@ -430,9 +433,9 @@ class ValkeyTier(SecondaryTier):
                 self._send_probe(keys[start : start + self._batch_keys], now)
         if self._siblings is not None and not self._nodes_down():
             self._siblings.send(lambda fn, *args: self._submit(self._background, fn, *args))
-        if now >= self._next_figures:
-            self._next_figures = now + SERVER_FIGURES_PERIOD_S
-            self._background.submit(self._refresh_figures)
+        if now >= self._next_figures and self._figures.done():  # one at a time: a slow server
+            self._next_figures = now + SERVER_FIGURES_PERIOD_S  # must not pile them up
+            self._figures = self._background.submit(self._refresh_figures)
 
     def _send_probe(self, keys: list[OffloadKey], now: float) -> None:
         self._probe_ids += 1
