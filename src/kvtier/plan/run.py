@@ -75,6 +75,7 @@ def plan(
     cost_target: float = 0.9,
     gpu_blocks: int = 2000,
     money_plot: str | None = None,
+    codec: str | None = None,
 ) -> dict[str, Any]:
     """Hit ratio per policy and size, Belady's bound, the ceiling, and tier sizes; the JSON record.
 
@@ -107,6 +108,11 @@ def plan(
     the best online policy and by Belady, behind a GPU cache of ``gpu_blocks``; it recommends
     the cheapest within ``cost_target`` of the largest saving. ``money_plot`` draws it.
     ``time_model`` without ``prices`` adds ``break_even`` only (per kind of tier it prices).
+
+    ``codec`` (a :mod:`kvtier.codecs` name) adds ``codec``: at each size's bytes on a disk tier,
+    how many blocks of bf16 KV the tier holds with the codec (its slots sized for the encoded
+    block), and the hit ratio the best policy at that size reaches with them; and the disk
+    tier it recommends for ``target`` then.
     """
     started = time.perf_counter()
     policies = list(policies or registered_policies())
@@ -116,6 +122,7 @@ def plan(
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ConfigError("--jobs", jobs, "a positive number of processes", "e.g. --jobs 2")
     money_inputs = _money_inputs(prices, time_model, cost_target, gpu_blocks)  # bad input fails first
+    slots = _codec_slots(codec, block_bytes) if codec is not None else None
     path = Path(trace) if trace else bundled_trace_path()
     requests = load_trace(path)
     chains = [request.hash_ids for request in requests]
@@ -190,6 +197,23 @@ def plan(
         "misses": misses,
         "jobs": jobs,
     }
+    if slots is not None:
+        raw_slot, codec_slot = slots
+        held = [c * raw_slot // codec_slot for c in capacities]
+        more: list[tuple[str, str | None, int]] = [
+            ("policy", classes[name], c) for name, c in zip(best_policy, held)
+        ]
+        ratios = [result[0] for result in _run_all(more, chains, min_reuse, jobs)]
+        reached = smallest_reaching(capacities, ratios, target * ceiling)
+        record["codec"] = {
+            "name": codec,
+            "blocks_per_byte_ratio": raw_slot / codec_slot,
+            "blocks": held,
+            "hit_ratio": ratios,
+            "policy": best_policy,
+            "disk_blocks": None if reached is None else reached * raw_slot // codec_slot,
+            "disk_bytes": None if reached is None else reached * block_bytes,
+        }
     if signals:
         record["signals"] = reuse_signals(chains)
     if money_inputs is not None:
@@ -215,6 +239,18 @@ def plan(
 
         plot_money(record["money"], money_plot)
     return record
+
+
+def _codec_slots(codec: str, block_bytes: int) -> tuple[int, int]:
+    """The bytes a disk tier spends per block without and with ``codec`` (bf16 KV), or
+    :class:`ConfigError` naming ``--codec``."""
+    from kvtier.codecs import make_codec, parse_codec_option
+    from kvtier.tiers.disk.format import on_disk_block_bytes
+
+    parse_codec_option({"codec": codec}, "--codec")
+    made = make_codec(codec, block_bytes, "bfloat16", "--codec")
+    stored = made.max_encoded_bytes if made is not None else block_bytes
+    return on_disk_block_bytes(block_bytes), on_disk_block_bytes(stored)
 
 
 def _money_inputs(prices: str | None, time_model: Any, target: float, gpu_blocks: int) -> Any:
@@ -443,6 +479,8 @@ def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None
         f"{record['refs_per_s']}, Belady {record['opt_refs_per_s']})",
         file=out,
     )
+    if "codec" in record:
+        _print_codec(record, out)
     if "money" in record:
         from kvtier.plan.money import print_money
 
@@ -452,6 +490,33 @@ def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None
 
         print_break_even(record["break_even"], out)
     print_json(record, out)
+
+
+def _print_codec(record: dict[str, Any], out: TextIO) -> None:
+    """What the codec buys a disk tier at each size's bytes: blocks held, hit ratio."""
+    codec = record["codec"]
+    print(
+        f"codec {codec['name']} on a disk tier of the same bytes (bf16 KV; {codec['blocks_per_byte_ratio']:.2f}x "
+        "the blocks per byte; lossless reserves a whole block per slot):",
+        file=out,
+    )
+    print_table(
+        [
+            {
+                "bytes": _gib(capacity * record["block_bytes"]),
+                "blocks": capacity,
+                "hit_ratio": max(record["hit_ratio"][name][i] for name in record["hit_ratio"]),
+                "codec_blocks": codec["blocks"][i],
+                "codec_hit_ratio": codec["hit_ratio"][i],
+            }
+            for i, capacity in enumerate(record["capacities"])
+        ],
+        ["bytes", "blocks", "hit_ratio", "codec_blocks", "codec_hit_ratio"],
+        out,
+    )
+    blocks = codec["disk_blocks"]
+    size = "not reached" if blocks is None else f"{blocks} blocks, {_gib(codec['disk_bytes'])}"
+    print(f"disk tier with {codec['name']} ({record['target']:.0%} of ceiling): {size}", file=out)
 
 
 def _plot(record: dict[str, Any], policies: Sequence[str], path: str) -> None:

@@ -41,6 +41,7 @@ from kvtier.errors import ConfigError
 from kvtier.tiers.disk.format import (
     FLAG_ENCRYPTED,
     FLAG_KEYED,
+    NO_CODEC,
     SALT_BYTES,
     BlockHeader,
     encode_header_into,
@@ -298,13 +299,21 @@ class TierKeys:
 
 
 def encode_block_header(
-    header, *, layout_digest: bytes, key: bytes, payload, payload_bytes: int, keys: TierKeys | None
+    header,
+    *,
+    layout_digest: bytes,
+    key: bytes,
+    payload,
+    payload_bytes: int,
+    keys: TierKeys | None,
+    codec: bytes = NO_CODEC,
 ) -> None:
     """Encode the header of a block whose payload is ``payload`` into ``header`` (a page).
 
     Without a secret the header carries the payload's xxh3 checksum; with one (``keys``), the
     tier's flags and a fresh salt, and its tag is set afterwards by :meth:`TierKeys.seal`.
     ``key`` is what the header names: the offload key, or on a shared tier its keyed digest.
+    ``codec``: the descriptor of the codec ``payload`` is encoded with.
     """
     if keys is None:
         encode_header_into(
@@ -313,6 +322,7 @@ def encode_block_header(
             key=key,
             payload_bytes=payload_bytes,
             checksum=xxhash.xxh3_64_intdigest(payload),
+            codec=codec,
         )
     else:
         encode_header_into(
@@ -324,4 +334,5 @@ def encode_block_header(
             flags=keys.flags,
             salt=keys.new_salt(),
             key_id=keys.key_id,
+            codec=codec,
         )

@@ -93,6 +93,7 @@ def check_store(path: str, fix: bool = False, secret_file: str | None = None) ->
         # read-only: the O_DIRECT probe would write a file
         o_direct="auto" if fix else "off",
         secret_file=secret_file,
+        codec=manifest.fingerprint.codec,
     )
     # One CPU row of scratch, page-aligned and padded, as the tier's rows: check() reads into
     # its own buffers, and no job ever runs, but the tier is built over a real row layout.

@@ -72,7 +72,9 @@ class StoreManifest:
 
     @classmethod
     def new(cls, kind: str, fingerprint: LayoutFingerprint, capacity_bytes: int) -> StoreManifest:
-        return cls(kind, FORMAT_VERSION, fingerprint, capacity_bytes, time.time())
+        # blocks without a codec are still written as version 2: an older kvtier reads the store
+        version = FORMAT_VERSION if fingerprint.codec != "none" else 2
+        return cls(kind, version, fingerprint, capacity_bytes, time.time())
 
 
 def read_manifest(directory: str) -> StoreManifest | None:

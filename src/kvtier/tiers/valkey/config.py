@@ -45,6 +45,7 @@ from kvtier.config.units import parse_size
 from kvtier.errors import ConfigError
 from kvtier.registry import Registry
 from kvtier.tiers.base import SecondaryTier
+from kvtier.codecs import parse_codec_option
 from kvtier.tiers.secret import parse_secret_options
 
 __all__ = [
@@ -124,6 +125,9 @@ class ValkeyTierConfig(TierConfig):
     secret_file: str | None = None
     # none, or aes-gcm: values are encrypted under secret_file
     encrypt: str = "none"
+    # how values are stored: none (as they are), lossless (byte planes + zstd), or, lossy
+    # and opt-in, int8, fp8, int4 (need the KV's element dtype); see docs/tiers/codecs.md
+    codec: str = "none"
 
     #: the server bounds and evicts the tier: the section takes no capacity or eviction
     bounded_by_server: ClassVar[bool] = True
@@ -192,6 +196,7 @@ class ValkeyTierConfig(TierConfig):
                     "drop tls: for a unix socket, or give the server's TCP address",
                 )
         options.update(parse_secret_options(section, field))
+        options.update(parse_codec_option(section, field))
         return options
 
     def location(self) -> str | None:

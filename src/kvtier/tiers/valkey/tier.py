@@ -68,6 +68,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 
 from kvtier.base import OffloadingEvent, OffloadKey
+from kvtier.codecs import make_codec
 from kvtier.errors import ValkeyCheckError
 from kvtier.tiers.contract import SecondaryTier
 from kvtier.tiers.disk.format import HEADER_BYTES, LayoutFingerprint
@@ -129,13 +130,19 @@ class ValkeyTier(SecondaryTier):
         self.config = config
         # the secret's keys (keyed MACs, names, encryption), or None: read before connecting
         self._keys = tier_keys(config, field)
+        #: the codec values are stored with, or None
+        self.codec = make_codec(config.codec, rows.shape[1], fingerprint.dtype, field)
+        # the layout as stored: another codec's values are another layout (another namespace)
+        fingerprint = fingerprint.with_codec(config.codec)
         self.namespace = config.namespace or (
             self._keys.namespace(fingerprint.digest()) if self._keys else default_namespace(fingerprint)
         )
         self._prefix = (self.namespace + ":").encode()
         self._rows = rows
         self._digest = fingerprint.digest()
-        self._value_bytes = HEADER_BYTES + self.block_bytes
+        self._value_bytes = HEADER_BYTES + (
+            self.codec.max_encoded_bytes if self.codec is not None else self.block_bytes
+        )
         # keys per pipelined batch: max_inflight_bytes of values, and at least one
         self._batch_keys = max(1, config.max_inflight_bytes // self._value_bytes)
         self._conn = connection or ValkeyConnection(config)
@@ -179,6 +186,7 @@ class ValkeyTier(SecondaryTier):
             self._copier,
             self._done,
             self._went_down,
+            self.codec,
         )
         self._next_figures = 0.0
         self._figures: Future = Future()  # the last refresh of the server's figures
@@ -671,6 +679,9 @@ class ValkeyTier(SecondaryTier):
             staged_blocks=len(self._staged),
             staged_bytes=self._staged_bytes,
             known_blocks=len(self._present),
+            # what went over the wire as values, headers and payloads (encoded, with a codec)
+            sent_value_bytes=self._io.sent_bytes,
+            received_value_bytes=self._io.received_bytes,
         )
         if self._siblings is not None:
             figures.update(sibling_probed_keys=self._siblings.probed, sibling_found_keys=self._siblings.found)
@@ -700,7 +711,9 @@ class ValkeyTier(SecondaryTier):
             names,
             fix=fix,
             layout_digest=self._digest,
-            payload_bytes=self.block_bytes,
+            payload_bytes=self._io.payload_bytes,
+            codec=self._io.descriptor,
+            exact=self._io.exact,
             batch_bytes=self.config.max_inflight_bytes,
             keys=self._keys,
         )
