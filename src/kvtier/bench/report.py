@@ -23,6 +23,11 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], out: Tex
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)), file=out)
 
 
+def print_counts(record: dict[str, Any], names: Sequence[str], out: TextIO) -> None:
+    """The figures ``names`` of ``record`` as a two-column table (what, count)."""
+    print_table([{"what": name, "count": record[name]} for name in names], ["what", "count"], out)
+
+
 def print_json(record: dict[str, Any], out: TextIO) -> None:
     """``record`` as one JSON line (the last line a benchmark prints)."""
     print(json.dumps(record, sort_keys=True), file=out, flush=True)

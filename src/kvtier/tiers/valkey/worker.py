@@ -3,7 +3,8 @@
 A :class:`ValueIO` belongs to one tier. Its ``run_*`` methods run on the tier's writer and
 reader threads (a copier thread takes half of a large load); they touch only the CPU rows of
 their job, and hand their outcome back by appending ``(kind, outcome, extra)`` to ``done``,
-which the scheduler thread folds in. A batch whose every key met an outage calls ``went_down``.
+which the scheduler thread folds in. A batch whose every key met an outage of the whole
+server (:meth:`~kvtier.tiers.valkey.connection.ValkeyConnection.outage_of`) calls ``went_down``.
 With a codec, a value's payload is the encoded block: encoded here on the writer thread, and
 on the reader thread verified as received (checksum or MAC over what the server held) before
 it is decoded into the CPU row.
@@ -31,7 +32,7 @@ from kvtier.tiers.disk.format import (
 )
 from kvtier.tiers.jobs import Failure, FailureKind, TierJobResult
 from kvtier.tiers.secret import TierKeys, encode_block_header
-from kvtier.tiers.valkey.connection import ValkeyConnection, is_outage
+from kvtier.tiers.valkey.connection import ValkeyConnection
 from kvtier.tiers.valkey.probe import ProbeOutcome
 
 __all__ = ["PARALLEL_COPY_BYTES", "ValueIO"]
@@ -171,8 +172,7 @@ class ValueIO:
                     else:
                         result.failed[key] = reason
                 del values
-                if reasons and all(r is not None and is_outage(r) for r in reasons):
-                    outage = reasons[0]
+                outage = self.conn.outage_of(reasons)
         except Exception as error:  # a bug or an unexpected client error: fail, never crash
             failure = _unexpected(self.tier, "store", error)
             for key, _ in todo:
@@ -298,9 +298,7 @@ class ValueIO:
                         result.ok.append(key)
                     else:
                         result.failed[key] = reason
-                first = values[0] if values else None
-                if isinstance(first, Failure) and all(is_outage(v) for v in values):
-                    outage = first
+                outage = self.conn.outage_of(values)
             if outage is not None:
                 self.went_down(outage)
         except Exception as error:
@@ -363,9 +361,9 @@ class ValueIO:
                 outcome.found = {
                     key: (value.copy(), checksum) for key, (value, checksum) in outcome.found.items()
                 }
-            first = values[0] if values else None
-            if isinstance(first, Failure) and all(is_outage(v) for v in values):
-                self.went_down(first)
+            outage = self.conn.outage_of(values)
+            if outage is not None:
+                self.went_down(outage)
         except Exception as error:
             failure = _unexpected(self.tier, "probe", error)
             for key in keys:
