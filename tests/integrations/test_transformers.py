@@ -109,3 +109,26 @@ def test_generate_refuses_an_unreadable_prompt_file(tmp_path, capsys):
 
     assert main(["generate", "smollm2", "--prompt", f"@{tmp_path / 'missing.txt'}"]) == 2
     assert "--prompt" in capsys.readouterr().err
+
+
+def test_the_model_cache_is_private_and_never_followed(tmp_path):
+    from kvtier.integrations.transformers import models
+
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"not really a model")
+    root = tmp_path / "cache" / "models"
+    target = root / f"tiny-{models._file_digest(gguf)}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    root.mkdir(parents=True)
+    target.symlink_to(elsewhere)  # a copy planted through a link is never loaded
+    with pytest.raises(ConfigError, match="not a folder"):
+        models.converted_copy(gguf, str(root))
+    root.chmod(0o777)  # a cache others may write in is refused before anything is read
+    with pytest.raises(ConfigError, match="group or others may write"):
+        models.converted_copy(gguf, str(root))
+    fresh = tmp_path / "new" / "cache"  # created private, its parent too; then the file is no GGUF
+    with pytest.raises(ConfigError, match="MODEL.*a causal LM transformers can load"):
+        models.converted_copy(gguf, str(fresh))
+    assert fresh.stat().st_mode & 0o777 == 0o700 and fresh.parent.stat().st_mode & 0o777 == 0o700
+    assert list(fresh.iterdir()) == []  # nothing half converted is left

@@ -15,7 +15,9 @@ import errno
 import importlib.util
 import os
 import shutil
+import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ import xxhash
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.disk.config import user_cache_root
-from kvtier.tiers.disk.store import directory_problem, prepare_directory
+from kvtier.tiers.disk.store import directory_problem
 
 __all__ = ["SMOLLM2", "SMOLLM2_INSTALL", "converted_copy", "load_model", "model_source", "smollm2_path"]
 
@@ -77,6 +79,29 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def _private_folder(folder: Path, create: bool = True) -> Path:
+    """``folder``, created 0700 with its missing parents (``create``); :class:`ConfigError`
+    unless it is a real folder (not a symlink) of this user's that no one else may write."""
+    if create:
+        missing = [path for path in (folder, *folder.parents) if not os.path.lexists(path)]
+        for path in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)  # the umask can only take bits away
+    info = os.lstat(folder)
+    if stat.S_ISDIR(info.st_mode):
+        problem = directory_problem(info, str(folder))
+    else:
+        problem = (
+            f"{folder} is not a folder (a symlink or a file)",
+            "remove it, or give another cache folder",
+        )
+    if problem is not None:
+        raise ConfigError(
+            "model_cache", str(folder), "a folder of this user's", f"{problem[0]}. Fix: {problem[1]}"
+        )
+    return folder
+
+
 def converted_copy(gguf: Path, cache_root: str | None = None) -> Path:
     """The safetensors copy of ``gguf`` (model and tokenizer), made on the first call.
 
@@ -86,17 +111,15 @@ def converted_copy(gguf: Path, cache_root: str | None = None) -> Path:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    root = prepare_directory(cache_root or os.path.join(user_cache_root(), "models"), "model_cache")
-    target = Path(root) / f"{gguf.stem}-{_file_digest(gguf)}"
-    if target.is_dir():
-        problem = directory_problem(os.stat(target, follow_symlinks=False), str(target))
-        if problem is not None:
-            raise ConfigError(
-                "model_cache", str(target), "a folder of this user's", f"{problem[0]}. Fix: {problem[1]}"
-            )
-        return target
-    model: Any = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    root = _private_folder(Path(cache_root or os.path.join(user_cache_root(), "models")))
+    target = root / f"{gguf.stem}-{_file_digest(gguf)}"
+    if os.path.lexists(target):
+        return _private_folder(target, create=False)
+    model, tokenizer = _loaded(
+        str(gguf),
+        lambda: AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name),
+        lambda: AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name),
+    )
     # the weights are dequantized already: saved as what they are, not as a GGUF quantization
     model.hf_quantizer = None
     with contextlib.suppress(AttributeError):
@@ -125,7 +148,22 @@ def load_model(name: str, dtype: str = "auto", *, cache_root: str | None = None)
         raise ConfigError("--dtype", dtype, f"one of {', '.join(DTYPE_NAMES)}")
     source = model_source(name)
     folder = converted_copy(source, cache_root) if source.is_file() else source
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model, tokenizer = _loaded(
+        str(source),
+        lambda: AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype),
+        lambda: AutoTokenizer.from_pretrained(str(folder)),
+    )
     model.eval()
     return model, tokenizer
+
+
+def _loaded(name: str, model: Callable[[], Any], tokenizer: Callable[[], Any]) -> tuple[Any, Any]:
+    """``(model(), tokenizer())``; what transformers raises for files it cannot load (every
+    kind of error, from its many loaders) as a :class:`ConfigError` naming the model."""
+    try:
+        return model(), tokenizer()
+    except Exception as exc:
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise ConfigError(
+            "MODEL", name, "a causal LM transformers can load (with its tokenizer)", reason
+        ) from None
