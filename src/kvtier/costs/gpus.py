@@ -3,7 +3,7 @@ prefill reaches (an MFU, or a measured prefill rate in tokens per second).
 
 ``--gpu`` takes a bundled name (:data:`BUNDLED_GPUS`, each figure from the vendor's datasheet),
 explicit numbers (``tflops=989,hbm=3350,pcie=64``), or a name with overrides
-(``H100,mfu=0.5``, ``H100,prefill=15000``).
+(``H100,mfu=0.5``, ``H100,prefill=15000``, ``H100,prefill=15000,step=0.02``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ class GPUSpec:
     mfu: float = DEFAULT_MFU
     #: a measured prefill rate, tokens per second; when set it replaces the FLOPs model
     prefill_tokens_per_s: float | None = None
+    #: seconds every forward pass costs whatever its length (launches, scheduling, sampling,
+    #: reading the weights once): a one-token step's time, measured; added to each prefill in
+    #: place of the weights-over-HBM floor; 0: the floor alone
+    step_s: float = 0.0
 
     def describe(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -63,6 +67,7 @@ _KEYS = {
     "pcie": "pcie_gbps",
     "mfu": "mfu",
     "prefill": "prefill_tokens_per_s",
+    "step": "step_s",
 }
 
 

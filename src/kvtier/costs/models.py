@@ -1,7 +1,7 @@
 """The engine's model: KV bytes per token and prefill FLOPs per token, from a ``config.json``.
 
 A model is read from Hugging Face ``config.json`` field names (``num_hidden_layers``,
-``num_key_value_heads``, ``head_dim``, ``torch_dtype``, ``kv_lora_rank``, ``n_routed_experts``,
+``num_key_value_heads``, ``head_dim``, ``torch_dtype`` or ``dtype``, ``kv_lora_rank``, ``n_routed_experts``,
 ...), whether they come from a file or from :data:`BUNDLED_MODELS` (the same fields, copied
 from each model's published config). Only what the formulas need is read; the formulas:
 
@@ -273,7 +273,9 @@ def model_from_config(
     )
     intermediate = _int(fields, "intermediate_size", where)
     vocab = _int(fields, "vocab_size", where, 0)
-    weight_bytes = _dtype_bytes(fields.get("torch_dtype", "bfloat16"), where, "torch_dtype")
+    # transformers 5 writes ``dtype`` where earlier versions wrote ``torch_dtype``
+    dtype_key = "torch_dtype" if "torch_dtype" in fields or "dtype" not in fields else "dtype"
+    weight_bytes = _dtype_bytes(fields.get(dtype_key, "bfloat16"), where, dtype_key)
     kv_bytes = _dtype_bytes(kv_dtype, "--kv-dtype", "kv_dtype") if kv_dtype else weight_bytes
 
     kv_lora = _int(fields, "kv_lora_rank", where, 0) if fields.get("kv_lora_rank") is not None else 0

@@ -2,7 +2,9 @@
 
 * Prefill of ``n`` tokens after ``h`` cached ones: with a measured rate, ``n / rate``; else
   ``max(FLOPs / (peak x MFU), weight bytes / HBM bandwidth)`` (a forward pass reads every
-  weight at least once, which bounds a short prefill from below).
+  weight at least once, which bounds a short prefill from below). Given a ``step`` (the time
+  of a one-token pass: its fixed costs and that read), ``step + n / rate`` or ``step + FLOPs /
+  (peak x MFU)``.
 * A load of ``b`` bytes from the CPU tier: ``b / cpu``; from a lower tier: ``b / tier + b / cpu``
   (read up into the CPU tier, then copied to the GPU, one after the other as kvtier does);
   with a codec of ratio ``r`` decoding at ``d`` (one core): ``b / (r x tier) + b / d + b / cpu``
@@ -100,14 +102,17 @@ class CostModel:
     tiers: Mapping[str, TierSpeed]
 
     def prefill_seconds(self, tokens: int, cached: int = 0) -> float:
-        """GPU seconds to prefill ``tokens`` tokens after ``cached`` cached ones."""
+        """GPU seconds to prefill ``tokens`` tokens after ``cached`` cached ones: the pass's
+        fixed cost (``step_s``) and its work."""
         if tokens <= 0:
             return 0.0
-        if self.gpu.prefill_tokens_per_s:
-            return tokens / self.gpu.prefill_tokens_per_s
-        compute = self.model.prefill_flops(tokens, cached) / (self.gpu.tflops * 1e12 * self.gpu.mfu)
-        weights = self.model.weight_bytes / (self.gpu.hbm_gbps * 1e9)
-        return max(compute, weights)
+        gpu = self.gpu
+        if gpu.prefill_tokens_per_s:
+            return gpu.step_s + tokens / gpu.prefill_tokens_per_s
+        compute = self.model.prefill_flops(tokens, cached) / (gpu.tflops * 1e12 * gpu.mfu)
+        if gpu.step_s:  # a measured one-token pass has read the weights once already
+            return gpu.step_s + compute
+        return max(compute, self.model.weight_bytes / (gpu.hbm_gbps * 1e9))
 
     def load_seconds(self, tier: str, tokens: int) -> float:
         """Seconds to bring ``tokens`` tokens' KV from ``tier`` into GPU memory (0 for ``gpu``)."""

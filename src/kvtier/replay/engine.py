@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -48,15 +47,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.base import OffloadingEvent, OffloadKey, ReqContext, TransferResult, make_offload_key
+from kvtier.base import OffloadingEvent, OffloadKey, ReqContext, make_offload_key
+from kvtier.driver import DriverCounts, StackDriver
 from kvtier.errors import KvtierError
 from kvtier.mediums import GPULoadStoreSpec
 from kvtier.replay.trace import Request
 
 __all__ = ["ReplayEngine", "ReplayCounts", "block_key", "block_bytes_of"]
-
-#: how long the engine waits for pending lookups or busy tiers before giving up on them
-MAX_WAIT_S = 30.0
 
 
 def block_key(hash_id: int) -> OffloadKey:
@@ -82,8 +79,9 @@ def _payload(key: OffloadKey, nbytes: int, kv_like: bool = False) -> bytes:
 
 
 @dataclass
-class ReplayCounts:
-    """What the replay saw, block by block (the tiers' own counters come from the manager)."""
+class ReplayCounts(DriverCounts):
+    """What the replay saw, block by block (the tiers' own counters come from the manager;
+    the copies' and stores' from :class:`~kvtier.driver.DriverCounts`)."""
 
     requests: int = 0
     block_refs: int = 0
@@ -94,21 +92,11 @@ class ReplayCounts:
     codec_verified_blocks: int = 0
     mismatched_blocks: int = 0
     computed_blocks: int = 0
-    stored_blocks: int = 0
-    refused_stores: int = 0
-    #: stores that found the CPU tier full of unsaved blocks and waited for the tiers
-    store_waits: int = 0
-    failed_transfers: int = 0
     #: blocks dropped from the CPU tier that no lower tier held at that moment
     dropped_blocks: int = 0
     steps: int = 0
     #: seconds the engine spent on its own work: making and checking block payloads
     engine_s: float = 0.0
-    #: the worker's finished copy jobs by direction ("store", "load"): jobs, bytes, and the
-    #: seconds the copy engine measured for them (on CUDA between events on the job's stream)
-    copies: dict[str, dict[str, float]] = field(
-        default_factory=lambda: {d: {"jobs": 0, "bytes": 0, "seconds": 0.0} for d in ("store", "load")}
-    )
     #: seconds closing the stack took (saving what only the CPU tier held), after the run
     shutdown_s: float = 0.0
     #: bytes that closing the stack wrote to each lower tier (by tier name)
@@ -145,12 +133,15 @@ def _gpu_cache(torch: Any, gpu_blocks: int, block_bytes: int, device: str) -> An
         ) from None
 
 
-class ReplayEngine:
+class ReplayEngine(StackDriver):
     """The simulated engine over a :class:`~kvtier.spec.TieredOffloadingSpec`'s two sides.
 
     ``spec`` builds the manager (scheduler side) and, from the engine's KV cache, the
-    handlers (worker side); the engine calls both from its one thread.
+    handlers (worker side); the engine drives both from its one thread
+    (:class:`~kvtier.driver.StackDriver`).
     """
+
+    counts: ReplayCounts
 
     def __init__(self, spec, gpu_blocks: int, device: str = "cpu", *, deterministic: bool = False):
         """``deterministic``: end every step with every copy and every tier job done (see
@@ -158,20 +149,17 @@ class ReplayEngine:
         import torch
 
         from kvtier.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
-        from kvtier.worker.worker import OffloadingWorker
 
         self.block_bytes = spec.block_bytes
         self.gpu_blocks = gpu_blocks
         self.deterministic = deterministic
-        self._gpu = _gpu_cache(
-            torch, gpu_blocks, self.block_bytes, device
-        )  # before the stack: nothing to undo
-        self.manager = spec.get_manager()
+        # before the stack: nothing to undo when it cannot be allocated
+        self._gpu = _gpu_cache(torch, gpu_blocks, self.block_bytes, device)
         caches = CanonicalKVCaches(
             [CanonicalKVCacheTensor(self._gpu, self.block_bytes)],
             [[CanonicalKVCacheRef(0, self.block_bytes)]],
         )
-        self.worker = OffloadingWorker.from_spec(spec, caches)
+        super().__init__(spec, caches, ReplayCounts())
         # One numpy element per block (a void of block_bytes): fancy indexing then copies
         # whole rows, where an int8 view would copy byte by byte.
         self._host_rows = (
@@ -179,26 +167,19 @@ class ReplayEngine:
         )
         self._gpu_cache: OrderedDict[OffloadKey, int] = OrderedDict()  # key -> GPU block, LRU
         self._keys: dict[int, OffloadKey] = {}  # trace block id -> key, each hashed once
-        #: store copies in flight: job id -> (keys, request context, the GPU blocks it reads)
-        self._storing: dict[int, tuple[list[OffloadKey], ReqContext, list[int]]] = {}
         #: GPU blocks a store copy still reads: neither evicted nor reused until it finishes
         self._copying: set[int] = set()
         #: of those, blocks whose key has since been computed again into another block: they
         #: leave the cache at once and come free when their copy ends
         self._orphans: set[int] = set()
-        self._finished: dict[int, TransferResult] = {}  # handler results not yet taken
         self._free_gpu = list(range(gpu_blocks - 1, -1, -1))
-        self._job_ids = itertools.count(1)
-        self._cpu_name = spec.config.tiers[0].name
-        self._lower = getattr(self.manager, "tiers", [])  # a single-tier manager has none
-        self._lower_names = [tier.name for tier in self._lower]
+        self.counts.hits = {"gpu": 0, self.cpu_name: 0, **dict.fromkeys(self.lower_names, 0)}
         #: payloads are bf16 values (lossy codecs need them) where the layout says bf16
         self._kv_like = getattr(spec, "kv_dtype", "uint8") == "bfloat16"
         #: the lossy codecs of the lower tiers: a block may come back as their decode
         self._lossy = [
-            codec for codec in (getattr(tier, "codec", None) for tier in self._lower) if codec and codec.lossy
+            codec for codec in (getattr(tier, "codec", None) for tier in self.lower) if codec and codec.lossy
         ]
-        self.counts = ReplayCounts(hits={"gpu": 0, self._cpu_name: 0, **dict.fromkeys(self._lower_names, 0)})
         #: the trace's time (seconds) at the request in hand; None before the first
         self.trace_s: float | None = None
         #: when a list (a router reads this engine's KV events): every block its GPU cache
@@ -229,7 +210,7 @@ class ReplayEngine:
                     break
             else:
                 if self._storing:  # blocks still being copied out: theirs come free then
-                    self._wait_for_stores()
+                    self.wait_for_stores()
                     continue
                 raise KvtierError(  # an engine bug: the caller checks the request fits
                     f"a request needs {count} GPU blocks but only {len(self._free_gpu)} are free "
@@ -278,46 +259,12 @@ class ReplayEngine:
 
         return self._gpu[torch.tensor(blocks, device=self._gpu.device)].cpu().numpy().tobytes()
 
-    def _transfer(self, spec) -> bool:
-        """Run one copy to its end (a load: the engine needs its bytes now)."""
-        job_id = next(self._job_ids)
-        if not self.worker.transfer_async(job_id, spec):
-            return False
-        self.worker.wait({job_id})
-        self._collect()
-        return self._finished.pop(job_id).success
-
-    def _collect(self) -> None:
-        """Take the handlers' finished jobs; complete the stores among them."""
-        finished = self._finished
-        for result in self.worker.get_finished():
-            finished[result.job_id] = result
-            if result.success:
-                copies = self.counts.copies["store" if result.job_id in self._storing else "load"]
-                copies["jobs"] += 1
-                copies["bytes"] += result.transfer_size or 0
-                copies["seconds"] += result.transfer_time or 0.0
-        for job_id in [job_id for job_id in self._storing if job_id in finished]:
-            self._finish_store(job_id, finished.pop(job_id).success)
-
-    def _finish_store(self, job_id: int, ok: bool) -> None:
-        keys, ctx, blocks = self._storing.pop(job_id)
-        self.manager.complete_store(keys, ctx, success=ok)
+    def _copy_ended(self, blocks: list[int]) -> None:
         self._copying.difference_update(blocks)
         if self._orphans:
             freed = self._orphans.intersection(blocks)
             self._orphans -= freed
             self._free_gpu.extend(freed)
-        if ok:
-            self.counts.stored_blocks += len(keys)
-        else:
-            self.counts.failed_transfers += 1
-
-    def _wait_for_stores(self) -> None:
-        """Wait for every store copy in flight and complete them."""
-        if self._storing:
-            self.worker.wait(set(self._storing))
-            self._collect()
 
     # -- the scheduler side --------------------------------------------------------------------
 
@@ -332,91 +279,18 @@ class ReplayEngine:
         changes from run to run; the total does not.
         """
         if self.deterministic:
-            self._wait_for_stores()
-        elif self._storing:
-            self._collect()
-        self.manager.on_schedule_end()
+            self.wait_for_stores()
+        super().step()
         if self.deterministic:
-            self._wait_for_tiers()
+            self.wait_for_tiers()
         self.counts.steps += 1
         for event in self.manager.take_events():
             if self.kv_events is not None:
                 self.kv_events.append(event)
-            if event.removed and not event.metadata_only and event.medium == "CPU" and self._lower:
+            if event.removed and not event.metadata_only and event.medium == "CPU" and self.lower:
                 self.counts.dropped_blocks += sum(
-                    1 for key in event.keys if not any(tier.lookup(key) for tier in self._lower)
+                    1 for key in event.keys if not any(tier.lookup(key) for tier in self.lower)
                 )
-
-    def _served_by(self, key: OffloadKey) -> str:
-        """The lower tier a promoted key came from: the first that holds it (the manager
-        promotes from the first tier, in stack order, that has the key)."""
-        for tier in self._lower:
-            if tier.lookup(key):
-                return tier.name
-        return self._lower_names[0]
-
-    def _lookup_prefix(self, keys: list[OffloadKey], ctx: ReqContext) -> tuple[int, set[OffloadKey]]:
-        """How many of ``keys`` (in order) the offloading tiers can load now, and which keys
-        were pending (being promoted from a lower tier) at some point.
-
-        Like vLLM's connector, an answer holds only for the step it was given in: while any
-        key is pending (``None``), the engine runs a step and asks about the whole prefix
-        again. Keys already found are touched first, so the step's promotions make room by
-        evicting other blocks rather than them.
-        """
-        manager = self.manager
-        deadline = time.monotonic() + MAX_WAIT_S
-        promoted: set[OffloadKey] = set()
-        before: tuple | None = None
-        is_promoting = getattr(manager, "is_promoting", lambda key: False)
-        while True:
-            found = 0
-            waiting = []
-            for key in keys:
-                answer = manager.lookup(key, ctx)
-                if answer is False:
-                    break
-                if answer is None:
-                    waiting.append(key)
-                    promoted.add(key)
-                elif not waiting:
-                    found += 1
-            if not waiting or time.monotonic() >= deadline:
-                return found, promoted
-            if found:
-                manager.touch(keys[:found], ctx)
-            self.step()  # submits the reads
-            # The request blocks on the tiers until an answer changes, as an engine's request
-            # waits in its queue: never an empty step that finds the same None again (a remote
-            # tier's answers take a round trip, and stepping through it is millions of steps).
-            # (a key going from "unknown" to "being promoted" is progress, though both are None)
-            now = (found, len(waiting), waiting[0], sum(map(is_promoting, waiting)))
-            if now == before:
-                self._wait_for_tiers()  # the reads are done, no answer moved: wait for the rest
-            else:
-                self._wait_for_loads()
-            before = now
-            self.step()  # takes their results: the next scan sees the promoted blocks
-
-    def _wait_for_loads(self) -> None:
-        """Block until the lower tiers finished their reads (promotions, and the reads that
-        answer lookups); their saves go on meanwhile.
-
-        A request waits for its promotions only, as in vLLM: a save queued beside the reads
-        (with its flush and index commit) is not on the request's path.
-        """
-        for tier in self._lower:
-            tier.wait_loads()
-
-    def _wait_for_tiers(self) -> None:
-        """Block until the lower tiers finished what they were given (reads and saves).
-
-        For room to store: the CPU tier is full of blocks being saved below. Blocking, not
-        polling: spinning on lookups (even yielding with ``sleep(0)``) starves the tiers'
-        threads of the GIL on a busy machine, and short sleeps last a scheduler tick there.
-        """
-        for tier in self._lower:
-            tier.drain_jobs()
 
     def run_request(self, index: int, request: Request) -> None:
         """Serve one request end to end (see the module docstring)."""
@@ -444,15 +318,14 @@ class ReplayEngine:
         # are computed or loaded again (the prefix broke before them), into new blocks.
         keep = set(keys[:gpu_hits])
 
-        loaded, promoted = self._lookup_prefix(keys[gpu_hits:], ctx)
+        loaded, promoted = self.lookup_prefix(keys[gpu_hits:], ctx)
         hits = keys[gpu_hits : gpu_hits + loaded]
         served = {"gpu": gpu_hits} if gpu_hits else {}
         if hits:
             if self._load(hits, gpu_hits, ctx, keep):
-                for key in hits:
-                    tier = self._served_by(key) if key in promoted else self._cpu_name
-                    counts.hits[tier] += 1
-                    served[tier] = served.get(tier, 0) + 1
+                for tier, count in self.served(hits, promoted).items():
+                    counts.hits[tier] += count
+                    served[tier] = count
             else:
                 loaded = 0  # nothing arrived: the engine computes those blocks instead
         keep.update(hits[:loaded])
@@ -473,7 +346,8 @@ class ReplayEngine:
         # unless it loaded some, then from the first after the loaded ones.
         offer = computed if loaded else keys[:gpu_hits] + computed
         if offer:
-            self._store(offer, ctx)
+            gpu_cache = self._gpu_cache
+            self._copying.update(self.store(offer, ctx, lambda keys: [gpu_cache[key] for key in keys]))
         manager.on_request_finished(ctx)
         self.step()
 
@@ -490,14 +364,8 @@ class ReplayEngine:
     def _load(self, hits: list[OffloadKey], first_index: int, ctx: ReqContext, keep: set) -> bool:
         """Load ``hits`` into GPU blocks and verify them; whether the transfer succeeded."""
         counts = self.counts
-        manager = self.manager
         blocks = self._allocate_gpu(len(hits), keep)
-        cpu_spec = manager.prepare_load(hits, ctx)
-        gpu_spec = GPULoadStoreSpec(blocks, [len(blocks)], [first_index])
-        ok = self._transfer((cpu_spec, gpu_spec))
-        manager.complete_load(hits, ctx)
-        if not ok:
-            counts.failed_transfers += 1
+        if not self.load(hits, blocks, first_index, ctx):
             self._free_gpu.extend(blocks)
             return False
         start = time.perf_counter()
@@ -537,35 +405,6 @@ class ReplayEngine:
             found.update(frontier)
         return found
 
-    def _store(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
-        manager = self.manager
-        out = manager.prepare_store(keys, ctx)
-        if out is None and getattr(manager, "has_pending_work", lambda: False)():
-            # The CPU tier is full of blocks still being saved below. The trace's requests
-            # arrive minutes apart in reality and back to back here, so give the tiers' threads
-            # the time a real arrival gap would have, then offer once more.
-            self.counts.store_waits += 1
-            deadline = time.monotonic() + MAX_WAIT_S
-            while manager.has_pending_work() and time.monotonic() < deadline:
-                self.step()
-                self._wait_for_tiers()
-            self.step()
-            out = manager.prepare_store(keys, ctx)
-        if out is None:
-            self.counts.refused_stores += len(keys)
-            return
-        if not out.keys_to_store:
-            return
-        blocks = [self._gpu_cache[key] for key in out.keys_to_store]
-        gpu_spec = GPULoadStoreSpec(blocks, [len(blocks)])
-        job_id = next(self._job_ids)
-        if not self.worker.transfer_async(job_id, (gpu_spec, out.store_spec)):
-            manager.complete_store(out.keys_to_store, ctx, success=False)
-            self.counts.failed_transfers += 1
-            return
-        self._storing[job_id] = (out.keys_to_store, ctx, blocks)
-        self._copying.update(blocks)
-
     def run(
         self,
         requests: Iterable[Request],
@@ -583,9 +422,9 @@ class ReplayEngine:
                 progress(1)
             if (index + 1) % every == 0:
                 self._sample(index + 1)
-        self._wait_for_stores()  # the run ends when what it started has finished
+        self.wait_for_stores()  # the run ends when what it started has finished
         while getattr(self.manager, "has_pending_work", lambda: False)():
-            self._wait_for_tiers()
+            self.wait_for_tiers()
             self.step()
         self.step()
         self._sample(self.counts.requests)
@@ -598,9 +437,3 @@ class ReplayEngine:
         causes = getattr(self.manager, "miss_causes", None)
         if causes is not None:
             counts.cause_timeline.append(dict(causes.counts))
-
-    def close(self) -> None:
-        """Stop the handlers and the manager (the manager saves dirty CPU blocks below)."""
-        self._wait_for_stores()
-        self.worker.shutdown()
-        self.manager.shutdown()

@@ -8,8 +8,9 @@ The helpers the tests call (``open_tier``, ``settle`` ...) are in ``kvtier_testi
 from __future__ import annotations
 
 import pytest
+from kvtier_testing.valkey_tier import local_server
 
-from kvtier.tiers.valkey.server import LocalValkeyCluster, LocalValkeyServer, find_server_binary
+from kvtier.tiers.valkey.server import LocalValkeyCluster, find_server_binary
 
 
 @pytest.fixture(scope="session")
@@ -22,14 +23,10 @@ def server_binary() -> str:
 
 
 @pytest.fixture
-def valkey_server(server_binary):
+def valkey_server():
     """A fresh, empty server on 127.0.0.1 (64 MiB, allkeys-lru), stopped after the test."""
-    server = LocalValkeyServer(server_binary, maxmemory=64 << 20)
-    server.start()
-    try:
+    with local_server() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
