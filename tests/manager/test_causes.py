@@ -38,9 +38,9 @@ class TestSketch:
         sketch = CauseSketch(keys)
         assert sketch.keys >= keys
         assert sketch.nbytes <= 16 * keys
-        # 4 tag bytes and 1 record byte a slot, 1 cursor byte a bucket of 4; 1.25 slots a key
+        # a 32-bit word a slot (tag and record), 1 cursor byte a bucket of 4; 1.25 slots a key
         slots = -(-(keys * 5 // 4) // 4) * 4
-        assert sketch.nbytes == slots * 5 + slots // 4
+        assert sketch.nbytes == slots * 4 + slots // 4
 
     def test_remembers_what_fits_exactly(self):
         rng = random.Random(1)
@@ -56,7 +56,7 @@ class TestSketch:
         """A full table, then keys it never saw: the share taken for remembered ones is the
         stated rate (a binomial count; the bound allows 4 standard deviations)."""
         rng = random.Random(seed)
-        sketch = CauseSketch(8192, tag_bits=tag_bits, seed=seed)
+        sketch = CauseSketch(8192, tag_bits=tag_bits)
         sketch.put(random_keys(rng, 3 * sketch.keys), STORED, 1)  # every slot taken
         trials = 200_000
         wrong = sum(1 for k in random_keys(rng, trials) if sketch.get(k))
@@ -67,7 +67,7 @@ class TestSketch:
 
     def test_the_default_rate_is_stated_and_small(self):
         sketch = CauseSketch(1000)
-        assert sketch.error_rate == pytest.approx(8 * 2.0**-32, rel=1e-6)
+        assert sketch.error_rate == pytest.approx(8 * 2.0**-24, rel=1e-5)
 
     def test_at_its_size_it_forgets_few_and_reports_how_many(self):
         rng = random.Random(5)
@@ -83,7 +83,7 @@ class TestSketch:
         sketch = CauseSketch(64)
         keys = random_keys(rng, 1000)
         sketch.put(keys, EVICTED, 0)
-        slots = len(sketch._tags)
+        slots = sketch._slots.size
         assert sketch.forgotten == 1000 - slots
         assert sum(1 for k in keys[-64:] if sketch.get(k)) > sum(1 for k in keys[:64] if sketch.get(k))
 
@@ -144,7 +144,7 @@ def test_configured_size_is_the_sketch_size():
     manager = kvtier.build_manager({"tiers": [cpu_section(8)], "miss_causes": {"keys": 4096}}, BLOCK)
     try:
         stats = manager.stats()
-        assert stats["sketch_keys"] == 4096 and stats["sketch_bytes"] == 5120 * 5 + 1280
+        assert stats["sketch_keys"] == 4096 and stats["sketch_bytes"] == 5120 * 4 + 1280
     finally:
         manager.shutdown()
 

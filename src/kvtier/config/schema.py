@@ -170,13 +170,15 @@ class MissCausesConfig:
     """Counting each miss under its cause (new, evicted, refused, ...): how many keys the
     stack remembers to tell them apart (``miss_causes: off`` turns it off)."""
 
-    # keys remembered (about 6.6 bytes each; beyond it the oldest are forgotten and their
-    # misses read as new); 0: off, no sketch and no miss_<cause> counters
-    keys: int = 1_000_000
+    # keys remembered (about 5.3 bytes each; beyond it the oldest are forgotten and their
+    # misses read as new); none: sized from the stack, the CPU tier's blocks plus twice the
+    # lower tiers' (4,096 to 4,194,304; the most with a tier a server bounds); 0: off, no
+    # sketch and no miss_<cause> counters
+    keys: int | None = None
 
     @property
     def enabled(self) -> bool:
-        return self.keys > 0
+        return self.keys != 0
 
 
 @dataclass(frozen=True)

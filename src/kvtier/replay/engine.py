@@ -299,26 +299,32 @@ class ReplayEngine:
                 return tier.name
         return self._lower_names[0]
 
-    def _lookup_prefix(self, keys: list[OffloadKey], ctx: ReqContext) -> tuple[int, set[OffloadKey]]:
-        """How many of ``keys`` (in order) the offloading tiers can load now, and which keys
-        were pending (being promoted from a lower tier) at some point.
+    def _lookup_prefix(
+        self, keys: list[OffloadKey], ctx: ReqContext
+    ) -> tuple[int, set[OffloadKey], int | None]:
+        """How many of ``keys`` (in order) the offloading tiers can load now, which keys were
+        pending (being promoted from a lower tier) at some point, and the index of the key
+        the prefix broke at with a miss (``False``), if one did.
 
         Like vLLM's connector, an answer holds only for the step it was given in: while any
-        key is pending (``None``), the engine runs a step and asks about the whole prefix
-        again. Keys already found are touched first, so the step's promotions make room by
-        evicting other blocks rather than them.
+        key is pending (``None``), the engine runs a step and asks about the prefix again, up
+        to the key that missed (asked once: each block of the request counts once, as a hit
+        or a miss). Keys already found are touched first, so the step's promotions make room
+        by evicting other blocks rather than them.
         """
         manager = self.manager
         deadline = time.monotonic() + MAX_WAIT_S
         promoted: set[OffloadKey] = set()
         before: tuple | None = None
         is_promoting = getattr(manager, "is_promoting", lambda key: False)
+        missed: int | None = None
         while True:
             found = 0
             waiting = []
-            for key in keys:
+            for index, key in enumerate(keys[:missed]):
                 answer = manager.lookup(key, ctx)
                 if answer is False:
+                    missed = index
                     break
                 if answer is None:
                     waiting.append(key)
@@ -326,7 +332,7 @@ class ReplayEngine:
                 elif not waiting:
                     found += 1
             if not waiting or time.monotonic() >= deadline:
-                return found, promoted
+                return found, promoted, missed
             if found:
                 manager.touch(keys[:found], ctx)
             self.step()  # submits the reads
@@ -388,7 +394,7 @@ class ReplayEngine:
         # are computed or loaded again (the prefix broke before them), into new blocks.
         keep = set(keys[:gpu_hits])
 
-        loaded, promoted = self._lookup_prefix(keys[gpu_hits:], ctx)
+        loaded, promoted, missed = self._lookup_prefix(keys[gpu_hits:], ctx)
         hits = keys[gpu_hits : gpu_hits + loaded]
         served = {"gpu": gpu_hits} if gpu_hits else {}
         if hits:
@@ -403,6 +409,12 @@ class ReplayEngine:
 
         computed = keys[gpu_hits + loaded :]
         if computed:
+            # every block computed but the one whose lookup missed (counted there): the ones
+            # after it were never looked up, and a failed load's were hits until then
+            skip = None if missed is None else missed - loaded
+            behind = computed if skip is None else computed[:skip] + computed[skip + 1 :]
+            if behind and hasattr(manager, "missed_behind"):
+                manager.missed_behind(behind, ctx)
             blocks = self._allocate_gpu(len(computed), keep)
             start = time.perf_counter()
             nbytes = self.block_bytes
@@ -512,7 +524,7 @@ class ReplayEngine:
         counts.timeline.append((done, dict(counts.hits), counts.block_refs))
         causes = getattr(self.manager, "miss_causes", None)
         if causes is not None:
-            counts.cause_timeline.append(dict(causes.counts))
+            counts.cause_timeline.append(causes.totals())
 
     def close(self) -> None:
         """Stop the handlers and the manager (the manager saves dirty CPU blocks below)."""
