@@ -107,6 +107,14 @@ class TierConfig:
         no budget; a kind that takes ``admit: budget`` (the disk kinds) builds its own."""
         return None
 
+    def host_problems(self, field: str) -> list[ConfigError]:
+        """What this machine lacks for the tier as configured (``field`` names it:
+        ``tiers[1]``), each an error naming the key and the fix: what ``kvtier config check``
+        reports. Opening the tier is more lenient where it can serve anyway (a disk tier whose
+        capacity exceeds the free space opens, and counts the stores that find the disk full).
+        Default: nothing to check."""
+        return []
+
     def open_first(self, block_bytes: int, *, field: str) -> Any:
         """Build the first tier (a :class:`~kvtier.base.Backend` with ``rows``, the CPU rows
         every lower tier copies from and into) holding blocks of ``block_bytes``; for kinds

@@ -64,7 +64,6 @@ from dataclasses import dataclass, field
 import xxhash
 
 from kvtier.base import OffloadKey
-from kvtier.config import format_size
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import CheckReport, Failure
 from kvtier.tiers.disk.base import DiskTier
@@ -187,7 +186,7 @@ class FilesTier(DiskTier):
             self._count.set(len(entries))
             if records > 2 * len(entries) + 4096:
                 self._compact_recency(entries)
-        self._check_space(len(entries))
+        self._note_room((self.capacity_blocks - len(entries)) * self.slot_bytes)
         self._log_fd = open_private(_RECENCY, os.O_WRONLY | os.O_CREAT | os.O_APPEND, dir_fd=self._store_fd)
         return entries
 
@@ -215,19 +214,6 @@ class FilesTier(DiskTier):
     def _list_blocks(self) -> list[tuple[OffloadKey, int, int]]:
         # no stamps (reading the recency log would cost more than the listing): equally old
         return [(key, 0, 0) for key in self._scan(alone=False)]
-
-    def _check_space(self, present: int) -> None:
-        stats = os.statvfs(self.path)
-        free = stats.f_bavail * stats.f_frsize
-        missing = (self.capacity_blocks - present) * self.slot_bytes
-        if missing > free:
-            raise ConfigError(
-                f"{self._field}.capacity",
-                format_size(self.config.capacity_bytes),
-                f"at most what fits in {self.path}: {format_size(present * self.slot_bytes + free)} "
-                f"({format_size(free)} free there)",
-                "lower the capacity, free space there, or choose another disk",
-            )
 
     def _compact_recency(self, entries: list[tuple[OffloadKey, int, int]]) -> None:
         temp = f"{_RECENCY}.{os.getpid()}.tmp"
