@@ -71,7 +71,7 @@ from kvtier.tiers.disk.blockio import O_DIRECT
 from kvtier.tiers.disk.group_flush import GroupFlush
 from kvtier.tiers.disk.mover import MoverJob
 from kvtier.tiers.disk.recency import encode_records, read_recency
-from kvtier.tiers.disk.store import open_private, open_private_dir, own_entries, pid_alive
+from kvtier.tiers.disk.store import create_private, open_private, open_private_dir, own_entries, pid_alive
 from kvtier.tiers.disk.syscalls import RENAME_NOREPLACE, renameat2, syncfs
 from kvtier.tiers.disk.usage import SharedCount
 
@@ -316,12 +316,11 @@ class FilesTier(DiskTier):
                 # the block stays on disk (and counted); nothing is served wrong
                 logger.warning("kvtier tier %s: could not evict %s: %s", self.name, key.hex(), exc)
         self._append_recency(touched, time.time_ns())
-        todo = []
-        for i, key in enumerate(job.keys):
-            if self._exists(self._path_of(key)):  # published by another process since we looked
-                job.skip[i] = True
-            else:
-                todo.append(i)
+        # Room for every key: one another process published since this one looked is found
+        # at publishing (the rename refuses to replace it) and its room goes back. A stat of
+        # each block first would cost a system call a block (each hands the GIL round the
+        # writer threads); only keys refused room are looked for, since those need none.
+        todo = list(range(len(job.keys)))
         try:
             granted, count = self._count.reserve(len(todo), self.capacity_blocks)
         except OSError as exc:  # the usage file cannot be written (EROFS, EIO): no room taken
@@ -329,7 +328,10 @@ class FilesTier(DiskTier):
                 job.reasons[i] = Failure.from_exception(exc)
             return
         for i in todo[granted:]:
-            job.reasons[i] = Failure.FULL
+            if self._exists(self._path_of(job.keys[i])):  # published by another process
+                job.skip[i] = True
+            else:
+                job.reasons[i] = Failure.FULL
         job.state = _FilesStoreState(reserved=todo[:granted])
         job.shared_blocks = count
         job.refused = len(todo) - granted
@@ -349,9 +351,7 @@ class FilesTier(DiskTier):
 
     def _write_file(self, temp: str, key: OffloadKey, row: int, direct: bool) -> None:
         """Write the block into a new temp file; on any failure the temp file is gone."""
-        fd = open_private(
-            temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0), dir_fd=self._bfd
-        )
+        fd = create_private(temp, os.O_WRONLY | (O_DIRECT if direct else 0), dir_fd=self._bfd)
         try:
             try:
                 self._io.write(fd, 0, key, row, direct)
