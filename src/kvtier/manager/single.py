@@ -408,9 +408,10 @@ class SingleTierManager(OffloadingManager):
         victims = self._policy.evict_unheld(count, set(protected) if protected else ())
         if victims is None:
             return None
-        evicted_keys = [key for key, _ in victims]
+        keys, block_ids = zip(*victims) if victims else ((), ())
+        evicted_keys = list(keys)
         backend = self._backend
-        backend.free_block_ids([block_id for _, block_id in victims])
+        backend.free_block_ids(list(block_ids))
         self.evictions += len(evicted_keys)
         if self._causes is not None:
             self._causes.remember(evicted_keys, EVICTED, 0)
