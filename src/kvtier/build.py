@@ -61,11 +61,9 @@ def build_manager(
             )
         keys = config.miss_causes.keys
         if keys is None:
-            # a server-bounded tier (a shared store) has no capacity of its own: the most
-            below = sum(
-                MAX_STACK_KEYS if tier.bounded_by_server else tier.capacity_bytes // block_bytes
-                for tier in config.tiers[1:]
-            )
+            held = [tier.blocks_held(block_bytes) for tier in config.tiers[1:]]
+            # a tier a server bounds (a shared store) has no capacity of its own: the most
+            below = sum(MAX_STACK_KEYS if blocks is None else blocks for blocks in held)
             keys = stack_keys(backend.get_num_free_blocks(), below)
         causes = MissCauses(keys, [tier.name for tier in config.tiers])
     if len(config.tiers) == 1:

@@ -231,7 +231,9 @@ def run(
                 for subject in subjects:
                     for owned in (False, True):
                         figure = "metadata_bytes_per_block" + ("_incl_keys" if owned else "")
-                        measured[subject.name][figure] = metadata_bytes(subject, policy, capacity, keys, owned)
+                        measured[subject.name][figure] = metadata_bytes(
+                            subject, policy, capacity, keys, owned
+                        )
                 row: dict[str, Any] = {"policy": policy, "keys_per_call": keys_per_call, **measured["kvtier"]}
                 base = measured.get("vllm") or VLLM_REFERENCE.get((policy, keys_per_call), {})
                 for fig in FIGURES:
@@ -241,7 +243,8 @@ def run(
                     if "vllm" in samples and fig != "metadata_bytes_per_block":
                         # each round's own ratio: the machine's speed drifts between rounds
                         ratios = [
-                            theirs[fig] / mine[fig] for mine, theirs in zip(samples["kvtier"], samples["vllm"])
+                            theirs[fig] / mine[fig]
+                            for mine, theirs in zip(samples["kvtier"], samples["vllm"])
                         ]
                         row[f"speedup_{fig}"] = median(ratios)
                         row[f"speedup_{fig}_range"] = _spread(ratios)

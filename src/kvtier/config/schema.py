@@ -107,6 +107,12 @@ class TierConfig:
         no budget; a kind that takes ``admit: budget`` (the disk kinds) builds its own."""
         return None
 
+    def blocks_held(self, block_bytes: int) -> int | None:
+        """About how many blocks of ``block_bytes`` payload the tier holds at its capacity
+        (what a stack sizes its miss-cause sketch from); None where a server bounds it. The
+        default counts payload only; a kind that adds per-block bytes says so."""
+        return None if self.bounded_by_server else self.capacity_bytes // block_bytes
+
     def host_problems(self, field: str) -> list[ConfigError]:
         """What this machine lacks for the tier as configured (``field`` names it:
         ``tiers[1]``), each an error naming the key and the fix: what ``kvtier config check``

@@ -34,7 +34,15 @@ import numpy as np
 from kvtier.base import OffloadKey
 from kvtier.tiers.jobs import Failure, FailureKind
 
-__all__ = ["CAUSES", "FLUSH_KEYS", "FOREIGN_PARTS", "CauseSketch", "MissCauses", "failure_cause", "stack_keys"]
+__all__ = [
+    "CAUSES",
+    "FLUSH_KEYS",
+    "FOREIGN_PARTS",
+    "CauseSketch",
+    "MissCauses",
+    "failure_cause",
+    "stack_keys",
+]
 
 #: every cause a miss is counted under (stats ``miss_<cause>``); ``behind``: a block after the
 #: request's first miss that a tier held (only an engine that reports them counts it: a replay)
@@ -127,7 +135,6 @@ _OUT_OF_REACH = frozenset((FailureKind.UNAVAILABLE, FailureKind.AUTH, FailureKin
 def _store_record(reason: Failure) -> int:
     """The sketch's record of a key a tier's store job failed with ``reason``."""
     return UNAVAILABLE if reason.kind in _OUT_OF_REACH else FAILED
-
 
 
 def _merged(old: np.ndarray, new: np.ndarray) -> np.ndarray:
@@ -269,9 +276,7 @@ class CauseSketch:
             in_one, in_two = _lanes((one >> 8) == tag[:, None]), _lanes((two >> 8) == tag[:, None])
             hit_one = in_one != 0
             found = hit_one | (in_two != 0)
-            slot = np.where(
-                hit_one, one_at * _WAYS + _LOWEST[in_one], two_at * _WAYS + _LOWEST[in_two]
-            )
+            slot = np.where(hit_one, one_at * _WAYS + _LOWEST[in_one], two_at * _WAYS + _LOWEST[in_two])
             # a new key: the emptier bucket (the first on a tie); both full: the first's cursor slot
             free_one, free_two = _lanes(one == 0), _lanes(two == 0)
             use_one = _COUNT[free_one] >= _COUNT[free_two]
@@ -488,7 +493,9 @@ class MissCauses:
                     self._new.extend(keys[i] for i in np.flatnonzero(records == 0).tolist())
             elif event == FOREIGN:
                 index = record & 31
-                self._count("foreign", None, FOREIGN_PARTS[index] if index < len(FOREIGN_PARTS) else "layout", n)
+                self._count(
+                    "foreign", None, FOREIGN_PARTS[index] if index < len(FOREIGN_PARTS) else "layout", n
+                )
             else:
                 self._count(_CAUSE_OF[event], record & 31, None, n)
 

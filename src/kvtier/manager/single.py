@@ -180,8 +180,8 @@ class SingleTierManager(OffloadingManager):
     def _bound_lookup(self) -> Callable[[OffloadKey, ReqContext], bool]:
         """:meth:`lookup` over this manager's containers, as a closure: it reads them as cell
         variables, with no attribute lookups, and tests the policy's index with ``in`` where
-        ``contains`` is that dict's own method; half the cost of the method
-        (docs/design/miss-causes.md#cost). Every container it names only changes in place."""
+        ``contains`` is that dict's own method: less than half the method's cost (a hit 60 ns
+        against vLLM's 209, docs/bench.md). Every container it names only changes in place."""
         contains, pending = self._contains, self._pending
         index = getattr(contains, "__self__", None)
         if type(index) is not dict or contains != index.__contains__:
@@ -213,15 +213,15 @@ class SingleTierManager(OffloadingManager):
         causes = self._causes
         if causes is None:
             return
-        contains, pending = self._contains, self._pending
-        held = [key for key in keys if contains(key) or key in pending]
+        contains, pending, note = self._contains, self._pending, causes.note_miss
+        held = 0
+        for key in keys:
+            if contains(key) or key in pending:
+                held += 1
+            else:
+                note(key)
         if held:
-            causes.count("behind", 0, n=len(held))
-        if len(held) != len(keys):
-            note = causes.note_miss
-            for key in keys:
-                if not (contains(key) or key in pending):
-                    note(key)
+            causes.count("behind", 0, n=held)
 
     @property
     def miss_causes(self) -> MissCauses | None:

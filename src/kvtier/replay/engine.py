@@ -301,10 +301,11 @@ class ReplayEngine:
 
     def _lookup_prefix(
         self, keys: list[OffloadKey], ctx: ReqContext
-    ) -> tuple[int, set[OffloadKey], int | None]:
+    ) -> tuple[int, set[OffloadKey], set[int]]:
         """How many of ``keys`` (in order) the offloading tiers can load now, which keys were
-        pending (being promoted from a lower tier) at some point, and the index of the key
-        the prefix broke at with a miss (``False``), if one did.
+        pending (being promoted from a lower tier) at some point, and the indexes of the keys
+        the manager counted as misses when it answered ``False`` (not a key another request
+        was still writing, which is no miss).
 
         Like vLLM's connector, an answer holds only for the step it was given in: while any
         key is pending (``None``), the engine runs a step and asks about the prefix again, up
@@ -317,7 +318,9 @@ class ReplayEngine:
         promoted: set[OffloadKey] = set()
         before: tuple | None = None
         is_promoting = getattr(manager, "is_promoting", lambda key: False)
+        is_storing = getattr(manager, "is_storing", lambda key: False)
         missed: int | None = None
+        counted: set[int] = set()
         while True:
             found = 0
             waiting = []
@@ -325,6 +328,8 @@ class ReplayEngine:
                 answer = manager.lookup(key, ctx)
                 if answer is False:
                     missed = index
+                    if not is_storing(key):
+                        counted.add(index)
                     break
                 if answer is None:
                     waiting.append(key)
@@ -332,7 +337,7 @@ class ReplayEngine:
                 elif not waiting:
                     found += 1
             if not waiting or time.monotonic() >= deadline:
-                return found, promoted, missed
+                return found, promoted, counted
             if found:
                 manager.touch(keys[:found], ctx)
             self.step()  # submits the reads
@@ -394,7 +399,7 @@ class ReplayEngine:
         # are computed or loaded again (the prefix broke before them), into new blocks.
         keep = set(keys[:gpu_hits])
 
-        loaded, promoted, missed = self._lookup_prefix(keys[gpu_hits:], ctx)
+        loaded, promoted, counted = self._lookup_prefix(keys[gpu_hits:], ctx)
         hits = keys[gpu_hits : gpu_hits + loaded]
         served = {"gpu": gpu_hits} if gpu_hits else {}
         if hits:
@@ -409,10 +414,9 @@ class ReplayEngine:
 
         computed = keys[gpu_hits + loaded :]
         if computed:
-            # every block computed but the one whose lookup missed (counted there): the ones
-            # after it were never looked up, and a failed load's were hits until then
-            skip = None if missed is None else missed - loaded
-            behind = computed if skip is None else computed[:skip] + computed[skip + 1 :]
+            # every block computed but those the manager counted when it said False: the ones
+            # after the miss were never looked up, a failed load's were hits until then
+            behind = [key for index, key in enumerate(computed, loaded) if index not in counted]
             if behind and hasattr(manager, "missed_behind"):
                 manager.missed_behind(behind, ctx)
             blocks = self._allocate_gpu(len(computed), keep)

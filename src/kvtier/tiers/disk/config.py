@@ -197,6 +197,11 @@ class DiskTierConfig(TierConfig):
     def location(self) -> str | None:
         return self.path
 
+    def blocks_held(self, block_bytes: int) -> int | None:
+        from kvtier.tiers.disk.format import on_disk_block_bytes  # a block's header and padding
+
+        return self.capacity_bytes // on_disk_block_bytes(block_bytes)
+
     def host_problems(self, field: str) -> list[ConfigError]:
         """The capacity against the room on the disk: what the store holds there already
         plus the free space (payload bytes; each block also takes a 4 KiB header page)."""
