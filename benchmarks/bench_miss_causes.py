@@ -8,10 +8,11 @@ eviction is recorded), driven by the same calls, alternating run by run so both 
 machine. Per operation (microseconds, the median of ``--rounds``):
 
 * ``hit``: ``lookup`` of a key the CPU tier holds (causes add nothing here by design);
-* ``miss``: ``lookup`` of a key no tier holds (the cause is looked up in the sketch);
+* ``miss``: ``lookup`` of a key no tier holds (the key is logged; its cause is decided with
+  the others', in a batch, which the timed phase ends by doing);
 * ``store``: ``prepare_store`` + ``complete_store`` of a new block into a full CPU tier, one
-  eviction each, plus the step that saves it below (the sketch records the eviction and the
-  save).
+  eviction each, plus the step that saves it below (the eviction and the save are logged and
+  put through the sketch in batches, the last one inside the timed phase).
 
 Times are CPU seconds of this process (``time.process_time``: the lower tier's jobs run in
 the polling thread), so other load on a shared machine does not skew them. Prints a table,
@@ -65,26 +66,36 @@ def store(manager: TierStackManager, keys: list[bytes], ctx: ReqContext) -> None
         manager.flush()
 
 
+def settle(manager: TierStackManager) -> None:
+    """Finish what the manager deferred: its miss-cause log."""
+    if manager.miss_causes is not None:
+        manager.miss_causes.flush()
+
+
 def run(blocks: int, causes: bool, offset: int) -> dict[str, float]:
     """One round: fill, then time hits, misses and stores that evict (us per op)."""
     manager = build(blocks, causes)
     ctx = ReqContext("bench")
     try:
         store(manager, [key(offset + i) for i in range(blocks)], ctx)  # full
+        settle(manager)
         present = [key(offset + i) for i in range(blocks)]
         absent = [key(offset + 10 * blocks + i) for i in range(blocks)]
         lookup = manager.lookup
         start = time.process_time()
         for k in present:
             lookup(k, ctx)
+        settle(manager)
         hit = time.process_time() - start
         start = time.process_time()
         for k in absent:
             lookup(k, ctx)
+        settle(manager)
         miss = time.process_time() - start
         fresh = [key(offset + 20 * blocks + i) for i in range(blocks)]
         start = time.process_time()
         store(manager, fresh, ctx)  # each block evicts one
+        settle(manager)
         stored = time.process_time() - start
         return {"hit": hit / blocks * 1e6, "miss": miss / blocks * 1e6, "store": stored / blocks * 1e6}
     finally:

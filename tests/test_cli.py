@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,10 +27,27 @@ def test_installed_entry_point_runs():
     assert result.returncode == 0 and "usage: kvtier" in result.stdout
 
 
-def test_config_check_prints_the_stack(capsys):
-    assert main(["config", "check", str(EXAMPLES / "cpu-lmdb.yaml")]) == 0
+def test_config_check_prints_the_stack(tmp_path, capsys):
+    example = (EXAMPLES / "cpu-lmdb.yaml").read_text()
+    local = example.replace("~/.cache/kvtier/lmdb", str(tmp_path / "lmdb")).replace("100GiB", "1GiB")
+    (tmp_path / "stack.yaml").write_text(local)
+    assert main(["config", "check", str(tmp_path / "stack.yaml")]) == 0
     out = capsys.readouterr().out
-    assert "valid" in out and "lmdb" in out and "100 GiB" in out
+    assert "valid" in out and "lmdb" in out and "1 GiB" in out
+
+
+def test_config_check_refuses_a_disk_tier_larger_than_its_disk(tmp_path, capsys):
+    """The strict check an engine's open is not: a capacity beyond what the store holds plus
+    the free space is an error naming the field, the room and the fix."""
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    path = tmp_path / "big.yaml"
+    path.write_text(
+        f"tiers:\n  - {{name: cpu, kind: cpu, capacity: 1MiB}}\n"
+        f"  - {{name: disk, kind: files, path: {tmp_path / 'store'}, capacity: {2 * free}}}\n"
+    )
+    assert main(["config", "check", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "tiers[1].capacity" in err and "free there" in err and "lower the capacity" in err
 
 
 def test_config_check_names_the_bad_field(tmp_path, capsys):

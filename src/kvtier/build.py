@@ -50,7 +50,7 @@ def build_manager(
     policy = policy_cls(backend.get_num_free_blocks())
     causes = None
     if config.miss_causes.enabled:
-        from kvtier.manager.causes import MAX_TIERS, MissCauses
+        from kvtier.manager.causes import MAX_STACK_KEYS, MAX_TIERS, MissCauses, stack_keys
 
         if len(config.tiers) > MAX_TIERS:
             raise ConfigError(
@@ -59,7 +59,13 @@ def build_manager(
                 f"a stack of at most {MAX_TIERS} tiers (it has {len(config.tiers)})",
                 "set miss_causes: off",
             )
-        causes = MissCauses(config.miss_causes.keys, [tier.name for tier in config.tiers])
+        keys = config.miss_causes.keys
+        if keys is None:
+            held = [tier.blocks_held(block_bytes) for tier in config.tiers[1:]]
+            # a tier a server bounds (a shared store) has no capacity of its own: the most
+            below = sum(MAX_STACK_KEYS if blocks is None else blocks for blocks in held)
+            keys = stack_keys(backend.get_num_free_blocks(), below)
+        causes = MissCauses(keys, [tier.name for tier in config.tiers])
     if len(config.tiers) == 1:
         from kvtier.manager.single import SingleTierManager
 

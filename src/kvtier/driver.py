@@ -191,26 +191,37 @@ class StackDriver:
             counts[tier] = counts.get(tier, 0) + 1
         return counts
 
-    def lookup_prefix(self, keys: list[OffloadKey], ctx: ReqContext) -> tuple[int, set[OffloadKey]]:
-        """How many of ``keys`` (in order) the offloading tiers can load now, and which keys
-        were pending (being promoted from a lower tier) at some point.
+    def lookup_prefix(
+        self, keys: list[OffloadKey], ctx: ReqContext
+    ) -> tuple[int, set[OffloadKey], set[int]]:
+        """How many of ``keys`` (in order) the offloading tiers can load now, which keys were
+        pending (being promoted from a lower tier) at some point, and the indexes of the keys
+        the manager counted as misses when it answered ``False`` (not a key another request
+        was still writing, which is no miss).
 
         Like vLLM's connector, an answer holds only for the step it was given in: while any
-        key is pending (``None``), the driver runs a step and asks about the whole prefix
-        again. Keys already found are touched first, so the step's promotions make room by
-        evicting other blocks rather than them.
+        key is pending (``None``), the driver runs a step and asks about the prefix again, up
+        to the key that missed (asked once: each block of the request counts once, as a hit
+        or a miss). Keys already found are touched first, so the step's promotions make room
+        by evicting other blocks rather than them.
         """
         manager = self.manager
         deadline = time.monotonic() + MAX_WAIT_S
         promoted: set[OffloadKey] = set()
         before: tuple | None = None
         is_promoting = getattr(manager, "is_promoting", lambda key: False)
+        is_storing = getattr(manager, "is_storing", lambda key: False)
+        missed: int | None = None
+        counted: set[int] = set()
         while True:
             found = 0
             waiting = []
-            for key in keys:
+            for index, key in enumerate(keys[:missed]):
                 answer = manager.lookup(key, ctx)
                 if answer is False:
+                    missed = index
+                    if not is_storing(key):
+                        counted.add(index)
                     break
                 if answer is None:
                     waiting.append(key)
@@ -218,7 +229,7 @@ class StackDriver:
                 elif not waiting:
                     found += 1
             if not waiting or time.monotonic() >= deadline:
-                return found, promoted
+                return found, promoted, counted
             if found:
                 manager.touch(keys[:found], ctx)
             self.step()  # submits the reads

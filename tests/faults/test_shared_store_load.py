@@ -187,6 +187,10 @@ def test_a_store_filled_by_another_process_takes_new_blocks_again(kind, tmp_path
             committed.extend(bytes.fromhex(h) for h in writer.stdout.readline().split())
         writer.kill()
         writer.wait()
+        # The writer runs ahead of this reader (its lines wait in the pipe), so the store
+        # holds its latest blocks, which may all be past the lines read so far: read the rest.
+        # Each line is one write(2) under PIPE_BUF, so a kill never leaves half a line.
+        committed.extend(bytes.fromhex(h) for h in writer.stdout.read().split())
 
         outcomes = []
         for attempt in range(4):

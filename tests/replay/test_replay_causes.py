@@ -29,8 +29,9 @@ def write_trace(path, chains) -> str:
 
 def test_a_request_coming_back_after_its_blocks_left_misses_as_evicted(tmp_path, capsys):
     """Four requests of 4 new blocks each, then the first again: a 4-block GPU cache and an
-    8-block CPU tier have let its blocks go. Lookups stop at a request's first miss, so the
-    misses are one per request: four new, then one evicted by the CPU tier."""
+    8-block CPU tier have let its blocks go. Every block is a miss with its cause, those behind
+    a request's first miss (never looked up) too: sixteen new, then four evicted by the CPU
+    tier."""
     chains = [tuple(range(10 * i, 10 * i + 4)) for i in range(4)]
     trace = write_trace(tmp_path / "trace.jsonl", [*chains, chains[0]])
     config = {
@@ -41,16 +42,50 @@ def test_a_request_coming_back_after_its_blocks_left_misses_as_evicted(tmp_path,
         trace, json.dumps(config), gpu_blocks=4, block_bytes=BLOCK, progress=False, json_line=True
     )
     causes = record["miss_causes"]
-    assert causes["misses"] == 5
-    assert causes["causes"] == {**dict.fromkeys(CAUSES, 0), "new": 4, "evicted": 1}
-    assert causes["by_tier"] == {"cpu": {"evicted": 1}}
+    assert causes["misses"] == 20 == record["block_refs"] - sum(record["hits"].values())
+    assert causes["causes"] == {**dict.fromkeys(CAUSES, 0), "new": 16, "evicted": 4}
+    assert causes["by_tier"] == {"cpu": {"evicted": 4}}
     assert causes["sketch"]["bytes"] <= 16 * causes["sketch"]["keys"]
     out = capsys.readouterr().out
     assert "misses by cause" in out
     table = out[out.index("misses by cause") :].splitlines()
     assert table[1].split() == ["cause", "misses", "share", "where"]
-    assert any(line.split()[:2] == ["evicted", "1"] and "cpu 1" in line for line in table)
+    assert any(line.split()[:2] == ["evicted", "4"] and "cpu 4" in line for line in table)
     assert json.loads(out.strip().splitlines()[-1])["miss_causes"] == causes
+
+
+def test_blocks_behind_a_miss_count_as_behind_where_a_tier_held_them(tmp_path):
+    """A request of 3 new blocks, then one that starts with a new block and goes on with the
+    first's last two: its lookups stop at the new block, and the two behind it, which the CPU
+    tier holds, are misses ``behind`` (every block the replay computed has a cause)."""
+    trace = write_trace(tmp_path / "trace.jsonl", [(1, 2, 3), (9, 2, 3)])
+    config = {
+        "block_size_tokens": 512,
+        "tiers": [{"kind": "cpu", "capacity": 8 * BLOCK, "pin_memory": "off"}],
+    }
+    record = replay(trace, json.dumps(config), gpu_blocks=8, block_bytes=BLOCK, progress=False)
+    causes = record["miss_causes"]
+    assert causes["causes"] == {**dict.fromkeys(CAUSES, 0), "new": 4, "behind": 2}
+    assert causes["by_tier"] == {"cpu": {"behind": 2}}
+    assert causes["misses"] == 6 == record["block_refs"] - sum(record["hits"].values())
+
+
+@pytest.mark.slow
+def test_on_the_bundled_trace_the_causes_add_up_to_every_missed_block(tmp_path):
+    """The default stack, with a CPU tier small enough to let blocks go, over the bundled
+    trace: the causes sum to the blocks no tier served, not to one miss a request."""
+    config = default_config(str(tmp_path), BLOCK, "lmdb")
+    config["tiers"][0]["capacity"] = 300 * (BLOCK + 4096)
+    config["tiers"][1]["capacity"] = 2000 * (BLOCK + 4096)
+    path = tmp_path / "stack.yaml"
+    path.write_text(yaml.safe_dump(config))
+    record = replay(
+        config=str(path), limit=1500, gpu_blocks=200, block_bytes=BLOCK, baseline=False, progress=False
+    )
+    causes = record["miss_causes"]
+    missed = record["block_refs"] - sum(record["hits"].values())
+    assert sum(causes["causes"].values()) == causes["misses"] == missed
+    assert causes["causes"]["evicted"] > 0
 
 
 def test_a_stack_with_admission_shows_refused_misses(tmp_path):

@@ -2,7 +2,9 @@
 
 Beyond parsing, it checks the files the configuration names as the engine would at start
 (each tier's ``secret_file``, the metrics section's stats file and Unix socket), reading
-them only: what would fail the start fails the check.
+them only: what would fail the start fails the check. It also checks a disk tier's capacity
+against the room on its disk, strictly: an engine opens such a tier all the same, warns, and
+counts what it cannot store.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ def add_parser(sub: Any) -> None:
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     check = config_commands.add_parser(
         "check",
-        help="parse FILE and check the files it names (secrets, stats file, metrics socket); "
-        "print the tier stack, or the error",
+        help="parse FILE and check it as the engine would at start (the secrets, stats file and "
+        "metrics socket it names; a disk tier's capacity beyond the room on its disk); print the "
+        "tier stack, or the error",
     )
     check.add_argument("file", metavar="FILE", help="a kvtier YAML configuration")
     check.set_defaults(func=run)
@@ -48,6 +51,15 @@ def run(args: argparse.Namespace) -> int:
         _check_named_files(config)
     except KvtierError as exc:
         print(f"{args.file}: invalid: {exc}", file=sys.stderr)
+        return 1
+    problems = [
+        problem
+        for index, tier in enumerate(config.tiers)
+        for problem in tier.host_problems(f"tiers[{index}]")
+    ]
+    for problem in problems:
+        print(f"{args.file}: does not fit this machine: {problem}", file=sys.stderr)
+    if problems:
         return 1
     print(f"{args.file}: valid")
     print(describe(config))

@@ -46,7 +46,10 @@ def describe(config: KvtierConfig) -> str:
         f"max_promote_bytes_per_step={describe_size(cascade.max_promote_bytes_per_step)}"
     )
     keys = config.miss_causes.keys
-    lines.append(f"miss_causes: {keys} keys remembered" if keys else "miss_causes: off")
+    if keys is None:
+        lines.append("miss_causes: on, keys remembered sized from the stack's capacity")
+    else:
+        lines.append(f"miss_causes: {keys} keys remembered" if keys else "miss_causes: off")
     metrics = config.metrics
     reported = []
     if metrics.port is not None:

@@ -311,7 +311,7 @@ def _parse_miss_causes(value: object) -> MissCausesConfig:
         value,
         "miss_causes",
         "off, or a mapping of keys",
-        "write miss_causes: {keys: 1000000}, or miss_causes: off",
+        "write miss_causes: {keys: 1000000}, or miss_causes: off (leave it out: sized from the stack)",
     )
     check_keys(section, ("keys",), "miss_causes", "miss_causes")
     if "keys" not in section:
@@ -322,7 +322,7 @@ def _parse_miss_causes(value: object) -> MissCausesConfig:
             "miss_causes.keys",
             keys,
             f"at least {MIN_SKETCH_KEYS} keys",
-            "remember more keys (about 5 bytes each), or write miss_causes: off",
+            "remember more keys (about 5.3 bytes each), or write miss_causes: off",
         )
     return MissCausesConfig(keys=keys)
 

@@ -107,6 +107,20 @@ class TierConfig:
         no budget; a kind that takes ``admit: budget`` (the disk kinds) builds its own."""
         return None
 
+    def blocks_held(self, block_bytes: int) -> int | None:
+        """About how many blocks of ``block_bytes`` payload the tier holds at its capacity
+        (what a stack sizes its miss-cause sketch from); None where a server bounds it. The
+        default counts payload only; a kind that adds per-block bytes says so."""
+        return None if self.bounded_by_server else self.capacity_bytes // block_bytes
+
+    def host_problems(self, field: str) -> list[ConfigError]:
+        """What this machine lacks for the tier as configured (``field`` names it:
+        ``tiers[1]``), each an error naming the key and the fix: what ``kvtier config check``
+        reports. Opening the tier is more lenient where it can serve anyway (a disk tier whose
+        capacity exceeds the free space opens, and counts the stores that find the disk full).
+        Default: nothing to check."""
+        return []
+
     def open_first(self, block_bytes: int, *, field: str) -> Any:
         """Build the first tier (a :class:`~kvtier.base.Backend` with ``rows``, the CPU rows
         every lower tier copies from and into) holding blocks of ``block_bytes``; for kinds
@@ -174,13 +188,15 @@ class MissCausesConfig:
     """Counting each miss under its cause (new, evicted, refused, ...): how many keys the
     stack remembers to tell them apart (``miss_causes: off`` turns it off)."""
 
-    # keys remembered (about 6.6 bytes each; beyond it the oldest are forgotten and their
-    # misses read as new); 0: off, no sketch and no miss_<cause> counters
-    keys: int = 1_000_000
+    # keys remembered (about 5.3 bytes each; beyond it the oldest are forgotten and their
+    # misses read as new); none: sized from the stack, the CPU tier's blocks plus twice the
+    # lower tiers' (4,096 to 4,194,304; the most with a tier a server bounds); 0: off, no
+    # sketch and no miss_<cause> counters
+    keys: int | None = None
 
     @property
     def enabled(self) -> bool:
-        return self.keys > 0
+        return self.keys != 0
 
 
 @dataclass(frozen=True)

@@ -2,40 +2,67 @@
 
 :class:`CauseSketch` remembers, for up to ``keys`` offload keys, the last thing that happened
 to each (stored below, evicted by a tier, refused by a tier's admission, a store that failed,
-a read that failed verification, a tier that could not be reached), in about 6.6 bytes a
+a read that failed verification, a tier that could not be reached), in about 5.3 bytes a
 key: a table of 4-way buckets (a quarter more slots than ``keys``), each key in the emptier
-of two, each slot a 32-bit tag of the key and one byte of event and tier, plus a one-byte
-replacement cursor per bucket. A key it never saw matches a remembered tag with probability
-at most ``1 - (1 - 2**-32)**8`` (1.9e-9, :attr:`CauseSketch.error_rate`); a key that finds
-both its buckets full replaces an entry of the first in turn (round robin: roughly the oldest;
-``forgotten``: about 1.4% of the keys by the time ``keys`` are held), which then reads as
-never seen. Why this table and not a
-Bloom or cuckoo filter: docs/design/miss-causes.md.
+of two, each slot 32 bits (a 24-bit tag of the key and one byte of event and tier), plus a
+one-byte replacement cursor per bucket. A key it never saw matches a remembered tag with
+probability at most ``1 - (1 - 2**-24)**8`` (4.8e-7, :attr:`CauseSketch.error_rate`); a key that
+finds both its buckets full replaces an entry of the first in turn (round robin: roughly the
+oldest; ``forgotten``), which then reads as never seen. It reads and writes whole batches of
+keys with numpy. Why this table and not a Bloom or cuckoo filter: docs/design/miss-causes.md.
 
-:class:`MissCauses` is what a manager holds: the sketch and the counters ``stats()`` shows
-(``miss_<cause>``, ``<tier>.miss_<cause>``, ``foreign_<part>``). Every lookup answered
-``False`` for want of the block, and every read from below that failed, is counted under
-exactly one of :data:`CAUSES`.
+:class:`MissCauses` is what a manager holds: the sketch, the counters ``stats()`` shows
+(``miss_<cause>``, ``<tier>.miss_<cause>``, ``foreign_<part>``), and a log between them. A
+lookup that misses appends its key to the log (:attr:`MissCauses.note_miss`, one C call) and
+a tier's news appends its keys (:meth:`MissCauses.remember`); the log goes through the sketch
+in order, a batch at a time, once :data:`FLUSH_KEYS` keys wait at a step's end, and whenever
+the counters are read. Every lookup answered ``False`` for want of the block, and every read
+from below that failed, is counted under exactly one of :data:`CAUSES`.
 
-Threading: the engine's scheduler thread only, like the managers that hold it.
+Threading: the engine's scheduler thread, like the managers that hold it; the counters may
+also be read from another thread (a metrics scrape): the log is applied under a lock, which
+the appends of the scheduler's hot path never take.
 """
 
 from __future__ import annotations
 
-from array import array
+import threading
 from collections.abc import Iterable, Sequence
 
-import xxhash
+import numpy as np
 
 from kvtier.base import OffloadKey
 from kvtier.tiers.jobs import Failure, FailureKind
 
-__all__ = ["CAUSES", "FOREIGN_PARTS", "CauseSketch", "MissCauses", "failure_cause"]
+__all__ = [
+    "CAUSES",
+    "FLUSH_KEYS",
+    "FOREIGN_PARTS",
+    "CauseSketch",
+    "MissCauses",
+    "failure_cause",
+    "stack_keys",
+]
 
-#: every cause a miss is counted under (stats ``miss_<cause>``)
-CAUSES = ("new", "evicted", "refused", "store_failed", "corrupt", "unavailable", "filtered", "foreign")
+#: every cause a miss is counted under (stats ``miss_<cause>``); ``behind``: a block after the
+#: request's first miss that a tier held (only an engine that reports them counts it: a replay)
+CAUSES = (
+    "new",
+    "evicted",
+    "refused",
+    "store_failed",
+    "corrupt",
+    "unavailable",
+    "filtered",
+    "foreign",
+    "behind",
+)
 #: the parts of a block's identity a ``foreign`` miss can name (stats ``foreign_<part>``)
 FOREIGN_PARTS = ("layout", "tp", "namespace", "secret", "codec")
+#: keys waiting in the log that make the step's end apply it (bounds the log's memory)
+FLUSH_KEYS = 4096
+#: the bounds of a sketch sized from the stack (:func:`stack_keys`): 21 KB to 22 MB
+MIN_STACK_KEYS, MAX_STACK_KEYS = 1 << 12, 1 << 22
 
 # What the sketch remembers of a key (the high 3 bits of its byte; the low 5 bits hold the
 # tier's index in the stack, 0 the first tier, or for FOREIGN the part's index).
@@ -46,7 +73,7 @@ FAILED = 4  # a tier could not take it (full, ENOSPC, EIO ...)
 CORRUPT = 5  # found, but failed verification when read
 UNAVAILABLE = 6  # the tier could not be reached when it was stored or read
 FOREIGN = 7  # found under another layout or secret (the part in the low bits)
-_WHY_NOT_BELOW = (REFUSED, FAILED, CORRUPT, UNAVAILABLE, FOREIGN)
+# REFUSED and every event after it say why the block is not below
 _CAUSE_OF = {
     STORED: "evicted",  # held below once and gone now: the tier let it go unseen (a server's own eviction)
     EVICTED: "evicted",
@@ -60,8 +87,21 @@ _READ_RECORD = {"evicted": EVICTED, "corrupt": CORRUPT, "unavailable": UNAVAILAB
 MAX_TIERS = 31  # the low 5 bits of a record
 
 _WAYS = 4
-_TAG_BITS = 32
-_SEED = 0x6B76746965720001  # fixed: the same keys land in the same slots run after run
+_TAG_BITS = 24  # a slot is one 32-bit word: the tag above the record byte
+_GOLDEN = np.uint32(0x9E3779B1)  # spreads a tag over the offset of the second bucket
+
+
+def stack_keys(cpu_blocks: int, lower_blocks: int) -> int:
+    """How many keys a stack's sketch remembers unless configured: what its CPU tier holds,
+    plus twice what its lower tiers hold, within :data:`MIN_STACK_KEYS` and
+    :data:`MAX_STACK_KEYS`.
+
+    A block in the CPU tier needs no record while it is there, so a CPU tier alone remembers
+    as many blocks gone as it holds (ARC's ghost lists hold as many). A lower tier's block
+    has one the whole time it is held (``stored``), and as much room again keeps the blocks
+    it let go.
+    """
+    return max(MIN_STACK_KEYS, min(MAX_STACK_KEYS, cpu_blocks + 2 * lower_blocks))
 
 
 def failure_cause(reason: Failure) -> tuple[str, str | None]:
@@ -99,28 +139,49 @@ def _store_record(reason: Failure) -> int:
     return UNAVAILABLE if reason.kind in _OUT_OF_REACH else FAILED
 
 
+def _merged(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """The records after the events ``new`` happened to keys whose records are ``old`` (one
+    pair per key; record bytes).
+
+    * a tier's eviction keeps a record that says why the block is not below (refused, failed,
+      corrupt, unreachable, foreign: taking it would have kept it), and a record that another
+      tier holds it; else the evicting tier is the last holder;
+    * a refusal or failure keeps a record that another tier holds it;
+    * a store, a corrupt read, an unreachable tier: always the newest news.
+    """
+    old_event, event = old >> 5, new >> 5
+    elsewhere = (old_event == STORED) & ((old & 31) != (new & 31))
+    keep = ((event == EVICTED) & ((old_event >= REFUSED) | elsewhere)) | (
+        ((event == REFUSED) | (event == FAILED)) & elsewhere
+    )
+    return np.where(keep, old, new)
+
+
 class CauseSketch:
     """A fixed table remembering one record byte for each of up to ``keys`` keys.
 
-    ``tag_bits`` (at most 32) trades memory-free accuracy for testing: with fewer bits the
+    Keys are placed by Python's own hash of the key (a keyed SipHash the bytes object caches,
+    so a key the engine already looked up costs no hashing again): the top ``tag_bits`` bits of
+    one half are the tag, the other half picks the first bucket, and the tag the offset of the
+    second.
+
+    ``tag_bits`` (at most 24) trades memory-free accuracy for testing: with fewer bits the
     false-match rate is large enough to measure (tests/manager/test_causes.py).
     """
 
-    def __init__(self, keys: int, *, tag_bits: int = _TAG_BITS, seed: int = _SEED):
+    def __init__(self, keys: int, *, tag_bits: int = _TAG_BITS):
         if keys < _WAYS:
             raise ValueError(f"a cause sketch remembers at least {_WAYS} keys, got {keys}")
-        if not 1 <= tag_bits <= 32:
-            raise ValueError(f"tag_bits must be 1 to 32, got {tag_bits}")
+        if not 1 <= tag_bits <= _TAG_BITS:
+            raise ValueError(f"tag_bits must be 1 to {_TAG_BITS}, got {tag_bits}")
         self._keys = keys
         # a quarter more slots than keys: two-choice buckets of 4 then forget ~1.4% of the
         # keys at `keys` held (at 100% load they would forget 8%)
         self._buckets = -(-(keys * 5 // 4) // _WAYS)
-        slots = self._buckets * _WAYS
-        self._tags = array("I", bytes(4 * slots))
-        self._records = array("B", bytes(slots))
-        self._cursor = array("B", bytes(self._buckets))
-        self._shift = 128 - tag_bits  # the top bits of the 128-bit hash; buckets use the low 64
-        self._seed = seed
+        self._slots = np.zeros(_WAYS * self._buckets, dtype=np.uint32)
+        self._table = self._slots.reshape(self._buckets, _WAYS)  # a view: a bucket a row
+        self._cursor = np.zeros(self._buckets, dtype=np.uint8)
+        self._shift = np.uint32(32 - tag_bits)
         self.tag_bits = tag_bits
         #: records overwritten to make room for another key (that key now reads as never seen)
         self.forgotten = 0
@@ -132,12 +193,8 @@ class CauseSketch:
 
     @property
     def nbytes(self) -> int:
-        """Bytes its tables hold (the tags, the records, the cursors)."""
-        return (
-            self._tags.itemsize * len(self._tags)
-            + self._records.itemsize * len(self._records)
-            + self._cursor.itemsize * len(self._cursor)
-        )
+        """Bytes its tables hold (the slots, the cursors)."""
+        return self._slots.nbytes + self._cursor.nbytes
 
     @property
     def error_rate(self) -> float:
@@ -145,81 +202,138 @@ class CauseSketch:
         of the 8 slots of its two buckets: ``1 - (1 - 2**-tag_bits)**8``)."""
         return 1.0 - (1.0 - 2.0**-self.tag_bits) ** (2 * _WAYS)
 
-    def _place(self, key: OffloadKey) -> tuple[int, int, int]:
-        """``(first slot of the key's first bucket, of its second, its non-zero tag)``."""
-        digest = xxhash.xxh3_128_intdigest(key, self._seed)
-        tag = (digest >> self._shift) or 1  # 0 marks an empty slot
+    def _place(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per key hash: its non-zero tag (the top bits of one half of the hash), its first
+        bucket (the other half) and its second (the first, moved by an amount the tag decides)."""
+        halves = hashes.view(np.uint32)
+        tags = halves[1::2] >> self._shift
+        tags |= tags == 0  # 0 marks an empty slot
         buckets = self._buckets
-        return (digest & 0xFFFFFFFF) % buckets * _WAYS, (digest >> 32 & 0xFFFFFFFF) % buckets * _WAYS, tag
+        first = halves[0::2] % buckets
+        second = (first + 1 + tags * _GOLDEN % (buckets - 1)) % buckets
+        return tags, first.astype(np.intp), second.astype(np.intp)
+
+    def records(self, keys: Sequence[OffloadKey]) -> np.ndarray:
+        """Each key's record byte (event << 5 | tier), 0 where it is not remembered."""
+        return self.records_at(key_hashes(keys))
+
+    def records_at(self, hashes: np.ndarray) -> np.ndarray:
+        """:meth:`records` of the keys whose :func:`key_hashes` are ``hashes``."""
+        found = np.empty(hashes.size, dtype=np.uint8)
+        # in batches whose temporaries stay in the CPU's cache: a third of the time of one
+        # pass over 50,000 keys
+        for first in range(0, hashes.size, FLUSH_KEYS):
+            found[first : first + FLUSH_KEYS] = self._records_batch(hashes[first : first + FLUSH_KEYS])
+        return found
+
+    def _records_batch(self, hashes: np.ndarray) -> np.ndarray:
+        tags, first, second = self._place(hashes)
+        table = self._table
+        wanted = tags[:, None]
+        one = _lanes((np.take(table, first, axis=0) >> 8) == wanted)
+        two = _lanes((np.take(table, second, axis=0) >> 8) == wanted)
+        slot = np.where(
+            one != 0, first * _WAYS + np.take(_LOWEST, one), second * _WAYS + np.take(_LOWEST, two)
+        )
+        found = np.take(self._slots, slot).astype(np.uint8)  # the low byte: the record
+        found[(one | two) == 0] = 0
+        return found
 
     def get(self, key: OffloadKey) -> int:
         """The key's record byte (event << 5 | tier), or 0 if not remembered."""
-        first, second, tag = self._place(key)
-        tags = self._tags
-        # a slice and `in` scan a bucket in C: half the time of four indexings
-        bucket = tags[first : first + _WAYS]
-        if tag in bucket:
-            return self._records[first + bucket.index(tag)]
-        bucket = tags[second : second + _WAYS]
-        if tag in bucket:
-            return self._records[second + bucket.index(tag)]
-        return 0
+        return int(self.records((key,))[0])
 
-    def put(self, keys: Iterable[OffloadKey], event: int, tier: int) -> None:
+    def put(self, keys: Sequence[OffloadKey], event: int, tier: int) -> None:
         """Remember ``event`` at ``tier`` for each of ``keys``, by the rules of
-        :meth:`_merge` (a later event replaces an earlier one, except where the earlier
+        :func:`_merged` (a later event replaces an earlier one, except where the earlier
         one still explains why the block is not below)."""
-        tags, records, place, merge = self._tags, self._records, self._place, self._merge
-        new = event << 5 | tier
-        for key in keys:
-            first, second, tag = place(key)
-            one = tags[first : first + _WAYS]
-            if tag in one:
-                slot = first + one.index(tag)
-                records[slot] = merge(records[slot], event, tier, new)
-                continue
-            two = tags[second : second + _WAYS]
-            if tag in two:
-                slot = second + two.index(tag)
-                records[slot] = merge(records[slot], event, tier, new)
-                continue
-            # an empty slot (tag 0) of the emptier bucket; both full: the first's entries go in
-            # turn (round robin, so roughly the oldest)
-            empty_one, empty_two = one.count(0), two.count(0)
-            if empty_one and empty_one >= empty_two:
-                slot = first + one.index(0)
-            elif empty_two:
-                slot = second + two.index(0)
-            else:
-                bucket = first // _WAYS
-                turn = self._cursor[bucket]
-                self._cursor[bucket] = (turn + 1) % _WAYS
-                self.forgotten += 1
-                slot = first + turn
-            tags[slot] = tag
-            records[slot] = new
+        self.put_records(keys, np.full(len(keys), event << 5 | tier, dtype=np.uint8))
 
-    @staticmethod
-    def _merge(old: int, event: int, tier: int, new: int) -> int:
-        """The record after ``event`` at ``tier`` happened to a key whose record is ``old``.
+    def put_records(self, keys: Sequence[OffloadKey], new: np.ndarray) -> None:
+        """Remember record ``new[i]`` for ``keys[i]``, in order (a key named twice gets the
+        second on top of the first)."""
+        self.put_at(key_hashes(keys), new)
 
-        * a tier's eviction keeps a record that says why the block is not below (refused,
-          failed, corrupt, unreachable, foreign: taking it would have kept it), and a record
-          that another tier holds it; else the evicting tier is the last holder;
-        * a refusal or failure keeps a record that another tier holds it;
-        * a store, a corrupt read, an unreachable tier: always the newest news.
-        """
-        old_event, old_tier = old >> 5, old & 31
-        if event == EVICTED:
-            if old_event in _WHY_NOT_BELOW or (old_event == STORED and old_tier != tier):
-                return old
-        elif event in (REFUSED, FAILED) and old_event == STORED and old_tier != tier:
-            return old
-        return new
+    def put_at(self, hashes: np.ndarray, new: np.ndarray) -> None:
+        """:meth:`put_records` of the keys whose :func:`key_hashes` are ``hashes``,
+        :data:`FLUSH_KEYS` keys at a time (a larger batch would choose buckets on older news
+        of what they hold, and forget more)."""
+        for first in range(0, hashes.size, FLUSH_KEYS):
+            self._put_batch(hashes[first : first + FLUSH_KEYS], new[first : first + FLUSH_KEYS])
+
+    def _put_batch(self, hashes: np.ndarray, new: np.ndarray) -> None:
+        """:meth:`put_at` of one batch, in rounds: each round, every key still to place is
+        looked up; of the keys that would touch the same slot (a found key's, the cursor slot
+        of a full bucket) or take an empty slot of the same bucket, only the first goes, and
+        the rest wait for the next round, which sees what it did. In a table far larger than
+        the batch, one round places nearly every key."""
+        if not hashes.size:
+            return
+        tags, first, second = self._place(hashes)
+        slots, table, cursor = self._slots, self._table, self._cursor
+        waiting = np.arange(len(tags))
+        while waiting.size:
+            tag, one_at, two_at = tags[waiting], first[waiting], second[waiting]
+            one, two = np.take(table, one_at, axis=0), np.take(table, two_at, axis=0)
+            in_one, in_two = _lanes((one >> 8) == tag[:, None]), _lanes((two >> 8) == tag[:, None])
+            hit_one = in_one != 0
+            found = hit_one | (in_two != 0)
+            slot = np.where(hit_one, one_at * _WAYS + _LOWEST[in_one], two_at * _WAYS + _LOWEST[in_two])
+            # a new key: the emptier bucket (the first on a tie); both full: the first's cursor slot
+            free_one, free_two = _lanes(one == 0), _lanes(two == 0)
+            use_one = _COUNT[free_one] >= _COUNT[free_two]
+            bucket = np.where(use_one, one_at, two_at)
+            free = np.where(use_one, free_one, free_two)
+            full = free == 0
+            target = bucket * _WAYS + np.where(full, cursor[bucket], _LOWEST[free])
+            # what two keys of one round must not both touch: a slot, or a bucket's empty slots
+            claim = np.where(found, slot, np.where(full, target, slots.size + bucket))
+            order = np.argsort(claim, kind="stable")
+            ranked = claim[order]
+            firsts = np.ones(ranked.size, dtype=bool)
+            firsts[1:] = ranked[1:] != ranked[:-1]
+            going = order[firsts]  # each claim's first key
+            merge = going[found[going]]
+            if merge.size:
+                at = slot[merge]
+                old = slots[at]
+                merged = _merged((old & 0xFF).astype(np.uint8), new[waiting[merge]])
+                slots[at] = (old & np.uint32(0xFFFFFF00)) | merged
+            place = going[~found[going]]
+            if place.size:
+                slots[target[place]] = (tag[place] << np.uint32(8)) | new[waiting[place]]
+                evict = place[full[place]]
+                if evict.size:  # distinct buckets (their claims are distinct slots of them)
+                    cursor[bucket[evict]] = (cursor[bucket[evict]] + 1) % _WAYS
+                    self.forgotten += int(evict.size)
+            if going.size == waiting.size:
+                return
+            later = np.ones(waiting.size, dtype=bool)
+            later[going] = False
+            waiting = waiting[later]
+
+
+def key_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
+    """Python's hash of each key (int64): what places a key in the sketch. A bytes object
+    keeps its hash once computed, and the manager's dicts have computed it already."""
+    return np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys))
+
+
+def _lanes(mask: np.ndarray) -> np.ndarray:
+    """Per row of a C-ordered ``(n, 4)`` bool array, its lanes as a 4-bit number (lane 0 the
+    lowest bit): one 32-bit word a row, so no reduction along the short axis, which numpy runs
+    slowly."""
+    word = mask.view("<u4").ravel()
+    return (word | word >> 7 | word >> 14 | word >> 21) & 15
+
+
+#: per 4-bit lane pattern: its lowest set lane (0 where none), and how many are set
+_LOWEST = np.array([0, 0, 1, 0, 2, 0, 1, 0, 3, 0, 1, 0, 2, 0, 1, 0], dtype=np.intp)
+_COUNT = np.array([bin(pattern).count("1") for pattern in range(16)], dtype=np.uint8)
 
 
 class MissCauses:
-    """The miss-cause counters of one manager, and its :class:`CauseSketch`.
+    """The miss-cause counters of one manager, its :class:`CauseSketch` and the log between.
 
     ``tier_names``: the stack's tiers in order, the first tier's name first (per-tier
     counters are ``<name>.miss_<cause>``).
@@ -237,68 +351,173 @@ class MissCauses:
         self.foreign = dict.fromkeys(FOREIGN_PARTS, 0)
         # per tier: every cause but new (nothing is new because of a tier)
         self.per_tier = [dict.fromkeys(CAUSES[1:], 0) for _ in tier_names]
+        #: keys that missed, in order, their causes not decided yet
+        self._missed: list[OffloadKey] = []
+        #: a miss the sketch decides: ``note_miss(key)`` (a list's append: no lock, no count
+        #: yet; the lookup's fast path)
+        self.note_miss = self._missed.append
+        #: misses decided since creation (the position of ``_missed[0]`` in the whole sequence)
+        self._decided = 0
+        #: news for the sketch, in order: (keys, record, misses noted before it)
+        self._news: list[tuple[Sequence[OffloadKey], int, int]] = []
+        self._news_keys = 0
+        #: whether to keep the keys decided ``new`` for :meth:`take_new` (a stack that probes)
+        self.collect_new = False
+        self._new: list[OffloadKey] = []
+        self._lock = threading.Lock()
+
+    # -- the scheduler's side ----------------------------------------------------------------
+
+    def remember(self, keys: Iterable[OffloadKey], event: int, tier: int) -> None:
+        """``event`` happened at tier index ``tier`` to each of ``keys`` (logged; the sketch
+        takes it in order with the misses)."""
+        keys = tuple(keys)  # the caller's list may change (an engine owns evicted_keys)
+        if not keys:
+            return
+        with self._lock:
+            self._news.append((keys, event << 5 | tier, self._decided + len(self._missed)))
+            self._news_keys += len(keys)
+        if self._news_keys >= 4 * FLUSH_KEYS:  # a burst with no step's end in between
+            self.flush()
+
+    def step_end(self) -> None:
+        """A step ended: apply the log once :data:`FLUSH_KEYS` keys wait in it."""
+        if len(self._missed) + self._news_keys >= FLUSH_KEYS:
+            self.flush()
 
     def count(self, cause: str, tier: int | None = None, part: str | None = None, n: int = 1) -> None:
         """Count ``n`` misses of ``cause``, attributed to tier index ``tier`` (None: no tier)."""
+        with self._lock:
+            self._count(cause, tier, part, n)
+
+    def _count(self, cause: str, tier: int | None, part: str | None, n: int) -> None:
         self.counts[cause] += n
         if tier is not None and cause != "new":
             self.per_tier[tier][cause] += n
         if part is not None:
             self.foreign[part] = self.foreign.get(part, 0) + n
 
-    def recorded(self, key: OffloadKey) -> tuple[str, int | None, str | None]:
-        """What the sketch says of a key no tier holds: ``(cause, tier index, foreign part)``."""
-        record = self.sketch.get(key)
-        event = record >> 5
-        if not event:
-            return "new", None, None
-        if event == FOREIGN:
-            index = record & 31
-            return "foreign", None, FOREIGN_PARTS[index] if index < len(FOREIGN_PARTS) else "layout"
-        return _CAUSE_OF[event], record & 31, None
-
     def stored_at(self, key: OffloadKey) -> int | None:
         """The tier index the sketch last saw store ``key`` below, or None."""
-        record = self.sketch.get(key)
+        record = int(self.records_now((key,))[0])
         return record & 31 if record >> 5 == STORED else None
+
+    def records_now(self, keys: Sequence[OffloadKey]) -> np.ndarray:
+        """What the sketch remembers of each of ``keys``, the log applied first."""
+        self.flush()
+        with self._lock:
+            return self.sketch.records(keys)
 
     def store_failed(self, failed: dict[OffloadKey, Failure], tier: int) -> None:
         """Remember the keys a store job of tier ``tier`` could not save, and why."""
-        put = self.sketch.put
         for key, reason in failed.items():
-            put((key,), _store_record(reason), tier)
+            self.remember((key,), _store_record(reason), tier)
 
     def read_failed(self, failed: dict[OffloadKey, Failure], tier: int) -> None:
         """Count each key a read from tier ``tier`` could not bring up as a miss, and
         remember why (a later lookup of it, with no tier holding it, says the same)."""
-        put = self.sketch.put
         for key, reason in failed.items():
             cause, part = failure_cause(reason)
             if part is not None:
-                put((key,), FOREIGN, FOREIGN_PARTS.index(part))
-                self.count(cause, tier, part)
-                continue
-            put((key,), _READ_RECORD[cause], tier)
-            self.count(cause, tier)
+                self.remember((key,), FOREIGN, FOREIGN_PARTS.index(part))
+            else:
+                self.remember((key,), _READ_RECORD[cause], tier)
+            self.count(cause, tier, part)
 
     def remember_foreign(self, keys: Iterable[OffloadKey], part: str) -> None:
         """``keys`` were held under an identity differing in ``part`` and are gone (a disk
         store wiped for another layout, a sibling's namespace): their misses are ``foreign``,
         not ``new``."""
-        self.sketch.put(keys, FOREIGN, FOREIGN_PARTS.index(part) if part in FOREIGN_PARTS else 0)
+        self.remember(keys, FOREIGN, FOREIGN_PARTS.index(part) if part in FOREIGN_PARTS else 0)
 
     def found_foreign(self, key: OffloadKey, part: str, tier: int) -> None:
         """A probe found ``key``, counted as a ``new`` miss, under a sibling of tier ``tier``
         that differs in ``part``: the miss moves from new to foreign, and later misses of
         the key are foreign at once."""
-        if self.counts["new"]:
-            self.counts["new"] -= 1
-            self.count("foreign", tier, part)
+        with self._lock:
+            if self.counts["new"]:
+                self.counts["new"] -= 1
+                self._count("foreign", tier, part, 1)
         self.remember_foreign((key,), part)
+
+    def take_new(self) -> list[OffloadKey]:
+        """The keys decided ``new`` since the last call (with :attr:`collect_new`); the log is
+        applied first."""
+        self.flush()
+        with self._lock:
+            new, self._new = self._new, []
+        return new
+
+    # -- applying the log --------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Put the logged news through the sketch and decide the logged misses, in their order."""
+        if not self._missed and not self._news:
+            return
+        with self._lock:
+            missed = self._missed
+            noted = len(missed)  # misses appended from here on wait for the next flush
+            keys = missed[:noted]
+            news, self._news, self._news_keys = self._news, [], 0
+            decided = self._decided
+            done = 0
+            batch: list[OffloadKey] = []
+            records: list[tuple[int, int]] = []
+            for told, record, before in news:
+                if before - decided > done:  # misses came between: the news so far first
+                    self._apply(batch, records)
+                    batch, records = [], []
+                    self._decide(keys[done : before - decided])
+                    done = before - decided
+                batch.extend(told)
+                records.append((record, len(told)))
+            self._apply(batch, records)
+            if noted > done:
+                self._decide(keys[done:])
+            del missed[:noted]
+            self._decided = decided + noted
+
+    def _apply(self, keys: list[OffloadKey], records: list[tuple[int, int]]) -> None:
+        if keys:
+            values, lengths = zip(*records)
+            self.sketch.put_records(keys, np.repeat(np.array(values, dtype=np.uint8), lengths))
+
+    def _decide(self, keys: list[OffloadKey]) -> None:
+        """Count each of ``keys`` (misses no tier could explain) under what the sketch says."""
+        records = self.sketch.records(keys)
+        seen = np.bincount(records, minlength=256)
+        for record in np.flatnonzero(seen).tolist():
+            n = int(seen[record])
+            event = record >> 5
+            if not event:
+                self._count("new", None, None, n)
+                if self.collect_new:
+                    self._new.extend(keys[i] for i in np.flatnonzero(records == 0).tolist())
+            elif event == FOREIGN:
+                index = record & 31
+                self._count(
+                    "foreign", None, FOREIGN_PARTS[index] if index < len(FOREIGN_PARTS) else "layout", n
+                )
+            else:
+                self._count(_CAUSE_OF[event], record & 31, None, n)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    @property
+    def misses(self) -> int:
+        """Misses counted so far (the log applied first)."""
+        self.flush()
+        return sum(self.counts.values())
+
+    def totals(self) -> dict[str, int]:
+        """``miss_<cause>`` counts by cause, the log applied first."""
+        self.flush()
+        return dict(self.counts)
 
     def stats(self) -> dict[str, float]:
         """``miss_<cause>``, ``foreign_<part>``, per tier ``<tier>.miss_<cause>``, and the
-        sketch's size and stated error rate."""
+        sketch's size and stated error rate (the log applied first)."""
+        self.flush()
         sketch = self.sketch
         figures: dict[str, float] = {f"miss_{cause}": n for cause, n in self.counts.items()}
         figures.update({f"foreign_{part}": n for part, n in self.foreign.items()})

@@ -235,6 +235,8 @@ class TierStackManager(SingleTierManager):
         #: a miss only; the others keep the contract's no-op defaults)
         self._explaining = {i for i, t in enumerate(self._tiers, 1) if _overrides(t, "miss_reason")}
         self._probing = [t for t in self._tiers if _overrides(t, "probe_foreign")]
+        if self._causes is not None:
+            self._causes.collect_new = bool(self._probing)
         for tier in self._tiers:
             wiped = tier.foreign_stored()  # asked once, causes or not: the tier lets them go
             if wiped is not None and self._causes is not None:
@@ -287,7 +289,9 @@ class TierStackManager(SingleTierManager):
 
         A tier the request may not load from that holds it: ``filtered``. A tier that knows
         why it has not (its server is down, its read found it corrupt): that reason. Else
-        what the sketch remembers of the key (``new`` if nothing).
+        what the sketch remembers of the key (``new`` if nothing), decided at the step's end
+        with the step's other misses, when a ``new`` one starts the probing tiers' search for
+        it under another layout or namespace.
         """
         causes = cast("MissCauses", self._causes)
         for index, tier in enumerate(self._tiers, start=1):
@@ -304,11 +308,42 @@ class TierStackManager(SingleTierManager):
                 if cause != "evicted":
                     causes.count(cause, index, part)
                     return
-        cause, tier_index, part = causes.recorded(key)
-        causes.count(cause, tier_index, part)
-        if cause == "new":
-            for tier in self._probing:  # is it there under another layout or namespace?
-                tier.probe_foreign(key)
+        causes.note_miss(key)  # the sketch decides, with the step's other misses
+
+    def missed_behind(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """``keys`` come after a miss in their request's prefix (see
+        :meth:`SingleTierManager.missed_behind`): each is a miss, ``behind`` where a tier holds
+        it (the CPU tier, or the first tier below that does; a remote tier, where the sketch
+        saw it stored there: its server is not asked), else under the cause its lookup would
+        have had."""
+        causes = self._causes
+        if causes is None or not keys:
+            return
+        self.misses += len(keys)
+        contains, pending, promoting = self._contains, self._pending, self._promoting
+        local = [(index, tier) for index, tier in enumerate(self._tiers, start=1) if not tier.remote]
+        remote = {index for index, tier in enumerate(self._tiers, start=1) if tier.remote}
+        rest = []
+        for key in keys:
+            if contains(key) or key in pending or key in promoting:
+                causes.count("behind", 0)
+                continue
+            holder = next((index for index, tier in local if tier.lookup(key) is True), None)
+            if holder is None:
+                rest.append(key)
+            else:
+                causes.count("behind", holder)
+        if remote and rest:
+            records = causes.records_now(rest)
+            kept = []
+            for key, record in zip(rest, records.tolist()):
+                if record >> 5 == STORED and record & 31 in remote:
+                    causes.count("behind", record & 31)
+                else:
+                    kept.append(key)
+            rest = kept
+        for key in rest:
+            causes.note_miss(key)
 
     def is_promoting(self, key: OffloadKey) -> bool:
         """Whether a read of ``key`` from a lower tier is queued or in flight.
@@ -428,11 +463,19 @@ class TierStackManager(SingleTierManager):
             budget.tick()
         self._submit_promotions()
         self._submit_demotions()
+        causes = self._causes
+        if causes is not None:
+            if self._probing:
+                for key in causes.take_new():  # is it there under another layout or namespace?
+                    for tier in self._probing:
+                        tier.probe_foreign(key)
+            else:
+                causes.step_end()
         for tier in self._tiers:
             tier.on_schedule_end()
         self._note_lower_events()
-        if self._causes is not None:
-            found = self._causes.found_foreign
+        if causes is not None:
+            found = causes.found_foreign
             for index, tier in enumerate(self._tiers, start=1):
                 for key, part in tier.foreign_found():
                     found(key, part, index)
@@ -623,7 +666,7 @@ class TierStackManager(SingleTierManager):
         taken = [key for key in keys if admission.admit(key)]
         if self._causes is not None and len(taken) != len(keys):
             admitted = set(taken)
-            self._causes.sketch.put([key for key in keys if key not in admitted], REFUSED, index + 1)
+            self._causes.remember([key for key in keys if key not in admitted], REFUSED, index + 1)
         return taken
 
     def _admission_stats(self, index: int, counters: _TierCounters) -> dict[str, int | float]:
@@ -675,7 +718,7 @@ class TierStackManager(SingleTierManager):
         counters.demote_failures += len(result.failed)
         causes = self._causes
         if causes is not None:
-            causes.sketch.put(result.ok, STORED, index + 1)
+            causes.remember(result.ok, STORED, index + 1)
             if result.failed:
                 causes.store_failed(result.failed, index + 1)
         if self._is_victim[index]:
@@ -713,7 +756,7 @@ class TierStackManager(SingleTierManager):
         causes = self._causes
         if causes is None:
             return
-        put = causes.sketch.put
+        remember = causes.remember
         for index, tier in enumerate(self._tiers, start=1):
             events = tier.take_events()
             if not events:
@@ -721,7 +764,7 @@ class TierStackManager(SingleTierManager):
             self._lower_events.extend(events)
             for event in events:
                 if event.removed and not event.metadata_only:
-                    put(event.keys, EVICTED, index)
+                    remember(event.keys, EVICTED, index)
 
     def _drain(self) -> None:
         for tier in self._tiers:

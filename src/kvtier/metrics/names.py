@@ -88,7 +88,8 @@ MISSES = _m(
     TC,
     "blocks",
     "Blocks that missed, by cause (new, evicted, refused, store_failed, corrupt, unavailable, "
-    "filtered, foreign). Without `tier`: every miss of the stack, which sums to `misses` "
+    "filtered, foreign; behind, where the engine reports the blocks after a request's first "
+    "miss). Without `tier`: every miss of the stack, which sums to `misses` "
     '(`cause="unattributed"` holds what no cause counted); with `tier`: the misses '
     "attributable to that tier.",
     "`miss_<cause>`, `<tier>.miss_<cause>`, `misses`",

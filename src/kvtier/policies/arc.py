@@ -6,7 +6,7 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Container, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.policies.base import TwoQueuePolicy, at_recent_end, tail_first
+from kvtier.policies.base import TwoQueuePolicy, append_all, at_recent_end, drop_oldest, tail_first
 
 __all__ = ["ARCPolicy"]
 
@@ -73,7 +73,7 @@ class ARCPolicy(TwoQueuePolicy):
             index.update(zip(keys, block_ids))
             if not (b1 or b2) or (b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys)):
                 # no ghost among them (the probes run in C): all are new to t1
-                t1.update(dict.fromkeys(reversed(keys)))  # the head most recent
+                append_all(t1, reversed(keys))  # the head most recent
                 if b1:
                     self._trim_ghosts()
                 return
@@ -141,7 +141,7 @@ class ARCPolicy(TwoQueuePolicy):
             if all(map(t1.__contains__, keys)):
                 ordered = list(tail_first(keys))
                 deque(map(t1.__delitem__, ordered), 0)
-                t2.update(dict.fromkeys(ordered))
+                append_all(t2, ordered)
                 return
         for key in tail_first(keys):
             if key in t1:
@@ -193,8 +193,8 @@ class ARCPolicy(TwoQueuePolicy):
         for key in from_t2:
             del t2[key]
         victims = [(key, pop(key)) for key in from_t1] + [(key, pop(key)) for key in from_t2]
-        self._b1.update(dict.fromkeys(from_t1))
-        self._b2.update(dict.fromkeys(from_t2))
+        append_all(self._b1, from_t1)
+        append_all(self._b2, from_t2)
         self._trim_ghosts()
         return victims
 
@@ -232,7 +232,7 @@ class ARCPolicy(TwoQueuePolicy):
             pop1 = t1.popitem
             oldest = [pop1(False)[0] for _ in range(count)]
             victims = list(zip(oldest, map(pop, oldest)))
-            self._b1.update(dict.fromkeys(oldest))
+            append_all(self._b1, oldest)
             self._trim_ghosts()
             return victims
         take1 = take2 = 0
@@ -251,8 +251,8 @@ class ARCPolicy(TwoQueuePolicy):
         keys1 = [pop1(False)[0] for _ in range(take1)]
         keys2 = [pop2(False)[0] for _ in range(take2)]
         victims = [(key, pop(key)) for key in keys1] + [(key, pop(key)) for key in keys2]
-        self._b1.update(dict.fromkeys(keys1))
-        self._b2.update(dict.fromkeys(keys2))
+        append_all(self._b1, keys1)
+        append_all(self._b2, keys2)
         self._trim_ghosts()
         return victims
 
@@ -263,14 +263,10 @@ class ARCPolicy(TwoQueuePolicy):
         ready = len(self._index)
         over = ready - len(self._t2) - len(self._held_t2) + len(b1) - capacity
         if over > 0 and b1:
-            forget = b1.popitem
-            for _ in range(min(over, len(b1))):
-                forget(False)
+            drop_oldest(b1, over)
         over = ready + len(b1) + len(b2) - 2 * capacity
         if over > 0 and b2:
-            forget = b2.popitem
-            for _ in range(min(over, len(b2))):
-                forget(False)
+            drop_oldest(b2, over)
 
     def clear(self) -> list[tuple[OffloadKey, int]]:
         dropped = super().clear()

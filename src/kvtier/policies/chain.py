@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Container, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.policies.base import TwoQueuePolicy, tail_first
+from kvtier.policies.base import TwoQueuePolicy, append_all, drop_oldest, tail_first
 from kvtier.policies.tuner import SettingTuner
 
 __all__ = ["ChainPolicy"]
@@ -209,10 +209,8 @@ class ChainPolicy(TwoQueuePolicy):
     def _remember(self, keys: list[OffloadKey]) -> None:
         """Keep ``keys`` (just evicted from probation) as ghosts, forgetting the oldest."""
         ghost = self._ghost
-        ghost.update(dict.fromkeys(keys))
-        forget = ghost.popitem
-        for _ in range(len(ghost) - GHOST_FACTOR * self.capacity_blocks):
-            forget(False)  # the oldest ghost
+        append_all(ghost, keys)
+        drop_oldest(ghost, len(ghost) - GHOST_FACTOR * self.capacity_blocks)
 
 
 def _fixed_share(share: float, capacity_blocks: int) -> ChainPolicy:

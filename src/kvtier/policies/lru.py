@@ -6,7 +6,7 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Container, Iterable, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.policies.base import IndexedPolicy, at_recent_end, tail_first
+from kvtier.policies.base import IndexedPolicy, append_all, at_recent_end, tail_first
 
 __all__ = ["LRUPolicy"]
 
@@ -38,14 +38,14 @@ class LRUPolicy(IndexedPolicy):
         if len(keys) == 1:
             self._order[keys[0]] = None
         else:
-            self._order.update(dict.fromkeys(reversed(keys)))  # the head most recent
+            append_all(self._order, reversed(keys))  # the head most recent
 
     def insert_held(
         self, keys: Sequence[OffloadKey], block_ids: Sequence[int], held: Collection[OffloadKey]
     ) -> None:
         self._index.update(zip(keys, block_ids))
         if len(held) != len(keys):  # held is a subset of keys: equal sizes mean all of them
-            self._order.update(dict.fromkeys(key for key in reversed(keys) if key not in held))
+            append_all(self._order, [key for key in reversed(keys) if key not in held])
 
     def remove(self, key: OffloadKey) -> int | None:
         self._order.pop(key, None)
@@ -79,7 +79,7 @@ class LRUPolicy(IndexedPolicy):
         deque(map(self._order.__delitem__, keys), 0)  # the loop in C
 
     def release_all(self, keys: Iterable[OffloadKey], read: bool = False) -> None:
-        self._order.update(dict.fromkeys(keys))
+        append_all(self._order, keys)
 
     def evict_unheld(
         self, count: int, protected: Collection[OffloadKey] = ()

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Container, Sequence
 
 from kvtier.base import OffloadKey
-from kvtier.policies.base import TwoQueuePolicy
+from kvtier.policies.base import TwoQueuePolicy, append_all, drop_oldest
 
 __all__ = ["S3FIFOPolicy"]
 
@@ -130,8 +130,7 @@ class S3FIFOPolicy(TwoQueuePolicy):
                 queue[key] = None
                 queue.move_to_end(key, last=False)
         ghost = self._ghost
-        ghost.update(dict.fromkeys(dropped_small))
-        while len(ghost) > self.capacity_blocks:
-            ghost.popitem(last=False)
+        append_all(ghost, dropped_small)
+        drop_oldest(ghost, len(ghost) - self.capacity_blocks)
         self.entries_visited += walked
         return victims

@@ -318,7 +318,7 @@ class ReplayEngine(StackDriver):
         # are computed or loaded again (the prefix broke before them), into new blocks.
         keep = set(keys[:gpu_hits])
 
-        loaded, promoted = self.lookup_prefix(keys[gpu_hits:], ctx)
+        loaded, promoted, counted = self.lookup_prefix(keys[gpu_hits:], ctx)
         hits = keys[gpu_hits : gpu_hits + loaded]
         served = {"gpu": gpu_hits} if gpu_hits else {}
         if hits:
@@ -332,6 +332,11 @@ class ReplayEngine(StackDriver):
 
         computed = keys[gpu_hits + loaded :]
         if computed:
+            # every block computed but those the manager counted when it said False: the ones
+            # after the miss were never looked up, a failed load's were hits until then
+            behind = [key for index, key in enumerate(computed, loaded) if index not in counted]
+            if behind and hasattr(manager, "missed_behind"):
+                manager.missed_behind(behind, ctx)
             blocks = self._allocate_gpu(len(computed), keep)
             start = time.perf_counter()
             nbytes = self.block_bytes
@@ -436,4 +441,4 @@ class ReplayEngine(StackDriver):
         counts.timeline.append((done, dict(counts.hits), counts.block_refs))
         causes = getattr(self.manager, "miss_causes", None)
         if causes is not None:
-            counts.cause_timeline.append(dict(causes.counts))
+            counts.cause_timeline.append(causes.totals())

@@ -238,7 +238,8 @@ def _print_causes(causes: dict[str, Any], out: TextIO) -> None:
         )
     sketch = causes["sketch"]
     print(
-        f"misses by cause (a request's lookups stop at its first miss: one block each): {total}; "
+        f"misses by cause (every block no tier served; those after a request's first miss, "
+        f"never looked up, are 'behind' where a tier held them): {total}; "
         f"sketch of {sketch['keys']} keys in {sketch['bytes']} bytes, error rate "
         f"{sketch['error_rate']:.1e}, {sketch['forgotten']} forgotten",
         file=out,
@@ -379,7 +380,8 @@ def replay(
     }
     causes = miss_causes(stats, [tier.name for tier in parsed.tiers])
     if causes is not None:
-        # each lookup that missed, and each read from below that failed, under its one cause
+        # each block no tier served (a lookup that missed, a read from below that failed, a
+        # block behind a request's first miss) under its one cause
         record["miss_causes"] = causes
     if cpu_only is not None:
         record["cpu_only_hit_ratio"] = sum(cpu_only.hits.values()) / cpu_only.block_refs

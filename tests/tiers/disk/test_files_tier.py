@@ -172,3 +172,43 @@ def test_a_batch_job_is_flushed_once_and_counted(tmp_path, shm):
     flushes = tier.stats().get("flushes", 0)
     assert flushes == 1  # one syncfs for the whole job, none per block
     tier.close()
+
+
+def test_a_block_written_costs_no_stat_and_no_fstat(tmp_path, shm, monkeypatch):
+    """Each system call on the writer threads hands the GIL round them: a block is an open,
+    a write, a close and a rename (docs/design/disk.md), not also a stat to see whether
+    another process published the key and an fstat of a file the tier just created."""
+    tier = open_tier("files", tmp_path / "s", shm.rows, 64, threads=4)
+    calls = []
+    for name in ("stat", "fstat", "lstat"):
+        real = getattr(os, name)
+
+        def counted(*args, real=real, name=name, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(os, name, counted)
+    keys = [key(i) for i in range(32)]
+    result = store(tier, shm.rows, keys)
+    monkeypatch.undo()
+    assert result.ok == keys
+    assert calls == []
+    assert sorted(p.name for p in (tmp_path / "s" / "blocks").rglob("*.kvb")) == sorted(
+        k.hex() + ".kvb" for k in keys
+    )
+    tier.close()
+
+
+def test_a_key_published_by_another_process_meanwhile_takes_no_room(tmp_path, shm):
+    """No stat before writing: a block published behind this process's back (here: a block
+    of its own it forgot, as a file another process wrote would be) is found by the rename,
+    which refuses to replace it; the store succeeds and its room goes back to the count."""
+    tier = open_tier("files", tmp_path / "s", shm.rows, 8)
+    store(tier, shm.rows, [key(1)])
+    tier._forget([key(1)])  # the file stays: to this process it is someone else's now
+    assert tier.lookup(key(1)) is False
+    result = store(tier, shm.rows, [key(1), key(2)], first_row=1)
+    assert result.ok == [key(1), key(2)]
+    assert usage(tmp_path / "s") == 2  # key(1) counted once, though written twice
+    assert load(tier, shm.rows, [key(1), key(2)], first_row=20).ok == [key(1), key(2)]
+    tier.close()

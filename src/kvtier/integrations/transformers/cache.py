@@ -310,7 +310,7 @@ class TieredPrefixCache:
         start = time.perf_counter()
         # the last token is always computed: its logits are what the prefill is for
         keys = self.block_keys(ids[: len(ids) - 1])
-        found, promoted = driver.lookup_prefix(keys, ctx)
+        found, promoted, _ = driver.lookup_prefix(keys, ctx)
         cache = DynamicCache(config=self.model.config)
         loaded = self._load(keys[:found], ctx, cache)
         hits = driver.served(keys[:loaded], promoted)

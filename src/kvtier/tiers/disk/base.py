@@ -46,7 +46,7 @@ from kvtier.policies import EvictionPolicy, get_policy_class
 from kvtier.tiers.indexed import IndexedTier
 from kvtier.tiers.jobs import CheckReport, Failure, FailureKind, TierWork
 from kvtier.tiers.disk.blockio import BlockIO, RowIO
-from kvtier.tiers.disk.config import FSYNC_CHOICES, O_DIRECT_CHOICES, DiskTierConfig
+from kvtier.tiers.disk.config import FSYNC_CHOICES, O_DIRECT_CHOICES, DiskTierConfig, free_bytes, room_problem
 from kvtier.tiers.disk.format import LayoutFingerprint, on_disk_block_bytes
 from kvtier.tiers.disk.mover import Mover, MoverJob
 from kvtier.tiers.disk.store import (
@@ -343,6 +343,8 @@ class DiskTier(IndexedTier):
         self._wiped = None
         #: no other process had the store open when this one opened it
         self._alone = False
+        #: bytes the capacity exceeded the filesystem's room by at open (0: it fit)
+        self.short_bytes = 0
 
     @property
     def read_only(self) -> bool:
@@ -428,6 +430,7 @@ class DiskTier(IndexedTier):
             "o_direct_fallbacks": 0,
             "on_disk_block_bytes": self.slot_bytes,
             "o_direct": int(self._io.direct),
+            "short_bytes": self.short_bytes,
         }
         if self._io.codec is not None:
             # the ratio achieved: codec_block_bytes / codec_stored_bytes of the blocks written
@@ -438,6 +441,27 @@ class DiskTier(IndexedTier):
     def codec(self) -> BlockCodec | None:
         """The codec blocks are stored with (None: as they are)."""
         return self._io.codec
+
+    def _note_room(self, needed_bytes: int) -> bool:
+        """Whether the filesystem has ``needed_bytes`` more free for the capacity (caller's
+        thread, at open). If not, the tier opens all the same, and says so once: a disk
+        briefly full when the engine restarts costs the stores that find it full (failed as
+        ``ENOSPC``, counted in ``failed_keys`` by reason), not the engine. ``kvtier config
+        check`` reports the same as an error, before a deployment."""
+        problem = room_problem(self.path, needed_bytes)
+        if problem is None:
+            return True
+        self.short_bytes = needed_bytes - free_bytes(self.path)
+        logger.warning(
+            "kvtier tier %s: capacity %s does not fit in %s (%s); serving anyway: stores that "
+            "find the disk full fail as ENOSPC, counted in failed_keys, until there is room "
+            "(`kvtier config check` reports this as an error)",
+            self.name,
+            format_size(self.config.capacity_bytes),
+            self.path,
+            problem,
+        )
+        return False
 
     @property
     def o_direct(self) -> bool:

@@ -37,6 +37,9 @@ __all__ = [
     "DiskTierConfig",
     "budget_figures",
     "default_store_path",
+    "free_bytes",
+    "room_problem",
+    "stored_bytes",
     "user_cache_root",
 ]
 
@@ -49,6 +52,32 @@ O_DIRECT_CHOICES = ("auto", "on", "off")
 FSYNC_CHOICES = ("none", "batch", "always")
 #: more I/O threads than this only queue in the kernel (an NVMe drive saturates with 16-64)
 MAX_THREADS = 256
+
+
+def free_bytes(path: str) -> int:
+    """Bytes this user may still write on the filesystem holding ``path``."""
+    found = os.statvfs(path)
+    return found.f_bavail * found.f_frsize
+
+
+def room_problem(path: str, needed_bytes: int) -> str | None:
+    """Why ``needed_bytes`` more do not fit on the filesystem holding ``path``, or None."""
+    free = free_bytes(path)
+    if needed_bytes <= free:
+        return None
+    return f"{format_size(needed_bytes)} more needed, {format_size(free)} free there"
+
+
+def stored_bytes(path: str) -> int:
+    """Bytes the files under ``path`` take on disk now (0: no such directory)."""
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                continue
+    return total
 
 
 def user_cache_root() -> str:
@@ -172,6 +201,32 @@ class DiskTierConfig(TierConfig):
 
     def location(self) -> str | None:
         return self.path
+
+    def blocks_held(self, block_bytes: int) -> int | None:
+        from kvtier.tiers.disk.format import on_disk_block_bytes  # a block's header and padding
+
+        return self.capacity_bytes // on_disk_block_bytes(block_bytes)
+
+    def host_problems(self, field: str) -> list[ConfigError]:
+        """The capacity against the room on the disk: what the store holds there already
+        plus the free space (payload bytes; each block also takes a 4 KiB header page)."""
+        assert self.path is not None
+        path = os.path.abspath(self.path)
+        where = path
+        while not os.path.isdir(where):  # a store not created yet: the disk of its parent
+            where = os.path.dirname(where)
+        problem = room_problem(where, self.capacity_bytes - stored_bytes(path))
+        if problem is None:
+            return []
+        return [
+            ConfigError(
+                f"{field}.capacity",
+                format_size(self.capacity_bytes),
+                f"at most what fits in {path}: {problem}",
+                "lower the capacity, free space there, or choose another disk (the tier opens all "
+                "the same, and fails the stores that find the disk full, counted)",
+            )
+        ]
 
     def admission(self) -> tuple[str, float, float | None]:
         return self.admit, self.min_reuse, self.endurance_tbw

@@ -64,7 +64,6 @@ from dataclasses import dataclass, field
 import xxhash
 
 from kvtier.base import OffloadKey
-from kvtier.config import format_size
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import CheckReport, Failure
 from kvtier.tiers.disk.base import DiskTier
@@ -72,7 +71,7 @@ from kvtier.tiers.disk.blockio import O_DIRECT
 from kvtier.tiers.disk.group_flush import GroupFlush
 from kvtier.tiers.disk.mover import MoverJob
 from kvtier.tiers.disk.recency import encode_records, read_recency
-from kvtier.tiers.disk.store import open_private, open_private_dir, own_entries, pid_alive
+from kvtier.tiers.disk.store import create_private, open_private, open_private_dir, own_entries, pid_alive
 from kvtier.tiers.disk.syscalls import RENAME_NOREPLACE, renameat2, syncfs
 from kvtier.tiers.disk.usage import SharedCount
 
@@ -187,7 +186,7 @@ class FilesTier(DiskTier):
             self._count.set(len(entries))
             if records > 2 * len(entries) + 4096:
                 self._compact_recency(entries)
-        self._check_space(len(entries))
+        self._note_room((self.capacity_blocks - len(entries)) * self.slot_bytes)
         self._log_fd = open_private(_RECENCY, os.O_WRONLY | os.O_CREAT | os.O_APPEND, dir_fd=self._store_fd)
         return entries
 
@@ -215,19 +214,6 @@ class FilesTier(DiskTier):
     def _list_blocks(self) -> list[tuple[OffloadKey, int, int]]:
         # no stamps (reading the recency log would cost more than the listing): equally old
         return [(key, 0, 0) for key in self._scan(alone=False)]
-
-    def _check_space(self, present: int) -> None:
-        stats = os.statvfs(self.path)
-        free = stats.f_bavail * stats.f_frsize
-        missing = (self.capacity_blocks - present) * self.slot_bytes
-        if missing > free:
-            raise ConfigError(
-                f"{self._field}.capacity",
-                format_size(self.config.capacity_bytes),
-                f"at most what fits in {self.path}: {format_size(present * self.slot_bytes + free)} "
-                f"({format_size(free)} free there)",
-                "lower the capacity, free space there, or choose another disk",
-            )
 
     def _compact_recency(self, entries: list[tuple[OffloadKey, int, int]]) -> None:
         temp = f"{_RECENCY}.{os.getpid()}.tmp"
@@ -330,12 +316,11 @@ class FilesTier(DiskTier):
                 # the block stays on disk (and counted); nothing is served wrong
                 logger.warning("kvtier tier %s: could not evict %s: %s", self.name, key.hex(), exc)
         self._append_recency(touched, time.time_ns())
-        todo = []
-        for i, key in enumerate(job.keys):
-            if self._exists(self._path_of(key)):  # published by another process since we looked
-                job.skip[i] = True
-            else:
-                todo.append(i)
+        # Room for every key: one another process published since this one looked is found
+        # at publishing (the rename refuses to replace it) and its room goes back. A stat of
+        # each block first would cost a system call a block (each hands the GIL round the
+        # writer threads); only keys refused room are looked for, since those need none.
+        todo = list(range(len(job.keys)))
         try:
             granted, count = self._count.reserve(len(todo), self.capacity_blocks)
         except OSError as exc:  # the usage file cannot be written (EROFS, EIO): no room taken
@@ -343,7 +328,10 @@ class FilesTier(DiskTier):
                 job.reasons[i] = Failure.from_exception(exc)
             return
         for i in todo[granted:]:
-            job.reasons[i] = Failure.FULL
+            if self._exists(self._path_of(job.keys[i])):  # published by another process
+                job.skip[i] = True
+            else:
+                job.reasons[i] = Failure.FULL
         job.state = _FilesStoreState(reserved=todo[:granted])
         job.shared_blocks = count
         job.refused = len(todo) - granted
@@ -363,9 +351,7 @@ class FilesTier(DiskTier):
 
     def _write_file(self, temp: str, key: OffloadKey, row: int, direct: bool) -> None:
         """Write the block into a new temp file; on any failure the temp file is gone."""
-        fd = open_private(
-            temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0), dir_fd=self._bfd
-        )
+        fd = create_private(temp, os.O_WRONLY | (O_DIRECT if direct else 0), dir_fd=self._bfd)
         try:
             try:
                 self._io.write(fd, 0, key, row, direct)

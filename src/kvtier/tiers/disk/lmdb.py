@@ -433,20 +433,14 @@ class LMDBTier(DiskTier):
             # never through a symlink, never another user's file; 0600 whatever the umask
             self._fd = open_private(_SLAB, os.O_RDWR | os.O_CREAT, dir_fd=self._store_fd)
             size = os.fstat(self._fd).st_size
-            if size < needed:
-                stats = os.statvfs(self.path)
-                free = stats.f_bavail * stats.f_frsize
-                if needed - size > free:
-                    raise ConfigError(
-                        field,
-                        format_size(self.config.capacity_bytes),
-                        f"at most what fits in {self.path}: {format_size(size + free)} "
-                        f"({format_size(free)} free there)",
-                        "lower the capacity, free space there, or choose another disk",
-                    )
+            if size < needed and not self._note_room(needed - size):
+                # No room for the whole slab: a sparse one, whose blocks take room as they are
+                # written, and fail as ENOSPC while the disk is full (counted, never served).
+                os.ftruncate(self._fd, needed)
+            elif size < needed:
                 try:
-                    # Reserve the whole slab now: a full disk is an error at open, never an
-                    # ENOSPC in the middle of serving.
+                    # Reserve the whole slab now: with room at open, no store fails later for
+                    # want of it.
                     os.posix_fallocate(self._fd, size, needed - size)
                 except OSError as exc:
                     if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):

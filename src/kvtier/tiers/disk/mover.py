@@ -107,7 +107,14 @@ class Mover:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         self.name = name
         self.threads = threads
-        self._cond = threading.Condition(threading.Lock())
+        # One lock, a condition per kind of waiter: a block queued wakes an I/O thread, not
+        # the finishers and waiters too (with one condition every notify woke all of them,
+        # 20 threads a job taking the GIL in turn only to sleep again).
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # the caller's waits: idle, loads done
+        self._blocks_ready = threading.Condition(lock)  # I/O threads
+        self._sequenced_ready = threading.Condition(lock)  # the sequencer
+        self._epilogues_ready = threading.Condition(lock)  # finishers
         self._loads: deque[tuple[MoverJob, int]] = deque()
         self._stores: deque[tuple[MoverJob, int]] = deque()
         self._sequenced: deque[MoverJob | Callable[[], None]] = deque()
@@ -140,10 +147,11 @@ class Mover:
                 self._loads_inflight += 1
             if job.before is not None:
                 self._sequenced.append(job)
+                self._sequenced_ready.notify()
             else:
                 job._remaining = len(job.keys)
                 (self._loads if job.is_load else self._stores).extend((job, i) for i in range(len(job.keys)))
-            self._cond.notify_all()
+                self._blocks_ready.notify(len(job.keys))
         if job.before is None and not job.keys:
             self._finish(job)
 
@@ -154,7 +162,7 @@ class Mover:
                 raise RuntimeError(f"mover {self.name} is closed")
             self._inflight += 1
             self._sequenced.append(task)
-            self._cond.notify_all()
+            self._sequenced_ready.notify()
 
     def poll(self) -> list[MoverJob]:
         """Jobs finished since the last call, each once; never waits."""
@@ -191,7 +199,8 @@ class Mover:
         self.wait_idle()
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            for condition in (self._cond, self._blocks_ready, self._sequenced_ready, self._epilogues_ready):
+                condition.notify_all()
         for thread in (*self._workers, self._sequencer, *self._finishers):
             if thread is not threading.current_thread():
                 thread.join()
@@ -199,7 +208,7 @@ class Mover:
     # -- the mover's threads --------------------------------------------------------------------
 
     def _work(self) -> None:
-        cond = self._cond
+        cond = self._blocks_ready
         while True:
             with cond:
                 while not (self._loads or self._stores or self._closed):
@@ -222,7 +231,7 @@ class Mover:
                 self._finish(job)
 
     def _sequence(self) -> None:
-        cond = self._cond
+        cond = self._sequenced_ready
         while True:
             with cond:
                 while not (self._sequenced or self._closed):
@@ -237,7 +246,7 @@ class Mover:
                     self._unexpected(exc, "maintenance")
                 with cond:
                     self._inflight -= 1
-                    cond.notify_all()
+                    self._cond.notify_all()
                 continue
             job = item
             try:
@@ -252,7 +261,7 @@ class Mover:
             with cond:
                 job._remaining = len(todo)
                 (self._loads if job.is_load else self._stores).extend((job, i) for i in todo)
-                cond.notify_all()
+                self._blocks_ready.notify(len(todo))
 
     def _finish(self, job: MoverJob) -> None:
         """The job's last block is done: its epilogue goes to a finisher thread (an I/O thread
@@ -262,10 +271,10 @@ class Mover:
             return
         with self._cond:
             self._epilogues.append(job)
-            self._cond.notify_all()
+            self._epilogues_ready.notify()
 
     def _run_epilogues(self) -> None:
-        cond = self._cond
+        cond = self._epilogues_ready
         while True:
             with cond:
                 while not (self._epilogues or self._closed):
