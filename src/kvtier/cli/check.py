@@ -57,7 +57,8 @@ def add_parser(sub: Any) -> None:
         "--config",
         metavar="FILE",
         help="valkey: check the shared tier a kvtier YAML names (its url or cluster_nodes, username, "
-        "password_file, tls and namespace), instead of a URL",
+        "password_file, tls and namespace), instead of a URL (default, when no PATH|URL is given "
+        "either: $KVTIER_CONFIG)",
     )
     check_path.add_argument(
         "--tier", metavar="NAME", help="valkey: with --config, which valkey tier (if several)"
@@ -86,9 +87,12 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
+    from kvtier.config.load import env_config_path
     from kvtier.tiers.disk import check_store
     from kvtier.tiers.valkey.check import is_valkey_target
 
+    if not (args.path or args.cluster or args.config):
+        args.config = env_config_path()
     if args.cluster or args.config or (args.path and is_valkey_target(args.path)):
         return _check_valkey(args)
     for option, value in (("--namespace", args.namespace), ("--layout", args.layout), ("--tier", args.tier)):
@@ -100,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if args.path is None:
         print(
-            "kvtier check: give a store directory, a server URL (valkey://HOST:PORT[/DB]) or "
-            "--cluster HOST:PORT,...",
+            "kvtier check: give a store directory, a server URL (valkey://HOST:PORT[/DB]), "
+            "--cluster HOST:PORT,... or --config FILE (or set KVTIER_CONFIG)",
             file=sys.stderr,
         )
         return 2
