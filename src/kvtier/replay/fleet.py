@@ -35,7 +35,14 @@ from typing import Any, TextIO
 from kvtier.bench.report import print_json, print_table
 from kvtier.config import load_config
 from kvtier.errors import KvtierError
-from kvtier.replay.run import DEFAULT_BLOCK_BYTES, DEFAULT_GPU_BLOCKS, _fitting, default_config, miss_causes
+from kvtier.replay.run import (
+    DEFAULT_BLOCK_BYTES,
+    DEFAULT_GPU_BLOCKS,
+    _fitting,
+    default_config,
+    in_trace_blocks,
+    miss_causes,
+)
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, bundled_trace_path, ceiling_hit_ratio, load_trace
 
 __all__ = ["replay_fleet"]
@@ -172,7 +179,7 @@ def _engine_configs(base: dict, engines: int, directory: str, shared: dict | Non
 def _config_dict(config: str | None, directory: str, block_bytes: int) -> dict:
     if config is None:
         return default_config(directory, block_bytes)
-    parsed = load_config(config)
+    parsed = in_trace_blocks(load_config(config))
     if any(tier.kind in ("valkey", "redis") for tier in parsed.tiers):
         raise KvtierError(
             "fleet replay: --config is each engine's local stack; name the shared server with "
