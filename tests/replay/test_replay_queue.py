@@ -70,7 +70,7 @@ def test_bundled_trace_replays_whole_with_a_small_gpu_cache(tmp_path):
 
 @pytest.fixture
 def valkey_url():
-    pytest.importorskip("valkey", reason="the valkey client is not installed: pip install 'kvtier[valkey]'")
+    pytest.importorskip("valkey", reason="the valkey client is not installed: pip install 'valkey>=6.1' 'libvalkey>=4'")
     from kvtier.tiers.valkey.server import LocalValkeyServer, find_server_binary
 
     binary = find_server_binary()

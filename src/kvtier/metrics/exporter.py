@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from kvtier.errors import KvtierError
+from kvtier.extras import install_hint
 from kvtier.metrics.histogram import LatencyHistogram
 from kvtier.metrics.names import JOB_SECONDS, METRICS, samples
 
@@ -99,14 +100,14 @@ def serve_metrics(manager: Any, port: int, addr: str = "127.0.0.1") -> MetricsEn
     ``http://addr:port/metrics``; port 0 takes a free one (``endpoint.port`` says which).
 
     Binds to loopback unless ``addr`` says otherwise. Raises :class:`KvtierError` when
-    prometheus_client is missing (``pip install 'kvtier[prometheus]'``) or the port cannot
+    prometheus_client is missing (kvtier's ``prometheus`` extra) or the port cannot
     be bound.
     """
     try:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError as exc:
         raise KvtierError(
-            "the Prometheus exporter needs prometheus_client: pip install 'kvtier[prometheus]'"
+            f"the Prometheus exporter needs prometheus_client: {install_hint('prometheus')}"
         ) from exc
     registry = CollectorRegistry()
     registry.register(StatsCollector(manager.stats, job_seconds_of(manager)))
@@ -119,6 +120,6 @@ def serve_metrics(manager: Any, port: int, addr: str = "127.0.0.1") -> MetricsEn
         ) from exc
     if not isinstance(served, tuple):
         raise KvtierError(
-            "the metrics endpoint needs prometheus_client >= 0.20: pip install -U prometheus_client"
+            f"the metrics endpoint needs prometheus_client >= 0.20: {install_hint('prometheus')}"
         )
     return MetricsEndpoint(registry, served[0], addr)

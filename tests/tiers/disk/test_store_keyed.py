@@ -20,7 +20,7 @@ from kvtier.tiers.disk.blockio import aligned_buffer
 from kvtier.tiers.disk.format import HEADER_BYTES, decode_header, encode_header_into
 
 pytest.importorskip(
-    "cryptography", reason="secrets need the cryptography package: pip install 'kvtier[secure]'"
+    "cryptography", reason="secrets need the cryptography package: pip install 'cryptography>=42'"
 )
 
 pytestmark = pytest.mark.parametrize("kind", KINDS)
