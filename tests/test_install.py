@@ -4,7 +4,8 @@ kvtier is not on a package index: it installs from its checkout or from a wheel 
 (``scripts/check-wheel.sh``, which CI runs, installs one outside the checkout with an extra).
 So no hint may ask an index for ``kvtier``; a hint for an optional feature names the extra's
 own packages exactly as ``pyproject.toml`` pins them (what :func:`kvtier.extras.install_hint`
-prints), and one that installs the checkout or a wheel names extras that exist.
+prints), and one that installs the checkout or a wheel names extras that exist. Nothing the
+repository runs or documents needs a file beside the checkout.
 """
 
 import re
@@ -26,13 +27,16 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def _files():
-    for pattern in ("*.md", "*.py", "*.sh", "*.yaml", "*.toml", "*.json"):
-        for path in ROOT.rglob(pattern):
-            parts = path.relative_to(ROOT).parts
-            if parts[0] in (".venv", ".git", "build", "dist", "site") or "node_modules" in parts:
-                continue
-            yield path
+    """The repository's own text files (never a virtual environment or a build's output)."""
+    yield from (ROOT / name for name in ("README.md", "CHANGELOG.md", "pyproject.toml", "mkdocs.yml"))
     yield ROOT / ".ci" / "run"
+    for folder in ("docs", "src", "tests", "examples", "scripts", "benchmarks"):
+        for path in (ROOT / folder).rglob("*"):
+            if (
+                path.suffix in (".md", ".py", ".sh", ".yaml", ".toml", ".json")
+                and "__pycache__" not in path.parts
+            ):
+                yield path
 
 
 def _hints():
@@ -132,3 +136,15 @@ def test_kvtier_version_is_the_packages():
             r"kvtier-(\d+\.\d+\.\d+\w*)-py3-none-any\.whl", path.read_text(errors="replace")
         ):
             assert named == kvtier.__version__, f"{path.relative_to(ROOT)} names the wheel of {named}"
+
+
+def test_nothing_needs_a_file_beside_the_checkout():
+    # the vLLM environment, vLLM's replay driver and the traces once lived in ../shared
+    beside = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted(set(_files()))
+        if path != Path(__file__)
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1)
+        if "../shared" in line
+    ]
+    assert beside == [], beside
