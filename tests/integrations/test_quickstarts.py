@@ -116,6 +116,22 @@ def test_the_vllm_command_parses_as_the_spec_parses_it(tmp_path):
     assert set(names) <= set(figures), sorted(set(names) - set(figures))
 
 
+@pytest.mark.parametrize(
+    "page", ["README.md", "docs/vllm.md", "docs/quickstart/vllm.md", "docs/deployment.md"]
+)
+def test_every_vllm_command_shown_parses_with_a_disk_sized_block(page, monkeypatch):
+    monkeypatch.chdir(ROOT)  # a relative kvtier_config is taken from where vllm serve runs
+    monkeypatch.setenv("KVTIER_CONFIG", str(ROOT / "examples" / "vllm" / "tiers.yaml"))
+    shown = re.findall(r"--kv-transfer-config '(\{.*?\})'", (ROOT / page).read_text(), re.S)
+    assert shown, page
+    for text in shown:
+        extra = json.loads(text)["kv_connector_extra_config"]
+        if extra["spec_name"] != "TieredOffloadingSpec":
+            continue
+        kvtier, _ = kvtier_settings(extra)
+        assert load_config(kvtier).block_size_tokens == 256, text  # not vLLM's 16-token default
+
+
 def test_the_request_is_what_both_quickstarts_send(tmp_path):
     for page, port in ((VLLM_PAGE, 8000), (SGLANG_PAGE, 30000)):
         (block,) = [b for b in _bash_blocks(page) if "request.json" in b]
