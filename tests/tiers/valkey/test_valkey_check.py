@@ -247,7 +247,15 @@ def test_the_cli_prints_one_json_line_and_exits_by_health(valkey_server, capsys)
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
     record = json.loads(lines[0])
-    assert set(record) == {"path", "healthy", "blocks_checked", "problems", "fixed", "problems_left", "namespaces"}
+    assert set(record) == {
+        "path",
+        "healthy",
+        "blocks_checked",
+        "problems",
+        "fixed",
+        "problems_left",
+        "namespaces",
+    }
     assert record["problems"] == [bad.decode() + ": truncated"] and record["fixed"] == [
         bad.decode() + ": deleted"
     ]
