@@ -89,7 +89,9 @@ class MetricDeltas:
             # /metrics has every counter from the start (a dashboard shows 0, not "no data",
             # and an alert on its rate sees the first event); after that, increases only.
             if reported is None or sample.value > reported:
-                stats.increase_counter(vllm_name(metric.name), sample.value - (reported or 0.0), sample.labels)
+                stats.increase_counter(
+                    vllm_name(metric.name), sample.value - (reported or 0.0), sample.labels
+                )
         for series, histogram in histograms.items():
             counts = list(histogram.counts)
             before = self._buckets.get(series, [0] * len(counts))
