@@ -1,6 +1,7 @@
 """SIGTERM and SIGHUP (how systemd, Docker and Kubernetes stop a service) end a kvtier command
 normally: the CPU tier's region leaves /dev/shm and replay's temporary store its folder."""
 
+import contextlib
 import glob
 import os
 import signal
@@ -12,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
+import kvtier
 from kvtier.tiers.cpu.region import NAME_PREFIX, default_directory
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+#: the kvtier under test (the subprocesses run the same code as this one)
+KVTIER_SRC = str(Path(kvtier.__file__).resolve().parents[1])
 
 
 def regions_of(pid):
@@ -70,3 +74,117 @@ def test_a_replay_stopped_mid_run_removes_its_region_and_store(tmp_path, signum)
     assert out == b""  # no half report
     assert regions and not any(os.path.lexists(path) for path in regions)
     assert list(tmp_path.iterdir()) == []  # the temporary store is gone
+
+
+def _session_processes(sid):
+    """Pids of the live processes in session ``sid`` (a command and all it started)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != b"Z":  # field 6 of the line: the session
+            found.append(int(entry))
+    return found
+
+
+def _engine_processes(parent):
+    """Pids of the fleet's engine processes (multiprocessing's spawned children of ``parent``)."""
+    found = []
+    for pid in _session_processes(parent):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if b"spawn_main" in cmdline.read():
+                    found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def _kvtier(args, cwd):
+    env = {**os.environ, "PYTHONPATH": KVTIER_SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli.main", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own session: whatever it leaves behind can be found and ended
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("engines", "moment"), [(12, "starting"), (3, "running")])
+def test_a_fleet_stopped_ends_its_engines_and_exits_within_seconds(tmp_path, engines, moment):
+    """Issue #32, item 6: SIGTERM to ``kvtier replay --engines N``, while its engines start or
+    once they run, ends them (each closing its stack and region), the local server and the
+    temporary stores, and the command exits; it neither waits for each engine to finish the
+    trace nor, stopped mid-start, for engines that wait on ones never started."""
+    process = _kvtier(["replay", "--engines", str(engines), "--no-progress", "--json"], tmp_path)
+    try:
+        seen = []
+
+        def ready():
+            seen[:] = _engine_processes(process.pid)
+            if moment == "starting":
+                return bool(seen)
+            return len(seen) == engines and all(regions_of(pid) for pid in seen)
+
+        assert _wait_for(ready, timeout_s=120), f"the fleet's engines never got to {moment}"
+        process.send_signal(signal.SIGTERM)
+        regions = [path for pid in seen for path in regions_of(pid)]
+        try:
+            out, err = process.communicate(timeout=60)  # a hang guard, not a speed test
+        except subprocess.TimeoutExpired:
+            pytest.fail("kvtier replay --engines still ran 60 s after SIGTERM")
+        assert process.returncode == 128 + signal.SIGTERM, err.decode()
+        assert b"Traceback" not in err and b"stopped by SIGTERM" in err, err.decode()
+        assert out == b""
+        assert _wait_for(lambda: _session_processes(process.pid) == [], timeout_s=30), "processes left"
+        assert not any(os.path.lexists(path) for path in regions)
+        assert list(tmp_path.iterdir()) == []  # the engines' stores are gone
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def test_a_fleet_of_too_many_engines_is_refused_before_anything_starts(tmp_path):
+    process = _kvtier(["replay", "--engines", "100000", "--no-progress"], tmp_path)
+    try:
+        out, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("kvtier replay --engines 100000 was not refused")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert process.returncode == 2, err.decode()
+    assert b"--engines takes 1 to 64" in err and b"Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_plan_stopped_mid_run_ends_its_workers_and_exits_within_seconds(tmp_path):
+    """Issue #32, item 6: SIGTERM to ``kvtier plan --jobs 2`` ends its simulation processes
+    at once, instead of running every simulation still queued before it exits."""
+    process = _kvtier(["plan", "--jobs", "2", "--json"], tmp_path)
+    try:
+        assert _wait_for(lambda: len(_engine_processes(process.pid)) == 2, timeout_s=120), "no workers"
+        time.sleep(1)  # simulating by now
+        process.send_signal(signal.SIGTERM)
+        try:
+            out, err = process.communicate(timeout=60)  # a hang guard, not a speed test
+        except subprocess.TimeoutExpired:
+            pytest.fail("kvtier plan still ran 60 s after SIGTERM")
+        assert process.returncode == 128 + signal.SIGTERM, err.decode()
+        assert b"Traceback" not in err and out == b"", err.decode()
+        assert _wait_for(lambda: _session_processes(process.pid) == [], timeout_s=30), "processes left"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

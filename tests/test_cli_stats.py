@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from kvtier_testing.running import FUTURE_STATS, free_port, run_engine
 
+import kvtier
 from kvtier.cli.main import main
 from kvtier.manager.causes import CAUSES
 
@@ -197,3 +198,208 @@ def test_watch_refreshes_until_ctrl_c_then_exits_0(tmp_path):
 def _write(path: Path, text: str) -> str:
     path.write_text(text)
     return str(path)
+
+
+# -- hostile sources (issue #32, item 4) ------------------------------------------------------
+
+#: the kvtier under test (the subprocesses run the same code as this one)
+KVTIER_SRC = str(Path(kvtier.__file__).resolve().parents[1])
+KVTIER_PAGE = b"# TYPE kvtier_lookups_blocks_total counter\nkvtier_lookups_blocks_total 7.0\n"
+
+
+class Hostile(http.server.BaseHTTPRequestHandler):
+    """Answers as ``self.server.answer`` says; counts the requests it got."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        self.server.requests += 1
+        self.server.answer(self)
+
+    def log_message(self, *args):
+        """No request log on the test's stderr."""
+
+
+def hostile_server(answer):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    server.daemon_threads = True
+    server.answer, server.requests = answer, 0
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def stats_cli(*args, timeout=60, memory_bytes=None):
+    """``kvtier stats`` in a process of its own; a hang or a memory blow-up ends it."""
+
+    def limit():
+        if memory_bytes is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+
+    env = {**os.environ, "PYTHONPATH": KVTIER_SRC}
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "kvtier.cli.main", "stats", *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+            preexec_fn=limit,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"kvtier stats {args} still ran after {timeout} s")
+
+
+def refused(result, message):
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.startswith("kvtier stats: "), result.stderr
+    import re
+
+    assert re.search(message, result.stderr), result.stderr
+
+
+def test_a_redirect_to_another_port_is_not_followed():
+    elsewhere = hostile_server(lambda h: (h.send_response(200), h.end_headers(), h.wfile.write(KVTIER_PAGE)))
+
+    def redirect(h):
+        h.send_response(302)
+        h.send_header("Location", f"http://127.0.0.1:{elsewhere.server_port}/metrics")
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
+    server = hostile_server(redirect)
+    try:
+        result = stats_cli(f"http://127.0.0.1:{server.server_port}/metrics")
+    finally:
+        server.shutdown()
+        elsewhere.shutdown()
+    refused(result, r"answered 302 .*a redirect to http://127\.0\.0\.1:\d+/metrics")
+    assert server.requests == 1 and elsewhere.requests == 0
+
+
+def test_a_server_dripping_one_byte_at_a_time_meets_one_deadline():
+    def drip(h):
+        h.send_response(200)
+        h.end_headers()
+        for _ in range(60):
+            try:
+                h.wfile.write(b"#")
+                h.wfile.flush()
+            except OSError:
+                return
+            time.sleep(1)
+
+    server = hostile_server(drip)
+    try:
+        result = stats_cli(f"http://127.0.0.1:{server.server_port}/metrics", timeout=40)
+    finally:
+        server.shutdown()
+    refused(result, r"gave no whole answer within 5 s")
+
+
+def test_an_endless_answer_is_cut_at_the_size_cap():
+    line = b"kvtier_lookups_blocks_total 1.0\n" * 32768  # 1 MiB a write
+
+    def endless(h):
+        h.send_response(200)
+        h.end_headers()
+        for _ in range(64):  # 64 MiB at most, so an uncapped reader finishes
+            try:
+                h.wfile.write(line)
+            except OSError:
+                return
+
+    server = hostile_server(endless)
+    try:
+        result = stats_cli(f"http://127.0.0.1:{server.server_port}/metrics")
+    finally:
+        server.shutdown()
+    refused(result, r"answered more than \d+ bytes")
+
+
+@pytest.mark.parametrize(
+    ("page", "message"),
+    [
+        (
+            b'kvtier_job_duration_seconds_bucket{tier="nvme",direction="load",le="soon"} 1\n',
+            "bucket without a number as le",
+        ),
+        (b"kvtier_lookups_blocks_total NaN\n", "kvtier_lookups_blocks_total is nan"),
+        (b"kvtier_lookups_blocks_total -4\n", "the counter kvtier_lookups_blocks_total is -4"),
+        (
+            b'kvtier_job_duration_seconds_bucket{tier="nvme",direction="load",le="0.1"} 5\n'
+            b'kvtier_job_duration_seconds_bucket{tier="nvme",direction="load",le="+Inf"} 2\n',
+            "buckets of kvtier_job_duration_seconds_bucket shrink",
+        ),
+    ],
+    ids=["le", "nan", "negative", "buckets"],
+)
+def test_an_endpoint_answering_what_kvtier_never_writes_is_refused(page, message):
+    def answer(h):
+        body = KVTIER_PAGE + page
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    server = hostile_server(answer)
+    try:
+        result = stats_cli(f"http://127.0.0.1:{server.server_port}/metrics")
+    finally:
+        server.shutdown()
+    refused(result, message)
+
+
+def _stats_file(tmp_path, stats=None, job_seconds=None, raw=None):
+    path = tmp_path / "stats.json"
+    if raw is not None:
+        path.write_bytes(raw)
+    else:
+        document = {
+            "version": 1,
+            "time": 0,
+            "pid": 1,
+            "stats": stats or {"lookups": 3},
+            "job_seconds": job_seconds or {},
+        }
+        path.write_text(json.dumps(document))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda tmp: _stats_file(tmp, raw=b"[" * 200_000 + b"]" * 200_000), "nested too deeply"),
+        (lambda tmp: _stats_file(tmp, raw=b'{"version": 1, "stats": {"lookups": 1}}\xff\xfe'), "not UTF-8"),
+        (lambda tmp: _stats_file(tmp, raw=b'{"version": 1, "stats": {"lookups": NaN}}'), "holds NaN"),
+        (lambda tmp: _stats_file(tmp, {"lookups": -5}), "the counter kvtier_lookups_blocks_total is -5"),
+        (
+            lambda tmp: _stats_file(
+                tmp, job_seconds={"nvme.load": {"bounds": [0.1, 1.0], "counts": [5, -3, 0], "sum": 1}}
+            ),
+            "do not make a histogram",
+        ),
+        (
+            lambda tmp: _stats_file(
+                tmp, job_seconds={"nvme.load": {"bounds": [0.1, 1.0], "counts": [5], "sum": 1}}
+            ),
+            "do not make a histogram",
+        ),
+    ],
+    ids=["deep", "utf8", "nan", "negative", "negative-bucket", "short-counts"],
+)
+def test_a_stats_file_holding_what_kvtier_never_writes_is_refused(tmp_path, make, message):
+    refused(stats_cli(make(tmp_path)), message)
+
+
+def test_a_fifo_and_a_device_are_refused_without_waiting_or_reading_for_ever(tmp_path):
+    fifo = tmp_path / "stats.json"
+    os.mkfifo(fifo)  # no writer will ever come: a plain open would wait for one
+    refused(stats_cli(fifo, timeout=30), "not a regular file")
+    # read-only, and a memory cap makes an unbounded read fail instead of filling the machine
+    refused(stats_cli("/dev/zero", timeout=30, memory_bytes=2 << 30), "not a regular file")
+
+
+def test_watch_of_infinite_seconds_is_refused(tmp_path):
+    refused(stats_cli(_stats_file(tmp_path), "--watch", "inf"), r"--watch takes seconds > 0 and <= 86400")

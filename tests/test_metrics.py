@@ -1,13 +1,20 @@
 import json
 import os
+import shutil
 import socket
 import stat
+import subprocess
+import sys
+import tempfile
+import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from kvtier_testing import key
 from kvtier_testing.running import FUTURE_STATS, free_port, run_engine, stack_config
 from kvtier_testing.store import KINDS, flip, holds, load, locate, open_tier, region, store
+from kvtier_testing.users import throwaway_user
 
 from kvtier import build_manager
 from kvtier.config import CascadeConfig
@@ -15,7 +22,8 @@ from kvtier.errors import ConfigError, KvtierError
 from kvtier.manager.stack import TierStackManager
 from kvtier.metrics import LatencyHistogram, StatsCollector, serve_metrics
 from kvtier.metrics.names import LIFE, METRICS, samples
-from kvtier.metrics.view import parse_text
+from kvtier.metrics.exporter import MAX_CONNECTIONS
+from kvtier.metrics.view import parse_text, read_series
 from kvtier.tiers.disk.format import HEADER_BYTES
 from kvtier.policies.lru import LRUPolicy
 from kvtier.testing import MemoryBackend, MemoryTier
@@ -239,6 +247,149 @@ class TestEndpoint:
         build_manager(stack_config(tmp_path), 4096).shutdown()
 
 
+# A second local user's flood: N connections to the endpoint, held open and idle
+FLOOD = """
+import socket, sys
+held = [socket.create_connection((sys.argv[1], int(sys.argv[2]))) for _ in range(int(sys.argv[3]))]
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def other_user():
+    """How to run a process as another local user: a throwaway one when root (with the
+    system's python, which it may run), else this user (the bounds hold whoever connects)."""
+    if os.geteuid() == 0 and shutil.which("useradd") and os.path.exists("/usr/bin/python3"):
+        with throwaway_user("kvtflood", "-U") as entry:
+            yield "/usr/bin/python3", {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+    else:
+        yield sys.executable, {}
+
+
+def threads_and_fds() -> tuple[int, int]:
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads and fds in /proc")
+class TestEndpointBounds:
+    """Issue #32, item 1: whoever connects, the endpoint costs the engine a bounded number of
+    threads and descriptors, and no connection outlives its deadline."""
+
+    def test_a_flood_of_idle_connections_costs_no_thread_and_few_fds(self, tmp_path, other_user):
+        python, as_other = other_user
+        port = free_port()
+        engine = run_engine(tmp_path, {"port": port})
+        flood = None
+        try:
+            threads, fds = threads_and_fds()
+            flood = subprocess.Popen(
+                [python, "-c", FLOOD, "127.0.0.1", str(port), "300"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd="/",
+                **as_other,
+            )
+            assert flood.stdout.readline().strip() == "ready"
+            time.sleep(0.5)  # every connection accepted by now (and most closed again)
+            flooded_threads, flooded_fds = threads_and_fds()
+            assert flooded_threads <= threads + 1, (threads, flooded_threads)
+            assert flooded_fds <= fds + MAX_CONNECTIONS + 2, (fds, flooded_fds)
+            # the engine's own opens still work, and so do scrapes once the idle ones time out
+            with open(tmp_path / "still-open.txt", "w") as opened:
+                opened.write("x")
+            deadline = time.monotonic() + 60  # a hang guard, not a speed test
+            while True:
+                try:
+                    series = read_series(f"http://127.0.0.1:{port}/metrics")
+                    break
+                except KvtierError:
+                    assert time.monotonic() < deadline, "no scrape got through"
+                    time.sleep(0.5)
+            assert any(name == "kvtier_lookups_blocks_total" for name, _, _ in series)
+        finally:
+            if flood is not None:
+                flood.kill()
+                flood.wait()
+            engine.close()
+
+    def test_a_request_dripped_byte_by_byte_is_cut_at_its_deadline(self, tmp_path):
+        port = free_port()
+        engine = run_engine(tmp_path, {"port": port})
+        try:
+            with socket.create_connection(("127.0.0.1", port)) as slow:
+                slow.settimeout(30)
+                cut = False
+                for _ in range(30):  # 30 s at most: a hang guard
+                    try:
+                        slow.sendall(b"G")
+                        time.sleep(1)
+                    except OSError:
+                        cut = True
+                        break
+                    slow.setblocking(False)
+                    try:
+                        cut = slow.recv(1) == b""
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        cut = True
+                    slow.setblocking(True)
+                    if cut:
+                        break
+                assert cut, "the endpoint kept a dripping connection open for 30 s"
+        finally:
+            engine.close()
+
+    def test_a_unix_socket_only_its_user_may_scrape(self, tmp_path, other_user):
+        # a folder every user may reach (under /tmp, mode 755): the socket's mode must stop them
+        folder = Path(tempfile.mkdtemp(prefix="kvtier-sock-", dir="/tmp"))
+        folder.chmod(0o755)
+        path = folder / "metrics.sock"
+        engine = run_engine(tmp_path, {"unix_socket": str(path)})
+        try:
+            info = path.lstat()
+            assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600
+            assert info.st_uid == os.geteuid()
+            series = read_series(str(path))
+            stats = engine.manager.stats()
+            lookups = [value for name, _, value in series if name == "kvtier_lookups_blocks_total"]
+            assert lookups == [stats["lookups"]] and lookups[0] > 0
+            python, as_other = other_user
+            if as_other:
+                tried = subprocess.run(
+                    [python, "-c", f"import socket; socket.socket(socket.AF_UNIX).connect({str(path)!r})"],
+                    capture_output=True,
+                    text=True,
+                    cwd="/",
+                    **as_other,
+                )
+                assert tried.returncode != 0 and "PermissionError" in tried.stderr, tried.stderr
+        finally:
+            engine.close()
+            assert not path.exists()  # removed with the endpoint
+            folder.rmdir()
+
+    def test_what_lies_at_the_socket_path_is_refused_unless_a_stale_socket(self, tmp_path):
+        path = tmp_path / "metrics.sock"
+        path.write_bytes(b"precious")
+        with pytest.raises(ConfigError, match="metrics.unix_socket"):
+            build_manager(stack_config(tmp_path, {"unix_socket": str(path)}), 4096)
+        assert path.read_bytes() == b"precious"
+        path.unlink()
+        stale = socket.socket(socket.AF_UNIX)
+        stale.bind(str(path))
+        stale.close()  # a dead engine's socket: taken over
+        build_manager(stack_config(tmp_path, {"unix_socket": str(path)}), 4096).shutdown()
+        tmp_path.chmod(0o777)
+        try:
+            with pytest.raises(ConfigError, match="metrics.unix_socket.*mode 777"):
+                build_manager(stack_config(tmp_path, {"unix_socket": str(path)}), 4096)
+        finally:
+            tmp_path.chmod(0o700)
+
+
 class TestStatsFile:
     def test_written_atomically_private_and_final_at_shutdown(self, tmp_path):
         path = tmp_path / "stats.json"
@@ -256,8 +407,62 @@ class TestStatsFile:
         assert sum(load["counts"]) == final["stats"]["nvme.promote_jobs"]
         assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
+    @pytest.mark.parametrize("kind", ["fifo", "socket", "symlink", "other file", "foreign stats"])
+    def test_what_lies_at_the_path_is_never_replaced(self, tmp_path, kind):
+        """Issue #32, item 3: a device, FIFO, socket, link or another file at the path is
+        refused before anything is written (the rename would replace it)."""
+        path = tmp_path / "stats.json"
+        target = tmp_path / "precious.txt"
+        target.write_text("precious")
+        if kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "socket":
+            bound = socket.socket(socket.AF_UNIX)
+            bound.bind(str(path))
+            bound.close()
+        elif kind == "symlink":
+            path.symlink_to(target)
+        elif kind == "other file":
+            path.write_text("precious")
+        else:  # a stats file of another version: not one kvtier wrote
+            path.write_text(json.dumps({"version": 99, "stats": {}}))
+        before = path.lstat()
+        with pytest.raises(ConfigError, match=r"metrics\.stats_file.*writing the stats would replace it"):
+            build_manager(stack_config(tmp_path, {"stats_file": str(path)}), 4096)
+        after = path.lstat()
+        assert (after.st_ino, after.st_mode, after.st_size) == (before.st_ino, before.st_mode, before.st_size)
+        assert target.read_text() == "precious"
+        assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+    def test_a_previous_stats_file_is_replaced(self, tmp_path):
+        path = tmp_path / "stats.json"
+        engine = run_engine(tmp_path, {"stats_file": str(path), "stats_interval_s": 60})
+        engine.close()
+        first = json.loads(path.read_text())["time"]
+        build_manager(stack_config(tmp_path, {"stats_file": str(path)}), 4096).shutdown()
+        assert json.loads(path.read_text())["time"] > first
+
+    def test_a_folder_others_may_write_is_refused(self, tmp_path):
+        folder = tmp_path / "open"
+        folder.mkdir()
+        folder.chmod(0o1777)  # sticky or not: another user could take the name first
+        with pytest.raises(ConfigError, match=r"metrics\.stats_file.*mode 1777.*folder of your own"):
+            build_manager(stack_config(tmp_path, {"stats_file": str(folder / "stats.json")}), 4096)
+        assert list(folder.iterdir()) == []
+
+    def test_config_check_refuses_what_the_start_would(self, tmp_path, capsys):
+        """Checked without touching anything: /dev/null itself is named, and stays a device."""
+        from kvtier.cli.main import main
+
+        config = tmp_path / "c.yaml"
+        config.write_text(json.dumps(stack_config(tmp_path, {"stats_file": "/dev/null"})))
+        assert main(["config", "check", str(config)]) == 1
+        err = capsys.readouterr().err
+        assert "invalid" in err and "metrics.stats_file" in err and "not a regular file" in err
+        assert stat.S_ISCHR(os.lstat("/dev/null").st_mode)
+
     def test_an_unwritable_path_fails_the_start(self, tmp_path):
-        with pytest.raises(KvtierError, match="metrics.stats_file .* cannot be written"):
+        with pytest.raises(KvtierError, match=r"metrics\.stats_file.*a path in an existing folder.*create"):
             build_manager(
                 stack_config(tmp_path, {"stats_file": str(tmp_path / "no" / "such" / "x.json")}), 4096
             )

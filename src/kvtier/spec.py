@@ -92,11 +92,13 @@ class TieredOffloadingSpec(OffloadingSpec):
         world_size: int = 1,
         rank: int = 0,
         kv_replicas: int = 1,
+        kv_dtype: str = "uint8",
     ):
         """``engine``: the handlers' copy engine, ``auto`` (CUDA tensors: ``cuda``, CPU
         tensors: ``thread``), ``cuda``, ``kernel`` (CUDA, copies by a Triton kernel) or
-        ``thread``. Raises :class:`ConfigError` for
-        inconsistent arguments."""
+        ``thread``. ``kv_dtype``: the element dtype of the KV bytes (``bfloat16`` ...), which
+        the layout fingerprint carries and lossy codecs need; ``uint8`` (the default) says
+        nothing of them. Raises :class:`ConfigError` for inconsistent arguments."""
         config = load_config(config)
         gpu_block = positive_int(gpu_block_size_tokens, "gpu_block_size_tokens")
         try:
@@ -154,6 +156,8 @@ class TieredOffloadingSpec(OffloadingSpec):
         assert cpu.path is not None  # given, or filled in just above
         self.region_path: str = cpu.path
         self.enable_events = enable_events
+        #: the KV bytes' element dtype, as the fingerprint names it
+        self.kv_dtype = str(kv_dtype)
         self.attach_timeout_s = float(attach_timeout_s)
         self.engine = engine
         self._manager: OffloadingManager | None = None
@@ -190,14 +194,14 @@ class TieredOffloadingSpec(OffloadingSpec):
         """
         shard = self.shard
         if shard.world_size == 1:
-            return LayoutFingerprint.standalone(self.block_bytes)
+            return LayoutFingerprint.standalone(self.block_bytes, self.kv_dtype)
         replicated = shard.num_shards == 1  # every rank holds the same bytes (MLA under TP)
         return LayoutFingerprint(
             # a replicated row means the same whatever the world size: TP=2 and TP=4 share it
             model=f"standalone|replicated;{shard.shard_bytes}"
             if replicated
             else f"standalone|{shard.describe()}",
-            dtype="uint8",
+            dtype=self.kv_dtype,
             tokens_per_block=self.gpu_block_size_tokens * self.block_size_factor,
             page_bytes=self.page_bytes,
             rank=0,  # a row holds every rank's shard

@@ -151,7 +151,7 @@ def test_replay_model_prices_every_request(tmp_path, capsys):
         (["model", "Llama-3.1-8B", "--bandwidth", "/nonexistent.jsonl"], "--bandwidth"),
         (["replay", "--model", "Llama-3.1-8B", "--arrival-scale", "0"], "--arrival-scale"),
         (["replay", "--arrival-scale", "4"], "--model"),
-        (["replay", "--engines", "2", "--gpu", "H100"], "--engines"),
+        (["replay", "--engines", "2", "--gpu", "H100"], "--model"),  # a fleet is priced too, with a model
         (
             [
                 "plan",

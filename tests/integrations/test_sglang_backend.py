@@ -16,6 +16,7 @@ import tempfile
 import warnings
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -39,19 +40,26 @@ warnings.filterwarnings("ignore", message="Only CUDA")
 
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KvtierError
 
 if _MISSING is None:
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation, StorageOperation
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
     from sglang_support import (
         PAGE,
         build_backend,
+        controller,
         extra_config,
+        file_backend,
         fill_pages,
         keys,
         mha_pool,
         mla_pool,
         page_bytes,
+        storage_config,
     )
 
     from kvtier.integrations.sglang import KvtierHiCacheStorage
@@ -61,6 +69,22 @@ HERE = os.path.dirname(__file__)
 
 def disk(path, kind="lmdb", **more) -> dict:
     return {"name": "nvme", "kind": kind, "path": str(path), "capacity": "64MiB", **more}
+
+
+def kv_pages(backend):
+    """Where kvtier found the KV pool's pages (in place or staged, parts per page)."""
+    return backend._stores["kv"].pages
+
+
+def any_backend(kind, pool, tmp_path, zero_copy=True, **config):
+    """kvtier over an lmdb or files store, or SGLang's own file backend (``hicache-file``);
+    (backend, its storage config)."""
+    if kind == "hicache-file":
+        return file_backend(pool, tmp_path / "hicache", **config)
+    backend = build_backend(
+        pool, extra_config([disk(tmp_path / "store", kind)], interface_v1=int(zero_copy)), **config
+    )
+    return backend, backend.storage_config
 
 
 def roundtrip(backend, pool, count: int, seed: int, salt: int = 0) -> list[bool]:
@@ -81,8 +105,8 @@ def test_the_factory_builds_the_backend_from_settings_alone(tmp_path):
         assert isinstance(backend, KvtierHiCacheStorage)
         assert [tier.name for tier in backend.tiers] == ["nvme"]
         # MHA page_first: K and V halves of a page are each one run of the pool: two blocks
-        assert not backend._pages.staged and backend._pages.parts == 2
-        assert backend._pages.rows.ctypes.data == pool.kv_buffer.data_ptr()
+        assert not kv_pages(backend).staged and kv_pages(backend).parts == 2
+        assert kv_pages(backend).rows.ctypes.data == pool.kv_buffer.data_ptr()
     finally:
         backend.close()
 
@@ -104,7 +128,7 @@ def test_pages_come_back_byte_for_byte_in_every_layout(tmp_path, attention, layo
     pool = (mla_pool if attention == "mla" else mha_pool)(layout)
     backend = build_backend(pool, extra_config([disk(tmp_path / "store", kind)]), mla=attention == "mla")
     try:
-        assert (backend._pages.staged, backend._pages.parts) == (staged, parts)
+        assert (kv_pages(backend).staged, kv_pages(backend).parts) == (staged, parts)
         assert all(roundtrip(backend, pool, 6, seed=3))
         assert backend.batch_exists(keys(6) + keys(2, salt=9)) == 6  # a prefix: the unknown pages miss
         stats = backend.stats()
@@ -130,13 +154,12 @@ def test_v2_and_tensor_forms_move_the_same_pages(tmp_path):
         got = backend.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=target, keys=names)])
         assert got == {PoolName.KV: [True] * 3}
         assert all(torch.equal(a, b) for a, b in zip(written, page_bytes(pool, target, 3)))
-        # the tensor forms SGLang uses without interface_v1: a flat page in, a flat page out
-        flat = pool.get_dummy_flat_data_page()
-        assert backend.set("extra-page", written[0].view(flat.dtype))
-        out = backend.get("extra-page", pool.get_dummy_flat_data_page())
-        assert out is not None and torch.equal(out.view(torch.uint8), written[0])
-        assert backend.get("never-stored", pool.get_dummy_flat_data_page()) is None
-        assert backend.exists("extra-page") and not backend.exists("never-stored")
+        # the tensor forms are SGLang's without interface_v1; with it the tiers are open over
+        # the pool in place, and a stray call is refused and counted, never served
+        assert not backend.set("extra-page", written[0].view(pool.dtype))
+        assert backend.get(names[0], pool.get_dummy_flat_data_page()) is None
+        assert backend.stats()["tensor_form_refused_pages"] == 2
+        assert backend.exists(names[0]) and not backend.exists("extra-page")
         # SGLang's storage metrics: pages and GB/s per call since the last report
         metrics = backend.get_stats()
         assert metrics.backup_pgs[0] == 3 and metrics.prefetch_pgs[0] == 3
@@ -263,6 +286,7 @@ def test_mla_ranks_share_one_copy_the_writer_stores(tmp_path):
     pool = mla_pool("page_first")
     reader = build_backend(pool, extra, mla=True, tp_rank=1, tp_size=2)
     try:
+        assert [tier.name for tier in reader.tiers] == ["nvme"]  # its stores open now
         written = _process(
             {
                 "extra": extra,
@@ -418,45 +442,339 @@ def test_capacity_bounds_the_store(tmp_path):
         backend.close()
 
 
-class _Controller:
-    """The attributes SGLang's HiCacheController storage methods read (its I/O paths are
-    called unbound on this, so SGLang's own call sites drive the backend)."""
+@pytest.mark.parametrize("kind", ["lmdb", "files"])
+def test_the_kv_and_draft_stores_share_the_tiers_capacity(tmp_path, kind):
+    # Speculative decoding: the draft pool's store lies beside the KV pool's, in one tier's
+    # capacity, split by their pages' size on disk so each holds as many pages. Filled far
+    # past it, the two stores' blocks never take more than the capacity (on disk and in their
+    # own counts), and the pages still held come back byte for byte, after a restart too.
+    capacity, store = 256 << 10, tmp_path / "store"
 
-    def __init__(self, backend, pool, zero_copy: bool):
-        from sglang.srt.managers.cache_controller import HiCacheController
+    def start():
+        pool, draft = mha_pool("page_first", layers=12), mha_pool("page_first", layers=1)
+        backend = build_backend(pool, extra_config([disk(store, kind, capacity=f"{capacity >> 10}KiB")]))
+        backend.register_mem_host_pool_v2(pool, PoolName.KV)  # as SGLang's hybrid attach does
+        backend.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+        return backend, pool, draft
 
-        self.storage_backend = backend
-        self.storage_host_pool = self.mem_pool_host = pool
-        self.page_size = pool.page_size
-        if zero_copy:
-            self.page_set_func = lambda *a: HiCacheController._page_set_zero_copy(self, *a)
-            self.page_get_func = lambda *a: HiCacheController._page_get_zero_copy(self, *a)
-        else:
-            self.page_set_func = lambda *a: HiCacheController._generic_page_set(self, *a)
-            self.page_get_func = lambda *a: HiCacheController._generic_page_get(self, *a)
+    def within_capacity(backend) -> dict:
+        stats = backend.stats()
+        used = sum(stats[f"{t}.blocks"] * stats[f"{t}.on_disk_block_bytes"] for t in ("nvme", "nvme-draft"))
+        # what the blocks take on disk: lmdb's slabs (reserved whole at open), or the block files
+        blocks = [f for f in store.rglob("*") if f.name == "slab.kvs" or f.suffix == ".kvb"]
+        assert used <= capacity and sum(f.stat().st_size for f in blocks) <= capacity, stats
+        return stats
+
+    def read_back(backend, pool, draft, names, kv_written, draft_written):
+        target = pool.alloc(len(names) * PAGE)
+        draft_view = PoolTransfer(name=PoolName.DRAFT, keys=names, host_indices=target)
+        assert backend.batch_get_v1(names, target) == [True] * len(names)
+        assert backend.batch_get_v2([draft_view]) == {PoolName.DRAFT: [True] * len(names)}
+        assert all(torch.equal(a, b) for a, b in zip(kv_written, page_bytes(pool, target, len(names))))
+        assert all(torch.equal(a, b) for a, b in zip(draft_written, page_bytes(draft, target, len(names))))
+        pool.free(target)
+
+    backend, pool, draft = start()
+    names, kv_written, draft_written = keys(20), [], []
+    try:
+        for begin in range(0, 20, 2):  # as SGLang backs a sequence up: a few pages per call
+            slots, kv_pages = fill_pages(pool, 2, seed=begin)
+            _, draft_pages = fill_pages(draft, 2, seed=100 + begin, slots=slots)
+            part = names[begin : begin + 2]
+            assert backend.batch_set_v1(part, slots) == [True, True]
+            transfer = PoolTransfer(name=PoolName.DRAFT, keys=part, host_indices=slots)
+            assert backend.batch_set_v2([transfer]) == {PoolName.DRAFT: [True, True]}
+            kv_written += kv_pages
+            draft_written += draft_pages
+            pool.free(slots)
+            stats = within_capacity(backend)
+        # both stores full, with as many pages each: the newest, every older one evicted
+        held = stats["nvme.blocks"] // 2
+        assert held == stats["nvme-draft.blocks"] // 2 > 0 and stats["nvme-draft.evicted"] > 0
+        assert stats["nvme.blocks"] == stats["nvme.capacity_blocks"]
+        found = backend.batch_exists_v2(names[-held:], [draft_transfer()])
+        assert (found.kv_hit_pages, found.extra_pool_hit_pages[PoolName.DRAFT]) == (held, held)
+        assert backend.batch_exists(names[:-held]) == 0
+        read_back(backend, pool, draft, names[-held:], kv_written[-held:], draft_written[-held:])
+    finally:
+        backend.close()
+
+    # a restart with the same pools opens the same split: every page held is still there
+    backend, pool, draft = start()
+    try:
+        again = within_capacity(backend)
+        assert (again["nvme.blocks"], again["nvme-draft.blocks"]) == (2 * held, 2 * held)
+        read_back(backend, pool, draft, names[-held:], kv_written[-held:], draft_written[-held:])
+        slots, _ = fill_pages(pool, 2, seed=50)
+        assert backend.batch_set_v1(keys(2, salt=5), slots) == [True, True]
+        within_capacity(backend)
+    finally:
+        backend.close()
+
+    # a draft pool registering after a page operation opened the stores would find the whole
+    # capacity taken: refused by name
+    late = build_backend(mha_pool("page_first"), extra_config([disk(tmp_path / "late", kind)]))
+    try:
+        assert late.batch_exists(names) == 0
+        with pytest.raises(KvtierError, match="'draft' registered after the first page operation"):
+            late.register_mem_host_pool_v2(mha_pool("page_first", layers=1), PoolName.DRAFT)
+    finally:
+        late.close()
+
+
+def prefetch(ctl, request, found, target) -> tuple[int, dict]:
+    """Run SGLang's prefetch I/O for the pages ``found`` into host slots ``target``; (tokens
+    the rank reports done, the extra pools' hits), from the acks it queues for the scheduler."""
+    request.hash_value, request.host_indices = found, target
+    ctl._page_transfer(request)
+    acks = []
+    while not ctl.prefetch_sync_queue.empty():
+        acks.append(ctl.prefetch_sync_queue.get())
+    done = max((ack.completed_tokens or 0 for ack in acks), default=0)
+    pool_hits = next((ack.pool_hits for ack in acks if ack.pool_hits is not None), {})
+    return done, pool_hits
+
+
+def close(backend) -> None:
+    """Close kvtier's backend (SGLang's file backend has nothing to close)."""
+    if isinstance(backend, KvtierHiCacheStorage):
+        backend.close()
+
+
+def sequence(pages: int, start: int = 100) -> tuple[list[int], list[str]]:
+    """Tokens of ``pages`` pages and SGLang's page keys for them."""
+    tokens = list(range(start, start + pages * PAGE))
+    return tokens, get_storage_hash_str(tokens, None, page_size=PAGE)
 
 
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["interface_v1", "tensor_forms"])
 def test_sglangs_own_backup_and_prefetch_code_moves_the_pages(tmp_path, zero_copy):
-    from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation, StorageOperation
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
-
     pool = mha_pool("page_first")
-    backend = build_backend(pool, extra_config([disk(tmp_path / "store")], interface_v1=int(zero_copy)))
-    controller = _Controller(backend, pool, zero_copy)
+    backend, cfg = any_backend("lmdb", pool, tmp_path, zero_copy)
+    ctl = controller(backend, cfg, pool, zero_copy)
     try:
-        tokens = list(range(100, 100 + 5 * PAGE))
-        hashes = get_storage_hash_str(tokens, None, page_size=PAGE)  # SGLang's page keys
+        tokens, hashes = sequence(5)
         slots, written = fill_pages(pool, 5, seed=80)
         backup = StorageOperation(slots, tokens, hash_value=hashes)
-        HiCacheController._page_backup(controller, backup)
+        ctl._page_backup(backup)
         assert backup.completed_tokens == 5 * PAGE
 
-        request = PrefetchOperation("req-1", tokens + list(range(3 * PAGE)))  # 3 pages never stored
-        found, tokens_hit = HiCacheController._storage_hit_query(controller, request)
+        request = PrefetchOperation(CacheRequestHandle("req-1", 0), tokens + list(range(3 * PAGE)))
+        found, tokens_hit = ctl._storage_hit_query(request)  # 3 pages never stored
         assert (found, tokens_hit) == (hashes, 5 * PAGE)
         target = pool.alloc(5 * PAGE)
-        assert controller.page_get_func(request, found, target, None) == 5
+        assert prefetch(ctl, request, found, target) == (5 * PAGE, {})
         assert all(torch.equal(a, b) for a, b in zip(written, page_bytes(pool, target, 5)))
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize(
+    "attention, layout", [("mha", "page_first"), ("mha", "layer_first"), ("mla", "page_first_direct")]
+)
+@pytest.mark.parametrize("kind", ["lmdb", "files", "hicache-file"])
+def test_without_interface_v1_pages_move_while_the_host_pool_is_full(tmp_path, kind, attention, layout):
+    # SGLang's default host-memory mode keeps its host pool full under load. Without
+    # interface_v1 its controller hands the backend flat copies of pages: they must move
+    # without a host page to spare, as SGLang's own file backend moves them.
+    mla = attention == "mla"
+    pool = (mla_pool if mla else mha_pool)(layout)
+    backend, cfg = any_backend(kind, pool, tmp_path, zero_copy=False, mla=mla)
+    ctl = controller(backend, cfg, pool, zero_copy=False)
+    try:
+        tokens, hashes = sequence(5)
+        slots, written = fill_pages(pool, 5, seed=90)
+        target = pool.alloc(5 * PAGE)
+        pool.alloc(pool.available_size())
+        assert pool.available_size() == 0
+
+        backup = StorageOperation(slots, tokens, hash_value=hashes)
+        ctl._page_backup(backup)
+        assert backup.completed_tokens == 5 * PAGE
+        request = PrefetchOperation(CacheRequestHandle("req", 0), tokens + list(range(2 * PAGE)))
+        found, tokens_hit = ctl._storage_hit_query(request)
+        assert (found, tokens_hit) == (hashes, 5 * PAGE)
+        assert prefetch(ctl, request, found, target) == (5 * PAGE, {})
+        assert all(torch.equal(a, b) for a, b in zip(written, page_bytes(pool, target, 5)))
+    finally:
+        close(backend)
+    if kind == "hicache-file":
+        return
+    assert backend.stats()["pages_stored"] == 5 and backend.stats()["pages_loaded"] == 5
+    # the blocks are those the pool's own pages make in place: the store serves an engine
+    # started with interface_v1 as well
+    pool = (mla_pool if mla else mha_pool)(layout)
+    again, _ = any_backend(kind, pool, tmp_path, zero_copy=True, mla=mla)
+    try:
+        target = pool.alloc(5 * PAGE)
+        assert again.batch_get_v1(hashes, target) == [True] * 5
+        assert all(torch.equal(a, b) for a, b in zip(written, page_bytes(pool, target, 5)))
+    finally:
+        again.close()
+
+
+def draft_transfer():
+    """The draft pool as SGLang's hybrid controller names it in an operation."""
+    return PoolTransfer(name=PoolName.DRAFT, indices_from_pool=PoolName.KV)
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+@pytest.mark.parametrize(
+    "kind, zero_copy",
+    [("lmdb", True), ("files", True), ("lmdb", False), ("hicache-file", False)],
+    ids=["lmdb", "files", "lmdb-tensor_forms", "hicache-file"],
+)
+def test_sglangs_hybrid_controller_restores_the_draft_pool(tmp_path, kind, zero_copy, attention):
+    # Speculative decoding: SGLang keeps the draft model's KV in a sidecar host pool, indexed
+    # like the KV pool's, and restores a prefix only where both pools hold every page.
+    make, mla = (mla_pool, True) if attention == "mla" else (mha_pool, False)
+    pool, draft = make("page_first"), make("page_first", layers=1)
+    backend, cfg = any_backend(kind, pool, tmp_path, zero_copy, mla=mla)
+    ctl = controller(backend, cfg, pool, zero_copy, draft=draft)
+    try:
+        tokens, hashes = sequence(7)
+        slots, kv_written = fill_pages(pool, 5, seed=100)
+        _, draft_written = fill_pages(draft, 5, seed=101, slots=slots)
+        backup = StorageOperation(
+            slots, tokens[: 5 * PAGE], hash_value=hashes[:5], pool_transfers=[draft_transfer()]
+        )
+        ctl._page_backup(backup)
+        assert backup.completed_tokens == 5 * PAGE
+        assert backup.pool_storage_result.extra_pool_hit_pages == {PoolName.DRAFT: 5}
+        # two more pages backed up without the draft's: the restorable prefix stops before them
+        more, _ = fill_pages(pool, 2, seed=102)
+        ctl._page_backup(StorageOperation(more, tokens[5 * PAGE :], hash_value=hashes[5:]))
+
+        request = PrefetchOperation(CacheRequestHandle("req", 0), tokens, pool_transfers=[draft_transfer()])
+        found, tokens_hit = ctl._storage_hit_query(request)
+        assert (found, tokens_hit) == (hashes[:5], 5 * PAGE)
+        assert request.query_pool_hit_pages == {PoolName.KV: 7, PoolName.DRAFT: 5}
+        assert ctl._sync_prefetch_hit_query(request, tokens_hit) == 5 * PAGE
+        target = pool.alloc(5 * PAGE)
+        assert prefetch(ctl, request, found, target) == (5 * PAGE, {})
+        assert all(torch.equal(a, b) for a, b in zip(kv_written, page_bytes(pool, target, 5)))
+        assert all(torch.equal(a, b) for a, b in zip(draft_written, page_bytes(draft, target, 5)))
+    finally:
+        close(backend)
+    if kind == "hicache-file":
+        return
+    assert backend.stats()["draft_pages_stored"] == 5 and backend.stats()["draft_pages_loaded"] == 5
+    assert backend.stats()["nvme-draft.blocks"] == 5 * (1 if mla else 2)  # in its own store
+    # a restarted engine finds both pools' pages
+    pool, draft = make("page_first"), make("page_first", layers=1)
+    backend, cfg = any_backend(kind, pool, tmp_path, zero_copy, mla=mla)
+    ctl = controller(backend, cfg, pool, zero_copy, draft=draft)
+    try:
+        request = PrefetchOperation(CacheRequestHandle("again", 0), tokens, pool_transfers=[draft_transfer()])
+        found, tokens_hit = ctl._storage_hit_query(request)
+        assert tokens_hit == 5 * PAGE
+        target = pool.alloc(5 * PAGE)
+        assert prefetch(ctl, request, found, target) == (5 * PAGE, {})
+        assert all(torch.equal(a, b) for a, b in zip(draft_written, page_bytes(draft, target, 5)))
+    finally:
+        backend.close()
+
+
+def test_the_draft_pool_is_shared_through_a_valkey_tier(valkey_server):
+    tiers = [{"name": "shared", "kind": "valkey", "url": valkey_server.url, "timeout_s": 2.0}]
+    pools = [(mha_pool("page_first"), mha_pool("page_first", layers=1)) for _ in range(2)]
+    a, b = (build_backend(pool, extra_config(tiers)) for pool, _ in pools)
+    try:
+        for backend, (_, draft) in zip((a, b), pools):
+            backend.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+        (pool_a, draft_a), (pool_b, draft_b) = pools
+        slots, kv_written = fill_pages(pool_a, 4, seed=110)
+        _, draft_written = fill_pages(draft_a, 4, seed=111, slots=slots)
+        names = keys(4)
+        stored = a.batch_set_v2(
+            [
+                PoolTransfer(name=name, host_indices=slots, keys=names)
+                for name in (PoolName.KV, PoolName.DRAFT)
+            ]
+        )
+        assert stored == {PoolName.KV: [True] * 4, PoolName.DRAFT: [True] * 4}
+        # b stored nothing: it asks the server, which has both pools' pages
+        hit = b.batch_exists_v2(names + keys(1, salt=3), [PoolTransfer(name=PoolName.DRAFT)])
+        assert hit.kv_hit_pages == 4 and hit.extra_pool_hit_pages == {PoolName.KV: 4, PoolName.DRAFT: 4}
+        target = pool_b.alloc(4 * PAGE)
+        got = b.batch_get_v2(
+            [
+                PoolTransfer(name=name, host_indices=target, keys=names)
+                for name in (PoolName.KV, PoolName.DRAFT)
+            ]
+        )
+        assert got == {PoolName.KV: [True] * 4, PoolName.DRAFT: [True] * 4}
+        assert all(torch.equal(x, y) for x, y in zip(kv_written, page_bytes(pool_b, target, 4)))
+        assert all(torch.equal(x, y) for x, y in zip(draft_written, page_bytes(draft_b, target, 4)))
+        assert b.stats()["shared-draft.pages_loaded"] == 4
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("name", ["mamba", "swa", "indexer", "draft_swa", "draft_indexer", "deepseek_v4_c4"])
+def test_pools_kvtier_does_not_store_are_refused_when_registered(tmp_path, name):
+    pool = mha_pool("page_first")
+    backend = build_backend(pool, extra_config([disk(tmp_path / "store")]))
+    try:
+        with pytest.raises(ConfigError, match=f"hicache host pool: got '{name}'.*file backend"):
+            backend.register_mem_host_pool_v2(mha_pool("page_first"), PoolName(name))
+        assert all(roundtrip(backend, pool, 2, seed=120))  # the KV pool is served as before
+    finally:
+        backend.close()
+
+
+def test_a_host_pool_without_sglangs_geometry_is_refused_by_name(tmp_path):
+    bare = SimpleNamespace(page_size=PAGE, size=64, get_data_page=None)
+    cfg = storage_config(extra_config([disk(tmp_path / "store")]))
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, bare)
+    with pytest.raises(ConfigError, match="host pool 'kv': got 'SimpleNamespace'.*lacks dtype, layout"):
+        backend.register_mem_pool_host(bare)
+    pool = mha_pool("page_first")
+    backend.register_mem_pool_host(pool)
+    try:
+        with pytest.raises(ConfigError, match="host pool 'draft'.*lacks dtype, layout"):
+            backend.register_mem_host_pool_v2(bare, PoolName.DRAFT)
+        assert all(roundtrip(backend, pool, 2, seed=121))
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("draft_attention", ["mla", "mha"])
+def test_an_mla_models_ranks_share_its_draft_pages_only_when_the_draft_is_mla(valkey_server, draft_attention):
+    # An MLA model's KV is one copy for every tensor rank, written by rank 0. A draft model of
+    # MLA is too; an MHA draft's pages are each rank's own heads: rank 1 must never be served
+    # rank 0's.
+    tiers = [{"name": "shared", "kind": "valkey", "url": valkey_server.url, "timeout_s": 2.0}]
+    make_draft = mla_pool if draft_attention == "mla" else mha_pool
+    pools = [(mla_pool("page_first"), make_draft("page_first", layers=1)) for _ in range(2)]
+    ranks = [
+        build_backend(pool, extra_config(tiers), mla=True, tp_rank=r, tp_size=2)
+        for r, (pool, _) in enumerate(pools)
+    ]
+    try:
+        for backend, (_, draft) in zip(ranks, pools):
+            backend.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+        (pool_0, draft_0), (pool_1, draft_1) = pools
+        slots, kv_written = fill_pages(pool_0, 3, seed=130)
+        _, draft_written = fill_pages(draft_0, 3, seed=131, slots=slots)
+        names = keys(3)
+        both = (PoolName.KV, PoolName.DRAFT)
+        assert ranks[0].batch_set_v2(
+            [PoolTransfer(name=n, host_indices=slots, keys=names) for n in both]
+        ) == {n: [True] * 3 for n in both}
+        hit = ranks[1].batch_exists_v2(names, [PoolTransfer(name=PoolName.DRAFT)])
+        target = pool_1.alloc(3 * PAGE)
+        got = ranks[1].batch_get_v2([PoolTransfer(name=n, host_indices=target, keys=names) for n in both])
+        assert got[PoolName.KV] == [True] * 3
+        assert all(torch.equal(x, y) for x, y in zip(kv_written, page_bytes(pool_1, target, 3)))
+        if draft_attention == "mla":
+            assert hit.kv_hit_pages == 3 and got[PoolName.DRAFT] == [True] * 3
+            assert all(torch.equal(x, y) for x, y in zip(draft_written, page_bytes(draft_1, target, 3)))
+        else:  # rank 1's own draft shard was never written: no prefix, no bytes of rank 0's
+            assert hit.kv_hit_pages == 0 and PoolName.DRAFT not in hit.extra_pool_hit_pages
+            assert got[PoolName.DRAFT] == [False] * 3
+            assert not any(page.any() for page in page_bytes(draft_1, target, 3))
+    finally:
+        for backend in ranks:
+            backend.close()

@@ -22,10 +22,13 @@ from kvtier.integrations.sglang.settings import (
     HOST_TIER_NAME,
     PoolFacts,
     ShardFacts,
+    check_pool_name,
     layout_fingerprint,
     page_key,
+    pool_tiers,
     resolve_settings,
 )
+from kvtier.tiers.disk.format import on_disk_block_bytes
 
 FACTORY = {
     "backend_name": "kvtier",
@@ -164,6 +167,9 @@ def test_page_keys_keep_sglangs_hash_and_tell_shards_and_parts_apart():
         page_key(b"bytes", 0, 0)  # type: ignore[arg-type]
 
 
+_FLAT_PAGE_METHODS = ("get_data_page", "get_dummy_flat_data_page", "set_from_flat_data_page")
+
+
 def _pool(**changes) -> PoolFacts:
     fields = dict(
         dtype="torch.bfloat16",
@@ -175,7 +181,8 @@ def _pool(**changes) -> PoolFacts:
         v_head_dim=128,
     )
     fields.update(changes)
-    pool = type("MHATokenToKVPoolHost", (), {})()
+    methods = {name: lambda *args, **kwargs: None for name in _FLAT_PAGE_METHODS}
+    pool = type("MHATokenToKVPoolHost", (), methods)()
     pool.__dict__.update(fields)
     return PoolFacts.from_host_pool(pool)
 
@@ -209,6 +216,85 @@ def test_the_fingerprint_is_one_per_engine_and_names_what_the_bytes_mean():
         != layout_fingerprint(pool, facts, block_bytes=4 << 20, parts=1, staged=False).digest()
     )
     assert staged.tokens_per_block == 64 and staged.block_bytes == 4 << 20
+
+
+def test_an_extra_pool_is_named_in_its_fingerprint():
+    facts = ShardFacts.from_storage_config(storage_config())
+    kv = layout_fingerprint(_pool(), facts, block_bytes=4 << 20, parts=2, staged=False)
+    draft = layout_fingerprint(_pool(), facts, block_bytes=4 << 20, parts=2, staged=False, pool_name="draft")
+    assert "pool=" not in kv.model and kv.model + ";pool=draft" == draft.model
+    assert kv.digest() != draft.digest()  # never one store for both, even with one geometry
+
+
+def test_an_mha_pool_beside_an_mla_model_is_split_per_rank():
+    rank = ShardFacts.from_storage_config(storage_config(is_mla_model=True, tp_rank=1, tp_size=2))
+    assert (rank.shard, rank.replicated, rank.writer) == (0, True, False)
+    mla = _pool(layer_num=1, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert mla.latent and rank.for_pool(mla) is rank  # an MLA draft: one copy, rank 0's
+    mha = rank.for_pool(_pool(layer_num=1))  # an MHA draft: each rank's own heads
+    assert (mha.shard, mha.replicated, mha.writer) == (1, False, True)
+
+
+def test_a_host_pool_without_sglangs_geometry_is_refused_by_name():
+    bare = SimpleNamespace(page_size=64, layout="page_first")
+    with pytest.raises(ConfigError) as error:
+        PoolFacts.from_host_pool(bare, "draft")
+    assert error.value.field == "hicache host pool 'draft'" and error.value.value == "SimpleNamespace"
+    assert "lacks dtype, get_data_page, get_dummy_flat_data_page, set_from_flat_data_page" in str(error.value)
+
+
+# -- SGLang's other pools ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["mamba", "swa", "auxiliary_swa", "indexer", "draft_swa", "deepseek_v4_c4"])
+def test_pools_kvtier_does_not_store_are_refused(name):
+    check_pool_name("kv")
+    check_pool_name("draft")
+    with pytest.raises(
+        ConfigError, match=f"got '{name}'; expected a pool kvtier stores: kv, draft.*file backend"
+    ):
+        check_pool_name(name)
+
+
+def test_an_extra_pool_gets_stores_of_its_own_beside_the_kv_pools():
+    tiers = [
+        LMDB,
+        {"name": "blobs", "kind": "files", "path": "/srv/kvtier/f", "capacity": "1GiB"},
+        {"name": "shared", "kind": "valkey", "url": "valkey://cache:6379", "namespace": "llama"},
+        {"name": "fleet", "kind": "valkey", "url": "valkey://cache:6379"},
+    ]
+    settings = resolve_settings({**FACTORY, "tiers": tiers})
+    kv_page, draft_page = (512 << 10, 2), (96 << 10, 2)  # (block bytes, blocks per page)
+    assert pool_tiers(settings, {"kv": kv_page}) == {"kv": settings.lower_tiers}  # alone: as configured
+    stores = pool_tiers(settings, {"kv": kv_page, "draft": draft_page})
+    kv, draft = stores["kv"], stores["draft"]
+    assert [t.name for t in kv] == ["nvme", "blobs", "shared", "fleet"]
+    assert [t.name for t in draft] == ["nvme-draft", "blobs-draft", "shared-draft", "fleet-draft"]
+    assert [t.kind for t in draft] == ["lmdb", "files", "valkey", "valkey"]
+    assert [t.path for t in kv[:2]] == [t.path for t in settings.lower_tiers[:2]]
+    assert (draft[0].path, draft[1].path) == ("/srv/kvtier/sglang/draft", "/srv/kvtier/f/draft")
+    # an explicit namespace gets the pool's name; one derived from the layout differs already
+    assert (draft[2].namespace, draft[3].namespace) == ("llama:draft", None)
+    # a disk tier's capacity is split: together the two stores hold at most it, and each as
+    # many pages as the other (a Valkey server bounds its own memory)
+    kv_disk, draft_disk = (2 * on_disk_block_bytes(b) for b, _ in (kv_page, draft_page))
+    for configured, kv_tier, tier in zip(settings.lower_tiers[:2], kv, draft):
+        assert kv_tier.capacity_bytes + tier.capacity_bytes <= configured.capacity_bytes
+        assert abs(tier.capacity_bytes // draft_disk - kv_tier.capacity_bytes // kv_disk) <= 1
+        assert configured.capacity_bytes // (kv_disk + draft_disk) <= kv_tier.capacity_bytes // kv_disk
+    assert draft[2].capacity_bytes == draft[3].capacity_bytes == kv[2].capacity_bytes == 0
+    assert [t.name for t in settings.lower_tiers] == ["nvme", "blobs", "shared", "fleet"]  # unchanged
+
+
+def test_a_tier_kind_that_cannot_keep_a_second_store_is_refused_for_an_extra_pool():
+    memory = {
+        "name": "mem",
+        "kind": "kvtier_testing.conformance.harness_memory:MemoryTierConfig",
+        "capacity": "1GiB",
+    }
+    settings = resolve_settings({**FACTORY, "tiers": [LMDB, memory]})
+    with pytest.raises(ConfigError, match=r"tiers\[1\].kind: got .*a path or a namespace"):
+        pool_tiers(settings, {"kv": (4096, 2), "draft": (4096, 2)})
 
 
 # -- importing -------------------------------------------------------------------------------

@@ -160,6 +160,37 @@ def test_factory_builds_the_spec_from_inline_keys_and_it_moves_bytes(tmp_path):
         engine.shutdown()
 
 
+def test_an_engine_starts_when_its_derived_region_name_was_taken_first():
+    """Issue #32, item 6: the region's name is derived from the engine id, which another
+    local user may know (a fixed ``engine_id``, or ``ps``); a file they put there first no
+    longer stops the engine: the region gets a random suffix the worker finds."""
+    import os
+    import uuid
+    from pathlib import Path
+
+    from kvtier.tiers.cpu.region import default_directory
+
+    engine_id = f"known-{uuid.uuid4().hex[:8]}"
+    taken = Path(default_directory()) / f"kvtier-{engine_id}"
+    taken.write_bytes(b"planted")
+    try:
+        engine = Engine(kvtier_extra([cpu_tier()]), engine_id=engine_id)
+        try:
+            ctx = ReqContext("r")
+            keys = [key(i) for i in range(2)]
+            assert engine.store(keys, ctx, [3, 4]) == keys
+            engine.load(keys, ctx, [20, 21])
+            for k, block in zip(keys, [20, 21]):
+                engine.assert_holds(k, block)
+            region = engine.worker._standalone.region_path
+            assert region.startswith(str(taken) + "-") and os.path.exists(region)
+        finally:
+            engine.shutdown()
+        assert taken.read_bytes() == b"planted"  # never touched
+    finally:
+        taken.unlink()
+
+
 @pytest.mark.parametrize("chosen", [None, "auto", "kernel"])
 def test_the_copy_engine_setting_reaches_the_workers_handlers(chosen):
     extra = kvtier_extra([cpu_tier()])

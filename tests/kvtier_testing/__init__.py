@@ -27,15 +27,22 @@ def payload(k: bytes, nbytes: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
-def store_blocks(manager, keys, ctx, success: bool = True):
-    """Offer ``keys``, write each new block's own bytes into its row (the worker's copy),
-    complete the store; the PrepareStoreOutput (asserted not None)."""
+def kv_payload(k: bytes, nbytes: int) -> np.ndarray:
+    """bf16 KV-like values (as uint8) that only ``k`` produces, for codecs that read values."""
+    from kvtier.bench.codec import synthetic_kv
+
+    return synthetic_kv(nbytes, seed=int.from_bytes(hashlib.blake2b(k, digest_size=8).digest(), "little"))
+
+
+def store_blocks(manager, keys, ctx, success: bool = True, make=payload):
+    """Offer ``keys``, write each new block's own bytes (``make(key, nbytes)``) into its row
+    (the worker's copy), complete the store; the PrepareStoreOutput (asserted not None)."""
     out = manager.prepare_store(keys, ctx)
     assert out is not None
     rows = manager.backend.rows
     nbytes = rows.shape[1]
     for k, row in zip(out.keys_to_store, out.store_spec.block_ids):
-        rows[row] = payload(k, nbytes)
+        rows[row] = make(k, nbytes)
     manager.complete_store(keys, ctx, success)
     return out
 

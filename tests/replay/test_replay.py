@@ -291,3 +291,10 @@ def test_cli_refuses_a_fleet_on_cuda(capsys):
 
     assert main(["replay", "--engines", "2", "--device", "cuda", "--no-progress"]) == 2
     assert "--engines runs each engine's cache as CPU tensors" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_router_without_a_fleet(capsys):
+    from kvtier.cli.main import main
+
+    assert main(["replay", "--router", "prefix", "--no-progress"]) == 2
+    assert "--router routes a fleet's requests: add --engines N" in capsys.readouterr().err

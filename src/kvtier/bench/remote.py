@@ -25,6 +25,13 @@ value, keyed names) and with ``encrypt: aes-gcm`` (``encrypted``), the three in 
 rotates between rounds, each tier's writer warmed by one untimed store of other keys;
 ``<size>_keyed_store_cost`` etc. are 1 - (that tier's rate / the plain tier's in the same
 round), the median over rounds.
+
+With ``--codec NAME`` (repeatable) the same rounds also run the tier storing values with that
+codec (:mod:`kvtier.codecs`), on synthetic bf16 KV for every tier (random bytes hold NaN,
+which a lossy codec cannot read as values); a lossy codec's loads are compared with its own
+decode of what was stored. Per tier, ``<size>_<tier>_sent_bytes`` is what its store put on the
+wire (values: header and payload) and ``<size>_<tier>_server_bytes`` how much the server's
+``used_memory`` grew holding them: a codec's two savings.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 import numpy as np
@@ -68,13 +76,17 @@ def _config(url: str, namespace: str, **secret_options: Any):
     )
 
 
-def _tier(url: str, rows: np.ndarray, namespace: str, **secret_options: Any):
+def _tier(url: str, rows: np.ndarray, namespace: str, dtype: str = "uint8", **secret_options: Any):
     from kvtier.tiers.disk.format import LayoutFingerprint
     from kvtier.tiers.valkey.tier import ValkeyTier
 
     return ValkeyTier.open(
-        _config(url, namespace, **secret_options), rows, LayoutFingerprint.standalone(rows.shape[1])
+        _config(url, namespace, **secret_options), rows, LayoutFingerprint.standalone(rows.shape[1], dtype)
     )
+
+
+def _used_memory(client) -> int:
+    return int(client.info("memory")["used_memory"])
 
 
 def _delete(client, names: list[bytes]) -> None:
@@ -118,12 +130,19 @@ def _tier_round(
     keys,
     namespace: str,
     warm: bool = False,
+    client=None,
+    dtype: str = "uint8",
     **secret_options: Any,
-) -> tuple[float, float]:
+) -> tuple[float, float, int, int]:
+    """``(store s, load s, bytes sent, server memory grown)`` of one round of one tier."""
     from kvtier.tiers.base import TierJob
 
-    writer = _tier(url, rows, namespace, **secret_options)
-    reader = _tier(url, out_rows, namespace, **secret_options)
+    writer = _tier(url, rows, namespace, dtype, **secret_options)
+    reader = _tier(url, out_rows, namespace, dtype, **secret_options)
+    expected = rows
+    if writer.codec is not None and writer.codec.lossy:  # what the codec promises: its own decode
+        codec = writer.codec
+        expected = np.stack([codec.decode(codec.encode(row)) for row in rows])
     try:
         if warm:
             # an engine's tier runs for hours: store once untimed under other keys, so the
@@ -131,9 +150,13 @@ def _tier_round(
             spare = tuple(key[:-5] + b"w" + key[-4:] for key in keys)
             _run_job(writer, TierJob(9, spare, tuple(range(len(keys)))), load=False)
         job_rows = tuple(range(len(keys)))
+        sent = writer.stats()["sent_value_bytes"]
+        used = _used_memory(client) if client is not None else 0
         start = time.perf_counter()
         _run_job(writer, TierJob(1, tuple(keys), job_rows), load=False)
         put = time.perf_counter() - start
+        sent = writer.stats()["sent_value_bytes"] - sent
+        used = _used_memory(client) - used if client is not None else 0
 
         start = time.perf_counter()
         deadline = start + SETTLE_S
@@ -150,13 +173,13 @@ def _tier_round(
             raise RuntimeError("a stored block did not look up True")
         _run_job(reader, TierJob(2, tuple(keys), job_rows), load=True)
         get = time.perf_counter() - start
-        if not np.array_equal(out_rows, rows):
+        if not np.array_equal(out_rows, expected):
             raise RuntimeError("a loaded block differs from the stored one")
         out_rows[:] = 0
     finally:
         writer.close()
         reader.close()
-    return put, get
+    return put, get, sent, used
 
 
 def _raw_round(client, names, values, batch: int) -> tuple[float, float]:
@@ -187,11 +210,13 @@ def run(
     out: TextIO | None = None,
     allow_nonempty: bool = False,
     secrets: bool = False,
+    codecs: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Measure, print a table and one JSON line; the JSON record.
 
     ``url``: a server of the user's (default: a local one started for the run). ``secrets``:
-    also the keyed and the encrypted tier (module docstring). Raises
+    also the keyed and the encrypted tier; ``codecs``: also the tier with each codec (module
+    docstring). Raises
     :class:`~kvtier.errors.KvtierError` if it cannot be reached, or holds keys and
     ``allow_nonempty`` is not set.
     """
@@ -216,6 +241,9 @@ def run(
             stack.callback(shutil.rmtree, secret_dir, True)
         variants = secret_variants(secret_file)
         record["secrets"] = [name for name, _ in variants]
+        variants += [(f"codec_{name}", {"codec": name}) for name in codecs if name != "none"]
+        record["codecs"] = [name for name in codecs if name != "none"]
+        dtype = "bfloat16" if record["codecs"] else "uint8"
         if url is None:
             # room for a round of the tier's and the raw values, and a margin
             server = stack.enter_context(LocalValkeyServer(maxmemory=4 * (mib << 20) + (256 << 20)))
@@ -251,16 +279,20 @@ def run(
         stack.callback(_delete_run, client, prefix.encode())
         for size in SIZES:
             count = max(1, (mib << 20) // size)
-            rng = np.random.default_rng(size)
-            rows = rng.integers(0, 256, (count, size), dtype=np.uint8)
+            if record["codecs"]:
+                from kvtier.bench.codec import synthetic_kv
+
+                rows = np.stack([synthetic_kv(size, seed=index) for index in range(count)])
+            else:
+                rows = np.random.default_rng(size).integers(0, 256, (count, size), dtype=np.uint8)
             out_rows = np.zeros_like(rows)
             keys = _keys(count, size)
             names = [f"{prefix}raw:".encode() + key.hex().encode() for key in keys]
             values = [row.tobytes() for row in rows]
             batch = max(1, DEFAULT_MAX_INFLIGHT_BYTES // size)
-            tier_times: list[tuple[float, float]] = []
+            tier_times: list[tuple[float, float, int, int]] = []
             raw_times: list[tuple[float, float]] = []
-            variant_times: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in variants}
+            variant_times: dict[str, list[tuple[float, float, int, int]]] = {name: [] for name, _ in variants}
             tiers: list[tuple[str, dict[str, Any]]] = [("plain", {}), *variants]
             for round_index in range(rounds):
                 # each run's keys are deleted before the next run: one run's values in memory
@@ -271,7 +303,17 @@ def run(
                 turn = round_index % len(tiers)
                 for name, options in tiers[turn:] + tiers[:turn]:
                     namespace = f"{prefix}{size >> 10}k.{round_index}.{name}"
-                    timed = _tier_round(url, rows, out_rows, keys, namespace, warm=bool(variants), **options)
+                    timed = _tier_round(
+                        url,
+                        rows,
+                        out_rows,
+                        keys,
+                        namespace,
+                        warm=bool(variants),
+                        client=client,
+                        dtype=dtype,
+                        **options,
+                    )
                     (tier_times if name == "plain" else variant_times[name]).append(timed)
                     # keyed names are not the keys' hex: delete what the namespace holds
                     _delete_run(client, namespace.encode() + b":")
@@ -290,6 +332,10 @@ def run(
                 record[f"{label}_{name}_gbps"] = value
             record[f"{label}_store_ratio"] = store_ratio
             record[f"{label}_load_ratio"] = load_ratio
+            for name, times in (("plain", tier_times), *variant_times.items()):
+                # the bytes of a store of every block: the same each round; the server's growth varies
+                record[f"{label}_{name}_sent_bytes"] = times[0][2]
+                record[f"{label}_{name}_server_bytes"] = int(statistics.median(t[3] for t in times))
             for name, times in variant_times.items():
                 costs = {}
                 for phase, at in (("store", 0), ("load", 1)):
@@ -308,6 +354,8 @@ def run(
                         "store_cost": costs["store"],
                         "load_GB/s": record[f"{label}_{name}_load_gbps"],
                         "load_cost": costs["load"],
+                        "sent_MiB": record[f"{label}_{name}_sent_bytes"] / 2**20,
+                        "server_MiB": record[f"{label}_{name}_server_bytes"] / 2**20,
                     }
                 )
             rows_out.append(
@@ -320,6 +368,8 @@ def run(
                     "tier_load_GB/s": figures["tier_load"],
                     "raw_get_GB/s": figures["raw_load"],
                     "load_ratio": load_ratio,
+                    "sent_MiB": record[f"{label}_plain_sent_bytes"] / 2**20,
+                    "server_MiB": record[f"{label}_plain_server_bytes"] / 2**20,
                 }
             )
     print(f"kvtier bench remote: {mib} MiB per size, median of {rounds} paired rounds", file=out)
@@ -334,10 +384,16 @@ def run(
             "tier_load_GB/s",
             "raw_get_GB/s",
             "load_ratio",
+            "sent_MiB",
+            "server_MiB",
         ],
         out,
     )
     if cost_rows:
-        print_table(cost_rows, ["block", "tier", "store_GB/s", "store_cost", "load_GB/s", "load_cost"], out)
+        print_table(
+            cost_rows,
+            ["block", "tier", "store_GB/s", "store_cost", "load_GB/s", "load_cost", "sent_MiB", "server_MiB"],
+            out,
+        )
     print_json(record, out)
     return record

@@ -25,6 +25,11 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], out: Tex
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)), file=out)
 
 
+def print_counts(record: dict[str, Any], names: Sequence[str], out: TextIO) -> None:
+    """The figures ``names`` of ``record`` as a two-column table (what, count)."""
+    print_table([{"what": name, "count": record[name]} for name in names], ["what", "count"], out)
+
+
 def print_json(record: dict[str, Any], out: TextIO) -> None:
     """``record`` as one JSON line (the last line a benchmark prints)."""
     print(json.dumps(record, sort_keys=True), file=out, flush=True)
@@ -41,3 +46,19 @@ def pyplot(option: str) -> Any:
     except ImportError as exc:
         raise SystemExit(f"{option} needs matplotlib: {install_hint('plot')} ({exc})") from exc
     return plt
+
+
+def save_figure(plt: Any, figure: Any, path: str, option: str, **options: Any) -> None:
+    """Write ``figure`` to ``path`` and close it; a :class:`~kvtier.errors.KvtierError` naming
+    ``option`` (the command-line option that gave the path) if it cannot be written there."""
+    from kvtier.errors import KvtierError
+
+    try:
+        figure.savefig(path, **options)
+    except OSError as exc:
+        raise KvtierError(
+            f"{option} {path}: the plot cannot be written there ({exc.strerror or exc}); "
+            "give a path in a folder you may write"
+        ) from None
+    finally:
+        plt.close(figure)

@@ -1,4 +1,5 @@
-"""What several commands share: report-or-JSON printing, the password warning, disk kinds, options."""
+"""What several commands share: report-or-JSON printing, the password warning, disk kinds,
+options and their bounds."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, TextIO
 
 from kvtier.bench.report import print_json
 
-__all__ = ["add_secrets_option", "disk_kinds", "report", "warn_password_in_url"]
+__all__ = ["add_secrets_option", "count", "disk_kinds", "report", "warn_password_in_url"]
 
 
 def report(args: argparse.Namespace, run: Callable[[TextIO], dict[str, Any]]) -> dict[str, Any]:
@@ -24,6 +25,23 @@ def report(args: argparse.Namespace, run: Callable[[TextIO], dict[str, Any]]) ->
     record = run(io.StringIO())
     print_json(record, sys.stdout)
     return record
+
+
+def count(low: int = 1, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number from ``low`` to ``high`` (no bound without one);
+    anything else is argparse's usage error naming the option, exit 2."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"from {low} to {high}" if high is not None else f"of {low} or more"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: give a number {bounds}")
+        return value
+
+    return parse
 
 
 def add_secrets_option(parser: argparse.ArgumentParser, keyed: str) -> None:
@@ -49,8 +67,8 @@ def warn_password_in_url(url: str | None, command: str) -> None:
     if has_password:
         print(
             f"kvtier {command}: warning: a password in a URL on the command line is visible to every "
-            "local user (ps); put it in KVTIER_VALKEY_PASSWORD, or in a password_file: of the "
-            "tier's config (kvtier check --config FILE)",
+            "local user (ps): put it in a file of mode 0600 named by a valkey tier's password_file: "
+            "(kvtier check --config FILE), or in KVTIER_VALKEY_PASSWORD",
             file=sys.stderr,
         )
 

@@ -1,4 +1,9 @@
-"""``kvtier config check FILE``: parse a configuration and print its tier stack, or the error."""
+"""``kvtier config check FILE``: parse a configuration and print its tier stack, or the error.
+
+Beyond parsing, it checks the files the configuration names as the engine would at start
+(each tier's ``secret_file``, the metrics section's stats file and Unix socket), reading
+them only: what would fail the start fails the check.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +18,28 @@ def add_parser(sub: Any) -> None:
     """``kvtier config``: its actions (``check``)."""
     config = sub.add_parser("config", help="work with configuration files")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
-    check = config_commands.add_parser("check", help="parse FILE and print the tier stack, or the error")
+    check = config_commands.add_parser(
+        "check",
+        help="parse FILE and check the files it names (secrets, stats file, metrics socket); "
+        "print the tier stack, or the error",
+    )
     check.add_argument(
         "file", nargs="?", metavar="FILE", help="a kvtier YAML configuration (default: $KVTIER_CONFIG)"
     )
     check.set_defaults(func=run)
+
+
+def _check_named_files(config: Any) -> None:
+    """What the engine would refuse at start about the files ``config`` names (nothing is
+    created or written)."""
+    from kvtier.metrics.report import check_reporting
+    from kvtier.tiers.secret import read_secret_file
+
+    for index, tier in enumerate(config.tiers):
+        secret_file = getattr(tier, "secret_file", None)
+        if secret_file is not None:
+            read_secret_file(secret_file, f"tiers[{index}].secret_file")
+    check_reporting(config.metrics)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         config = load_config(args.file)
+        _check_named_files(config)
     except KvtierError as exc:
         print(f"{args.file}: invalid: {exc}", file=sys.stderr)
         return 1

@@ -7,7 +7,8 @@ import os
 import sys
 from typing import Any
 
-from kvtier.cli.common import report
+from kvtier.cli.common import count, report
+from kvtier.codecs import CODEC_NAMES
 from kvtier.cli.costing import add_cost_options, time_model
 from kvtier.errors import KvtierError
 
@@ -31,7 +32,7 @@ def add_parser(sub: Any) -> None:
     )
     plan.add_argument(
         "--capacities",
-        type=int,
+        type=count(),
         nargs="+",
         default=list(DEFAULT_CAPACITIES),
         metavar="N",
@@ -101,11 +102,17 @@ def add_parser(sub: Any) -> None:
     )
     plan.add_argument(
         "--gpu-blocks",
-        type=int,
+        type=count(),
         default=2000,
         help="with --prices: blocks of the GPU prefix cache (default 2000)",
     )
     plan.add_argument("--money-plot", metavar="FILE.png", help="with --prices: draw saving against cost")
+    plan.add_argument(
+        "--codec",
+        choices=CODEC_NAMES,
+        help="also show, at each size's bytes, the blocks a disk tier holds with this codec (bf16 KV) "
+        "and the hit ratio they reach",
+    )
     plan.add_argument("--json", action="store_true", help="print only the JSON line")
     plan.set_defaults(func=run)
 
@@ -135,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
                 cost_target=args.cost_target,
                 gpu_blocks=args.gpu_blocks,
                 money_plot=args.money_plot,
+                codec=args.codec,
             ),
         )
     except KvtierError as exc:

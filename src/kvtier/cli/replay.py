@@ -6,9 +6,11 @@ import argparse
 import sys
 from typing import Any
 
-from kvtier.cli.common import disk_kinds, report, warn_password_in_url
+from kvtier.cli.common import count, disk_kinds, report, warn_password_in_url
+from kvtier.codecs import CODEC_NAMES
 from kvtier.cli.costing import add_cost_options, time_model
 from kvtier.errors import KvtierError
+from kvtier.routing import ROUTERS
 
 
 def add_parser(sub: Any) -> None:
@@ -29,14 +31,20 @@ def add_parser(sub: Any) -> None:
         "replay writes its blocks into the stack's stores)",
     )
     replay.add_argument(
-        "--gpu-blocks", type=int, default=2000, help="blocks in the simulated GPU cache (default 2000)"
+        "--gpu-blocks", type=count(), default=2000, help="blocks in the simulated GPU cache (default 2000)"
     )
     replay.add_argument(
-        "--block-bytes", type=int, default=16 * 1024, help="payload bytes per block (default 16384)"
+        "--block-bytes", type=count(), default=16 * 1024, help="payload bytes per block (default 16384)"
     )
-    replay.add_argument("--limit", type=int, help="replay only the first N requests")
+    replay.add_argument("--limit", type=count(), help="replay only the first N requests")
     replay.add_argument(
         "--disk", choices=disk_kinds(), default="lmdb", help="disk tier kind of the default stack"
+    )
+    replay.add_argument(
+        "--codec",
+        choices=CODEC_NAMES,
+        help="store blocks in every lower tier with this codec (in the bytes the stack gives it); "
+        "lossy ones are verified against their own decode",
     )
     replay.add_argument("--no-baseline", action="store_true", help="skip the CPU-tier-only comparison run")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -60,10 +68,18 @@ def add_parser(sub: Any) -> None:
     )
     replay.add_argument(
         "--engines",
-        type=int,
+        type=count(),
         metavar="N",
-        help="a fleet: N engine processes, requests dealt round-robin, run with a shared valkey tier and "
-        "with local disks only (--config is then each engine's local stack)",
+        help="a fleet: N engine processes (at most 64) behind a router (--router), run with a shared "
+        "valkey tier and with local disks only (--config is then each engine's local stack; "
+        "--no-baseline: shared only)",
+    )
+    replay.add_argument(
+        "--router",
+        choices=ROUTERS.names(),
+        default="round_robin",
+        help="with --engines: where each request goes: round_robin (default), least_loaded, or prefix "
+        "(the engine holding the longest prefix, fed by the engines' KV events, within a load bound)",
     )
     replay.add_argument(
         "--valkey", metavar="URL", help="the fleet's shared server (default: a local valkey-server)"
@@ -85,6 +101,13 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvtier.replay.run import replay
 
+    warn_password_in_url(args.valkey, "replay")
+    if args.engines is None and (args.valkey or args.valkey_cluster):
+        print(
+            "kvtier replay: --valkey and --valkey-cluster name a fleet's shared server: add --engines N",
+            file=sys.stderr,
+        )
+        return 2
     if args.engines is not None:
         if args.deterministic:
             print(
@@ -100,19 +123,12 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        if any(value is not None for value in (args.model, args.gpu, args.bandwidth, args.kv_dtype)):
-            print(
-                "kvtier replay: --model/--gpu price one engine's replay; drop --engines or them",
-                file=sys.stderr,
-            )
-            return 2
         return _run_fleet(args)
+    if args.router != "round_robin":
+        print("kvtier replay: --router routes a fleet's requests: add --engines N", file=sys.stderr)
+        return 2
     try:
-        priced = time_model(args)
-        if not args.arrival_scale > 0:
-            raise KvtierError(f"--arrival-scale must be positive (got {args.arrival_scale})")
-        if priced is None and args.arrival_scale != 1.0:
-            raise KvtierError("--arrival-scale stretches the time model's arrivals: add --model NAME")
+        priced = _priced(args)
         record = report(
             args,
             lambda out: replay(
@@ -130,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
                 deterministic=args.deterministic,
                 time_model=priced,
                 arrival_scale=args.arrival_scale,
+                codec=args.codec,
             ),
         )  # the JSON line only with --json (printed by report): a person gets the table
     except KvtierError as exc:
@@ -140,12 +157,23 @@ def run(args: argparse.Namespace) -> int:
     return 1 if record["mismatched_blocks"] else 0
 
 
+def _priced(args: argparse.Namespace) -> Any:
+    """The time model of ``--model``/``--gpu``/... (None without ``--model``), its
+    ``--arrival-scale`` checked."""
+    priced = time_model(args)
+    if not args.arrival_scale > 0:
+        raise KvtierError(f"--arrival-scale must be positive (got {args.arrival_scale})")
+    if priced is None and args.arrival_scale != 1.0:
+        raise KvtierError("--arrival-scale stretches the time model's arrivals: add --model NAME")
+    return priced
+
+
 def _run_fleet(args: argparse.Namespace) -> int:
     from kvtier.replay.fleet import replay_fleet
 
     nodes = [node.strip() for node in args.valkey_cluster.split(",")] if args.valkey_cluster else None
-    warn_password_in_url(args.valkey, "replay")
     try:
+        priced = _priced(args)
         record = report(
             args,
             lambda out: replay_fleet(
@@ -157,9 +185,13 @@ def _run_fleet(args: argparse.Namespace) -> int:
                 gpu_blocks=args.gpu_blocks,
                 block_bytes=args.block_bytes,
                 limit=args.limit,
+                router=args.router,
+                baseline=not args.no_baseline,
+                time_model=priced,
+                arrival_scale=args.arrival_scale,
                 out=out,
             ),
-        )
+        )  # the JSON line only with --json (printed by report)
     except (KvtierError, OSError, ImportError) as exc:
         print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ import signal
 import threading
 from collections.abc import Iterator
 
-__all__ = ["STOP_SIGNALS", "Stopped", "stop_on_signals"]
+__all__ = ["STOP_SIGNALS", "Stopped", "deferred_stop", "stop_on_signals"]
 
 
 class Stopped(BaseException):
@@ -43,6 +43,9 @@ def stop_on_signals() -> Iterator[None]:
     def stop(signum: int, frame: object) -> None:
         for number in numbers:
             signal.signal(number, signal.SIG_IGN)
+        if _deferring:
+            _deferred.append(signum)  # raised when the step that must not be cut ends
+            return
         raise Stopped(signum)
 
     previous = {number: signal.signal(number, stop) for number in numbers}
@@ -51,3 +54,22 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+
+
+# Main-thread state of deferred_stop (signal handlers run in the main thread only).
+_deferring: list[bool] = []
+_deferred: list[int] = []
+
+
+@contextlib.contextmanager
+def deferred_stop() -> Iterator[None]:
+    """A step that must not be cut in two (starting a process: cut between its spawn and the
+    data written to it, the child starts on nothing and dies with a traceback): a stop signal
+    that comes meanwhile raises :class:`Stopped` as the step ends, not inside it."""
+    _deferring.append(True)
+    try:
+        yield
+    finally:
+        _deferring.pop()
+    if not _deferring and _deferred:
+        raise Stopped(_deferred.pop())

@@ -1,4 +1,5 @@
-"""``kvtier stats``: a running engine's counters, from its metrics endpoint or stats file."""
+"""``kvtier stats``: a running engine's counters, from its metrics endpoint (a port or its Unix
+socket) or stats file."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from kvtier.errors import KvtierError
 
 #: seconds between two refreshes of --watch without a number
 DEFAULT_WATCH_S = 2.0
+#: the longest --watch interval (a day)
+MAX_WATCH_S = 86400.0
 #: ANSI: cursor home, clear the screen (what `watch` does)
 _CLEAR = "\x1b[H\x1b[2J"
 
@@ -23,17 +26,21 @@ def add_parser(sub: Any) -> None:
         help="a running engine's tier table and misses by cause, from its metrics endpoint or stats file",
         description="Read a running kvtier's counters and print the tier table (blocks, hits, bytes "
         "moved, failures, evictions, job latencies) and the misses by cause. SOURCE is the engine's "
-        "metrics endpoint (http://127.0.0.1:9400/metrics: its config's metrics.port) or the file its "
-        "config's metrics.stats_file names. Exit 2 if SOURCE cannot be read.",
+        "metrics endpoint (http://127.0.0.1:9400/metrics: its config's metrics.port; or the path of "
+        "its metrics.unix_socket) or the file its config's metrics.stats_file names. An endpoint "
+        "must answer in 5 s, without a redirect. Exit 2 if SOURCE cannot be read or holds anything "
+        "kvtier would not write.",
     )
-    parser.add_argument("source", metavar="URL|PATH", help="http://HOST:PORT/metrics, or a stats file")
+    parser.add_argument(
+        "source", metavar="URL|PATH", help="http://HOST:PORT/metrics, a metrics Unix socket, or a stats file"
+    )
     parser.add_argument(
         "--watch",
         nargs="?",
         type=float,
         const=DEFAULT_WATCH_S,
         metavar="SECONDS",
-        help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C",
+        help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}, at most {MAX_WATCH_S:g}) until Ctrl-C",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     parser.set_defaults(func=run)
@@ -52,8 +59,11 @@ def _show(source: str, as_json: bool, clear: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.watch is not None and not args.watch > 0:
-        print(f"kvtier stats: --watch takes seconds > 0 (got {args.watch:g})", file=sys.stderr)
+    if args.watch is not None and not 0 < args.watch <= MAX_WATCH_S:
+        print(
+            f"kvtier stats: --watch takes seconds > 0 and <= {MAX_WATCH_S:g} (got {args.watch:g})",
+            file=sys.stderr,
+        )
         return 2
     try:
         _show(args.source, args.json, clear=args.watch is not None and not args.json)

@@ -51,6 +51,8 @@ def describe(config: KvtierConfig) -> str:
     reported = []
     if metrics.port is not None:
         reported.append(f"endpoint http://{metrics.addr}:{metrics.port}/metrics")
+    if metrics.unix_socket is not None:
+        reported.append(f"endpoint on the unix socket {metrics.unix_socket}")
     if metrics.stats_file is not None:
         reported.append(f"stats_file {metrics.stats_file} every {metrics.stats_interval_s:g} s")
     lines.append("metrics: " + (", ".join(reported) if reported else "off"))

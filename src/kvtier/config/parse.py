@@ -54,6 +54,8 @@ _TIER_NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
 MIN_SKETCH_KEYS = 4
 _CASCADE_KEYS = tuple(f.name for f in fields(CascadeConfig))
 _METRICS_KEYS = tuple(f.name for f in fields(MetricsConfig))
+#: the longest stats_interval_s: a day (a thread cannot wait for ever, nor for 1e300 s)
+MAX_STATS_INTERVAL_S = 86400
 
 
 def _parse_tier(section: object, path: str) -> TierConfig:
@@ -277,20 +279,25 @@ def _parse_metrics(value: object) -> MetricsConfig:
         settings["addr"] = non_empty_str(
             section["addr"], "metrics.addr", "an address to bind", "write e.g. addr: 127.0.0.1"
         )
-    if section.get("stats_file") is not None:
-        settings["stats_file"] = non_empty_str(
-            section["stats_file"],
-            "metrics.stats_file",
-            "the path of a file to write",
-            "write e.g. stats_file: /run/kvtier/stats.json",
-        )
+    for key, what, example in (
+        ("unix_socket", "the path of a Unix socket to create", "/run/user/UID/kvtier-metrics.sock"),
+        ("stats_file", "the path of a file to write", "/run/kvtier/stats.json"),
+    ):
+        if section.get(key) is not None:
+            settings[key] = non_empty_str(
+                section[key], f"metrics.{key}", what, f"write e.g. {key}: {example}"
+            )
     if "stats_interval_s" in section:
         interval = section["stats_interval_s"]
-        if isinstance(interval, bool) or not isinstance(interval, int | float) or not interval > 0:
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, int | float)
+            or not 0 < interval <= MAX_STATS_INTERVAL_S
+        ):
             raise ConfigError(
                 "metrics.stats_interval_s",
                 interval,
-                "a number of seconds > 0",
+                f"a number of seconds > 0 and at most {MAX_STATS_INTERVAL_S} (a day)",
                 "write e.g. stats_interval_s: 5",
             )
         settings["stats_interval_s"] = float(interval)

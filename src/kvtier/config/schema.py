@@ -158,10 +158,14 @@ class MetricsConfig:
     port: int | None = None
     # address the endpoint binds: loopback unless the counters are meant to leave the machine
     addr: str = "127.0.0.1"
+    # path of a Unix socket serving the same endpoint, mode 0600 (this user alone may scrape
+    # it, where any local user may reach a port); in a folder only this user may write
+    unix_socket: str | None = None
     # a file rewritten with stats() as JSON every stats_interval_s (atomically, mode 0600),
-    # for `kvtier stats PATH`; none: no file
+    # for `kvtier stats PATH`: a new path or a previous stats file, in a folder only this user
+    # may write; none: no file
     stats_file: str | None = None
-    # seconds between two writes of stats_file
+    # seconds between two writes of stats_file (at most a day)
     stats_interval_s: float = 5.0
 
 

@@ -8,8 +8,10 @@ import yaml
 
 from kvtier.errors import ConfigError, shown_value
 
-__all__ = ["MAX_YAML_NODES", "load_yaml", "read_file"]
+__all__ = ["MAX_CONFIG_BYTES", "MAX_YAML_NODES", "load_yaml", "read_file"]
 
+#: the most characters of a configuration file read (a real one is a few KiB)
+MAX_CONFIG_BYTES = 1 << 20
 #: the most nodes a kvtier YAML document may hold once its aliases are expanded. A real
 #: config has a few dozen; a few hundred bytes of nested aliases expand to billions.
 MAX_YAML_NODES = 10_000
@@ -148,10 +150,20 @@ def _yaml_error(error: yaml.YAMLError, text: str, where: str) -> ConfigError:
 
 
 def read_file(path: str | os.PathLike, field: str) -> str:
+    """The text of the YAML file ``path``, at most :data:`MAX_CONFIG_BYTES` of it (a device
+    such as /dev/zero is refused, not read without end); a ConfigError naming ``field``."""
     shown = os.fsdecode(path)
     try:
         with open(path, encoding="utf-8") as stream:
-            return stream.read()
+            text = stream.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                field,
+                shown,
+                f"a YAML file of at most {MAX_CONFIG_BYTES} characters",
+                "name the configuration file",
+            )
+        return text
     except FileNotFoundError:
         raise ConfigError(
             field,

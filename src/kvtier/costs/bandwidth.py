@@ -10,11 +10,20 @@ pass the lines with ``--bandwidth FILE``.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import ConfigError
 
-__all__ = ["DEFAULT_LOAD_GBPS", "HOST_LINK", "read_bandwidth_file"]
+__all__ = [
+    "DEFAULT_CODEC_COSTS",
+    "DEFAULT_LOAD_GBPS",
+    "HOST_LINK",
+    "CodecCost",
+    "codec_cost",
+    "read_bandwidth_file",
+]
 
 #: the kinds whose default is the GPU's host link rather than a figure of :data:`DEFAULT_LOAD_GBPS`
 HOST_LINK = ("cpu", "memory")
@@ -26,6 +35,52 @@ DEFAULT_LOAD_GBPS: dict[str, tuple[float, str]] = {
     "valkey": (1.31, "docs/tiers/valkey.md: kvtier bench remote, tier load at 2 MiB, loopback"),
     "redis": (1.31, "as valkey (the same protocol and client)"),
 }
+
+
+@dataclass(frozen=True)
+class CodecCost:
+    """What a codec costs a load: raw bytes per stored byte, and how fast it decodes."""
+
+    name: str
+    #: bytes of a block over the bytes stored for it (on bf16 KV)
+    ratio: float
+    #: GB/s of raw block bytes a decode gives back on one core
+    decode_gbps: float
+    source: str
+
+
+#: each codec's ratio on bf16 KV and its decode speed on one core, when no ``bench codec``
+#: record gives them: this project's measurement on SmolLM2-135M's KV (docs/results.md#codecs;
+#: the lossy ratios are exact for any bf16 KV), a starting point for other machines
+DEFAULT_CODEC_COSTS: dict[str, CodecCost] = {
+    name: CodecCost(name, ratio, decode, "docs/results.md#codecs: kvtier bench codec on SmolLM2-135M's KV")
+    for name, ratio, decode in (
+        ("lossless", 1.44, 1.76),
+        ("int8", 128 / 66, 2.47),
+        ("fp8", 128 / 66, 1.19),
+        ("int4", 64 / 20, 1.45),
+    )
+}
+
+
+def codec_cost(name: str, measured: Mapping[str, tuple[float, str]] | None = None) -> CodecCost:
+    """The cost of codec ``name``: its decode speed from a ``bench codec`` record in
+    ``measured`` (key ``codec:<name>``), else the default; :class:`ConfigError` for a codec
+    with neither (one from outside kvtier: measure it)."""
+    default = DEFAULT_CODEC_COSTS.get(name)
+    found = (measured or {}).get(f"codec:{name}")
+    ratio = (measured or {}).get(f"codec:{name}:ratio")
+    if default is None and (found is None or ratio is None):
+        raise ConfigError(
+            "codec",
+            name,
+            f"a codec with a known cost ({', '.join(DEFAULT_CODEC_COSTS)}) or a measured one",
+            "give --bandwidth FILE with its kvtier bench codec --json line",
+        )
+    if found is None:
+        assert default is not None
+        return default
+    return CodecCost(name, ratio[0] if ratio is not None else default.ratio, found[0], found[1])  # type: ignore[union-attr]
 
 
 def read_bandwidth_file(path: str | Path) -> dict[str, tuple[float, str]]:
@@ -92,6 +147,13 @@ def _speeds(record: dict, path: Path) -> dict[str, tuple[float, str]]:
             if key.endswith("k_tier_load_gbps") and key.split("k_", 1)[0].isdigit()
         }
         return {"valkey": (loads[max(loads)], where)} if loads else {}
+    if bench == "codec" and isinstance(record.get("codecs"), dict):
+        found: dict[str, tuple[float, str]] = {}
+        for name, figures in record["codecs"].items():
+            if name != "none" and isinstance(figures, dict) and figures.get("decode_gbps"):
+                found[f"codec:{name}"] = (float(figures["decode_gbps"]), where)
+                found[f"codec:{name}:ratio"] = (float(figures["ratio"]), where)
+        return found
     if bench is None:
         speeds = {}
         for key, value in record.items():

@@ -35,7 +35,7 @@ __all__ = ["CAUSES", "FOREIGN_PARTS", "CauseSketch", "MissCauses", "failure_caus
 #: every cause a miss is counted under (stats ``miss_<cause>``)
 CAUSES = ("new", "evicted", "refused", "store_failed", "corrupt", "unavailable", "filtered", "foreign")
 #: the parts of a block's identity a ``foreign`` miss can name (stats ``foreign_<part>``)
-FOREIGN_PARTS = ("layout", "tp", "namespace", "secret")
+FOREIGN_PARTS = ("layout", "tp", "namespace", "secret", "codec")
 
 # What the sketch remembers of a key (the high 3 bits of its byte; the low 5 bits hold the
 # tier's index in the stack, 0 the first tier, or for FOREIGN the part's index).
@@ -68,9 +68,9 @@ def failure_cause(reason: Failure) -> tuple[str, str | None]:
     """The miss cause of a read from below that failed with ``reason``, and the foreign part
     where it is ``foreign``.
 
-    A block that failed verification because it was written under another layout, under
-    another secret (its header's key id), or with or without a secret where this tier has the
-    other, is ``foreign`` (its header says so); a bad MAC under this secret's key id (or in a
+    A block that failed verification because it was written under another layout, with
+    another codec, under another secret (its header's key id), or with or without a secret
+    where this tier has the other, is ``foreign`` (its header says so); a bad MAC under this secret's key id (or in a
     block written before key ids, which has none) is ``corrupt``, as is every other failed
     check. A block gone from the tier was let go (``evicted``); any other failure
     (unreachable, refused credentials, an I/O error) means the tier could not serve it:
@@ -82,6 +82,8 @@ def failure_cause(reason: Failure) -> tuple[str, str | None]:
             return "foreign", "layout"
         if reason.detail in ("unkeyed", "keyed (no secret here)", "other secret"):
             return "foreign", "secret"
+        if reason.detail == "other codec":
+            return "foreign", "codec"
         return "corrupt", None
     if kind is FailureKind.MISSING:
         return "evicted", None

@@ -1,5 +1,7 @@
-"""A running engine's counters, read back: from its metrics endpoint (Prometheus text) or its
-stats file, into one summary per tier (what ``kvtier stats`` prints).
+"""A running engine's counters, read back: from its metrics endpoint (Prometheus text, over
+TCP or its Unix socket) or its stats file, into one summary per tier (what ``kvtier stats``
+prints). Whatever answers is not trusted: one deadline, a size cap, no redirect followed, and
+anything kvtier would not have written is an error naming it, never a traceback.
 
 Both sources become the same series (the stats file through :func:`kvtier.metrics.names.samples`,
 as the exporter does), so the summary is computed one way and agrees with the endpoint.
@@ -8,20 +10,23 @@ Labels the summary does not use (vLLM's ``engine``, ``model_name``) are summed o
 
 from __future__ import annotations
 
-import json
+import contextlib
+import http.client
 import math
+import os
 import re
-import urllib.error
-import urllib.request
+import socket
+import stat
+import threading
+import urllib.parse
 from collections import defaultdict
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KvtierError
 from kvtier.metrics import names as n
 from kvtier.metrics.histogram import LatencyHistogram
-from kvtier.metrics.report import STATS_FILE_VERSION
+from kvtier.metrics.report import read_stats_document
 
 __all__ = ["Series", "parse_text", "read_series", "render", "summarize"]
 
@@ -55,77 +60,191 @@ def parse_text(text: str) -> list[Series]:
             value = float(m.group(3))
         except ValueError:
             raise ValueError(f"line {number} has no number for its value: {line[:80]!r}") from None
+        if m.group(1).endswith("_bucket"):
+            try:
+                float(labels["le"])
+            except (KeyError, ValueError):
+                raise ValueError(f"line {number} is a bucket without a number as le: {line[:80]!r}") from None
         out.append((m.group(1), labels, value))
     return out
 
 
-def _snapshot_series(document: Any, where: str) -> list[Series]:
-    """A stats file's document (see :func:`kvtier.metrics.report.snapshot`) as series."""
-    if not isinstance(document, dict) or document.get("version") != STATS_FILE_VERSION:
-        raise KvtierError(
-            f"{where} is not a kvtier stats file (version {STATS_FILE_VERSION}): give the "
-            "metrics.stats_file path of a running kvtier"
-        )
-    stats = document.get("stats")
-    if not isinstance(stats, dict):
-        raise KvtierError(f"{where} has no stats: it is not a kvtier stats file")
+def _snapshot_series(document: dict[str, Any], where: str) -> list[Series]:
+    """A stats file's document (see :func:`kvtier.metrics.report.read_stats_document`) as
+    series; KvtierError for a histogram that is not one (its counts must be one per bucket
+    plus the overflow, whole and not negative, its bounds increasing)."""
     out: list[Series] = []
-    for sample in n.samples(stats):
+    for sample in n.samples(document["stats"]):
         metric = sample.metric
         out.append((metric.name, dict(zip(metric.labels, sample.labels)), sample.value))
-    for name, histogram in (document.get("job_seconds") or {}).items():
-        tier, _, direction = name.rpartition(".")
-        h = LatencyHistogram(tuple(histogram["bounds"]))
-        h.counts = list(histogram["counts"])
+    histograms = document.get("job_seconds") or {}
+    if not isinstance(histograms, dict):
+        raise KvtierError(f"{where} is a damaged kvtier stats file: job_seconds is not a mapping")
+    for name, histogram in histograms.items():
+        tier, _, direction = str(name).rpartition(".")
+        try:
+            bounds, counts, total = histogram["bounds"], histogram["counts"], histogram["sum"]
+            if not (
+                isinstance(bounds, list)
+                and all(isinstance(b, int | float) and b > 0 for b in bounds)
+                and bounds == sorted(set(bounds))
+                and isinstance(counts, list)
+                and len(counts) == len(bounds) + 1
+                and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts)
+                and isinstance(total, int | float)
+                and total >= 0
+            ):
+                raise ValueError("its bounds, counts and sum do not make a histogram")
+            h = LatencyHistogram(tuple(bounds))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise KvtierError(
+                f"{where} is a damaged kvtier stats file: job_seconds {name!r}: {exc}"
+            ) from None
+        h.counts = list(counts)
         labels = {"tier": tier, "direction": direction}
         for bound, count in h.cumulative():
             le = "+Inf" if bound == math.inf else repr(bound)
             out.append((n.JOB_SECONDS.name + "_bucket", {**labels, "le": le}, float(count)))
-        out.append((n.JOB_SECONDS.name + "_sum", labels, float(histogram["sum"])))
+        out.append((n.JOB_SECONDS.name + "_sum", labels, float(total)))
     return out
 
 
-def read_series(source: str, timeout_s: float = 5.0) -> list[Series]:
-    """The series of ``source``: an ``http(s)://`` metrics endpoint, or a stats file's path.
+#: the most bytes of an endpoint's answer read (a real one is tens of KiB)
+MAX_ANSWER_BYTES = 16 << 20
 
-    Raises :class:`KvtierError` saying what is wrong and what to give instead, for an
-    endpoint that does not answer, a missing file, or content that is neither.
-    """
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over the Unix socket at ``path`` (an endpoint's ``metrics.unix_socket``)."""
+
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _get(source: str, timeout_s: float) -> str:
+    """The body of a GET of ``source`` (an http(s) URL, or a Unix socket's path), all of it
+    within ``timeout_s`` however slowly the server sends it, at most :data:`MAX_ANSWER_BYTES`,
+    and never from elsewhere: a redirect is an error, not followed."""
+    connection: http.client.HTTPConnection
     if source.startswith(("http://", "https://")):
         try:
-            with urllib.request.urlopen(source, timeout=timeout_s) as response:
-                text = response.read().decode("utf-8", "replace")
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
+            parts = urllib.parse.urlsplit(source)
+            host, port = parts.hostname, parts.port
+        except ValueError as exc:
+            raise KvtierError(f"{source} is not a URL ({exc}): write http://HOST:PORT/metrics") from None
+        if not host:
+            raise KvtierError(f"{source} names no host: write http://HOST:PORT/metrics")
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = kind(host, port, timeout=timeout_s)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    else:
+        connection, target = _UnixHTTPConnection(source, timeout_s), "/metrics"
+    # One deadline for the whole exchange: the socket's timeout bounds each read only, so a
+    # server sending a byte a second would hold a plain read for ever; the timer cuts it.
+    cut = threading.Event()
+    opened: list[socket.socket] = []  # the response keeps reading it after the connection lets go
+
+    def hang_up() -> None:
+        cut.set()
+        for sock in opened:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(timeout_s, hang_up)
+    timer.start()
+    try:
+        connection.connect()
+        opened.append(connection.sock)
+        if cut.is_set():
+            hang_up()
+        connection.request("GET", target, headers={"Accept": "text/plain"})
+        response = connection.getresponse()
+        if response.status != 200:
+            where = response.getheader("Location")
             raise KvtierError(
-                f"cannot read {source} ({reason}): is the engine running with metrics.port set, "
-                "and is this its address?"
-            ) from exc
+                f"{source} answered {response.status} {response.reason}"
+                + (
+                    f" (a redirect to {where}: kvtier stats reads only the address it is given)"
+                    if where
+                    else ""
+                )
+                + ": give the engine's own metrics endpoint"
+            )
+        body = response.read(MAX_ANSWER_BYTES + 1)
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        if cut.is_set():
+            raise KvtierError(f"{source} gave no whole answer within {timeout_s:g} s") from None
+        raise KvtierError(
+            f"cannot read {source} ({exc}): is the engine running with metrics.port or "
+            "metrics.unix_socket set, and is this its address?"
+        ) from None
+    finally:
+        timer.cancel()
+        connection.close()
+    if cut.is_set():  # the answer ended because the deadline cut it: not the whole of it
+        raise KvtierError(f"{source} gave no whole answer within {timeout_s:g} s")
+    if len(body) > MAX_ANSWER_BYTES:
+        raise KvtierError(f"{source} answered more than {MAX_ANSWER_BYTES} bytes: not a kvtier endpoint")
+    return body.decode("utf-8", "replace")
+
+
+def read_series(source: str, timeout_s: float = 5.0) -> list[Series]:
+    """The series of ``source``: an ``http(s)://`` metrics endpoint, the path of its Unix
+    socket, or a stats file's path.
+
+    Raises :class:`KvtierError` saying what is wrong and what to give instead, for an
+    endpoint that does not answer (in ``timeout_s``, all of it) or answers anything but
+    kvtier's metrics, a missing file, or content that is neither.
+    """
+    try:
+        is_socket = stat.S_ISSOCK(os.stat(source).st_mode)
+    except (OSError, ValueError):
+        is_socket = False
+    if is_socket or source.startswith(("http://", "https://")):
+        text = _get(source, timeout_s)
         try:
             series = parse_text(text)
         except ValueError as exc:
             raise KvtierError(f"{source} did not answer Prometheus metrics: {exc}") from exc
         if not any(name.startswith("kvtier_") for name, _, _ in series):
             raise KvtierError(f"{source} serves no kvtier_ metrics: is it a kvtier engine's endpoint?")
-        return series
-    path = Path(source)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise KvtierError(
-            f"{source}: no such file; give the metrics.stats_file path of a running kvtier, "
-            "or its endpoint as http://HOST:PORT/metrics"
-        ) from None
-    except OSError as exc:
-        raise KvtierError(f"{source} cannot be read ({exc.strerror or exc})") from exc
-    try:
-        document = json.loads(text)
-    except ValueError as exc:
-        raise KvtierError(f"{source} is not JSON ({exc}): it is not a kvtier stats file") from exc
-    try:
-        return _snapshot_series(document, source)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise KvtierError(f"{source} is a damaged kvtier stats file ({exc!r})") from exc
+    else:
+        series = _snapshot_series(read_stats_document(source), source)
+    problem = _inconsistency(series)
+    if problem is not None:
+        raise KvtierError(f"{source} does not hold kvtier's metrics as kvtier writes them: {problem}")
+    return series
+
+
+def _inconsistency(series: list[Series]) -> str | None:
+    """What in kvtier's series no kvtier writes (a value not a finite number, a counter below
+    zero, a histogram whose buckets shrink as their bound grows), or None."""
+    buckets: dict[tuple[str, tuple[tuple[str, str], ...]], list[tuple[float, float]]] = defaultdict(list)
+    for name, labels, value in series:
+        if not name.startswith("kvtier_"):
+            continue  # another exporter's series (vLLM's): summed over, never judged
+        if not math.isfinite(value):
+            return f"{name} is {value}"
+        if value < 0 and name.endswith(("_total", "_bucket", "_sum", "_count")):
+            return f"the counter {name} is {value:g}"
+        if name.endswith("_bucket"):
+            rest = tuple(sorted((k, v) for k, v in labels.items() if k != "le"))
+            buckets[name, rest].append((float(labels["le"]), value))
+    for key, found in buckets.items():
+        counts = [count for _, count in sorted(found)]
+        if counts != sorted(counts):
+            return f"the buckets of {key[0]} shrink as their bound grows"
+    return None
 
 
 def _sum(series: Iterable[Series], name: str, **match: str) -> dict[tuple[str, ...], float]:

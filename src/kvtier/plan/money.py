@@ -22,7 +22,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from kvtier.bench.report import print_table, pyplot
+from kvtier.bench.report import print_table, pyplot, save_figure
 from kvtier.costs.prices import Prices
 from kvtier.costs.queue import BLOCK_TOKENS
 from kvtier.costs.timing import CostModel, TierSpeed, tier_speeds
@@ -182,5 +182,4 @@ def plot_money(record: dict[str, Any], path: str) -> None:
     axes.set_ylabel("GPU-seconds saved")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    save_figure(plt, figure, path, "--money-plot")

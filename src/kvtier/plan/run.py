@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvtier.bench.report import print_json, print_table, pyplot
+from kvtier.bench.report import print_json, print_table, pyplot, save_figure
+from kvtier.cli.signals import deferred_stop
 from kvtier.errors import ConfigError
 from kvtier.plan.admission import simulate_admission
 from kvtier.plan.belady import belady
@@ -75,6 +76,7 @@ def plan(
     cost_target: float = 0.9,
     gpu_blocks: int = 2000,
     money_plot: str | None = None,
+    codec: str | None = None,
 ) -> dict[str, Any]:
     """Hit ratio per policy and size, Belady's bound, the ceiling, and tier sizes; the JSON record.
 
@@ -107,6 +109,11 @@ def plan(
     the best online policy and by Belady, behind a GPU cache of ``gpu_blocks``; it recommends
     the cheapest within ``cost_target`` of the largest saving. ``money_plot`` draws it.
     ``time_model`` without ``prices`` adds ``break_even`` only (per kind of tier it prices).
+
+    ``codec`` (a :mod:`kvtier.codecs` name) adds ``codec``: at each size's bytes on a disk tier,
+    how many blocks of bf16 KV the tier holds with the codec (its slots sized for the encoded
+    block), and the hit ratio the best policy at that size reaches with them; and the disk
+    tier it recommends for ``target`` then.
     """
     started = time.perf_counter()
     policies = list(policies or registered_policies())
@@ -116,6 +123,7 @@ def plan(
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ConfigError("--jobs", jobs, "a positive number of processes", "e.g. --jobs 2")
     money_inputs = _money_inputs(prices, time_model, cost_target, gpu_blocks)  # bad input fails first
+    slots = _codec_slots(codec, block_bytes) if codec is not None else None
     path = Path(trace) if trace else bundled_trace_path()
     requests = load_trace(path)
     chains = [request.hash_ids for request in requests]
@@ -123,13 +131,20 @@ def plan(
 
     classes = {name: _class_path(get_policy_class(name, field="--policies")) for name in policies}
     admitting = _class_path(get_policy_class(admission_policy, field="--admission-policy"))
+    # A cache of at least the trace's distinct blocks never evicts, so it gives what one of
+    # exactly that many gives: simulated at that size (a capacity of 10^15 blocks would
+    # otherwise be allocated slot by slot).
+    distinct = max(1, len({block for chain in chains for block in chain}))
+    sized = {c: min(c, distinct) for c in capacities}
     tasks: list[tuple[str, str | None, int]] = []
     for name in policies:
-        tasks += [("policy", classes[name], c) for c in capacities]
-        tasks += [("oracle", classes[name], c) for c in capacities]
-    tasks += [("belady", None, c) for c in capacities]
-    tasks += [("admission", admitting, c) for c in capacities]
-    done = dict(zip(tasks, _run_all(tasks, chains, min_reuse, jobs)))
+        tasks += [("policy", classes[name], sized[c]) for c in capacities]
+        tasks += [("oracle", classes[name], sized[c]) for c in capacities]
+    tasks += [("belady", None, sized[c]) for c in capacities]
+    tasks += [("admission", admitting, sized[c]) for c in capacities]
+    tasks = list(dict.fromkeys(tasks))
+    ran = dict(zip(tasks, _run_all(tasks, chains, path, min_reuse, jobs)))
+    done = {(kind, path, c): ran[kind, path, sized[c]] for kind, path, _ in tasks for c in capacities}
 
     hit_ratio: dict[str, list[float]] = {}
     told: dict[str, list[float]] = {}  # policy -> its reuse-oracle hit ratio per capacity
@@ -190,6 +205,23 @@ def plan(
         "misses": misses,
         "jobs": jobs,
     }
+    if slots is not None:
+        raw_slot, codec_slot = slots
+        held = [c * raw_slot // codec_slot for c in capacities]
+        more: list[tuple[str, str | None, int]] = [
+            ("policy", classes[name], min(c, distinct)) for name, c in zip(best_policy, held)
+        ]
+        ratios = [result[0] for result in _run_all(more, chains, path, min_reuse, jobs)]
+        reached = smallest_reaching(capacities, ratios, target * ceiling)
+        record["codec"] = {
+            "name": codec,
+            "blocks_per_byte_ratio": raw_slot / codec_slot,
+            "blocks": held,
+            "hit_ratio": ratios,
+            "policy": best_policy,
+            "disk_blocks": None if reached is None else reached * raw_slot // codec_slot,
+            "disk_bytes": None if reached is None else reached * block_bytes,
+        }
     if signals:
         record["signals"] = reuse_signals(chains)
     if money_inputs is not None:
@@ -215,6 +247,18 @@ def plan(
 
         plot_money(record["money"], money_plot)
     return record
+
+
+def _codec_slots(codec: str, block_bytes: int) -> tuple[int, int]:
+    """The bytes a disk tier spends per block without and with ``codec`` (bf16 KV), or
+    :class:`ConfigError` naming ``--codec``."""
+    from kvtier.codecs import make_codec, parse_codec_option
+    from kvtier.tiers.disk.format import on_disk_block_bytes
+
+    parse_codec_option({"codec": codec}, "--codec")
+    made = make_codec(codec, block_bytes, "bfloat16", "--codec")
+    stored = made.max_encoded_bytes if made is not None else block_bytes
+    return on_disk_block_bytes(block_bytes), on_disk_block_bytes(stored)
 
 
 def _money_inputs(prices: str | None, time_model: Any, target: float, gpu_blocks: int) -> Any:
@@ -291,8 +335,10 @@ def _admission_row(
 _WORKER: dict[str, Any] = {}
 
 
-def _start_worker(chains: Sequence[Sequence[int]], min_reuse: int) -> None:
-    _WORKER.update(chains=chains, min_reuse=min_reuse)
+def _start_worker(trace: Path, min_reuse: int) -> None:
+    # The path, not the chains: a worker's start then writes a few bytes to its pipe, where
+    # megabytes would keep the parent writing (a SIGTERM then would cut the pickle short)
+    _WORKER.update(chains=[request.hash_ids for request in load_trace(trace)], min_reuse=min_reuse)
 
 
 def _worker_task(task: tuple[str, str | None, int]) -> Any:
@@ -300,22 +346,30 @@ def _worker_task(task: tuple[str, str | None, int]) -> Any:
 
 
 def _run_all(
-    tasks: list[tuple[str, str | None, int]], chains: Sequence[Sequence[int]], min_reuse: int, jobs: int
+    tasks: list[tuple[str, str | None, int]],
+    chains: Sequence[Sequence[int]],
+    trace: Path,
+    min_reuse: int,
+    jobs: int,
 ) -> list[Any]:
-    """Each task's result, in order: here, or in ``jobs`` spawned worker processes."""
+    """Each task's result, in order: here, or in ``jobs`` spawned worker processes (which
+    read the ``chains`` again from ``trace``)."""
     if jobs == 1 or len(tasks) == 1:
         return [_simulate_task(task, chains, min_reuse) for task in tasks]
-    with ProcessPoolExecutor(
-        max_workers=min(jobs, len(tasks)),
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_start_worker,
-        initargs=(chains, min_reuse),
-    ) as pool:
+    # multiprocessing's Pool rather than concurrent.futures': leaving its `with` terminates the
+    # workers, so SIGTERM or Ctrl-C ends a plan at once, where the executor's exit would run
+    # every simulation still queued first (minutes).
+    context = multiprocessing.get_context("spawn")
+    with contextlib.ExitStack() as stack:
+        with deferred_stop():  # never a worker spawned and left without its data
+            pool = stack.enter_context(
+                context.Pool(min(jobs, len(tasks)), initializer=_start_worker, initargs=(trace, min_reuse))
+            )
         # Handed out slowest first (Belady's heap, then the oracles, then the policies), so
         # the last task to finish is a short one and no worker idles long at the end.
         by_cost = sorted(tasks, key=lambda task: (_COST[task[0]], task[2]), reverse=True)
-        futures = {task: pool.submit(_worker_task, task) for task in by_cost}
-        return [futures[task].result() for task in tasks]
+        pending = {task: pool.apply_async(_worker_task, (task,)) for task in by_cost}
+        return [pending[task].get() for task in tasks]
 
 
 #: rough relative cost of each kind of task, for the order they are handed out in
@@ -443,6 +497,8 @@ def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None
         f"{record['refs_per_s']}, Belady {record['opt_refs_per_s']})",
         file=out,
     )
+    if "codec" in record:
+        _print_codec(record, out)
     if "money" in record:
         from kvtier.plan.money import print_money
 
@@ -452,6 +508,33 @@ def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None
 
         print_break_even(record["break_even"], out)
     print_json(record, out)
+
+
+def _print_codec(record: dict[str, Any], out: TextIO) -> None:
+    """What the codec buys a disk tier at each size's bytes: blocks held, hit ratio."""
+    codec = record["codec"]
+    print(
+        f"codec {codec['name']} on a disk tier of the same bytes (bf16 KV; {codec['blocks_per_byte_ratio']:.2f}x "
+        "the blocks per byte; lossless reserves a whole block per slot):",
+        file=out,
+    )
+    print_table(
+        [
+            {
+                "bytes": _gib(capacity * record["block_bytes"]),
+                "blocks": capacity,
+                "hit_ratio": max(record["hit_ratio"][name][i] for name in record["hit_ratio"]),
+                "codec_blocks": codec["blocks"][i],
+                "codec_hit_ratio": codec["hit_ratio"][i],
+            }
+            for i, capacity in enumerate(record["capacities"])
+        ],
+        ["bytes", "blocks", "hit_ratio", "codec_blocks", "codec_hit_ratio"],
+        out,
+    )
+    blocks = codec["disk_blocks"]
+    size = "not reached" if blocks is None else f"{blocks} blocks, {_gib(codec['disk_bytes'])}"
+    print(f"disk tier with {codec['name']} ({record['target']:.0%} of ceiling): {size}", file=out)
 
 
 def _plot(record: dict[str, Any], policies: Sequence[str], path: str) -> None:
@@ -475,5 +558,4 @@ def _plot(record: dict[str, Any], policies: Sequence[str], path: str) -> None:
     axes.set_ylabel("prefix hit ratio")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    save_figure(plt, figure, path, "--plot")

@@ -9,7 +9,9 @@ It owns a "GPU" KV cache (a CUDA tensor, or a CPU tensor standing in without CUD
    scheduler steps until every pending answer is ``True`` or ``False`` — the prefix ends at
    the first ``False``;
 3. loads the hits into free GPU blocks through the real CPU->GPU handler, and compares every
-   loaded block byte for byte with what was stored;
+   loaded block byte for byte with what was stored (a block that came through a lossy codec
+   of a lower tier, with that codec's decode of what was stored: its own, never another
+   block's);
 4. "computes" the rest: writes each block's deterministic bytes (derived from its key);
 5. offers the computed blocks for storing — with the GPU prefix before them when nothing
    was loaded, as vLLM 0.33's connector does (a present block offered again is how the
@@ -36,15 +38,17 @@ stack's: the manager, the tiers, the handlers.
 from __future__ import annotations
 
 import hashlib
+import os
 import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.base import OffloadKey, ReqContext, TransferResult, make_offload_key
+from kvtier.base import OffloadingEvent, OffloadKey, ReqContext, TransferResult, make_offload_key
 from kvtier.errors import KvtierError
 from kvtier.mediums import GPULoadStoreSpec
 from kvtier.replay.trace import Request
@@ -60,15 +64,20 @@ def block_key(hash_id: int) -> OffloadKey:
     return make_offload_key(hashlib.sha256(hash_id.to_bytes(8, "little")).digest(), 0)
 
 
-def block_bytes_of(key: OffloadKey, nbytes: int) -> np.ndarray:
-    """The bytes block ``key`` "computes" to: its SHA-512 repeated, so no other key's match."""
-    return np.frombuffer(_payload(key, nbytes), dtype=np.int8)
+def block_bytes_of(key: OffloadKey, nbytes: int, kv_like: bool = False) -> np.ndarray:
+    """The bytes block ``key`` "computes" to: its SHA-512 repeated, so no other key's match
+    (``kv_like``: read as bf16, every value finite, of magnitude 2^-7 to 2^-3)."""
+    return np.frombuffer(_payload(key, nbytes, kv_like), dtype=np.int8)
 
 
-def _payload(key: OffloadKey, nbytes: int) -> bytes:
+def _payload(key: OffloadKey, nbytes: int, kv_like: bool = False) -> bytes:
     # bytes repetition is one C-level copy; np.resize did the same in a Python loop of numpy
     # calls and was most of the engine's own time.
     digest = hashlib.sha512(key).digest()
+    if kv_like:
+        # each bf16's high byte: sign, and an exponent of 0x78 to 0x7B, so a lossy codec
+        # sees values (random bytes hold NaN and infinity), without a cost per block
+        digest = bytes(b if i % 2 == 0 else (b & 0x81) | 0x3C for i, b in enumerate(digest))
     return (digest * -(-nbytes // len(digest)))[:nbytes]
 
 
@@ -81,6 +90,8 @@ class ReplayCounts:
     #: hits by tier name: "gpu", the CPU tier's name, then each lower tier's
     hits: dict[str, int] = field(default_factory=dict)
     verified_blocks: int = 0
+    #: of those, blocks that came through a lossy codec: equal to its decode of what was stored
+    codec_verified_blocks: int = 0
     mismatched_blocks: int = 0
     computed_blocks: int = 0
     stored_blocks: int = 0
@@ -112,6 +123,28 @@ class ReplayCounts:
     served: list[dict[str, int]] = field(default_factory=list)
 
 
+def _gpu_cache(torch: Any, gpu_blocks: int, block_bytes: int, device: str) -> Any:
+    """The simulated GPU cache, zeroed; a KvtierError naming ``--gpu-blocks`` when it is more
+    than the machine's memory (on the CPU: refused before a zeroing that would take it all)
+    or the device cannot allocate it."""
+    wanted = gpu_blocks * block_bytes
+    fix = "lower --gpu-blocks (or --block-bytes)"
+    if device == "cpu" and hasattr(os, "sysconf"):
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if wanted > memory:
+            raise KvtierError(
+                f"--gpu-blocks {gpu_blocks} of {block_bytes} bytes is {wanted / 2**30:.1f} GiB, more "
+                f"than this machine's {memory / 2**30:.1f} GiB of memory: {fix}"
+            )
+    try:
+        return torch.zeros((gpu_blocks, block_bytes), dtype=torch.int8, device=device)
+    except (RuntimeError, MemoryError) as exc:  # torch's allocation failures (CUDA's too)
+        raise KvtierError(
+            f"--gpu-blocks {gpu_blocks} of {block_bytes} bytes ({wanted / 2**30:.1f} GiB) cannot be "
+            f"allocated on {device} ({str(exc).splitlines()[0][:120]}): {fix}"
+        ) from None
+
+
 class ReplayEngine:
     """The simulated engine over a :class:`~kvtier.spec.TieredOffloadingSpec`'s two sides.
 
@@ -130,8 +163,10 @@ class ReplayEngine:
         self.block_bytes = spec.block_bytes
         self.gpu_blocks = gpu_blocks
         self.deterministic = deterministic
+        self._gpu = _gpu_cache(
+            torch, gpu_blocks, self.block_bytes, device
+        )  # before the stack: nothing to undo
         self.manager = spec.get_manager()
-        self._gpu = torch.zeros((gpu_blocks, self.block_bytes), dtype=torch.int8, device=device)
         caches = CanonicalKVCaches(
             [CanonicalKVCacheTensor(self._gpu, self.block_bytes)],
             [[CanonicalKVCacheRef(0, self.block_bytes)]],
@@ -157,9 +192,18 @@ class ReplayEngine:
         self._cpu_name = spec.config.tiers[0].name
         self._lower = getattr(self.manager, "tiers", [])  # a single-tier manager has none
         self._lower_names = [tier.name for tier in self._lower]
+        #: payloads are bf16 values (lossy codecs need them) where the layout says bf16
+        self._kv_like = getattr(spec, "kv_dtype", "uint8") == "bfloat16"
+        #: the lossy codecs of the lower tiers: a block may come back as their decode
+        self._lossy = [
+            codec for codec in (getattr(tier, "codec", None) for tier in self._lower) if codec and codec.lossy
+        ]
         self.counts = ReplayCounts(hits={"gpu": 0, self._cpu_name: 0, **dict.fromkeys(self._lower_names, 0)})
         #: the trace's time (seconds) at the request in hand; None before the first
         self.trace_s: float | None = None
+        #: when a list (a router reads this engine's KV events): every block its GPU cache
+        #: and its stack stored or removed, in order, until :meth:`take_kv_events`
+        self.kv_events: list[OffloadingEvent] | None = None
 
     # -- the GPU side ----------------------------------------------------------------------
 
@@ -178,6 +222,10 @@ class ReplayEngine:
                 if victim not in keep and block not in copying:
                     del self._gpu_cache[victim]
                     self._free_gpu.append(block)
+                    if self.kv_events is not None:
+                        self.kv_events.append(
+                            OffloadingEvent([victim], self.block_bytes, GPULoadStoreSpec.medium(), True)
+                        )
                     break
             else:
                 if self._storing:  # blocks still being copied out: theirs come free then
@@ -196,6 +244,12 @@ class ReplayEngine:
         its request's prefix and so computed or loaded again, gives up its old block: free
         now, or once the store copy reading it ends (replacing the entry alone leaked it)."""
         cache = self._gpu_cache
+        if self.kv_events is not None:
+            new = [key for key in keys if key not in cache]
+            if new:
+                self.kv_events.append(
+                    OffloadingEvent(new, self.block_bytes, GPULoadStoreSpec.medium(), False)
+                )
         for key, block in zip(keys, blocks):
             old = cache.pop(key, None)
             if old is not None:
@@ -286,6 +340,8 @@ class ReplayEngine:
             self._wait_for_tiers()
         self.counts.steps += 1
         for event in self.manager.take_events():
+            if self.kv_events is not None:
+                self.kv_events.append(event)
             if event.removed and not event.metadata_only and event.medium == "CPU" and self._lower:
                 self.counts.dropped_blocks += sum(
                     1 for key in event.keys if not any(tier.lookup(key) for tier in self._lower)
@@ -406,7 +462,8 @@ class ReplayEngine:
             blocks = self._allocate_gpu(len(computed), keep)
             start = time.perf_counter()
             nbytes = self.block_bytes
-            self._write_gpu(blocks, b"".join([_payload(key, nbytes) for key in computed]))
+            kv_like = self._kv_like
+            self._write_gpu(blocks, b"".join([_payload(key, nbytes, kv_like) for key in computed]))
             counts.engine_s += time.perf_counter() - start
             self._cache_put(computed, blocks)
             counts.computed_blocks += len(computed)
@@ -419,6 +476,13 @@ class ReplayEngine:
             self._store(offer, ctx)
         manager.on_request_finished(ctx)
         self.step()
+
+    def take_kv_events(self) -> list[OffloadingEvent]:
+        """The KV events gathered since the last call (none unless :attr:`kv_events` is on)."""
+        events = self.kv_events or []
+        if self.kv_events is not None:
+            self.kv_events = []
+        return events
 
     def _trace_clock(self) -> float:
         return self.trace_s or 0.0
@@ -438,19 +502,40 @@ class ReplayEngine:
             return False
         start = time.perf_counter()
         nbytes = self.block_bytes
-        expected = [_payload(key, nbytes) for key in hits]
+        expected = [_payload(key, nbytes, self._kv_like) for key in hits]
         got = self._read_gpu(blocks)
         if got == b"".join(expected):  # the common case: one comparison for the whole load
             counts.verified_blocks += len(hits)
         else:
             for i, want in enumerate(expected):
-                if got[i * nbytes : (i + 1) * nbytes] == want:
+                block = got[i * nbytes : (i + 1) * nbytes]
+                if block == want:
                     counts.verified_blocks += 1
+                elif block in self._decodes(want):
+                    counts.verified_blocks += 1
+                    counts.codec_verified_blocks += 1
                 else:
                     counts.mismatched_blocks += 1
         counts.engine_s += time.perf_counter() - start
         self._cache_put(hits, blocks)
         return True
+
+    def _decodes(self, block: bytes) -> set[bytes]:
+        """What ``block`` may come back as through the stack's lossy codecs: each one's decode
+        of it, and of the others' (a block one tier decoded may be stored in another). A
+        decoded block encodes to itself again (a codec's promise), so no longer chain adds any."""
+        found: set[bytes] = set()
+        frontier = [block]
+        for _ in self._lossy:
+            frontier = [
+                decoded
+                for source in frontier
+                for codec in self._lossy
+                if (decoded := codec.decode(codec.encode(np.frombuffer(source, dtype=np.uint8))).tobytes())
+                not in found
+            ]
+            found.update(frontier)
+        return found
 
     def _store(self, keys: list[OffloadKey], ctx: ReqContext) -> None:
         manager = self.manager

@@ -8,9 +8,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
-from kvtier.bench.report import print_json, print_table, pyplot
+from kvtier.bench.report import print_json, print_table, pyplot, save_figure
 from kvtier.config import KvtierConfig, MetricsConfig, load_config
 from kvtier.errors import KvtierError
 from kvtier.replay.engine import ReplayEngine
@@ -67,6 +67,59 @@ def in_trace_blocks(config: KvtierConfig) -> KvtierConfig:
     return dataclasses.replace(config, block_size_tokens=TRACE_BLOCK_TOKENS)
 
 
+def _codecs(config: KvtierConfig) -> dict[str, str]:
+    """The lower tiers' codecs by tier name (those with one)."""
+    return {
+        tier.name: getattr(tier, "codec", "none")
+        for tier in config.tiers[1:]
+        if getattr(tier, "codec", "none") != "none"  # a kind without codecs has no such field
+    }
+
+
+def _kv_dtype(config: KvtierConfig) -> str:
+    """The replayed KV's element dtype: bf16 values when a tier stores them with a codec
+    (which reads them as values), raw bytes otherwise."""
+    return "bfloat16" if _codecs(config) else "uint8"
+
+
+def with_codec(config: KvtierConfig, codec: str) -> KvtierConfig:
+    """``config`` with every lower tier that takes a codec storing blocks with ``codec``."""
+    from kvtier.codecs import parse_codec_option
+
+    parse_codec_option({"codec": codec}, "--codec")  # a name it knows, or ConfigError
+    tiers = [
+        dataclasses.replace(cast(Any, tier), codec=codec) if hasattr(tier, "codec") else tier
+        for tier in config.tiers
+    ]
+    if tiers == list(config.tiers) and codec != "none":
+        raise KvtierError(
+            f"--codec {codec}: no tier below the CPU tier takes a codec (disk or valkey kinds do)"
+        )
+    return dataclasses.replace(config, tiers=tuple(tiers))
+
+
+def _held(config: KvtierConfig, stats: dict[str, Any], block_bytes: int) -> dict[str, dict[str, Any]]:
+    """Per lower tier: its codec, the blocks it can hold in its bytes (and without the codec,
+    for a disk tier), and the ratio its codec achieved on the blocks it wrote."""
+    from kvtier.tiers.disk.format import on_disk_block_bytes
+
+    held = {}
+    for tier in config.tiers[1:]:
+        name = tier.name
+        raw, stored = stats.get(f"{name}.codec_block_bytes", 0), stats.get(f"{name}.codec_stored_bytes", 0)
+        held[name] = {
+            "codec": getattr(tier, "codec", "none"),
+            "capacity_bytes": tier.capacity_bytes,
+            "capacity_blocks": stats.get(f"{name}.capacity_blocks"),
+            # a disk tier's room without a codec, from the same bytes
+            "raw_capacity_blocks": tier.capacity_bytes // on_disk_block_bytes(block_bytes)
+            if tier.capacity_bytes
+            else None,
+            "codec_ratio": raw / stored if stored else None,
+        }
+    return held
+
+
 def _cpu_only(config: KvtierConfig) -> KvtierConfig:
     # the baseline reports nothing: the endpoint and stats file belong to the stack replayed
     return dataclasses.replace(config, tiers=config.tiers[:1], metrics=MetricsConfig())
@@ -98,7 +151,12 @@ def _run_one(
 
     from kvtier.spec import TieredOffloadingSpec
 
-    spec = TieredOffloadingSpec(config, gpu_block_size_tokens=TRACE_BLOCK_TOKENS, page_bytes=[block_bytes])
+    spec = TieredOffloadingSpec(
+        config,
+        gpu_block_size_tokens=TRACE_BLOCK_TOKENS,
+        page_bytes=[block_bytes],
+        kv_dtype=_kv_dtype(config),
+    )
     engine = ReplayEngine(spec, gpu_blocks, device, deterministic=deterministic)
     try:
         with tqdm(total=len(requests), desc=label, unit="req", disable=not progress, file=sys.stderr) as bar:
@@ -224,10 +282,18 @@ def replay(
     deterministic: bool = False,
     time_model: Any = None,
     arrival_scale: float = 1.0,
+    codec: str | None = None,
 ) -> dict[str, Any]:
     """Replay ``trace`` (default: the bundled one) through ``config`` (default: CPU + disk in a
     temporary folder); print a summary and a table (and, with ``json_line``, one JSON line);
     return the JSON record.
+
+    ``codec``: every lower tier that takes one stores blocks with it (:mod:`kvtier.codecs`),
+    in the bytes the configuration gives it: the record's ``tier_blocks`` says how many blocks
+    each tier holds then, and how many it would without. With a codec anywhere in the stack
+    the replayed blocks are bf16 values (a lossy codec reads them as such), and a block a
+    lossy codec brought back is verified against that codec's decode of what was stored
+    (``codec_verified_blocks``): its own, never another block's.
 
     With ``baseline``, the same trace also runs through the CPU tier alone, in the same run,
     so the JSON shows what the lower tiers add (``cpu_only_hit_ratio``). ``device``: where
@@ -257,6 +323,8 @@ def replay(
             parsed = load_config(default_config(directory, block_bytes, disk_kind))
         else:
             parsed = in_trace_blocks(load_config(config))
+        if codec is not None:
+            parsed = with_codec(parsed, codec)
         cost = _cost_model(time_model, parsed) if time_model is not None else None  # bad input fails first
         counts, stats, elapsed = _run_one(
             parsed, requests, gpu_blocks, block_bytes, progress, "replay", device, deterministic
@@ -291,6 +359,7 @@ def replay(
         "demotions": sum(stats.get(f"{name}.demotions", 0) for name in lower),
         "dropped_blocks": counts.dropped_blocks,
         "verified_blocks": counts.verified_blocks,
+        "codec_verified_blocks": counts.codec_verified_blocks,
         "mismatched_blocks": counts.mismatched_blocks,
         "corrupt_blocks": counts.mismatched_blocks
         + sum(stats.get(f"{name}.corrupt_blocks", 0) for name in lower),
@@ -324,6 +393,8 @@ def replay(
         "tiers": [f"{tier.name}:{tier.kind}" for tier in parsed.tiers],
         # per lower tier: what its admission let through and what the writes bought
         "admission": {name: _admission(stats, name) for name in lower},
+        # per lower tier: its codec and the blocks its bytes hold with it (and without)
+        "tier_blocks": _held(parsed, stats, block_bytes),
     }
     causes = miss_causes(stats, [tier.name for tier in parsed.tiers])
     if causes is not None:
@@ -357,6 +428,7 @@ def replay(
         file=out,
     )
     print_table(rows, ["tier", "hits", "hit_ratio", "bytes_read", "bytes_written"], out)
+    _print_held(record["tier_blocks"], counts.codec_verified_blocks, out)
     if causes is not None:
         _print_causes(causes, out)
     if "time" in record:
@@ -370,12 +442,30 @@ def replay(
     return record
 
 
+def _print_held(held: dict[str, dict[str, Any]], codec_verified: int, out: TextIO) -> None:
+    """One line per lower tier with a codec: the blocks it holds, and without the codec."""
+    for name, tier in held.items():
+        if tier["codec"] == "none":
+            continue
+        ratio = (
+            f"{tier['codec_ratio']:.2f}x on the blocks it wrote" if tier["codec_ratio"] else "nothing written"
+        )
+        without = (
+            f", {tier['raw_capacity_blocks']} without it" if tier["raw_capacity_blocks"] is not None else ""
+        )
+        print(
+            f"tier {name}: codec {tier['codec']} ({ratio}): room for {tier['capacity_blocks']} blocks"
+            f"{without}; {codec_verified} loaded blocks equal their own decode",
+            file=out,
+        )
+
+
 def _cost_model(time_model: Any, config: KvtierConfig) -> Any:
     """The :class:`~kvtier.costs.CostModel` of ``time_model`` over ``config``'s tiers."""
     from kvtier.costs.timing import CostModel, tier_speeds
 
     model, gpu, measured = time_model
-    speeds = tier_speeds([(tier.name, tier.kind) for tier in config.tiers], gpu, measured)
+    speeds = tier_speeds([(tier.name, tier.kind) for tier in config.tiers], gpu, measured, _codecs(config))
     return CostModel(model, gpu, {speed.name: speed for speed in speeds})
 
 
@@ -451,8 +541,7 @@ def _plot(counts, path: str, ceiling: list[float], cpu_only=None) -> None:
     if below is not None:
         _plot_causes(below, xs, counts.cause_timeline)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(plt, figure, path, "--plot", dpi=120)
 
 
 def _plot_causes(axes, xs: list[int], timeline: list[dict[str, int]]) -> None:

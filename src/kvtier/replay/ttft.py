@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from kvtier.bench.report import print_table
-from kvtier.costs.queue import BLOCK_TOKENS, request_service, run_queue
+from kvtier.costs.queue import BLOCK_TOKENS, QueueResult, request_service, run_queue
 from kvtier.costs.timing import CostModel
 from kvtier.replay.trace import Request
 
-__all__ = ["MODEL_NOTE", "gpu_only_served", "time_record", "print_time"]
+__all__ = ["MODEL_NOTE", "fleet_time", "gpu_only_served", "time_record", "print_time"]
 
 #: what the estimate models and leaves out; printed with it
 MODEL_NOTE = (
@@ -108,6 +108,35 @@ def time_record(
     return record
 
 
+def fleet_time(
+    cost: CostModel,
+    shares: Sequence[Sequence[Request]],
+    served: Sequence[Sequence[dict[str, int]]],
+    arrival_scale: float = 1.0,
+) -> dict[str, Any]:
+    """A fleet's TTFT percentiles and GPU-seconds: each engine one prefill queue over the
+    requests it was sent (``shares[i]``, in order, and what served their blocks,
+    ``served[i]``), the percentiles over every request of the fleet. ``offered_load``: the
+    busiest engine's busy seconds per second of the fleet's arrivals (above 1 its queue grows
+    without end)."""
+    ttft: list[float] = []
+    compute_s = load_s = makespan_s = busiest_s = 0.0
+    stamps = [request.timestamp_ms for requests in shares for request in requests]
+    span = (max(stamps) - min(stamps)) / 1000 * arrival_scale if stamps else 0.0
+    for requests, blocks in zip(shares, served):
+        arrivals = [request.timestamp_ms / 1000 * arrival_scale for request in requests]
+        queue = run_queue(
+            arrivals, [request_service(cost, r.input_length, s) for r, s in zip(requests, blocks)]
+        )
+        ttft += queue.ttft_s
+        compute_s += queue.compute_s
+        load_s += queue.load_s
+        makespan_s = max(makespan_s, queue.makespan_s)
+        busiest_s = max(busiest_s, queue.compute_s + queue.load_s)
+    summary = QueueResult(ttft, compute_s, load_s, makespan_s).summary()
+    return {**summary, "offered_load": busiest_s / span if span else None}
+
+
 def print_break_even(figures: dict[str, Any], out: TextIO) -> None:
     """The break-even line and a row per tier, with a warning for each tier below it."""
     print(
@@ -123,6 +152,18 @@ def print_break_even(figures: dict[str, Any], out: TextIO) -> None:
             print(
                 f"warning: tier {name!r} loads at {speed['effective_gbps']:.3g} GB/s into the GPU, below "
                 f"the break-even {figures['break_even_gbps']:.3g} GB/s: recomputing its blocks is faster",
+                file=out,
+            )
+        if speed.get("codec"):
+            verdict = (
+                "slower than without it: the tier reads faster than the codec decodes what it saves"
+                if speed["codec_slows_loads"]
+                else "faster than without it"
+            )
+            print(
+                f"tier {name!r}: codec {speed['codec']} ({speed['codec_ratio']:.2f}x, decoding "
+                f"{speed['decode_gbps']:.3g} GB/s on one core) makes its loads {verdict} (it loses "
+                f"wherever the tier reads above {speed['codec_loses_above_gbps']:.3g} GB/s)",
                 file=out,
             )
 

@@ -39,14 +39,11 @@ from collections import Counter
 from typing import Any, TextIO
 
 import kvtier
-from kvtier.base import OffloadKey, ReqContext
-from kvtier.bench.report import print_json, print_table
-from kvtier.soak.blocks import block_key, is_exact, payload
+from kvtier.base import OffloadKey
+from kvtier.bench.report import print_counts, print_json
+from kvtier.soak.blocks import block_key
+from kvtier.soak.engine import BLOCK_BYTES, FAMILIES, FAMILY_BLOCKS, SoakEngine, soak_stack
 from kvtier.soak.faults import SmallFilesystem, corrupt_blocks, kill_writer, sharer_outcome, start_sharer
-from kvtier.manager.stack import TierStackManager
-from kvtier.mediums import BlockIDsLoadStoreSpec
-from kvtier.tiers.cpu.backend import CPUBackend
-from kvtier.tiers.cpu.region import row_stride_for
 from kvtier.tiers.disk.format import on_disk_block_bytes
 
 __all__ = ["FAULTS", "run"]
@@ -54,121 +51,34 @@ __all__ = ["FAULTS", "run"]
 #: the faults, in the order the schedule injects them
 FAULTS = ("writer_killed", "filesystem_filled", "blocks_corrupted", "store_shared")
 
-BLOCK_BYTES = 16 * 1024
-CPU_BLOCKS = 128
-FAMILIES = 64
-FAMILY_BLOCKS = 16
 SHARER_UNIVERSE = 256
 #: prefix families requested while the filesystem is full: new blocks, so demotions meet it
 FILL_FAMILIES = 8
 #: room for every key the engine and the sharer use: the main store never evicts
 DISK_BLOCKS = (FAMILIES + FILL_FAMILIES) * FAMILY_BLOCKS + SHARER_UNIVERSE + 256
 KILLED_STORE_BLOCKS = 2048
-CTX = ReqContext("soak")
 
 
-class _Engine:
-    """The soak's side of one stack on ``path``: requests in, bytes checked, counts kept."""
-
-    def __init__(self, kind: str, path: str, counts: Counter, committed: dict[OffloadKey, None]):
-        stride = row_stride_for(BLOCK_BYTES)
-        self.config = {
-            "tiers": [
-                {"name": "cpu", "kind": "cpu", "capacity": CPU_BLOCKS * stride, "pin_memory": "off"},
-                {
-                    "name": "disk",
-                    "kind": kind,
-                    "path": path,
-                    "eviction": "lru",
-                    "fsync": "batch",
-                    "capacity": DISK_BLOCKS * on_disk_block_bytes(BLOCK_BYTES),
-                },
-            ],
-            "cascade": {"write_policy": "write_back"},
-        }
-        manager = kvtier.build_manager(self.config, BLOCK_BYTES)
-        assert isinstance(manager, TierStackManager) and isinstance(manager.backend, CPUBackend)
-        self.manager = manager  # two tiers: a stack over the cpu tier
-        self.backend = manager.backend
-        self.disk = self.manager.tiers[0]
-        self.counts = counts
-        self.committed = committed  # keys the disk reported stored and has not dropped, in order
-
-    def step(self) -> None:
-        self.manager.on_schedule_end()
-        self._events()
-
-    def _events(self) -> None:
-        medium = self.disk.medium
-        for event in self.manager.take_events():
-            if event.medium != medium:
-                continue
-            for key in event.keys:
-                if event.removed:
-                    self.committed.pop(key, None)
-                else:
-                    self.committed[key] = None
-
-    def resolve(self, keys: list[OffloadKey]) -> list[bool]:
-        """Look ``keys`` up as an engine does, stepping while any answer is None; the answers
-        of the last round, all given in the current step (a step may evict what was True)."""
-        for _ in range(200):
-            answers = [self.manager.lookup(key, CTX) for key in keys]
-            self.counts["lookups"] += len(keys)
-            if None not in answers:
-                return [bool(a) for a in answers]
-            self.step()
-            for tier in self.manager.tiers:
-                tier.drain_jobs()
-        raise RuntimeError("kvtier soak: lookups did not resolve in 200 steps")
-
-    def serve(self, keys: list[OffloadKey]) -> None:
-        """Load ``keys`` (all looked up True this step) and compare every block."""
-        spec = self.manager.prepare_load(keys, CTX)
-        assert isinstance(spec, BlockIDsLoadStoreSpec)  # the CPU tier's rows
-        rows = self.backend.rows
-        for key, row in zip(keys, spec.block_ids):
-            self.counts["blocks_loaded"] += 1
-            if not is_exact(rows[row], key):
-                self.counts["wrong_blocks_served"] += 1
-        self.manager.complete_load(keys, CTX)
-
-    def request(self, keys: list[OffloadKey]) -> None:
-        answers = self.resolve(keys)
-        hit = 0
-        while hit < len(keys) and answers[hit]:
-            hit += 1
-        if hit:
-            self.serve(keys[:hit])
-        rest = keys[hit:]
-        if rest:
-            out = self.manager.prepare_store(rest, CTX)
-            if out is None:  # every CPU row held (being saved below): a miss, as in an engine
-                self.counts["stores_refused"] += 1
-            else:
-                assert isinstance(out.store_spec, BlockIDsLoadStoreSpec)  # the CPU tier's rows
-                rows = self.backend.rows
-                for key, row in zip(out.keys_to_store, out.store_spec.block_ids):
-                    rows[row] = payload(key, BLOCK_BYTES)
-                self.manager.complete_store(rest, CTX)
-                self.counts["blocks_stored"] += len(out.keys_to_store)
-        self.counts["requests"] += 1
-        self.step()
-
-    def stats(self) -> dict[str, float]:
-        return self.manager.stats()
-
-    def shutdown(self) -> None:
-        self.manager.flush()
-        self._events()
-        self.manager.shutdown()
+def _disk_config(kind: str, path: str) -> dict:
+    """The soak's stack: the CPU tier over one disk tier at ``path``, ``write_back``."""
+    disk = {
+        "name": "disk",
+        "kind": kind,
+        "path": path,
+        "eviction": "lru",
+        "fsync": "batch",
+        "capacity": DISK_BLOCKS * on_disk_block_bytes(BLOCK_BYTES),
+    }
+    return soak_stack(disk, "write_back")
 
 
-def _checkpoint(engine: _Engine, kind: str, path: str, counts: Counter, damaged: set[OffloadKey]) -> _Engine:
+def _checkpoint(
+    engine: SoakEngine, kind: str, path: str, counts: Counter, damaged: set[OffloadKey]
+) -> SoakEngine:
     """Restart the stack on the store and read back every committed block; the new engine."""
     _fold_disk_stats(engine, counts)
     engine.shutdown()
-    fresh = _Engine(kind, path, counts, engine.committed)
+    fresh = SoakEngine(_disk_config(kind, path), counts, engine.committed)
     expected = [key for key in fresh.committed if key not in damaged]
     for first in range(0, len(expected), 32):
         batch = expected[first : first + 32]
@@ -180,7 +90,7 @@ def _checkpoint(engine: _Engine, kind: str, path: str, counts: Counter, damaged:
         counts["committed_verified"] += len(found)
         fresh.manager.reset_cache()  # make room: the next batch comes from disk again
     # blocks damaged on purpose: a miss each, or their true bytes (a copy from before the damage)
-    hurt = [key for key in damaged if fresh.disk.lookup(key)]
+    hurt = [key for key in damaged if fresh.tier.lookup(key)]
     if hurt:
         answers = fresh.resolve(hurt)
         found = [key for key, ok in zip(hurt, answers) if ok]
@@ -190,9 +100,9 @@ def _checkpoint(engine: _Engine, kind: str, path: str, counts: Counter, damaged:
     return fresh
 
 
-def _fold_disk_stats(engine: _Engine, counts: Counter) -> None:
+def _fold_disk_stats(engine: SoakEngine, counts: Counter) -> None:
     """Add the disk tier's failure and corruption counters to the soak's (each engine once)."""
-    for name, value in engine.disk.stats().items():
+    for name, value in engine.tier.stats().items():
         if name.startswith("failed_") or name in ("corrupt", "adopted"):
             counts[f"disk.{name}"] += value
 
@@ -248,7 +158,7 @@ def run(
     duration = minutes * 60.0
     period = duration / 6
     schedule = [name for name in FAULTS if name not in left_out] if faults else []
-    engine = _Engine(kind, store, counts, committed)
+    engine = SoakEngine(_disk_config(kind, store), counts, committed)
     started = time.monotonic()
     next_fault, turn, writer_key = started + period, 0, 0
     sharer = None
@@ -312,7 +222,7 @@ def run(
             elif fault == "blocks_corrupted":
                 on_disk = [key for key in committed if key not in damaged]
                 chosen = rng.sample(on_disk, min(8, len(on_disk)))
-                damaged.update(corrupt_blocks(engine.disk, chosen, rng))
+                damaged.update(corrupt_blocks(engine.tier, chosen, rng))
                 engine = _checkpoint(engine, kind, store, counts, damaged)
             else:
                 sharer = start_sharer(
@@ -368,24 +278,21 @@ def run(
         "killed_stores_fixed": counts["writer_stores_fixed"],
         "adopted_blocks": counts["disk.adopted"],
     }
-    print_table(
-        [
-            {"what": name, "count": record[name]}
-            for name in (
-                "operations",
-                "requests",
-                "blocks_loaded",
-                "blocks_stored",
-                "faults_injected",
-                "checkpoints",
-                "committed_verified",
-                "blocks_damaged",
-                "corrupt_detected",
-                "committed_blocks_lost",
-                "wrong_blocks_served",
-            )
-        ],
-        ["what", "count"],
+    print_counts(
+        record,
+        (
+            "operations",
+            "requests",
+            "blocks_loaded",
+            "blocks_stored",
+            "faults_injected",
+            "checkpoints",
+            "committed_verified",
+            "blocks_damaged",
+            "corrupt_detected",
+            "committed_blocks_lost",
+            "wrong_blocks_served",
+        ),
         out,
     )
     for name, reason in left_out.items():

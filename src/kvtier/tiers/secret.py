@@ -42,6 +42,7 @@ from kvtier.extras import install_hint
 from kvtier.tiers.disk.format import (
     FLAG_ENCRYPTED,
     FLAG_KEYED,
+    NO_CODEC,
     SALT_BYTES,
     BlockHeader,
     encode_header_into,
@@ -56,6 +57,7 @@ __all__ = [
     "TierKeys",
     "encode_block_header",
     "parse_secret_options",
+    "read_private_file",
     "read_secret_file",
     "tier_keys",
 ]
@@ -106,29 +108,28 @@ def parse_secret_options(section: Mapping[str, object], field: str) -> dict[str,
     return options
 
 
-def read_secret_file(path: str, field: str) -> bytes:
-    """The secret in ``path``, refused (a :class:`ConfigError` naming ``field``) unless it is
-    a regular file (not a symlink) owned by this user, readable by no one else, of
-    :data:`SECRET_MIN_BYTES` to :data:`SECRET_MAX_BYTES` bytes. Errors never show the bytes."""
+def read_private_file(path: str, field: str, *, max_bytes: int, fix: str) -> bytes:
+    """The bytes of the secret file ``path`` (a tier's secret, a server's password), refused
+    with a :class:`ConfigError` naming ``field`` (never showing the bytes) unless it is a
+    regular file, opened without following a symlink nor waiting on a FIFO, owned by this
+    user, readable by no one else, of at most ``max_bytes``. ``fix`` says how to make one."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(path, flags)
     except OSError as exc:
         raise ConfigError(
-            field,
-            path,
-            "a readable regular file, not a symlink",
-            f"{exc.strerror}; " + _FIX_CREATE,
+            field, path, "a readable regular file, not a symlink", f"{exc.strerror}; {fix}"
         ) from None
     try:
-        info = os.fstat(fd)
+        info = os.fstat(fd)  # the file opened, not whatever the path names a moment later
         if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(field, path, "a regular file", _FIX_CREATE)
+            raise ConfigError(field, path, "a regular file (not a FIFO, device or folder)", fix)
         if info.st_uid != os.geteuid():
             raise ConfigError(
                 field,
                 path,
                 f"a file owned by this user (uid {os.geteuid()}), not uid {info.st_uid}",
-                "chown it to the user running kvtier",
+                f"chown it to the user running kvtier, or copy it to a file of your own; {fix}",
             )
         if info.st_mode & 0o077:
             raise ConfigError(
@@ -137,23 +138,27 @@ def read_secret_file(path: str, field: str) -> bytes:
                 f"mode 0600 or 0400, not {stat.S_IMODE(info.st_mode):04o}: readable by others is not secret",
                 f"chmod 600 {path} (and make a new secret: others may have read this one)",
             )
-        if not SECRET_MIN_BYTES <= info.st_size <= SECRET_MAX_BYTES:
-            raise ConfigError(
-                field,
-                path,
-                f"{SECRET_MIN_BYTES} to {SECRET_MAX_BYTES} bytes, not {info.st_size}",
-                _FIX_CREATE,
-            )
-        secret = b""
-        while len(secret) < info.st_size:
-            chunk = os.read(fd, info.st_size - len(secret))
+        data = b""
+        while len(data) <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - len(data))
             if not chunk:
                 break
-            secret += chunk
+            data += chunk
     finally:
         os.close(fd)
+    if len(data) > max_bytes:
+        raise ConfigError(field, path, f"at most {max_bytes} bytes", fix)
+    return data
+
+
+def read_secret_file(path: str, field: str) -> bytes:
+    """The secret in ``path`` (see :func:`read_private_file`), of :data:`SECRET_MIN_BYTES` to
+    :data:`SECRET_MAX_BYTES` bytes; a :class:`ConfigError` naming ``field`` otherwise."""
+    secret = read_private_file(path, field, max_bytes=SECRET_MAX_BYTES, fix=_FIX_CREATE)
     if len(secret) < SECRET_MIN_BYTES:
-        raise ConfigError(field, path, f"at least {SECRET_MIN_BYTES} bytes", _FIX_CREATE)
+        raise ConfigError(
+            field, path, f"{SECRET_MIN_BYTES} to {SECRET_MAX_BYTES} bytes, not {len(secret)}", _FIX_CREATE
+        )
     return secret
 
 
@@ -299,13 +304,21 @@ class TierKeys:
 
 
 def encode_block_header(
-    header, *, layout_digest: bytes, key: bytes, payload, payload_bytes: int, keys: TierKeys | None
+    header,
+    *,
+    layout_digest: bytes,
+    key: bytes,
+    payload,
+    payload_bytes: int,
+    keys: TierKeys | None,
+    codec: bytes = NO_CODEC,
 ) -> None:
     """Encode the header of a block whose payload is ``payload`` into ``header`` (a page).
 
     Without a secret the header carries the payload's xxh3 checksum; with one (``keys``), the
     tier's flags and a fresh salt, and its tag is set afterwards by :meth:`TierKeys.seal`.
     ``key`` is what the header names: the offload key, or on a shared tier its keyed digest.
+    ``codec``: the descriptor of the codec ``payload`` is encoded with.
     """
     if keys is None:
         encode_header_into(
@@ -314,6 +327,7 @@ def encode_block_header(
             key=key,
             payload_bytes=payload_bytes,
             checksum=xxhash.xxh3_64_intdigest(payload),
+            codec=codec,
         )
     else:
         encode_header_into(
@@ -325,4 +339,5 @@ def encode_block_header(
             flags=keys.flags,
             salt=keys.new_salt(),
             key_id=keys.key_id,
+            codec=codec,
         )

@@ -10,12 +10,13 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from kvtier_testing import key, payload, read_blocks, store_blocks
+from kvtier_testing import key, kv_payload, payload, read_blocks, store_blocks
 from kvtier_testing.conformance.tier_harness import BLOCK, Harness
 
 import kvtier
 from kvtier.base import OffloadKey, ReqContext
 from kvtier.tiers.cpu.region import row_stride_for
+from kvtier.tiers.disk.format import LayoutFingerprint
 
 CTX = ReqContext("conformance")
 #: the lower tier's name in the stack: its stats are ``far.<name>``
@@ -26,32 +27,60 @@ SETTLE_S = 20.0
 
 
 class Stack:
-    """``build_manager`` over a 32-row CPU tier (write_through) and the harness's section."""
+    """``build_manager`` over a 32-row CPU tier (write_through) and the harness's section.
+
+    ``codec``: the lower tier stores blocks with it (:mod:`kvtier.codecs`); the blocks are then
+    bf16 KV-like values of ``block_bytes`` (a lossy codec reads them as values), and a block
+    served is compared with what the codec promises (its own decode, when lossy)."""
 
     def __init__(
-        self, harness: Harness, cpu_blocks: int = 32, lower_blocks: int = 128, config: dict | None = None
+        self,
+        harness: Harness,
+        cpu_blocks: int = 32,
+        lower_blocks: int = 128,
+        config: dict | None = None,
+        codec: str = "none",
+        block_bytes: int = BLOCK,
     ):
         self.harness = harness
+        self.codec = codec
+        self.block_bytes = block_bytes
+        section = harness.section(lower_blocks, block_bytes)
+        if codec != "none":
+            section["codec"] = codec
         self.config = config or {
             "tiers": [
                 {
                     "name": "cpu",
                     "kind": "cpu",
-                    "capacity": cpu_blocks * row_stride_for(BLOCK),
+                    "capacity": cpu_blocks * row_stride_for(block_bytes),
                     "pin_memory": "off",
                 },
-                {"name": FAR, **harness.section(lower_blocks, BLOCK)},
+                {"name": FAR, **section},
             ],
             "cascade": {"write_policy": "write_through"},
         }
-        self.manager = kvtier.build_manager(self.config, BLOCK)
+        dtype = "uint8" if codec == "none" else "bfloat16"
+        self.make = payload if codec == "none" else kv_payload
+        fingerprint = LayoutFingerprint.standalone(block_bytes, dtype)
+        self.manager = kvtier.build_manager(self.config, block_bytes, fingerprint=fingerprint)
         (self.tier,) = self.manager.tiers
         self._closed = False
 
-    def reopen(self) -> Stack:
-        """Shut this stack down and build the same one again (a restart)."""
+    def reopen(self, codec: str | None = None) -> Stack:
+        """Shut this stack down and build the same one again (a restart; ``codec``: with
+        another codec)."""
         self.shutdown()
-        return Stack(self.harness, config=self.config)
+        config = self.config
+        if codec is not None:
+            config = {**config, "tiers": [config["tiers"][0], {**config["tiers"][1], "codec": codec}]}
+        return Stack(self.harness, config=config, codec=codec or self.codec, block_bytes=self.block_bytes)
+
+    def expected(self, k: OffloadKey) -> np.ndarray:
+        """What a load of ``k`` must give: its bytes, or a lossy codec's decode of them."""
+        block = self.make(k, self.block_bytes)
+        codec = getattr(self.tier, "codec", None)
+        return codec.decode(codec.encode(block)) if codec is not None and codec.lossy else block
 
     # -- what an engine does ---------------------------------------------------------------------
 
@@ -59,7 +88,7 @@ class Stack:
         """Store ``keys`` in the CPU tier (each block its own bytes) and wait for the lower
         tier's answer, ``per_job`` blocks per step (each step's saves are one job)."""
         for first in range(0, len(keys), per_job):
-            store_blocks(self.manager, keys[first : first + per_job], CTX)
+            store_blocks(self.manager, keys[first : first + per_job], CTX, make=self.make)
             self.manager.on_schedule_end()  # submits the step's saves
             self.manager.flush()  # waits for them
 
@@ -99,7 +128,7 @@ class Stack:
         if not keys:
             return 0
         got = read_blocks(self.manager, keys, CTX)
-        return sum(not np.array_equal(g, payload(k, BLOCK)) for k, g in zip(keys, got, strict=True))
+        return sum(not np.array_equal(g, self.expected(k)) for k, g in zip(keys, got, strict=True))
 
     def serve(self, keys: list[OffloadKey], drain: bool = True) -> tuple[list[OffloadKey], int]:
         """Look up and load ``keys``; ``(keys served, wrong blocks among them)``."""

@@ -22,6 +22,7 @@ from kvtier.tiers.disk.blockio import aligned_buffer
 from kvtier.tiers.disk.format import (
     HEADER_BYTES,
     LayoutFingerprint,
+    decode_header,
     encode_header_into,
     on_disk_block_bytes,
 )
@@ -39,6 +40,7 @@ class DiskHarness(Harness):
         "failed": "failed_keys",
         "full": "failed_ENOSPC",
         "down": "failed_EIO",
+        "stored_bytes": "codec_stored_bytes",
     }
 
     def __init__(self, request, tmp_path):
@@ -88,7 +90,11 @@ class DiskHarness(Harness):
     def corrupt(self, tier, keys):
         for k in keys:
             path, offset = locate(tier, k)
-            flip(path, offset + HEADER_BYTES + tier.block_bytes // 2)
+            with open(path, "rb") as stream:  # the payload stored: shorter than a block with a codec
+                stream.seek(offset)
+                header = decode_header(stream.read(HEADER_BYTES))
+            assert not isinstance(header, str)
+            flip(path, offset + HEADER_BYTES + header.payload_bytes // 2)
 
     def truncate(self, tier, keys):
         for k in keys:

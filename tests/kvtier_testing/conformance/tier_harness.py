@@ -74,7 +74,8 @@ class Harness:
     label: ClassVar[str] = ""
     #: the tier's own stats names (``<tier>.<name>`` in the manager's stats) for: blocks
     #: stored, blocks loaded, loads that found no block, blocks that failed verification,
-    #: keys of failed jobs, keys refused for lack of room, and outages; None where the kind
+    #: keys of failed jobs, keys refused for lack of room, outages, and the bytes its medium
+    #: was given for the blocks stored (with a codec, the encoded ones); None where the kind
     #: does not count it
     counters: ClassVar[dict[str, str | None]] = {
         "stored": "stored",
@@ -84,6 +85,7 @@ class Harness:
         "failed": "failed_keys",
         "full": "failed_ENOSPC",
         "down": None,
+        "stored_bytes": None,
     }
 
     #: the per-check counter a damaged block adds to, per damage scenario (``corrupt_<check>``

@@ -180,3 +180,26 @@ def test_a_restart_at_the_same_path_takes_the_place_of_a_killed_run(tmp_path):
     finally:
         backend.shutdown()
     assert not path.exists()
+
+
+def test_a_region_named_after_a_stem_cannot_be_taken_first(attacker, shared_dir, tmp_path):
+    """Issue #32, item 6: an engine's region name is derived from its engine id, which another
+    user may know; the creator adds a random suffix, the attaching side finds it, and what
+    the other user put at the name (or at a guessed suffix, or a link to ours) is passed over."""
+    from kvtier.tiers.cpu.region import find_region, unique_region_path
+
+    stem = str(shared_dir / "kvtier-engine-7")
+    as_user(attacker, "touch", stem)  # what stopped the engine: the derived name, taken first
+    as_user(attacker, "sh", "-c", f"head -c 8192 /dev/zero > {stem}-{'0' * 16}")
+    assert find_region(stem) is None
+    dead = Path(f"{stem}-{'1' * 16}")
+    _create_and_die(dead)  # ours, but its creator is gone: not the engine's region
+    path = unique_region_path(stem)
+    with SharedRegion.create(2, 64, path=path, sweep=False) as region:
+        os.symlink(path, f"{stem}-{'f' * 16}")  # a link to ours is never followed either
+        assert find_region(stem) == path != stem
+        attached = SharedRegion.attach(find_region(stem))
+        region.rows[1, :5] = list(b"hello")
+        assert bytes(attached.rows[1, :5]) == b"hello"  # the same memory
+        attached.close()
+    assert find_region(stem) is None  # gone with its creator

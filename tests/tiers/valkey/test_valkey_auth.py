@@ -108,6 +108,51 @@ def test_a_missing_password_file_is_refused(tmp_path, valkey_server):
         parse(section(valkey_server, password_file=str(tmp_path / "absent")), "tiers[1]")
 
 
+# the password file is opened as a secret_file is (issue #32, item 5): parsing needs no server
+URL = "valkey://127.0.0.1:6379/0"
+
+
+def test_a_password_file_that_is_a_symlink_is_refused_and_its_target_never_sent(tmp_path):
+    target = secret_file(tmp_path)  # a private file of this user's: another user aims a link at it
+    link = tmp_path / "planted.pass"
+    link.symlink_to(target)
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.password_file.*not a symlink") as caught:
+        parse(section(URL, password_file=str(link)), "tiers[1]")
+    assert SECRET not in str(caught.value)
+
+
+def test_a_password_file_that_is_a_fifo_is_refused_without_waiting(tmp_path):
+    import threading
+
+    fifo = tmp_path / "valkey.pass"
+    os.mkfifo(fifo, 0o600)
+    outcome = []
+
+    def parse_it():
+        try:
+            parse(section(URL, password_file=str(fifo)), "tiers[1]")
+            outcome.append("parsed")
+        except ConfigError as exc:
+            outcome.append(str(exc))
+
+    parser = threading.Thread(target=parse_it, daemon=True)
+    parser.start()
+    parser.join(timeout=20)  # a hang guard: an open for reading waits for a writer
+    if parser.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # let the stuck open go
+        parser.join(timeout=20)
+        pytest.fail("reading the password file waited on a FIFO")
+    assert len(outcome) == 1 and "password_file" in outcome[0] and "a regular file" in outcome[0], outcome
+
+
+def test_a_password_file_that_is_not_utf8_is_a_clear_error(tmp_path):
+    path = tmp_path / "valkey.pass"
+    path.write_bytes(b"\xff\xfepass\n")
+    path.chmod(0o600)
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.password_file.*UTF-8"):
+        parse(section(URL, password_file=str(path)), "tiers[1]")
+
+
 # -- ACL users -----------------------------------------------------------------------------------
 
 

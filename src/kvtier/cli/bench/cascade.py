@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvtier.cli.common import report
+from kvtier.cli.common import count, report
 from kvtier.errors import KvtierError
 
 
@@ -24,7 +24,7 @@ def add_parser(sub: Any) -> None:
         metavar="TRACE",
         help="JSONL trace (default: the bundled Mooncake trace)",
     )
-    bench_cascade.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    bench_cascade.add_argument("--limit", type=count(), default=None, help="replay only the first N requests")
     bench_cascade.add_argument("--json", action="store_true", help="print only the JSON line")
     bench_cascade.set_defaults(func=run)
 

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from kvtier.cli.common import add_secrets_option, report, warn_password_in_url
+from kvtier.codecs import CODEC_NAMES
 from kvtier.errors import KvtierError
 
 
@@ -37,6 +38,14 @@ def add_parser(sub: Any) -> None:
         "bench's values may push them out under maxmemory)",
     )
     add_secrets_option(bench_remote, keyed="keyed MAC and names")
+    bench_remote.add_argument(
+        "--codec",
+        action="append",
+        default=[],
+        choices=[name for name in CODEC_NAMES if name != "none"],
+        help="also measure the tier storing values with this codec (repeatable), on synthetic bf16 "
+        "KV: its GB/s, the bytes it sent and the server memory its values took",
+    )
     bench_remote.set_defaults(func=run)
 
 
@@ -54,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
                 out=out,
                 allow_nonempty=args.allow_nonempty,
                 secrets=args.secrets,
+                codecs=args.codec,
             ),
         )
     except (KvtierError, RuntimeError, OSError, ImportError) as exc:

@@ -15,8 +15,13 @@ last one lie:
   copied through a small staging buffer (``kvtier_staging_pages`` pages) in its flat form,
   the one copy SGLang's own file backend makes too.
 
+A page's flat form (``get_data_page(index, flat=True)``) is its parts one after the other, so
+a pool opened with ``in_place=False`` (SGLang without ``interface_v1``, which hands the backend
+flat pages rather than host slots) stages each page as the same blocks, one staging row per
+part: the blocks on the medium are those an in-place pool writes.
+
 Who uses it: :class:`~kvtier.integrations.sglang.storage.KvtierHiCacheStorage`, from SGLang's
-storage threads; the staging rows are handed out under a lock.
+storage threads; staging slots are handed out under a lock.
 """
 
 from __future__ import annotations
@@ -39,34 +44,41 @@ def _address(tensor: Any) -> int:
 class PageRows:
     """The rows kvtier's tiers see, and where each page (and part of it) is among them.
 
-    ``parts``: blocks per page (1 or 2); ``block_bytes``: bytes of one block;
-    ``staged``: whether pages go through the staging buffer rather than in place.
+    ``parts``: blocks per page (1 or 2); ``block_bytes``: bytes of one block; ``staged``:
+    pages are copied through the staging buffer (its slots, ``parts`` rows each) rather than
+    read and written in place; ``flat``: a block is a whole page in its flat form (a layout
+    whose parts do not lie at fixed strides).
     """
 
-    def __init__(self, pool: Any, staging_pages: int):
+    def __init__(self, pool: Any, staging_pages: int, *, in_place: bool = True):
         self.pool = pool
         self.page_size = int(pool.page_size)
         self._lock = threading.Condition()
         found = self._in_place(pool)
-        if found is not None:
+        self.flat = found is None
+        if found is not None and in_place:
             self.rows, self.parts, self._page_num = found
             self.staged = False
             self._free: list[int] = []
+            self._slots = 0
         else:
             import torch
 
-            flat = pool.get_dummy_flat_data_page()
-            page_bytes = flat.numel() * flat.element_size()
+            if found is not None:
+                self.parts, block_bytes = found[1], int(found[0].shape[1])
+            else:
+                flat = pool.get_dummy_flat_data_page()
+                self.parts, block_bytes = 1, flat.numel() * flat.element_size()
             # rows on 4 KiB pages, 4 KiB apart: the tiers can then read and write them with O_DIRECT
-            padded = -(-page_bytes // _PAGE) * _PAGE
-            memory = np.zeros(staging_pages * padded + _PAGE, dtype=np.uint8)
+            padded = -(-block_bytes // _PAGE) * _PAGE
+            count = staging_pages * self.parts
+            memory = np.zeros(count * padded + _PAGE, dtype=np.uint8)
             offset = -memory.ctypes.data % _PAGE
-            self.rows = memory[offset : offset + staging_pages * padded].reshape(staging_pages, padded)[
-                :, :page_bytes
-            ]
+            self.rows = memory[offset : offset + count * padded].reshape(count, padded)[:, :block_bytes]
             self._staging = torch.from_numpy(self.rows)
-            self.parts, self._page_num = 1, 0
+            self._page_num = 0
             self.staged = True
+            self._slots = staging_pages
             self._free = list(range(staging_pages))
         self.block_bytes = int(self.rows.shape[1])
 
@@ -121,40 +133,63 @@ class PageRows:
             return None
         return rows, len(pieces), page_num
 
-    # -- rows of pages ---------------------------------------------------------------------------
-
     def page_rows(self, start: int) -> list[int]:
         """The rows of the page starting at host slot ``start``, one per part (in place only)."""
         page = int(start) // self.page_size
         return [part * self._page_num + page for part in range(self.parts)]
 
+    # -- staged ----------------------------------------------------------------------------------
+
+    @property
+    def staging_pages(self) -> int:
+        """Pages the staging buffer holds at once (0 in place)."""
+        return self._slots
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page's flat form."""
+        return self.block_bytes * self.parts
+
     def acquire(self, count: int) -> list[int]:
-        """``count`` staging rows (at most the buffer's), waiting for ones in use to come back."""
-        count = min(count, len(self._staging))
+        """``count`` staging slots (at most the buffer's), waiting for ones in use to come back."""
+        count = min(count, self._slots)
         with self._lock:
             while len(self._free) < count:
                 self._lock.wait()
             taken, self._free = self._free[:count], self._free[count:]
         return taken
 
-    def release(self, rows: Sequence[int]) -> None:
+    def release(self, slots: Sequence[int]) -> None:
         with self._lock:
-            self._free.extend(rows)
+            self._free.extend(slots)
             self._lock.notify_all()
 
-    @property
-    def staging_pages(self) -> int:
-        return len(self._staging) if self.staged else 0
+    def slot_rows(self, slot: int) -> list[int]:
+        """The rows of staging slot ``slot``, one per part of the page it holds."""
+        return [slot * self.parts + part for part in range(self.parts)]
 
-    def stage_out(self, start: int, row: int) -> None:
-        """Copy the page at host slot ``start`` into staging row ``row`` (before a store)."""
-        page = self.pool.get_data_page(int(start), flat=True)
-        self._staging[row].copy_(page.contiguous().view(-1).view(_uint8()))
+    def put(self, slot: int, page: Any) -> None:
+        """Copy ``page`` (a page in its flat form, any dtype) into staging slot ``slot``."""
+        data = page.contiguous().view(-1).view(_uint8())
+        for part, row in enumerate(self.slot_rows(slot)):
+            self._staging[row].copy_(data[part * self.block_bytes : (part + 1) * self.block_bytes])
 
-    def stage_in(self, start: int, row: int) -> None:
-        """Copy staging row ``row`` into the page at host slot ``start`` (after a verified load)."""
+    def take(self, slot: int, target: Any) -> Any:
+        """Copy staging slot ``slot`` into ``target`` (a contiguous flat page); ``target``."""
+        data = target.view(-1).view(_uint8())
+        for part, row in enumerate(self.slot_rows(slot)):
+            data[part * self.block_bytes : (part + 1) * self.block_bytes].copy_(self._staging[row])
+        return target
+
+    def stage_out(self, start: int, slot: int) -> None:
+        """Copy the page at host slot ``start`` into staging slot ``slot`` (before a store)."""
+        self.put(slot, self.pool.get_data_page(int(start), flat=True))
+
+    def stage_in(self, start: int, slot: int) -> None:
+        """Copy staging slot ``slot`` into the page at host slot ``start`` (after a verified load)."""
         flat = self.pool.get_dummy_flat_data_page()
-        self.pool.set_from_flat_data_page(int(start), self._staging[row].view(flat.dtype))
+        page = self._staging[slot].view(flat.dtype) if self.parts == 1 else self.take(slot, flat)
+        self.pool.set_from_flat_data_page(int(start), page)
 
 
 def _uint8() -> Any:

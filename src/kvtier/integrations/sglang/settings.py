@@ -21,7 +21,9 @@ Mistakes raise :class:`~kvtier.errors.ConfigError` naming the setting and the fi
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,16 +33,19 @@ from kvtier.base import OffloadKey, make_offload_key
 from kvtier.config import CONFIG_ENV, KvtierConfig, TierConfig, env_config_path, load_config
 from kvtier.config.units import positive_int
 from kvtier.errors import ConfigError
-from kvtier.tiers.disk.format import LayoutFingerprint
+from kvtier.tiers.disk.format import LayoutFingerprint, on_disk_block_bytes
 
 __all__ = [
     "CONFIG_KEYS",
+    "EXTRA_POOLS",
     "SGLANG_KEYS",
     "PoolFacts",
     "SGLangSettings",
     "ShardFacts",
     "layout_fingerprint",
+    "check_pool_name",
     "page_key",
+    "pool_tiers",
     "resolve_settings",
 ]
 
@@ -65,6 +70,9 @@ STAGING_PAGES_KEY = "kvtier_staging_pages"
 DEFAULT_STAGING_PAGES = 16
 #: at most this many parts per page (the key's group field holds shard * _MAX_PARTS + part)
 _MAX_PARTS = 4
+#: SGLang's pools kvtier stores besides KV ("kv"): the draft model's KV under speculative
+#: decoding, a sidecar whose pages share the KV pool's keys and host slots
+EXTRA_POOLS = ("draft",)
 #: the name of the stand-in first tier: SGLang's host pool takes the place of kvtier's cpu tier
 HOST_TIER_NAME = "sglang-host"
 # a stand-in capacity for the host tier when the YAML lists only lower tiers (never allocated)
@@ -288,6 +296,14 @@ class ShardFacts:
             return f"pp={self.pp_size};cp={self.cp_size};replicated=1"
         return f"tp={self.tp_size};pp={self.pp_size};cp={self.cp_size};replicated=0"
 
+    def for_pool(self, pool: PoolFacts) -> ShardFacts:
+        """This rank's shard of ``pool``'s pages. SGLang replicates an MLA model's KV over the
+        tensor ranks, but a pool of heads beside it (an MHA draft model's KV) is split per
+        rank all the same: its pages are this rank's own, which only this rank writes."""
+        if not self.replicated or pool.latent:
+            return self
+        return dataclasses.replace(self, replicated=False, writer=True)
+
 
 #: host pool attributes that fix what a page's bytes mean, when the pool has them
 _GEOMETRY_ATTRS = (
@@ -299,6 +315,17 @@ _GEOMETRY_ATTRS = (
     "qk_rope_head_dim",
     "kv_cache_dim",
     "size_per_token",
+)
+
+
+#: what kvtier reads of a host pool: its page geometry and SGLang's flat-page methods
+_HOST_POOL_ATTRS = (
+    "page_size",
+    "dtype",
+    "layout",
+    "get_data_page",
+    "get_dummy_flat_data_page",
+    "set_from_flat_data_page",
 )
 
 
@@ -317,8 +344,25 @@ class PoolFacts:
     #: (name, value) of every geometry attribute the pool has
     geometry: tuple[tuple[str, int], ...]
 
+    @property
+    def latent(self) -> bool:
+        """An MLA pool (one latent row per token, the same on every tensor rank)."""
+        return any(name == "kv_lora_rank" for name, _ in self.geometry)
+
     @classmethod
-    def from_host_pool(cls, pool: Any) -> PoolFacts:
+    def from_host_pool(cls, pool: Any, name: str = "kv") -> PoolFacts:
+        """The facts of ``pool`` (SGLang's pool ``name``); :class:`ConfigError` naming what is
+        missing when it is not a host pool kvtier can read pages of."""
+        missing = [attr for attr in _HOST_POOL_ATTRS if not hasattr(pool, attr)]
+        if missing:
+            raise ConfigError(
+                f"hicache host pool {name!r}",
+                type(pool).__name__,
+                "an SGLang host pool (MHATokenToKVPoolHost, MLATokenToKVPoolHost ...) with "
+                + ", ".join(_HOST_POOL_ATTRS),
+                f"it lacks {', '.join(missing)}: register SGLang's own host pool, or give the pool "
+                "these attributes and methods",
+            )
         geometry = tuple(
             (name, int(getattr(pool, name)))
             for name in _GEOMETRY_ATTRS
@@ -334,20 +378,30 @@ class PoolFacts:
 
 
 def layout_fingerprint(
-    pool: PoolFacts, shard: ShardFacts, *, block_bytes: int, parts: int, staged: bool
+    pool: PoolFacts,
+    shard: ShardFacts,
+    *,
+    block_bytes: int,
+    parts: int,
+    staged: bool,
+    pool_name: str = "kv",
 ) -> LayoutFingerprint:
     """The fingerprint of blocks of ``block_bytes``, each one of ``parts`` parts of a page.
 
     The same for every rank of one engine (the shard rides in the key, not here), so the
     ranks share one store and one capacity: a per-rank fingerprint would make a rank's open
     wipe another's blocks. ``staged``: the page is copied whole through a buffer (its flat
-    form, as SGLang's get_data_page gives it) rather than in place.
+    form, as SGLang's get_data_page gives it) rather than in parts. ``pool_name``: SGLang's
+    pool the pages belong to; a pool other than KV (the draft model's) is named, so its
+    store never passes for the KV pool's even when the geometry is the same.
     """
     geometry = ";".join(f"{name}={value}" for name, value in pool.geometry)
     model = (
         f"sglang:{shard.model_name}|{pool.pool_class};layout={pool.layout};{geometry};"
         f"{shard.parallel_facts()};parts={parts};staged={int(staged)}"
     )
+    if pool_name != "kv":
+        model += f";pool={pool_name}"
     return LayoutFingerprint(
         model=model,
         dtype=pool.dtype,
@@ -374,3 +428,63 @@ def page_key(key: str, shard: int, part: int) -> OffloadKey:
         bytes.fromhex(key) if _HEX_KEY.fullmatch(key) else hashlib.sha256(b"sglang:" + key.encode()).digest()
     )
     return make_offload_key(digest, shard * _MAX_PARTS + part)
+
+
+def check_pool_name(name: str) -> None:
+    """:class:`ConfigError` unless kvtier stores SGLang's pool ``name`` (KV, or an extra pool)."""
+    if name == "kv" or name in EXTRA_POOLS:
+        return
+    raise ConfigError(
+        "hicache host pool",
+        name,
+        "a pool kvtier stores: " + ", ".join(("kv", *EXTRA_POOLS)),
+        "kvtier does not store Mamba or SWA states (a window of trailing pages, in host slots "
+        "of their own) nor indexer or compressed pools (DeepSeek sparse attention); serve this "
+        "model with SGLang's file backend (--hicache-storage-backend file), or without an L3 backend",
+    )
+
+
+def pool_tiers(
+    settings: SGLangSettings, pages: Mapping[str, tuple[int, int]]
+) -> dict[str, tuple[TierConfig, ...]]:
+    """The lower tiers holding each pool's pages: ``pages`` maps SGLang's pool names, KV first,
+    to each pool's ``(block_bytes, blocks per page)``.
+
+    The KV pool's are the configured tiers. A store serves one layout, so an extra pool's are
+    stores of their own beside them: named ``<tier>-<pool>``, in the directory ``<path>/<pool>``
+    (disk tiers) or the namespace ``<namespace>:<pool>`` (a Valkey namespace derived from the
+    layout differs already). A tier's capacity is shared by its pools' stores in proportion to
+    their pages' size on disk, so each holds as many pages and together they hold at most the
+    capacity; the shares depend on the pools alone, so a restart with the same pools reopens
+    the same stores whole. A tier kind with neither a path nor a namespace cannot keep a second
+    store apart: :class:`ConfigError`.
+    """
+    on_disk = {name: parts * on_disk_block_bytes(block) for name, (block, parts) in pages.items()}
+    total = sum(on_disk.values())
+    stores: dict[str, tuple[TierConfig, ...]] = {}
+    for pool_name, page_bytes in on_disk.items():
+        tiers = []
+        for index, tier in enumerate(settings.lower_tiers, start=1):
+            changes: dict[str, Any] = {"capacity_bytes": tier.capacity_bytes * page_bytes // total}
+            if pool_name != "kv":
+                changes.update(_beside(settings, index, tier, pool_name))
+            tiers.append(dataclasses.replace(tier, **changes))
+        stores[pool_name] = tuple(tiers)
+    return stores
+
+
+def _beside(settings: SGLangSettings, index: int, tier: TierConfig, pool_name: str) -> dict[str, Any]:
+    """Where the extra pool ``pool_name`` keeps its store of ``settings.config.tiers[index]``."""
+    own = {f.name: getattr(tier, f.name) for f in dataclasses.fields(tier)}
+    if own.get("path"):
+        return {"name": f"{tier.name}-{pool_name}", "path": os.path.join(own["path"], pool_name)}
+    if "namespace" in own:
+        namespace = f"{own['namespace']}:{pool_name}" if own["namespace"] else None
+        return {"name": f"{tier.name}-{pool_name}", "namespace": namespace}
+    raise ConfigError(
+        f"{settings.tier_field(index)}.kind",
+        tier.kind,
+        f"a tier with a path or a namespace, to keep SGLang's {pool_name} pool in a store "
+        "beside the KV pool's",
+        "use lmdb, files or valkey tiers with speculative decoding",
+    )

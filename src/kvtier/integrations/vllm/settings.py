@@ -225,22 +225,31 @@ class FullStackLayout:
     shard: ShardPlacement
     #: what the disk tiers stamp on every block
     fingerprint: LayoutFingerprint
-    #: where the CPU tier's shared region lives (workers attach to it by this path)
+    #: where the CPU tier's shared region lives: its path (``tiers[0].path`` given), or the
+    #: stem both sides derive (``region_suffixed``)
     region_path: str
     #: seconds between two INFO lines of statistics (0: never)
     stats_log_interval_s: float
     #: the workers' copy engine: auto (batched DMA on CUDA), cuda, or kernel (Triton)
     copy_engine: str = "auto"
+    #: the scheduler creates the region at ``region_path`` plus a random suffix
+    #: (:func:`~kvtier.tiers.cpu.region.unique_region_path`), and the workers find it
+    #: (:func:`~kvtier.tiers.cpu.region.find_region`): a name derived from the engine id alone
+    #: could be taken first by another local user, and the engine would not start
+    region_suffixed: bool = False
 
 
 def _region_path(cpu: CPUTierConfig, config: Any) -> str:
-    """The CPU region's path, the same in the scheduler and in every worker of one engine.
+    """The CPU region's path (or stem), the same in the scheduler and in every worker of one
+    engine.
 
     Derived from vLLM's ``engine_id`` (unique per engine, and per data-parallel replica), not
     drawn at random as the standalone spec does: each process builds its own spec object, so
     a random name would differ between the process that creates the region and those that
-    attach to it. An explicit ``tiers[0].path`` is taken as given, suffixed with the replica
-    index when there are several data-parallel replicas (each has its own region).
+    attach to it. It is a stem: the region gets a random suffix the workers look up (see
+    ``FullStackLayout.region_suffixed``). An explicit ``tiers[0].path`` is taken as given,
+    suffixed with the replica index when there are several data-parallel replicas (each has
+    its own region); it belongs in a folder only the engine's user may write.
     """
     parallel = config.parallel
     if cpu.path is not None:
@@ -326,6 +335,7 @@ def resolve_full_stack(config: Any) -> FullStackLayout:
 
     cpu = parsed.tiers[0]
     assert isinstance(cpu, CPUTierConfig)  # load_config guarantees tiers[0] is the cpu tier
+    cpu_path_given = cpu.path
     region_path = _region_path(cpu, config)
     cpu = dataclasses.replace(cpu, path=region_path)
     # With mixed group sizes the factor is vLLM's blocks_per_chunk directly: express it as
@@ -354,4 +364,5 @@ def resolve_full_stack(config: Any) -> FullStackLayout:
         region_path=region_path,
         stats_log_interval_s=_stats_interval(integration_keys),
         copy_engine=_copy_engine(integration_keys),
+        region_suffixed=cpu_path_given is None,
     )

@@ -39,6 +39,7 @@ from kvtier.integrations.vllm.worker import KvtierOffloadingWorker, to_kvtier_ca
 from kvtier.spec import TieredOffloadingSpec as StandaloneSpec
 from kvtier.tiers.cpu.backend import CPUBackend
 from kvtier.tiers.cpu.config import CPUTierConfig
+from kvtier.tiers.cpu.region import find_region, unique_region_path
 from kvtier.worker.failures import FailedRowMarks
 
 __all__ = ["KvtierStackInfo", "TieredOffloadingSpec"]
@@ -115,7 +116,10 @@ class TieredOffloadingSpec(OffloadingSpec):
             # each worker pins its own mapping of the region.
             first = layout.config.tiers[0]
             assert isinstance(first, CPUTierConfig)  # resolve_full_stack checked it
-            cpu = dataclasses.replace(first, pin_memory="off")
+            region_path = (
+                unique_region_path(layout.region_path) if layout.region_suffixed else layout.region_path
+            )
+            cpu = dataclasses.replace(first, path=region_path, pin_memory="off")
             config = dataclasses.replace(layout.config, tiers=(cpu, *layout.config.tiers[1:]))
             events = self.kv_events_config.enable_kv_cache_events
             inner = build_manager(
@@ -130,7 +134,7 @@ class TieredOffloadingSpec(OffloadingSpec):
             backend = inner.backend
             assert isinstance(backend, CPUBackend)  # what the cpu tier opens
             try:
-                failed_rows = FailedRowMarks.create(layout.region_path, backend.num_blocks)
+                failed_rows = FailedRowMarks.create(region_path, backend.num_blocks)
             except BaseException:
                 inner.shutdown()
                 raise
@@ -175,5 +179,10 @@ class TieredOffloadingSpec(OffloadingSpec):
                 kv_replicas=layout.shard.kv_replicas,
                 engine=layout.copy_engine,
             )
-            self._worker = KvtierOffloadingWorker(standalone, caches)
+            stem = layout.region_path
+            self._worker = KvtierOffloadingWorker(
+                standalone,
+                caches,
+                find_region=(lambda: find_region(stem)) if layout.region_suffixed else None,
+            )
         return self._worker

@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -113,8 +113,16 @@ class KvtierOffloadingWorker(OffloadingWorker):
     path, the worker's page sizes); ``kv_caches`` are kvtier's canonical caches.
     """
 
-    def __init__(self, standalone: StandaloneSpec, kv_caches: CanonicalKVCaches):
+    def __init__(
+        self,
+        standalone: StandaloneSpec,
+        kv_caches: CanonicalKVCaches,
+        find_region: Callable[[], str | None] | None = None,
+    ):
+        """``find_region``: where the scheduler created the region, once it has (None until
+        then); by default the spec's ``region_path``, once it exists."""
         self._standalone = standalone
+        self._find_region = find_region or self._region_at_its_path
         self._kv_caches = kv_caches
         self._store: OffloadingHandler | None = None
         self._load: OffloadingHandler | None = None
@@ -127,13 +135,25 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._start_lock = threading.Lock()
         self._start_error: BaseException | None = None
         self._starter: threading.Thread | None = None
-        if os.path.exists(standalone.region_path):
+        if self._located():
             self._start()
         else:
             self._starter = threading.Thread(
                 target=self._start_when_created, name="kvtier-worker-attach", daemon=True
             )
             self._starter.start()
+
+    def _region_at_its_path(self) -> str | None:
+        path = self._standalone.region_path
+        return path if os.path.exists(path) else None
+
+    def _located(self) -> bool:
+        """Whether the region exists; the spec then points at it (where it was found)."""
+        path = self._find_region()
+        if path is None:
+            return False
+        self._standalone.region_path = path
+        return True
 
     def _start(self) -> None:
         """Attach to the region and build the handlers, once (any thread; a second caller
@@ -142,6 +162,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
         with self._start_lock:
             if self._ready.is_set():
                 return
+            deadline = time.monotonic() + self._standalone.attach_timeout_s
+            while not self._located() and time.monotonic() < deadline:
+                time.sleep(0.05)
             if self._failed_rows is None:
                 # the marks first: the scheduler side creates them right after the region
                 self._failed_rows = FailedRowMarks.attach(
@@ -157,7 +180,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def _start_when_created(self) -> None:
         """The background start: wait for the region's file, then :meth:`_start`."""
         try:
-            while not os.path.exists(self._standalone.region_path):
+            while not self._located():
                 if self._closed:
                     return
                 time.sleep(0.05)

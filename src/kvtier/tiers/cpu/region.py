@@ -24,9 +24,11 @@ import mmap
 import os
 import secrets
 import stat
+import re
 import struct
 import tempfile
 import weakref
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -44,9 +46,11 @@ __all__ = [
     "ROW_ALIGNMENT",
     "SharedRegion",
     "default_directory",
+    "find_region",
     "process_start_ticks",
     "row_stride_for",
     "sweep_stale_regions",
+    "unique_region_path",
 ]
 
 logger = logging.getLogger(__name__)
@@ -106,23 +110,11 @@ def _creator_alive(pid: int, start_ticks: int) -> bool:
     return True
 
 
-def sweep_stale_regions(directory: str | None = None) -> list[str]:
-    """Remove the regions in ``directory`` (default :func:`default_directory`) whose creator
-    is dead: files named ``kvtier-*``, regular, owned by this user, with a kvtier region
-    header naming a process that no longer runs (or a pid reused since, told apart by its
-    start time). Never follows a symlink, never touches another user's file or a file
-    without a complete header (a region still being created). The removed paths.
-
-    Called by :meth:`SharedRegion.create` (so a start cleans up after a run that was killed
-    with SIGKILL, or crashed); best effort: a file it cannot read is left, and it never raises.
-    """
-    directory = directory or default_directory()
-    removed: list[str] = []
+def _own_regions(directory: str, names: list[str]) -> Iterator[tuple[str, os.stat_result, int, bool]]:
+    """Of ``names`` in ``directory``, the regions of this user's with a complete header, as
+    ``(path, stat, creator pid, creator judged dead)``: never through a symlink, never another
+    user's file or one still being created. Best effort: what cannot be read is passed over."""
     uid, own_namespace = os.geteuid(), _pid_namespace()
-    try:
-        names = [name for name in os.listdir(directory) if name.startswith(NAME_PREFIX)]
-    except OSError:
-        return removed
     for name in names:
         path = os.path.join(directory, name)
         try:
@@ -142,12 +134,34 @@ def sweep_stale_regions(directory: str | None = None) -> list[str]:
             continue
         pid = _HEADER.unpack_from(raw)[6]
         start_ticks, _, namespace = _CREATOR.unpack_from(raw, _HEADER.size)
-        if namespace != own_namespace or not own_namespace or _creator_alive(pid, start_ticks):
-            continue  # alive, or a pid this process cannot judge
+        # a pid of another namespace cannot be judged here: never dead
+        dead = bool(own_namespace) and namespace == own_namespace and not _creator_alive(pid, start_ticks)
+        yield path, info, pid, dead
+
+
+def sweep_stale_regions(directory: str | None = None) -> list[str]:
+    """Remove the regions in ``directory`` (default :func:`default_directory`) whose creator
+    is dead: files named ``kvtier-*``, regular, owned by this user, with a kvtier region
+    header naming a process that no longer runs (or a pid reused since, told apart by its
+    start time). Never follows a symlink, never touches another user's file or a file
+    without a complete header (a region still being created). The removed paths.
+
+    Called by :meth:`SharedRegion.create` (so a start cleans up after a run that was killed
+    with SIGKILL, or crashed); best effort: a file it cannot read is left, and it never raises.
+    """
+    directory = directory or default_directory()
+    removed: list[str] = []
+    try:
+        names = [name for name in os.listdir(directory) if name.startswith(NAME_PREFIX)]
+    except OSError:
+        return removed
+    for path, info, pid, dead in _own_regions(directory, names):
+        if not dead:
+            continue
         try:
             # the same file we read (not one swapped in since): same inode, still ours
             now = os.lstat(path)
-            if (now.st_ino, now.st_dev, now.st_uid) != (info.st_ino, info.st_dev, uid):
+            if (now.st_ino, now.st_dev, now.st_uid) != (info.st_ino, info.st_dev, info.st_uid):
                 continue
             os.unlink(path)
         except OSError:
@@ -160,6 +174,34 @@ def sweep_stale_regions(directory: str | None = None) -> list[str]:
         )
         removed.append(path)
     return removed
+
+
+#: the random part of a region named after a stem (:func:`unique_region_path`)
+_SUFFIX_HEX = 16
+
+
+def unique_region_path(stem: str) -> str:
+    """A new region path made of ``stem`` (a path both sides of an engine derive, such as
+    ``/dev/shm/kvtier-<engine id>``) and a random suffix: where the creator puts the region,
+    so that no other user can take the name first (they could the stem itself); the other
+    side finds it with :func:`find_region`."""
+    return f"{stem}-{secrets.token_hex(_SUFFIX_HEX // 2)}"
+
+
+def find_region(stem: str) -> str | None:
+    """The path of the region :func:`unique_region_path` made for ``stem``: a regular file of
+    this user's, not a symlink, with a complete header and a live creator (the newest, should
+    there be several); None while there is none. Files other users put there are passed over."""
+    directory, prefix = os.path.split(stem)
+    pattern = re.compile(re.escape(prefix) + f"-[0-9a-f]{{{_SUFFIX_HEX}}}")
+    try:
+        names = [name for name in os.listdir(directory or ".") if pattern.fullmatch(name)]
+    except OSError:
+        return None
+    live = [
+        (info.st_mtime_ns, path) for path, info, _, dead in _own_regions(directory or ".", names) if not dead
+    ]
+    return max(live)[1] if live else None
 
 
 def row_stride_for(row_bytes: int) -> int:

@@ -62,8 +62,9 @@ def check_store(path: str, fix: bool = False, secret_file: str | None = None) ->
     from kvtier.tiers.disk.blockio import aligned_buffer
     from kvtier.tiers.disk.format import padded_payload_bytes
     from kvtier.tiers.disk.manifest import MANIFEST_NAME, read_manifest
+    from kvtier.tiers.disk.store import store_directory_path
 
-    directory = os.path.realpath(os.path.abspath(path))
+    directory = store_directory_path(path, "path")
     loose: list[str] = []
     fixed: list[str] = []
     if os.path.isdir(directory) and os.path.lexists(os.path.join(directory, MANIFEST_NAME)):
@@ -93,6 +94,7 @@ def check_store(path: str, fix: bool = False, secret_file: str | None = None) ->
         # read-only: the O_DIRECT probe would write a file
         o_direct="auto" if fix else "off",
         secret_file=secret_file,
+        codec=manifest.fingerprint.codec,
     )
     # One CPU row of scratch, page-aligned and padded, as the tier's rows: check() reads into
     # its own buffers, and no job ever runs, but the tier is built over a real row layout.

@@ -40,6 +40,7 @@ import numpy as np
 from typing_extensions import Self
 
 from kvtier.base import OffloadKey
+from kvtier.codecs import BlockCodec, make_codec
 from kvtier.config import format_size
 from kvtier.errors import ConfigError
 from kvtier.policies import EvictionPolicy, get_policy_class
@@ -150,6 +151,9 @@ class DiskTier(IndexedTier):
         read_only = access == "check"
         cls._check_config(config, field)
         keys = tier_keys(config, field)  # before anything is created: a bad secret file changes nothing
+        codec = make_codec(config.codec, fingerprint.block_bytes, fingerprint.dtype, field)
+        # the layout as stored here: a store of another codec is another layout (wiped at open)
+        fingerprint = fingerprint.with_codec(config.codec)
         try:
             rowio = RowIO(rows)
         except ValueError as exc:
@@ -164,14 +168,15 @@ class DiskTier(IndexedTier):
         policy_class = get_policy_class(
             config.eviction, config.eviction_module_path, field=f"{field}.eviction"
         )
-        slot_bytes = on_disk_block_bytes(rowio.block_bytes)
+        stored_bytes = codec.max_encoded_bytes if codec is not None else rowio.block_bytes
+        slot_bytes = on_disk_block_bytes(stored_bytes)
         capacity_blocks = config.capacity_bytes // slot_bytes
         if capacity_blocks < 1:
             raise ConfigError(
                 f"{field}.capacity",
                 format_size(config.capacity_bytes),
                 f"room for at least one block: {format_size(slot_bytes)} on disk (a "
-                f"{rowio.block_bytes}-byte block rounded up to 4096-byte pages, plus its "
+                f"{stored_bytes}-byte block rounded up to 4096-byte pages, plus its "
                 f"4096-byte header)",
                 f"raise the capacity to {slot_bytes} bytes or more",
             )
@@ -196,6 +201,8 @@ class DiskTier(IndexedTier):
                 read_only=read_only,
                 stored_keys=cls.stored_keys,
                 keep_keys=wiped_keys,
+                # kvtier check (--fix too) reports keyed blocks it cannot verify, never drops them
+                key_id=(keys.key_id if keys is not None else 0) if access == "serve" else None,
             )
             if read_only:
                 direct, fallback = False, None  # the O_DIRECT probe writes a file
@@ -212,6 +219,7 @@ class DiskTier(IndexedTier):
                 threads if threads is not None else config.threads,
                 direct,
                 keys=keys,
+                codec=codec,
             )
             tier._access = access
             tier._alone = locks.alone
@@ -227,7 +235,7 @@ class DiskTier(IndexedTier):
             tier._locks = locks
             tier._start()
             logger.info(
-                "kvtier tier %s: opened %s store %s: %d blocks of %d (%s), O_DIRECT %s, fsync %s, "
+                "kvtier tier %s: opened %s store %s: %d blocks of %d (%s%s), O_DIRECT %s, fsync %s, "
                 "index in %.3f s%s",
                 config.name,
                 cls.kind,
@@ -235,6 +243,7 @@ class DiskTier(IndexedTier):
                 len(tier._policy),
                 capacity_blocks,
                 format_size(capacity_blocks * slot_bytes),
+                f", codec {codec.describe()}" if codec is not None else "",
                 "on" if tier._io.direct else "off",
                 config.fsync,
                 tier.open_s,
@@ -298,6 +307,7 @@ class DiskTier(IndexedTier):
         threads: int,
         direct: bool,
         keys: TierKeys | None = None,
+        codec: BlockCodec | None = None,
     ):
         """Use :meth:`open`."""
         super().__init__(config.name, rowio.block_bytes, capacity_blocks, policy_class(capacity_blocks))
@@ -305,8 +315,11 @@ class DiskTier(IndexedTier):
         #: the store directory (absolute)
         self.path = directory
         self.fingerprint = fingerprint
-        #: bytes one block takes on disk (capacity is counted in these)
-        self.slot_bytes = on_disk_block_bytes(rowio.block_bytes)
+        #: bytes one block takes on disk (capacity is counted in these): with a codec, room
+        #: for the largest encoded block, so a compressed tier holds more blocks
+        self.slot_bytes = on_disk_block_bytes(
+            codec.max_encoded_bytes if codec is not None else rowio.block_bytes
+        )
         #: seconds the last open took to build the index
         self.open_s = 0.0
         self._field = field
@@ -319,6 +332,7 @@ class DiskTier(IndexedTier):
             self._counters,
             f"tier {config.name} at {directory}",
             keys=keys,
+            codec=codec,
         )
         self._touched: set[OffloadKey] = set()
         # Blocks listed on the medium (mover thread) for this process to adopt (scheduler
@@ -415,13 +429,22 @@ class DiskTier(IndexedTier):
             self._mover.wait_loads()
 
     def _medium_stats(self) -> dict[str, Any]:
-        return {
+        figures = {
             "bytes_written": 0,
             "bytes_read": 0,
             "o_direct_fallbacks": 0,
             "on_disk_block_bytes": self.slot_bytes,
             "o_direct": int(self._io.direct),
         }
+        if self._io.codec is not None:
+            # the ratio achieved: codec_block_bytes / codec_stored_bytes of the blocks written
+            figures.update(codec_block_bytes=0, codec_stored_bytes=0)
+        return figures
+
+    @property
+    def codec(self) -> BlockCodec | None:
+        """The codec blocks are stored with (None: as they are)."""
+        return self._io.codec
 
     @property
     def o_direct(self) -> bool:

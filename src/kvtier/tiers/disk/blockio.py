@@ -6,6 +6,11 @@ which writes and reads (and verifies) one block and owns the tier's O_DIRECT sta
 :meth:`BlockIO.with_fallback` is the one place where an O_DIRECT call that fails with EINVAL
 is retried buffered, and O_DIRECT switched off for the tier (logged and counted once).
 
+With a codec (:mod:`kvtier.codecs`) a block moves through a per-thread page-aligned buffer
+instead of straight from and into the row: encoded from the row into it and written from it;
+read into it, verified there (checksum or MAC over the stored bytes), and only then decoded
+into the row.
+
 Who calls it: the mover's I/O threads (every method is thread-safe and blocks only in its
 own system calls), and ``check()`` on the caller's thread.
 """
@@ -25,11 +30,14 @@ from typing import TypeVar
 import numpy as np
 
 from kvtier.base import OffloadKey
+from kvtier.codecs import BlockCodec, CodecError
 from kvtier.tiers.indexed import TierCounters
 from kvtier.tiers.jobs import Failure
 from kvtier.tiers.disk.format import (
     HEADER_BYTES,
+    NO_CODEC,
     PAGE_BYTES,
+    decode_header,
     padded_payload_bytes,
     verify,
 )
@@ -217,8 +225,9 @@ class BlockIO:
     """Writes, reads and verifies one block at a time for one tier; any thread.
 
     ``direct`` is whether O_DIRECT is in use now; it only ever goes from True to False (see
-    :meth:`with_fallback`). ``counters`` get ``o_direct_fallbacks``; ``where`` names the tier
-    in log lines.
+    :meth:`with_fallback`). ``counters`` get ``o_direct_fallbacks`` (and with a codec
+    ``codec_block_bytes`` and ``codec_stored_bytes``, what the blocks written held and took);
+    ``where`` names the tier in log lines.
     """
 
     def __init__(
@@ -229,11 +238,18 @@ class BlockIO:
         counters: TierCounters,
         where: str,
         keys: TierKeys | None = None,
+        codec: BlockCodec | None = None,
     ):
         self.rowio = rowio
         #: the tier's secret keys (keyed MAC, encryption), or None for xxh3 checksums only
         self.keys = keys
+        #: the tier's codec, or None: blocks stored as they are
+        self.codec = codec
+        self._descriptor = codec.descriptor if codec is not None else NO_CODEC
+        #: the most payload bytes one block takes on the medium
+        self.payload_bytes = codec.max_encoded_bytes if codec is not None else rowio.block_bytes
         self._cipher_pages = threading.local()  # per thread: an encrypted payload on its way out
+        self._codec_pages = threading.local()  # per thread: an encoded payload on its way in or out
         self.block_bytes = rowio.block_bytes
         self.direct = direct
         #: why O_DIRECT is not used (empty while it is, or when it was never asked for)
@@ -281,16 +297,19 @@ class BlockIO:
         write on a regular file means the filesystem ran out of room, reported as ENOSPC.
         """
         page = scratch_page()
-        rowio = self.rowio
-        encode_block_header(
-            page,
-            layout_digest=self._digest,
-            key=key,
-            payload=rowio.payload(row),
-            payload_bytes=self.block_bytes,
-            keys=self.keys,
-        )
-        iov = rowio.iov(row, direct) if self.keys is None else self._sealed(page, row, direct)
+        if self.codec is not None:
+            iov = self._encoded(page, key, row, direct)
+        else:
+            rowio = self.rowio
+            encode_block_header(
+                page,
+                layout_digest=self._digest,
+                key=key,
+                payload=rowio.payload(row),
+                payload_bytes=self.block_bytes,
+                keys=self.keys,
+            )
+            iov = rowio.iov(row, direct) if self.keys is None else self._sealed(page, row, direct)
         expected = HEADER_BYTES + len(iov)
         written = os.pwritev(fd, [page, iov], offset)  # type: ignore[list-item]  # numpy stubs: Buffer on 3.12+
         if written != expected:
@@ -306,11 +325,46 @@ class BlockIO:
         if not keys.encrypt:
             keys.seal(page, rowio.payload(row))
             return rowio.iov(row, direct)
-        out = getattr(self._cipher_pages, "page", None)
-        if out is None:
-            out = self._cipher_pages.page = np.frombuffer(aligned_buffer(rowio.padded_bytes), dtype=np.uint8)
+        out = self._thread_buffer(self._cipher_pages)
         keys.seal(page, rowio.payload(row), out[: self.block_bytes])
         return out[: rowio.io_bytes(direct)]
+
+    def _thread_buffer(self, local: threading.local) -> np.ndarray:
+        """This thread's page-aligned buffer of ``local`` (made once per thread): room for a
+        row or an encoded block, padded for O_DIRECT."""
+        out = getattr(local, "page", None)
+        if out is None:
+            size = max(self.rowio.padded_bytes, padded_payload_bytes(self.payload_bytes))
+            out = local.page = np.frombuffer(aligned_buffer(size), dtype=np.uint8)
+        return out
+
+    def _encoded(self, page, key: OffloadKey, row: int, direct: bool) -> np.ndarray:
+        """Encode row ``row`` into this thread's codec buffer, write its header (over the
+        encoded bytes) into ``page`` and seal it; the payload as an I/O buffer."""
+        codec = self.codec
+        assert codec is not None  # write() calls this only with a codec
+        out = self._thread_buffer(self._codec_pages)
+        size = codec.encode_into(self.rowio.payload(row), out)
+        encoded = out[:size]
+        keys = self.keys
+        encode_block_header(
+            page,
+            layout_digest=self._digest,
+            key=key,
+            payload=encoded,
+            payload_bytes=size,
+            keys=keys,
+            codec=self._descriptor,
+        )
+        if keys is not None:
+            if keys.encrypt:
+                out = self._thread_buffer(self._cipher_pages)
+                keys.seal(page, encoded, out[:size])
+            else:
+                keys.seal(page, encoded)
+        self._counters.add("codec_block_bytes", self.block_bytes)
+        self._counters.add("codec_stored_bytes", size)
+        return out[: padded_payload_bytes(size) if direct else size]
 
     def read(self, fd: int, offset: int, key: OffloadKey, row: int, direct: bool) -> Failure | None:
         """Read the block at ``offset`` of ``fd`` straight into CPU row ``row`` and verify it there.
@@ -319,24 +373,54 @@ class BlockIO:
         """
         page = scratch_page()
         rowio = self.rowio
+        if self.codec is not None:
+            buffer = self._thread_buffer(self._codec_pages)
+            iov = buffer[: padded_payload_bytes(self.payload_bytes) if direct else self.payload_bytes]
+            nread = os.preadv(fd, [page, iov], offset)  # type: ignore[list-item]  # numpy stubs: Buffer on 3.12+
+            problem = self._verify(page, buffer, nread, key)
+            if problem is None:
+                problem = self._decode(page, buffer, rowio.payload(row))
+            return None if problem is None else Failure.corrupt(problem)
         nread = os.preadv(fd, [page, rowio.iov(row, direct)], offset)  # type: ignore[list-item]  # numpy stubs: Buffer on 3.12+
-        problem = verify(
+        problem = self._verify(page, rowio.payload(row), nread, key)
+        return None if problem is None else Failure.corrupt(problem)
+
+    def _verify(self, page, payload: np.ndarray, nread: int, key: OffloadKey) -> str | None:
+        """:func:`~kvtier.tiers.disk.format.verify` as this tier reads (layout, codec, secret)."""
+        codec = self.codec
+        return verify(
             page,
-            rowio.payload(row),
+            payload,
             nread,
             key=key,
             layout_digest=self._digest,
-            payload_bytes=self.block_bytes,
+            payload_bytes=self.payload_bytes,
             keys=self.keys,
+            codec=self._descriptor,
+            exact=codec is None or codec.fixed_size,
         )
-        return None if problem is None else Failure.corrupt(problem)
+
+    def _decode(self, page, stored: np.ndarray, row: np.ndarray) -> str | None:
+        """Decode a verified block's payload (header in ``page``) into ``row``; ``None``, or
+        ``codec`` when the codec refuses it (written by a kvtier with another codec bug, or
+        forged past an unkeyed checksum): a corrupt block, never served."""
+        codec = self.codec
+        assert codec is not None
+        header = decode_header(page)
+        assert not isinstance(header, str)  # verified just before
+        try:
+            codec.decode_into(stored[: header.payload_bytes], row)
+        except CodecError:
+            return "codec"
+        return None
 
     def check_buffers(self) -> tuple[mmap.mmap, np.ndarray]:
         """A private header page and payload buffer for :meth:`read_for_check` (sized for the
         current mode: padded for O_DIRECT, ``block_bytes`` otherwise)."""
         page = aligned_buffer(HEADER_BYTES)
-        payload = np.frombuffer(aligned_buffer(self.rowio.padded_bytes), dtype=np.uint8)
-        return page, payload if self.direct else payload[: self.block_bytes]
+        padded = padded_payload_bytes(self.payload_bytes)
+        payload = np.frombuffer(aligned_buffer(padded), dtype=np.uint8)
+        return page, payload if self.direct else payload[: self.payload_bytes]
 
     def read_for_check(self, fd: int, offset: int, key: OffloadKey, page, payload: np.ndarray) -> str | None:
         """Read and verify one block into check buffers (caller's thread); the problem or None."""
@@ -344,12 +428,4 @@ class BlockIO:
             nread = os.preadv(fd, [page, payload], offset)  # type: ignore[list-item]  # numpy stubs: Buffer on 3.12+
         except OSError as exc:
             return str(Failure.from_exception(exc))
-        return verify(
-            page,
-            payload[: self.block_bytes],
-            nread,
-            key=key,
-            layout_digest=self._digest,
-            payload_bytes=self.block_bytes,
-            keys=self.keys,
-        )
+        return self._verify(page, payload[: self.payload_bytes], nread, key)

@@ -23,6 +23,7 @@ from kvtier.policies.write_budget import SECONDS_PER_YEAR, WriteBudget
 from kvtier.registry import Registry
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.disk.mover import DEFAULT_THREADS
+from kvtier.codecs import parse_codec_option
 from kvtier.tiers.secret import parse_secret_options
 
 if TYPE_CHECKING:
@@ -108,6 +109,9 @@ class DiskTierConfig(TierConfig):
     secret_file: str | None = None
     # none, or aes-gcm: blocks are encrypted at rest under secret_file
     encrypt: str = "none"
+    # how blocks are stored: none (as they are), lossless (byte planes + zstd), or, lossy
+    # and opt-in, int8, fp8, int4 (need the KV's element dtype); see docs/tiers/codecs.md
+    codec: str = "none"
 
     @classmethod
     def parse_options(cls, section: Mapping[str, object], field: str, name: str) -> dict[str, object]:
@@ -163,6 +167,7 @@ class DiskTierConfig(TierConfig):
                 )
             options["lock_timeout_s"] = float(timeout)
         options.update(parse_secret_options(section, field))
+        options.update(parse_codec_option(section, field))
         return options
 
     def location(self) -> str | None:

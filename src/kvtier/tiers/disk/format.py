@@ -25,6 +25,13 @@ xxh3 payload checksum, and an *encrypted* one holds its payload as AES-GCM ciphe
 with a secret serves only keyed blocks whose tag holds; a tier without one serves only
 unkeyed blocks. Version 1 blocks (no flags, salt or tag) are still read, as unkeyed blocks.
 
+Version 3 adds a block codec's descriptor (:mod:`kvtier.codecs`: its name and parameters)
+between the tag and the key length; the payload is then the encoded block, ``payload length``
+bytes (at most ``block_bytes``), and its checksum or MAC covers what is stored, so a block is
+verified before anything decodes it. Blocks stored without a codec are still written as
+version 2, which every reader since then reads. A reader decodes only blocks whose descriptor
+is its own codec's: any other is ``other codec``, never decoded.
+
 Who calls what: the disk tiers' I/O threads encode and verify (every function here is pure and
 thread-safe); :class:`LayoutFingerprint` is built once by whoever opens a tier.
 """
@@ -34,17 +41,19 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 import xxhash
 
 __all__ = [
+    "CODEC_BYTES",
     "FLAG_ENCRYPTED",
     "FLAG_KEYED",
     "FORMAT_VERSION",
     "HEADER_BYTES",
     "MAX_KEY_BYTES",
+    "NO_CODEC",
     "PAGE_BYTES",
     "READ_VERSIONS",
     "SALT_BYTES",
@@ -62,10 +71,12 @@ __all__ = [
     "verify",
 ]
 
-#: the version of the block layout written; a reader refuses blocks not in READ_VERSIONS
-FORMAT_VERSION = 2
-#: versions read: 1 (before flags, salt and tag) is read as an unkeyed block
-READ_VERSIONS = (1, 2)
+#: the newest version of the block layout written (version 2 where a block has no codec);
+#: a reader refuses blocks not in READ_VERSIONS
+FORMAT_VERSION = 3
+#: versions read: 1 (before flags, salt and tag) is read as an unkeyed block, 2 as a block
+#: without a codec
+READ_VERSIONS = (1, 2, 3)
 #: bytes of the header page in front of every payload
 HEADER_BYTES = 4096
 #: O_DIRECT alignment (offsets, lengths and buffer addresses) this format keeps
@@ -81,6 +92,10 @@ FLAG_ENCRYPTED = 2
 SALT_BYTES = 16
 #: bytes of a keyed block's tag
 TAG_BYTES = 16
+#: bytes of a codec's descriptor in a version-3 header (:attr:`kvtier.codecs.BlockCodec.descriptor`)
+CODEC_BYTES = 16
+#: the descriptor of a block stored as it is, without a codec
+NO_CODEC = bytes(CODEC_BYTES)
 
 _MAGIC = b"KVTBLOCK"
 # version 1: magic, format version, reserved (0), flags (0), layout digest, payload length,
@@ -89,8 +104,11 @@ _FIXED_V1 = struct.Struct("<8sHHI16sQQH")
 # version 2: the same, with salt and tag between the payload checksum and the key length
 _FIXED = struct.Struct("<8sHHI16sQQ16s16sH")
 _TAG_AT = _FIXED.size - 2 - TAG_BYTES
+# version 3: the same, with the codec's descriptor between the tag and the key length
+_FIXED_V3 = struct.Struct("<8sHHI16sQQ16s16s16sH")
+_FIXED_SIZE = {2: _FIXED.size, 3: _FIXED_V3.size}
 _HEADER_SUM = struct.Struct("<Q")
-assert _FIXED.size + MAX_KEY_BYTES + _HEADER_SUM.size <= HEADER_BYTES
+assert _FIXED_V3.size + MAX_KEY_BYTES + _HEADER_SUM.size <= HEADER_BYTES
 _ZEROS = bytes(HEADER_BYTES)
 _NO_SALT = bytes(SALT_BYTES)
 _NO_TAG = bytes(TAG_BYTES)
@@ -134,11 +152,14 @@ def differing_part(own: Mapping[str, object], other: Mapping[str, object]) -> st
     """Which part of a block's identity two layouts (:meth:`LayoutFingerprint.to_dict`)
     disagree on: ``tp`` (the parallel layout: rank or world size alone, or the tp/pp/cp facts
     engines put in ``model`` with the shard sizes that follow from them), ``layout`` (model,
-    dtype, tokens per block, page or block bytes), or ``namespace`` (none: the same layout, so
-    what differs is where the blocks were put)."""
+    dtype, tokens per block, page or block bytes), ``codec`` (the codec blocks are stored with,
+    alone), or ``namespace`` (none: the same layout, so what differs is where the blocks were
+    put)."""
     differ = {name for name in set(own) | set(other) if own.get(name) != other.get(name)}
     if not differ:
         return "namespace"
+    if differ == {"codec"}:
+        return "codec"
     if differ <= set(_TP_FIELDS):
         return "tp"
     if not differ <= _SHARD_FIELDS | {"model"}:
@@ -176,6 +197,9 @@ class LayoutFingerprint:
     world_size: int
     #: payload bytes of one block (one CPU-tier row)
     block_bytes: int
+    #: the codec a tier stores blocks with (``none``: as they are); a tier sets its own with
+    #: :meth:`with_codec`, so that stores and namespaces of another codec are other layouts
+    codec: str = "none"
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON and from engine code; a tuple keeps the dataclass hashable.
@@ -191,11 +215,12 @@ class LayoutFingerprint:
             )
 
     @classmethod
-    def standalone(cls, block_bytes: int) -> LayoutFingerprint:
-        """The fingerprint kvtier uses when it runs without an engine (CLI, benchmarks, tests)."""
+    def standalone(cls, block_bytes: int, dtype: str = "uint8") -> LayoutFingerprint:
+        """The fingerprint kvtier uses when it runs without an engine (CLI, benchmarks, tests);
+        ``dtype``: the KV bytes' element dtype, when known (lossy codecs need it)."""
         return cls(
             model="standalone",
-            dtype="uint8",
+            dtype=dtype,
             tokens_per_block=0,
             page_bytes=(block_bytes,),
             rank=0,
@@ -203,16 +228,26 @@ class LayoutFingerprint:
             block_bytes=block_bytes,
         )
 
+    def with_codec(self, codec: str) -> LayoutFingerprint:
+        """This layout as a tier storing blocks with ``codec`` keeps it."""
+        return replace(self, codec=codec)
+
     def to_dict(self) -> dict:
-        """The fields as JSON-ready values (the manifest's ``fingerprint``)."""
+        """The fields as JSON-ready values (the manifest's ``fingerprint``); ``codec`` only
+        when there is one, so layouts without a codec keep the digest they always had."""
         record = asdict(self)
         record["page_bytes"] = list(self.page_bytes)
+        if self.codec == "none":
+            del record["codec"]
         return record
 
     @classmethod
     def from_dict(cls, record: dict) -> LayoutFingerprint:
         """Inverse of :meth:`to_dict`; raises ``ValueError``/``TypeError``/``KeyError`` if malformed."""
-        return cls(**{f.name: record[f.name] for f in fields(cls)})
+        return cls(
+            **{f.name: record[f.name] for f in fields(cls) if f.name != "codec"},
+            codec=record.get("codec", "none"),
+        )
 
     def digest(self) -> bytes:
         """16 bytes naming this layout: xxh3-128 of a canonical JSON encoding.
@@ -228,7 +263,7 @@ class LayoutFingerprint:
         return (
             f"model={self.model} dtype={self.dtype} tokens_per_block={self.tokens_per_block} "
             f"page_bytes={list(self.page_bytes)} rank={self.rank}/{self.world_size} "
-            f"block_bytes={self.block_bytes}"
+            f"block_bytes={self.block_bytes}" + (f" codec={self.codec}" if self.codec != "none" else "")
         )
 
 
@@ -251,6 +286,8 @@ class BlockHeader:
     #: a keyed block's 16-bit id of the secret that wrote it (0: unkeyed, or written before
     #: key ids), so a block under another secret is told from a damaged one
     key_id: int = 0
+    #: the descriptor of the codec the payload is encoded with (:data:`NO_CODEC`: none)
+    codec: bytes = NO_CODEC
 
 
 def encode_header_into(
@@ -263,43 +300,47 @@ def encode_header_into(
     flags: int = 0,
     salt: bytes = _NO_SALT,
     key_id: int = 0,
+    codec: bytes = NO_CODEC,
 ) -> None:
     """Write the header of a block into the first :data:`HEADER_BYTES` of ``buffer``.
 
     ``buffer`` is writable (a per-thread page-aligned scratch page); the bytes after the
     header are zeroed so that a block's header page is the same whatever the buffer held.
     A keyed block (``flags``) is written with a zero tag, then sealed with :func:`set_tag`.
+    ``codec``: the descriptor of the codec the payload is encoded with (version 3); without
+    one the header is version 2.
     """
     if len(key) > MAX_KEY_BYTES:
         raise ValueError(f"key of {len(key)} bytes is longer than {MAX_KEY_BYTES}")
     view = memoryview(buffer)
-    _FIXED.pack_into(
-        view,
-        0,
-        _MAGIC,
-        FORMAT_VERSION,
-        key_id,  # the field version 1 reserved; covered by the MAC and the header checksum
-        flags,
-        layout_digest,
-        payload_bytes,
-        checksum,
-        salt,
-        _NO_TAG,
-        len(key),
-    )
-    end = _FIXED.size + len(key)
-    view[_FIXED.size : end] = key
+    # the field version 1 reserved holds key_id; covered by the MAC and the header checksum
+    common = (_MAGIC, key_id, flags, layout_digest, payload_bytes, checksum, salt, _NO_TAG)
+    if codec == NO_CODEC:
+        fixed = _FIXED
+        _FIXED.pack_into(view, 0, common[0], 2, *common[1:], len(key))
+    else:
+        fixed = _FIXED_V3
+        _FIXED_V3.pack_into(view, 0, common[0], 3, *common[1:], codec, len(key))
+    end = fixed.size + len(key)
+    view[fixed.size : end] = key
     _HEADER_SUM.pack_into(view, end, xxhash.xxh3_64_intdigest(view[:end]))
     tail = end + _HEADER_SUM.size
     view[tail:HEADER_BYTES] = _ZEROS[tail:]
 
 
+def _fixed_size(view: memoryview) -> int:
+    """The fixed part's size of the version-2 or -3 header in ``view``."""
+    return _FIXED_SIZE.get(struct.unpack_from("<H", view, 8)[0], _FIXED.size)
+
+
 def mac_parts(buffer) -> tuple[memoryview, memoryview]:
-    """The bytes of an encoded version-2 header that a keyed block's MAC covers: everything
-    before the header's own checksum except the tag, as two views (before and after it)."""
+    """The bytes of an encoded version-2 or -3 header that a keyed block's MAC covers:
+    everything before the header's own checksum except the tag, as two views (before and
+    after it)."""
     view = memoryview(buffer)
-    (key_len,) = struct.unpack_from("<H", view, _FIXED.size - 2)
-    return view[:_TAG_AT], view[_TAG_AT + TAG_BYTES : _FIXED.size + key_len]
+    size = _fixed_size(view)
+    (key_len,) = struct.unpack_from("<H", view, size - 2)
+    return view[:_TAG_AT], view[_TAG_AT + TAG_BYTES : size + key_len]
 
 
 def header_flags(buffer) -> int:
@@ -311,8 +352,9 @@ def set_tag(buffer, tag: bytes) -> None:
     """Put ``tag`` into the header encoded in ``buffer`` and renew the header's checksum."""
     view = memoryview(buffer)
     view[_TAG_AT : _TAG_AT + TAG_BYTES] = tag
-    (key_len,) = struct.unpack_from("<H", view, _FIXED.size - 2)
-    end = _FIXED.size + key_len
+    size = _fixed_size(view)
+    (key_len,) = struct.unpack_from("<H", view, size - 2)
+    end = size + key_len
     _HEADER_SUM.pack_into(view, end, xxhash.xxh3_64_intdigest(view[:end]))
 
 
@@ -326,17 +368,23 @@ def decode_header(buffer) -> BlockHeader | str:
         return "bad magic"
     if version not in READ_VERSIONS:
         return f"format version {version}"
-    salt, tag, key_id = _NO_SALT, _NO_TAG, 0
+    salt, tag, key_id, codec = _NO_SALT, _NO_TAG, 0, NO_CODEC
     if version == 1:
         _m, _v, _reserved, flags, digest, payload_bytes, checksum, key_len = _FIXED_V1.unpack_from(view, 0)
         start = _FIXED_V1.size
         if flags:
             return "header checksum"  # version 1 never set a flag
-    else:
+    elif version == 2:
         _m, _v, key_id, flags, digest, payload_bytes, checksum, salt, tag, key_len = _FIXED.unpack_from(
             view, 0
         )
         start = _FIXED.size
+    else:
+        _m, _v, key_id, flags, digest, payload_bytes, checksum, salt, tag, codec, key_len = (
+            _FIXED_V3.unpack_from(view, 0)
+        )
+        start = _FIXED_V3.size
+    if version > 1:
         if flags & ~(FLAG_KEYED | FLAG_ENCRYPTED) or flags == FLAG_ENCRYPTED:
             return "header checksum"  # no writer sets these: damage (or a reader too old)
     if key_len > MAX_KEY_BYTES:
@@ -346,7 +394,7 @@ def decode_header(buffer) -> BlockHeader | str:
     if xxhash.xxh3_64_intdigest(view[:end]) != stored_sum:
         return "header checksum"
     return BlockHeader(
-        version, digest, payload_bytes, checksum, bytes(view[start:end]), flags, salt, tag, key_id
+        version, digest, payload_bytes, checksum, bytes(view[start:end]), flags, salt, tag, key_id, codec
     )
 
 
@@ -360,33 +408,45 @@ def verify(
     payload_bytes: int,
     keys=None,
     source=None,
+    codec: bytes = NO_CODEC,
+    exact: bool = True,
 ) -> str | None:
     """Why the block just read is not ``key``'s block of this layout, or ``None`` if it is.
 
     ``nread`` is how many bytes the read returned (header page + payload); ``payload`` is
-    where the payload landed (the CPU row), exactly ``payload_bytes`` long. The checks run
-    cheapest first; the payload checksum (xxh3-64, ~15 GB/s) runs only when all else holds.
+    where the payload landed (the CPU row, or a codec's buffer), at least the stored payload
+    long: what the header says is stored, ``payload_bytes`` when ``exact``, at most that
+    otherwise (a codec whose blocks vary in size). The checks run cheapest first; the payload
+    checksum (xxh3-64, ~15 GB/s) runs only when all else holds, over the stored bytes.
+    ``codec``: the descriptor of the codec this reader decodes with; a block of another
+    (or of none, when this reader has one) is refused before anything else is looked at.
     ``keys`` (a :class:`~kvtier.tiers.secret.TierKeys`, for a tier with a secret): the block
     must be keyed and its tag must hold under them; an encrypted payload is decrypted in
     place, or from ``source`` (the ciphertext, where it is not already in ``payload``). Without
     ``keys`` a keyed block is refused (it cannot be verified).
     Reasons: ``truncated``, ``bad magic``, ``format version N``, ``header checksum``,
-    ``other layout``, ``other key``, ``payload length``, ``checksum``, ``unkeyed``,
-    ``keyed (no secret here)``, ``other secret``, ``MAC``.
+    ``other codec``, ``other layout``, ``other key``, ``payload length``, ``checksum``,
+    ``unkeyed``, ``keyed (no secret here)``, ``other secret``, ``MAC``.
     """
     if nread < HEADER_BYTES:
         return "truncated"
     header = decode_header(header_page)
     if isinstance(header, str):
         return header
+    if header.codec != codec:
+        return "other codec"
     if header.layout_digest != layout_digest:
         return "other layout"
     if header.key != key:
         return "other key"
-    if header.payload_bytes != payload_bytes:
+    stored = header.payload_bytes
+    if stored != payload_bytes if exact else stored > payload_bytes:
         return "payload length"
-    if nread < HEADER_BYTES + payload_bytes:
+    if nread < HEADER_BYTES + stored:
         return "truncated"
+    if stored != len(payload):
+        payload = payload[:stored]
+        source = None if source is None else source[:stored]
     if header.flags & FLAG_KEYED:
         # Checked before the payload is trusted: without the secret no one can make a tag hold.
         if keys is None:

@@ -53,6 +53,8 @@ class StoreManifest:
     capacity_bytes: int
     #: when the store was created (seconds since the epoch)
     created_s: float
+    #: the 16-bit id of the secret its blocks are keyed with (0: unkeyed, or not recorded)
+    key_id: int = 0
 
     @property
     def block_bytes(self) -> int:
@@ -68,11 +70,16 @@ class StoreManifest:
             "capacity_bytes": self.capacity_bytes,
             "created_s": self.created_s,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created_s)),
+            **({"key_id": self.key_id} if self.key_id else {}),
         }
 
     @classmethod
-    def new(cls, kind: str, fingerprint: LayoutFingerprint, capacity_bytes: int) -> StoreManifest:
-        return cls(kind, FORMAT_VERSION, fingerprint, capacity_bytes, time.time())
+    def new(
+        cls, kind: str, fingerprint: LayoutFingerprint, capacity_bytes: int, key_id: int = 0
+    ) -> StoreManifest:
+        # blocks without a codec are still written as version 2: an older kvtier reads the store
+        version = FORMAT_VERSION if fingerprint.codec != "none" else 2
+        return cls(kind, version, fingerprint, capacity_bytes, time.time(), key_id)
 
 
 def read_manifest(directory: str) -> StoreManifest | None:
@@ -106,6 +113,7 @@ def read_manifest(directory: str) -> StoreManifest | None:
             fingerprint=fingerprint,
             capacity_bytes=int(record["capacity_bytes"]),
             created_s=float(record.get("created_s", 0.0)),
+            key_id=int(record.get("key_id", 0)),
         )
         digest = record["fingerprint"].get("digest")
         if digest is not None and digest != fingerprint.digest().hex():

@@ -1,7 +1,8 @@
 """A disk tier's store directory: what opening it checks, its manifest, its locks.
 
 Opening a store, in order (:meth:`kvtier.tiers.disk.base.DiskTier.open` drives it): check the
-directory (:func:`prepare_directory`: created if its parent exists; a clear
+directory (:func:`prepare_directory`: never a symlink; a kvtier store or an empty directory,
+known before anything is created or changed; created if its parent exists; a clear
 :class:`~kvtier.errors.ConfigError` for a missing parent, a file in the way, a read-only or
 unwritable directory); claim the path in this process (:func:`claim_path`); take the store's
 locks and learn whether any other process has it open (:class:`StoreLocks`); read, write or
@@ -22,6 +23,7 @@ Who calls it: the opener's thread, blocking by design; never the scheduler's hot
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -33,7 +35,6 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvtier.base import OffloadKey
 from kvtier.config import format_size
@@ -63,8 +64,10 @@ __all__ = [
     "open_store_directory",
     "pid_alive",
     "prepare_directory",
+    "refuse_foreign_entries",
     "release_path",
     "settle_manifest",
+    "store_directory_path",
     "store_os_fix",
     "user_cache_root",
 ]
@@ -74,8 +77,9 @@ logger = logging.getLogger(__name__)
 _MAINTENANCE_LOCK = "kvtier-store.lock"
 _USERS_LOCK = "kvtier-users.lock"
 # Names an opener may find in a directory that is not a store yet: its own lock files (left by
-# an opener that crashed before writing the manifest) and probe files.
-_OWN_PREFIXES = (".kvtier-",)
+# an opener that crashed before writing the manifest), probe files, and the manifest's
+# temporary file (another opener creating the store at this moment).
+_OWN_PREFIXES = (".kvtier-", MANIFEST_NAME + ".")
 _OWN_NAMES = (_MAINTENANCE_LOCK, _USERS_LOCK)
 _TRASH_PREFIX = ".kvtier-trash-"
 
@@ -178,8 +182,11 @@ def directory_problem(info: os.stat_result, directory: str) -> tuple[str, str] |
 
 def open_store_directory(directory: str, field: str, path: str, *, read_only: bool = False) -> int:
     """A descriptor of the store directory (not through a symlink), after checking that this
-    user owns it and no one else may write in it; made 0700 if others may read it (not
-    ``read_only``). Raises ConfigError naming ``<field>.path``, what is wrong and the fix."""
+    user owns it, no one else may write in it, and it is a kvtier store or empty: nothing is
+    changed before that is known. A store others may read is made 0700 (not ``read_only``);
+    an empty directory kvtier did not create is refused unless it is 0700 already (kvtier
+    never changes the mode of a directory that is not its own). Raises ConfigError naming
+    ``<field>.path``, what is wrong and the fix."""
     where = f"{field}.path"
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -195,12 +202,23 @@ def open_store_directory(directory: str, field: str, path: str, *, read_only: bo
                 "a store directory of this user's that no one else may write",
                 f"{problem[0]}. Fix: {problem[1]}",
             )
-        if not read_only and stat.S_IMODE(info.st_mode) != DIR_MODE:
+        is_store = refuse_foreign_entries(os.listdir(fd), field, path)
+        mode = stat.S_IMODE(info.st_mode)
+        if not read_only and mode != DIR_MODE:
+            if not is_store:
+                raise ConfigError(
+                    where,
+                    path,
+                    f"a directory of mode {DIR_MODE:o}, or a path where kvtier creates one",
+                    f"{directory} has mode {mode:o} and holds no kvtier store; kvtier changes the "
+                    f"mode only of its own directories. Fix: chmod {DIR_MODE:o} {directory}, or "
+                    f"remove it and let kvtier create it",
+                )
             # others may read it (a store kvtier made before it used 0700): its files are KV
             logger.warning(
                 "kvtier: store directory %s had mode %o; set to %o (KV blocks are for this user only)",
                 directory,
-                stat.S_IMODE(info.st_mode),
+                mode,
                 DIR_MODE,
             )
             os.fchmod(fd, DIR_MODE)
@@ -210,14 +228,61 @@ def open_store_directory(directory: str, field: str, path: str, *, read_only: bo
     return fd
 
 
+def refuse_foreign_entries(names: list[str], field: str, path: str) -> bool:
+    """Whether the directory holding ``names`` is a kvtier store (it has a manifest); a
+    ConfigError if it is not and holds anything but what an opener leaves (its lock and
+    probe files): kvtier never writes into, nor deletes from, a directory of other files."""
+    if MANIFEST_NAME in names:
+        return True
+    foreign = [name for name in names if name not in _OWN_NAMES and not name.startswith(_OWN_PREFIXES)]
+    if foreign:
+        shown = ", ".join(sorted(foreign)[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise ConfigError(
+            f"{field}.path",
+            path,
+            "an empty directory or a kvtier store (it has no kvtier-store.json)",
+            f"it holds other files ({shown}); kvtier never deletes files it did not write, "
+            f"nor writes among them: choose an empty or new directory",
+        )
+    return False
+
+
+def _mkdir_private(directory: str) -> None:
+    """Create ``directory`` with mode 0700 whatever the umask (FileExistsError if it exists);
+    the mode is set through a descriptor, so a symlink swapped in meanwhile is not followed."""
+    os.mkdir(directory, DIR_MODE)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, DIR_MODE)
+    finally:
+        os.close(fd)
+
+
 def _make_private_dirs(directory: str) -> None:
     """Create ``directory`` and its missing parents, each 0700 whatever the umask."""
     parent = os.path.dirname(directory)
     if parent != directory and not os.path.isdir(parent):
         _make_private_dirs(parent)
     with contextlib.suppress(FileExistsError):
-        os.mkdir(directory, DIR_MODE)
-        os.chmod(directory, DIR_MODE)
+        _mkdir_private(directory)
+
+
+def store_directory_path(path: str, where: str) -> str:
+    """The absolute path of the store ``path`` names, its parent resolved (one store reached
+    through a symlinked parent is still one store); a ConfigError if ``path`` itself is a
+    symlink: whoever may write its folder could aim it at any directory, and kvtier would
+    lock, chmod or fill what it points at."""
+    parent, name = os.path.split(os.path.abspath(os.path.expanduser(path)))
+    directory = os.path.join(os.path.realpath(parent), name)
+    if os.path.islink(directory):
+        raise ConfigError(
+            where,
+            path,
+            "a directory, not a symlink",
+            f"{directory} is a symlink (to {os.readlink(directory)}); kvtier never follows one "
+            f"as a store path: give the directory's own path",
+        )
+    return directory
 
 
 def claim_path(directory: str) -> None:
@@ -361,14 +426,15 @@ def _flock_within(fd: int, path: str, timeout_s: float) -> None:
 
 
 def prepare_directory(path: str, field: str, *, read_only: bool = False) -> str:
-    """The store's absolute path, created if its parent exists and proven writable
-    (``read_only``: only proven to be a directory; nothing is created or written)."""
-    directory = os.path.abspath(os.path.expanduser(path))
+    """The store's absolute path (see :func:`store_directory_path`), created if its parent
+    exists, checked by :func:`open_store_directory` and proven writable (``read_only``: only
+    proven to be a directory; nothing is created or written)."""
     where = f"{field}.path"
+    directory = store_directory_path(path, where)
     if read_only:
         if not os.path.isdir(directory):
             raise ConfigError(where, path, "an existing store directory", f"{directory} is not a directory")
-        return os.path.realpath(directory)
+        return directory
     if os.path.lexists(directory) and not os.path.isdir(directory):
         raise ConfigError(
             where,
@@ -390,14 +456,11 @@ def prepare_directory(path: str, field: str, *, read_only: bool = False) -> str:
                     )
                 _make_private_dirs(parent)
             _reject_open_parent(parent, where, path)
-            os.mkdir(directory, DIR_MODE)
-            os.chmod(directory, DIR_MODE)  # whatever the umask
+            _mkdir_private(directory)
         except FileExistsError:
             pass
         except OSError as exc:
             raise ConfigError(where, path, "a directory kvtier can create", _os_fix(exc, parent)) from None
-    # the real path: one store reached through a symlink is still one store
-    directory = os.path.realpath(directory)
     dir_fd = open_store_directory(directory, field, path)
     probe = f".kvtier-write-probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
@@ -442,6 +505,7 @@ def settle_manifest(
     read_only: bool = False,
     stored_keys: Callable[[str, int], list[OffloadKey]] | None = None,
     keep_keys: int = 0,
+    key_id: int | None = None,
 ) -> tuple[StoreManifest, bool, Wiped | None]:
     """Read, create or replace the manifest of a ``kind`` store; ``(manifest, created,
     wiped)``.
@@ -452,6 +516,11 @@ def settle_manifest(
     of another layout was wiped, the part of the layout that differed and up to
     ``keep_keys`` of the keys it held (``stored_keys(directory, keep_keys)``, read before the
     wipe; none by default), so their misses can be told as ``foreign``, not ``new``.
+
+    ``key_id``: the id of the opener's secret (0: none), recorded in the manifest; a store
+    keyed under a secret is refused to an opener without one (every block would fail its
+    check and be dropped). None (``kvtier check``): not compared, the check reports such
+    blocks.
     """
     try:
         manifest = read_manifest(directory)
@@ -469,21 +538,8 @@ def settle_manifest(
             )
         return manifest, False, None
     if manifest is None:
-        foreign = [
-            name
-            for name in os.listdir(directory)
-            if name not in _OWN_NAMES and not name.startswith(_OWN_PREFIXES)
-        ]
-        if foreign:
-            shown = ", ".join(sorted(foreign)[:5]) + (" ..." if len(foreign) > 5 else "")
-            raise ConfigError(
-                f"{field}.path",
-                config.path,
-                "an empty directory or a kvtier store (it has no kvtier-store.json)",
-                f"it holds other files ({shown}); kvtier never deletes files it did not "
-                f"write: choose an empty or new directory",
-            )
-        manifest = StoreManifest.new(kind, fingerprint, config.capacity_bytes)
+        refuse_foreign_entries(os.listdir(directory), field, str(config.path))
+        manifest = StoreManifest.new(kind, fingerprint, config.capacity_bytes, key_id or 0)
         _write_manifest(directory, manifest, config, field)
         return manifest, True, None
     if manifest.kind != kind:
@@ -518,9 +574,21 @@ def settle_manifest(
             f" (misses of {len(wiped.keys)} of them count as foreign_{part})" if wiped.keys else "",
         )
         _wipe(directory, medium_names)
-        manifest = StoreManifest.new(kind, fingerprint, config.capacity_bytes)
+        manifest = StoreManifest.new(kind, fingerprint, config.capacity_bytes, key_id or 0)
         _write_manifest(directory, manifest, config, field)
         return manifest, True, wiped
+    if key_id == 0 and manifest.key_id:
+        raise ConfigError(
+            f"{field}.secret_file",
+            None,
+            "the secret the store's blocks were written with",
+            f"{directory} holds blocks keyed under a secret: without it each would fail its "
+            f"check and be dropped. Give the tier that secret_file, or another path (or remove "
+            f"{directory} to start over without a secret)",
+        )
+    if key_id and manifest.key_id != key_id:  # keyed from now on (another secret's blocks: foreign)
+        manifest = dataclasses.replace(manifest, key_id=key_id)
+        _write_manifest(directory, manifest, config, field)
     if manifest.capacity_bytes != config.capacity_bytes:
         if not alone:
             raise ConfigError(
@@ -529,20 +597,14 @@ def settle_manifest(
                 f"{format_size(manifest.capacity_bytes)}, the capacity another process uses {directory} with",
                 "give every process sharing a path the same capacity (or its own path)",
             )
-        manifest = StoreManifest(
-            manifest.kind,
-            manifest.format_version,
-            manifest.fingerprint,
-            config.capacity_bytes,
-            manifest.created_s,
-        )
+        manifest = dataclasses.replace(manifest, capacity_bytes=config.capacity_bytes)
         _write_manifest(directory, manifest, config, field)
     if alone:
         _remove_trash(directory)
     return manifest, False, None
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Wiped:
     """What a store of another layout held when it was wiped (see :func:`settle_manifest`)."""
 

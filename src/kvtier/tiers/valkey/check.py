@@ -144,13 +144,22 @@ def is_valkey_target(path: str) -> bool:
 
 
 def verify_value(
-    value, key: bytes, *, layout_digest: bytes | None = None, payload_bytes: int | None = None, keys=None
+    value,
+    key: bytes,
+    *,
+    layout_digest: bytes | None = None,
+    payload_bytes: int | None = None,
+    keys=None,
+    codec: bytes | None = None,
+    exact: bool = True,
 ) -> tuple[str | None, bytes | None]:
     """Why ``value`` is not ``key``'s block, or ``None``; and the layout digest its header carries.
 
     With ``layout_digest`` and ``payload_bytes`` (a tier that knows its layout) the value must
     be of that layout; without them (a check that does not), of the layout and length its own
     header names — whether that layout belongs in the namespace is the caller's question.
+    ``codec``: the descriptor of the tier's codec (None: the one the header names), and
+    ``exact``: whether every payload is ``payload_bytes`` long (else at most that).
     The digest is ``None`` when the header does not decode. Reasons are
     :func:`~kvtier.tiers.disk.format.verify`'s, and ``payload length`` for a value longer than
     its header says.
@@ -161,8 +170,9 @@ def verify_value(
         return header, None
     want_digest = header.layout_digest if layout_digest is None else layout_digest
     want_bytes = header.payload_bytes if payload_bytes is None else payload_bytes
-    payload: memoryview | bytearray = view[HEADER_BYTES : HEADER_BYTES + want_bytes]
-    if keys is not None and header.flags and len(payload) == want_bytes:
+    stored = min(header.payload_bytes, want_bytes)
+    payload: memoryview | bytearray = view[HEADER_BYTES : HEADER_BYTES + stored]
+    if keys is not None and header.flags and len(payload) == stored:
         payload = bytearray(payload)  # an encrypted payload is decrypted in place
     reason = verify(
         view[:HEADER_BYTES],
@@ -172,8 +182,10 @@ def verify_value(
         layout_digest=want_digest,
         payload_bytes=want_bytes,
         keys=keys,
+        codec=header.codec if codec is None else codec,
+        exact=exact,
     )
-    if reason is None and len(view) > HEADER_BYTES + want_bytes:
+    if reason is None and len(view) > HEADER_BYTES + stored:
         reason = "payload length"  # trailing bytes: not what any tier wrote
     return reason, header.layout_digest
 
@@ -210,11 +222,14 @@ def check_namespace(
     payload_bytes: int | None = None,
     batch_bytes: int = CHECK_BATCH_BYTES,
     keys=None,
+    codec: bytes | None = None,
+    exact: bool = True,
 ) -> NamespaceReport:
     """Read and verify the values ``names`` (all ``<namespace>:...``); with ``fix``, DEL the bad ones.
 
     ``layout_digest`` and ``payload_bytes``: the layout every value must be of (a tier's own
-    check, or ``--layout``; ``payload_bytes`` may be None then); without them the namespace's
+    check, or ``--layout``; ``payload_bytes`` may be None then; with ``codec`` and ``exact``
+    as :func:`verify_value` takes them); without them the namespace's
     layout is inferred where the namespace's name or its values leave no doubt (module
     docstring), and otherwise values that differ only in layout are reported, not deleted.
     Reads go out in pipelined batches of at most ``batch_bytes`` of values. A value gone since the scan
@@ -268,7 +283,13 @@ def check_namespace(
                 bad[name] = "name is not <namespace>:<hex key>"
                 continue
             reason, digest = verify_value(
-                value, key, layout_digest=layout_digest, payload_bytes=payload_bytes, keys=keys
+                value,
+                key,
+                layout_digest=layout_digest,
+                payload_bytes=payload_bytes,
+                keys=keys,
+                codec=codec,
+                exact=exact,
             )
             if reason == "keyed (no secret here)":
                 report.unverified += 1  # only the secret can tell a keyed value from a forgery

@@ -46,7 +46,8 @@ from kvtier.errors import ConfigError
 from kvtier.extras import install_hint
 from kvtier.registry import Registry
 from kvtier.tiers.base import SecondaryTier
-from kvtier.tiers.secret import parse_secret_options
+from kvtier.codecs import parse_codec_option
+from kvtier.tiers.secret import parse_secret_options, read_private_file
 
 __all__ = [
     "PASSWORD_ENV",
@@ -125,6 +126,9 @@ class ValkeyTierConfig(TierConfig):
     secret_file: str | None = None
     # none, or aes-gcm: values are encrypted under secret_file
     encrypt: str = "none"
+    # how values are stored: none (as they are), lossless (byte planes + zstd), or, lossy
+    # and opt-in, int8, fp8, int4 (need the KV's element dtype); see docs/tiers/codecs.md
+    codec: str = "none"
 
     #: the server bounds and evicts the tier: the section takes no capacity or eviction
     bounded_by_server: ClassVar[bool] = True
@@ -193,6 +197,7 @@ class ValkeyTierConfig(TierConfig):
                     "drop tls: for a unix socket, or give the server's TCP address",
                 )
         options.update(parse_secret_options(section, field))
+        options.update(parse_codec_option(section, field))
         return options
 
     def location(self) -> str | None:
@@ -279,48 +284,19 @@ _PASSWORD_ARG_RE = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 
 
 def read_password(path: str, field: str) -> str:
-    """The first line of the password file ``path``; :class:`ConfigError` unless the file is
-    a regular file owned by this user with no group or other permission bits (a secret
-    another local user could read, or swap, is not a secret)."""
-    fix_mode = f"chmod 600 {path}"
+    """The first line of the password file ``path``, opened and checked as a tier's secret
+    file is (:func:`~kvtier.tiers.secret.read_private_file`: a regular file of this user's
+    that no one else may read, never through a symlink nor waiting on a FIFO), UTF-8 text of
+    at most 4 KiB; a :class:`ConfigError` naming ``field`` otherwise (a password another
+    local user could read, swap or redirect is not a secret)."""
+    fix = f"write the password alone: printf %s PASSWORD > {path}; chmod 600 {path}"
+    text = read_private_file(path, field, max_bytes=_MAX_SECRET_BYTES, fix=fix)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
-    except OSError as error:
-        raise ConfigError(
-            field,
-            path,
-            "a readable file holding the password",
-            f"create it ({error.strerror}): printf %s PASSWORD > {path}; {fix_mode}",
-        ) from None
-    try:
-        info = os.fstat(fd)  # the file opened, not whatever the path names a moment later
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(field, path, "a regular file", "give the path of a file holding the password")
-        if info.st_uid != os.geteuid():
-            raise ConfigError(
-                field,
-                path,
-                f"a file owned by this user (uid {os.geteuid()}); it is owned by uid {info.st_uid}",
-                f"chown {os.geteuid()} {path} (or copy it to a file of your own); {fix_mode}",
-            )
-        if info.st_mode & 0o077:
-            raise ConfigError(
-                field,
-                path,
-                f"a file only its owner can read or write; its mode is {stat.S_IMODE(info.st_mode):04o}",
-                fix_mode,
-            )
-        text = os.read(fd, _MAX_SECRET_BYTES + 1)
-    finally:
-        os.close(fd)
-    password = text.decode("utf-8", errors="strict").splitlines()[0] if text.strip() else ""
-    if not password or len(text) > _MAX_SECRET_BYTES:
-        raise ConfigError(
-            field,
-            path,
-            "a file whose first line is the password (at most 4 KiB)",
-            f"write the password alone: printf %s PASSWORD > {path}",
-        )
+        password = text.decode("utf-8").splitlines()[0] if text.strip() else ""
+    except UnicodeDecodeError:
+        raise ConfigError(field, path, "UTF-8 text whose first line is the password", fix) from None
+    if not password:
+        raise ConfigError(field, path, "a file whose first line is the password", fix)
     return password
 
 
@@ -403,7 +379,15 @@ def _parse_url(value: object, field: str) -> str:
             "a server URL: " + ", ".join(f"{s}://" for s in URL_SCHEMES),
             "write url: valkey://host:6379/0 (or unix:///path/to/valkey.sock)",
         )
-    parts = urlsplit(value)
+    try:
+        parts = urlsplit(value)
+    except ValueError as exc:  # an unclosed [ of an IPv6 address, among others
+        raise ConfigError(
+            field,
+            redact_url(value),
+            f"a server URL ({exc})",
+            "write url: valkey://host:6379/0, or valkey://[::1]:6379/0",
+        ) from None
     if parts.scheme not in URL_SCHEMES:
         raise ConfigError(
             field,

@@ -17,8 +17,10 @@ value from the socket straight into an array of its own.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,8 +28,11 @@ import numpy as np
 
 from kvtier.tiers.base import Failure, FailureKind
 from kvtier.tiers.valkey.config import ValkeyTierConfig
+from kvtier.tiers.valkey.topology import REFRESH_MAX_S, ClusterHealth, NodeOutage
 
 __all__ = ["ValkeyConnection", "fix_for", "is_outage", "reason_of"]
+
+logger = logging.getLogger(__name__)
 
 #: the failure kinds that mean the server (or a node) could not be used at all: the tier
 #: goes into an outage on them (a wrong password or a bad certificate fails every key alike)
@@ -75,7 +80,8 @@ def reason_of(error: BaseException) -> Failure:
         if match:
             return Failure(FailureKind.DENIED, detail=match.group(1).lower())
         return Failure(FailureKind.DENIED, detail="key" if "key" in text else "command")
-    if isinstance(error, (errors.ConnectionError, OSError)):
+    # in the chain: a cluster client that reached no node raises its own error from the last one
+    if any(isinstance(e, (errors.ConnectionError, OSError)) for e in chain):
         if any(isinstance(e, ConnectionRefusedError) for e in chain) or "refused" in text.lower():
             return Failure(FailureKind.UNAVAILABLE, detail="refused")
         closed = "closed" in text.lower() or any(
@@ -108,7 +114,8 @@ def fix_for(reason: Failure, default: str) -> str:
             return "grant this user the tier's keys in the server's ACL (~NAMESPACE:*, e.g. ~kvtier:*)"
         return (
             f"grant this user {reason.detail.upper()} in the server's ACL (the tier needs GET SET PING INFO, "
-            "its check SCAN and DEL: +get +set +ping +info +scan +del)"
+            "on a cluster also CLUSTER SLOTS and ASKING, its check SCAN and DEL: +get +set +ping +info "
+            "+cluster|slots +asking +scan +del)"
         )
     if reason.kind is FailureKind.UNAVAILABLE:
         return (
@@ -124,12 +131,13 @@ _ERROR_CODE_RE = re.compile(r"[A-Z][A-Z_]{1,31}")
 
 def _reply_error(head: bytes) -> Exception:
     """The client's exception for an error reply's line (``head`` without its ``-``): the
-    same classes its own parser makes (``NoPermissionError`` for NOPERM ...), the code kept
-    at the front of the text so :func:`reason_of` can name it."""
-    from valkey._parsers.base import BaseParser
+    same classes its cluster parser makes (``NoPermissionError`` for NOPERM, ``MovedError``
+    and ``AskError`` with the node to ask ...), the code kept at the front of the text so
+    :func:`reason_of` can name it."""
+    from valkey.cluster import ClusterParser
 
     text = head.decode(errors="replace")
-    error = BaseParser.parse_error(text)
+    error = ClusterParser.parse_error(text)
     error.args = (text,)
     return error
 
@@ -144,23 +152,28 @@ def _pack_set(argc: int, name: bytes, parts: Sequence, expire: bytes) -> list:
     return [head, *parts, b"\r\n" + expire]
 
 
-def _read_set_replies(connection, count: int) -> list:
+def _read_set_replies(connection, count: int, asking: bool = False) -> list:
     """The ``count`` replies of SETs through the client's parser: ``None`` for OK, an error
-    reply as its exception."""
+    reply as its exception. ``asking``: each SET came after an ASKING, whose error (if any)
+    stands for the pair."""
     from valkey.exceptions import ResponseError
 
     replies: list = []
-    for _ in range(count):
+    for _ in range(count * 2 if asking else count):
         try:
             reply = connection.read_response()
         except ResponseError as error:  # that command's answer; the stream stays in step
             replies.append(error)
             continue
         replies.append(None if reply == b"OK" else ResponseError(f"ERR SET answered {reply!r}"[:80]))
+    if asking:
+        return [first if first is not None else second for first, second in zip(replies[::2], replies[1::2])]
     return replies
 
 
-def _read_values(connection, count: int, expect_bytes: int = 0, max_bytes: int | None = None) -> list:
+def _read_values(
+    connection, count: int, expect_bytes: int = 0, max_bytes: int | None = None, asking: bool = False
+) -> list:
     """The ``count`` replies of GETs, read from the socket here: each value into an array (one
     copy out of the kernel, or two for a value that arrived with the one before, no zero
     fill), ``None`` for a missing key, an error reply as its exception. A value of at most
@@ -173,8 +186,9 @@ def _read_values(connection, count: int, expect_bytes: int = 0, max_bytes: int |
     announce any length (alternatives rejected: docs/design/valkey-client.md#rejected-designs).
 
     Not the client's parser, which copies every value twice more. Only GET replies are read
-    this way (bulk strings, or nulls, or errors), and only on a connection whose parser has
-    nothing buffered: every round trip reads all of its replies.
+    this way (bulk strings, or nulls, or errors; with ``asking``, each after an ASKING's
+    ``+OK`` or error, the error then standing for the pair), and only on a connection whose
+    parser has nothing buffered: every round trip reads all of its replies.
     """
 
     from valkey.exceptions import ConnectionError as ClientConnectionError
@@ -227,8 +241,20 @@ def _read_values(connection, count: int, expect_bytes: int = 0, max_bytes: int |
     replies: list = []
     try:
         for index in range(count):
+            refused = None  # the ASKING's error, if it got one
+            if asking:
+                head = line()
+                if head[:1] == b"-":
+                    refused = _reply_error(head[1:])
+                elif head != b"+OK":
+                    raise ClientConnectionError(f"unexpected reply to ASKING: {head[:40]!r}")
             head = line()
             kind = head[:1]
+            if refused is not None:  # the GET went without ASKING: its answer does not count
+                if kind == b"$" and int(head[1:]) >= 0:
+                    skip(int(head[1:]) + 2)
+                replies.append(refused)
+                continue
             if kind == b"$":
                 length = int(head[1:])
                 if length < 0:
@@ -269,6 +295,13 @@ def _read_values(connection, count: int, expect_bytes: int = 0, max_bytes: int |
         raise ClientConnectionError("more replies than commands: the connection is out of step")
     return replies
 
+
+#: ASKING in RESP: sent before each command redirected by an ASK
+_ASKING = b"*1\r\n$6\r\nASKING\r\n"
+#: a key redirected a second time (the slots are moving again): it is not read or written now
+_REDIRECTED_AGAIN = Failure(FailureKind.UNAVAILABLE, detail="moved")
+#: a key of a slot no cluster node serves (as far as the slot map says)
+_UNCOVERED = Failure(FailureKind.UNAVAILABLE, detail="uncovered")
 
 #: the longest reply line a GET can get (an error's text); longer means the stream is wrong
 _MAX_LINE_BYTES = 64 << 10
@@ -321,13 +354,20 @@ def is_outage(reason: object) -> bool:
 class ValkeyConnection:
     """A client for the server or cluster that ``config`` names, built lazily on first use.
 
-    Thread-safe: the client keeps a pool of connections, one per thread in use.
+    Thread-safe: the client keeps a pool of connections, one per thread in use. For a
+    cluster, :attr:`health` (:mod:`~kvtier.tiers.valkey.topology`) holds the nodes that
+    failed lately, whose keys fail without a round trip, and when :meth:`refresh_topology`
+    should read the slot map again.
     """
 
     def __init__(self, config: ValkeyTierConfig):
         self._config = config
         self._client: Any = None  # Valkey or ValkeyCluster once connected
-        self._lock = threading.Lock()  # guards the lazy creation of _client
+        self._lock = threading.Lock()  # guards the lazy creation of _client and _elsewhere
+        self.health: ClusterHealth | None = ClusterHealth() if config.cluster_nodes else None
+        self._seeds: list = []  # the configured nodes (ClusterNode), always asked for the map
+        # nodes a redirect named that the slot map does not know yet (a new primary)
+        self._elsewhere: dict[str, Any] = {}
 
     @property
     def location(self) -> str:
@@ -374,8 +414,9 @@ class ValkeyConnection:
                 nodes.append(ClusterNode(host.strip("[]"), int(port)))
             if config.uses_tls:
                 options["ssl"] = True
+            self._seeds = nodes
             # one attempt per call, as for a single server: see above
-            return ValkeyCluster(startup_nodes=nodes, cluster_error_retry_attempts=0, **options)
+            return ValkeyCluster(startup_nodes=list(nodes), cluster_error_retry_attempts=0, **options)
         # The URL's own settings first, then the tier's: a password from the file or the
         # environment wins over one in the URL (the client's from_url does the opposite).
         assert config.url is not None  # the section has a url or cluster_nodes
@@ -400,19 +441,36 @@ class ValkeyConnection:
                 self._client = self._connect()
             return self._client
 
-    def _groups(self, names: Sequence[bytes]) -> list[tuple[Any, list[int]]]:
-        """``(client, indexes of names)`` per server the names live on."""
+    def _groups(self, names: Sequence[bytes]) -> list[tuple[str | None, Any, list[int]]]:
+        """``(node name, client, indexes of names)`` per server the names live on (node name
+        None for a standalone server, client None for the keys of slots no node serves)."""
         client = self.client
         if not self._config.cluster_nodes:
-            return [(client, list(range(len(names))))]
-        by_node: dict[str, tuple[object, list[int]]] = {}
+            return [(None, client, list(range(len(names))))]
+        from valkey.exceptions import SlotNotCoveredError
+
+        by_node: dict[str | None, tuple[Any, list[int]]] = {}
         for index, name in enumerate(names):
-            node = client.get_node_from_key(name)
-            entry = by_node.get(node.name)
-            if entry is None:
-                entry = by_node[node.name] = (client.get_valkey_connection(node), [])
-            entry[1].append(index)
-        return list(by_node.values())
+            try:
+                node = client.get_node_from_key(name)
+            except SlotNotCoveredError:
+                node = None
+            by_node.setdefault(None if node is None else node.name, (node, []))[1].append(index)
+        return [
+            (name, None if node is None else client.get_valkey_connection(node), indexes)
+            for name, (node, indexes) in by_node.items()
+        ]
+
+    def _node_at(self, host: str, port: int) -> tuple[str, Any]:
+        """The node name and client of the cluster node at ``host:port`` (a redirect's target)."""
+        from valkey.cluster import PRIMARY, ClusterNode
+
+        client = self.client
+        node = client.nodes_manager.get_node(host=host, port=port)
+        if node is None:
+            with self._lock:
+                node = self._elsewhere.setdefault(f"{host}:{port}", ClusterNode(host, port, PRIMARY))
+        return node.name, client.get_valkey_connection(node)
 
     # -- batches ------------------------------------------------------------------------------
 
@@ -442,8 +500,8 @@ class ValkeyConnection:
         ``expect_bytes``) is read and discarded, never held, and answers
         ``Failure.corrupt("payload length")`` (see :func:`_read_values`)."""
 
-        def read(connection, count):
-            return _read_values(connection, count, expect_bytes, max_bytes)
+        def read(connection, count, asking):
+            return _read_values(connection, count, expect_bytes, max_bytes, asking)
 
         return self._batch(
             names, lambda index, name: [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name)], read
@@ -452,49 +510,176 @@ class ValkeyConnection:
     def _batch(self, names: Sequence[bytes], pack, read) -> list:
         """One pipelined round trip per server: every name's command, then every reply.
 
-        ``pack(index, name)`` gives the command's buffers, ``read(connection, count)`` the
-        replies. A reply is a value, ``None``, or a :class:`~kvtier.tiers.base.Failure`; a
+        ``pack(index, name)`` gives the command's buffers, ``read(connection, count, asking)``
+        the replies. A reply is a value, ``None``, or a :class:`~kvtier.tiers.base.Failure`; a
         server that cannot be reached fails all of its names.
+
+        In a cluster, a key answered MOVED or ASK is sent once more, to the node named (after
+        ASKING, for ASK: a slot being migrated), in one round trip per node; a MOVED also
+        asks for the slot map to be read again. A key redirected again fails as
+        ``UNAVAILABLE`` (``moved``).
         """
+        from valkey.exceptions import AskError, MovedError
+
         out: list = [None] * len(names)
         try:
             groups = self._groups(names)
         except Exception as error:  # the cluster's topology could not be read
             return [reason_of(error)] * len(names)
-        for server, indexes in groups:
-            chunks: list = []
-            for index in indexes:
-                chunks.extend(pack(index, names[index]))
-            chunks = _coalesce(chunks)
-            try:
-                replies = _round_trip(server, chunks, len(indexes), read)
-            except Exception as error:
-                reason = reason_of(error)
-                for index in indexes:
-                    out[index] = reason
-                continue
-            for index, reply in zip(indexes, replies):
-                out[index] = reason_of(reply) if isinstance(reply, Exception) else reply
+        redirects: dict[tuple[str, int, bool], list[int]] = {}
+        for node, server, indexes in groups:
+            for index, reply in zip(indexes, self._send(node, server, names, indexes, pack, read)):
+                if isinstance(reply, AskError):  # a MovedError is one too
+                    asking = not isinstance(reply, MovedError)
+                    redirects.setdefault((reply.host, reply.port, asking), []).append(index)
+                else:
+                    out[index] = reason_of(reply) if isinstance(reply, Exception) else reply
+        for (host, port, asking), indexes in redirects.items():
+            assert self.health is not None  # only a cluster redirects
+            self.health.redirected(moved=not asking, count=len(indexes))
+            node, server = self._node_at(host, port)
+            for index, reply in zip(indexes, self._send(node, server, names, indexes, pack, read, asking)):
+                if isinstance(reply, AskError):
+                    out[index] = _REDIRECTED_AGAIN
+                else:
+                    out[index] = reason_of(reply) if isinstance(reply, Exception) else reply
         return out
 
+    def _send(
+        self, node: str | None, server, names, indexes: list[int], pack, read, asking: bool = False
+    ) -> list:
+        """One server's round trip for ``names[i]`` of ``indexes``: a reply each (a value,
+        ``None``, an error reply's exception or a Failure). The keys of a cluster node that is
+        down fail at once; a node that cannot be reached is marked down."""
+        if server is None:
+            return [_UNCOVERED] * len(indexes)
+        health = self.health
+        if health is not None and node is not None:
+            reason = health.down_reason(node)
+            if reason is not None:
+                return [reason] * len(indexes)
+        chunks: list = []
+        for index in indexes:
+            if asking:
+                chunks.append(_ASKING)
+            chunks.extend(pack(index, names[index]))
+        try:
+            return _round_trip(server, _coalesce(chunks), len(indexes), lambda c, n: read(c, n, asking))
+        except Exception as error:
+            reason = reason_of(error)
+            if health is not None and node is not None and reason.kind is FailureKind.UNAVAILABLE:
+                if health.failed(node, reason):
+                    logger.warning(
+                        "valkey tier %r: cluster node %s unreachable (%s): the keys of its slots miss "
+                        "until it answers or another node serves them (the slot map is read again "
+                        "every %.0f s at most)",
+                        self._config.name,
+                        node,
+                        reason.detail or reason,
+                        REFRESH_MAX_S,
+                    )
+            return [reason] * len(indexes)
+
+    def outage_of(self, replies: Sequence) -> Failure | None:
+        """The failure that means the whole server is out of reach, if every reply of a
+        batch (or job) failed with one: unreachable, credentials refused, TLS failed; else
+        None. In a cluster, unreachable means every node serving slots is down: one dead
+        node fails only its own keys."""
+        first = replies[0] if replies else None
+        if not isinstance(first, Failure) or not all(is_outage(reply) for reply in replies):
+            return None
+        health = self.health
+        if health is None or first.kind is not FailureKind.UNAVAILABLE:
+            return first
+        serving = self._serving()  # empty: no slot map yet, no node ever reached
+        return first if serving <= health.down_nodes.keys() else None
+
+    def _serving(self) -> set[str]:
+        """The names of the nodes the slot map sends keys to (the slots' primaries)."""
+        client = self._client
+        if client is None:
+            return set()
+        return {nodes[0].name for nodes in list(client.nodes_manager.slots_cache.values()) if nodes}
+
+    def node_failure(self, name: bytes) -> Failure | None:
+        """Why the cluster node serving ``name``'s slot is down, or None (also for a
+        standalone server). No network: the scheduler thread asks this of a lookup."""
+        health, client = self.health, self._client
+        if health is None or client is None or not health.down_nodes:
+            return None
+        from valkey.crc import key_slot
+
+        nodes = client.nodes_manager.slots_cache.get(key_slot(name))
+        return health.down_reason(nodes[0].name) if nodes else None
+
+    def refresh_topology(self) -> list[tuple[str, NodeOutage]]:
+        """Read the cluster's slot map again and PING the down nodes it still sends keys to;
+        the nodes whose outage this ended. Blocks (up to ``timeout_s`` a node asked): the
+        tier runs it on its background thread when :meth:`ClusterHealth.read_due` says so.
+
+        The map comes from the first node that answers CLUSTER SLOTS, asking the nodes that
+        are not down first, then the configured ones (the client alone would ask only those
+        it discovered, in their order, a stalled one first perhaps). Raises if none answers.
+        """
+        health = self.health
+        assert health is not None  # a cluster's
+        serving: set[str] | None = None
+        answered: set[str] = set()
+        try:
+            client = self.client
+            manager = client.nodes_manager
+            known = {node.name: node for node in self._seeds}
+            known.update(manager.nodes_cache)
+            down = health.down_nodes
+            manager.startup_nodes = {
+                name: known[name] for name in sorted(known, key=lambda name: name in down)
+            }
+            manager.initialize()
+            serving = self._serving()
+            for name in serving & down.keys():
+                node = manager.nodes_cache[name]
+                try:
+                    server = client.get_valkey_connection(node)
+                    server.connection_pool.disconnect(inuse_connections=False)  # may be stale
+                    server.ping()
+                except Exception:  # still down
+                    continue
+                answered.add(name)
+        finally:
+            ended = health.read_done(serving, answered)
+        for name, outage in ended:
+            logger.info(
+                "valkey tier %r: cluster node %s %s after %.1f s",
+                self._config.name,
+                name,
+                "answers again" if name in answered else "no longer serves slots: another node took them",
+                time.monotonic() - outage.since,
+            )
+        return ended
+
     def ping(self) -> None:
-        """Raise unless the server (for a cluster: at least one primary) answers.
+        """Raise unless the server (for a cluster: at least one node serving slots) answers.
 
         A cluster with a dead node still serves the other nodes' slots, so one answering
-        node is enough; the dead node's keys fail one by one.
+        node is enough; the dead node's keys fail one by one. The cluster's slot map is read
+        again first: after an outage of every node, other nodes may serve the slots.
         """
         client = self.client
-        if not self._config.cluster_nodes:
+        if self.health is None:
             client.ping()
             return
+        self.refresh_topology()
+        down = self.health.down_nodes
         error: Exception | None = None
         for node in client.get_primaries():
+            if node.name in down:
+                continue
             try:
                 client.get_valkey_connection(node).ping()
                 return
             except Exception as exc:  # try the next node
                 error = exc
-        raise error or ConnectionError("the cluster has no primary node")
+        raise error or ConnectionError("every cluster node serving slots is down")
 
     def drop_idle_connections(self) -> None:
         """Close the pooled connections nobody is using: after an outage they may lead to a
@@ -516,9 +701,12 @@ class ValkeyConnection:
     def server_figures(self) -> dict[str, int]:
         """The server's memory and hit counters, summed over a cluster's nodes."""
         client = self.client
-        if self._config.cluster_nodes:
+        if self.health is not None:
             infos = []
+            down = self.health.down_nodes
             for node in client.get_primaries():
+                if node.name in down:  # a stalled node would hold this thread for timeout_s
+                    continue
                 try:
                     infos.append(client.get_valkey_connection(node).info())
                 except Exception:  # a dead node: the others' figures still count
@@ -548,7 +736,9 @@ class ValkeyConnection:
 
     def delete(self, names: Sequence[bytes]) -> None:
         """DEL ``names`` (blocks; for the checks' ``fix``)."""
-        for server, indexes in self._groups(names):
+        for _, server, indexes in self._groups(names):
+            if server is None:
+                continue  # a slot nobody serves: nothing to delete there
             pipe = server.pipeline(transaction=False)
             for index in indexes:
                 pipe.delete(names[index])
@@ -558,5 +748,9 @@ class ValkeyConnection:
         """Close every pooled connection."""
         with self._lock:
             client, self._client = self._client, None
+            elsewhere, self._elsewhere = self._elsewhere, {}
         if client is not None:
             client.close()
+        for node in elsewhere.values():
+            if node.valkey_connection is not None:
+                node.valkey_connection.close()

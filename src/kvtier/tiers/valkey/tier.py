@@ -35,12 +35,21 @@ warning (with the fix for its reason), forgets what it believed the server held 
 come back empty), answers lookups ``False`` and fails jobs at once, and pings the server with
 exponential backoff from the step's end; the first answer ends the outage. ``outages`` and ``outage_ms`` count them.
 
+**In a cluster** one node is not the tier (:mod:`~kvtier.tiers.valkey.topology`): a node that
+fails a round trip is down, and only the keys of its slots miss (as ``unavailable``) and fail
+at once while the others are served; the slot map is read again at most every second until
+another node serves those slots (a replica promoted) or the node answers a PING. Keys
+answered MOVED or ASK (slots being moved) are sent on to the node named. Only when every node
+serving slots is down is the tier in an outage.
+
 Threads: the scheduler thread calls every public method; the worker threads (a writer, a
 reader, and a copier to which the reader hands half of a large load) only run the ``run_*``
 methods of :class:`~kvtier.tiers.valkey.worker.ValueIO`, which touch the CPU rows of their
 job and hand their outcome back through ``_done`` (a deque), folded in by the scheduler
-thread. The outage state (:mod:`~kvtier.tiers.valkey.outage`) is shared by both sides, under
-its own lock; a step's reads are :mod:`~kvtier.tiers.valkey.probe` batches.
+thread. A background thread runs what must never hold up a load: the server's figures,
+sibling probes, and reading a cluster's slot map. The outage state
+(:mod:`~kvtier.tiers.valkey.outage`) is shared by both sides, under its own lock; a step's
+reads are :mod:`~kvtier.tiers.valkey.probe` batches.
 
 Not an :class:`~kvtier.tiers.indexed.IndexedTier`: that one's index is its eviction policy,
 authoritative and bounded by ``capacity_blocks``; here the server owns capacity and eviction,
@@ -59,6 +68,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 
 from kvtier.base import OffloadingEvent, OffloadKey
+from kvtier.codecs import make_codec
 from kvtier.errors import ValkeyCheckError
 from kvtier.tiers.contract import SecondaryTier
 from kvtier.tiers.disk.format import HEADER_BYTES, LayoutFingerprint
@@ -134,19 +144,29 @@ class ValkeyTier(SecondaryTier):
         self.config = config
         # the secret's keys (keyed MACs, names, encryption), or None: read before connecting
         self._keys = tier_keys(config, field)
+        #: the codec values are stored with, or None
+        self.codec = make_codec(config.codec, rows.shape[1], fingerprint.dtype, field)
+        # the layout as stored: another codec's values are another layout (another namespace)
+        fingerprint = fingerprint.with_codec(config.codec)
         self.namespace = config.namespace or (
             self._keys.namespace(fingerprint.digest()) if self._keys else default_namespace(fingerprint)
         )
         self._prefix = (self.namespace + ":").encode()
         self._rows = rows
         self._digest = fingerprint.digest()
-        self._value_bytes = HEADER_BYTES + self.block_bytes
+        self._value_bytes = HEADER_BYTES + (
+            self.codec.max_encoded_bytes if self.codec is not None else self.block_bytes
+        )
         # keys per pipelined batch: max_inflight_bytes of values, and at least one
         self._batch_keys = max(1, config.max_inflight_bytes // self._value_bytes)
         self._conn = connection or ValkeyConnection(config)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{config.name}-w")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{config.name}-r")
         self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{config.name}-c")
+        # best-effort round trips that must never hold up a load (a stalled cluster node
+        # holds its caller for timeout_s): sibling probes, and (not waited for by
+        # drain_jobs: they are no one's job) the server's figures and slot maps
+        self._background = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{config.name}-b")
         self._futures: set[Future] = set()
         self._load_futures: set[Future] = set()  # of those, the reads (what wait_loads waits for)
 
@@ -180,8 +200,11 @@ class ValkeyTier(SecondaryTier):
             self._copier,
             self._done,
             self._went_down,
+            self.codec,
         )
         self._next_figures = 0.0
+        self._figures: Future = Future()  # the last refresh of the server's figures
+        self._figures.set_result(None)
         self._server_figures: dict[str, int] = {}
         self.counters = dict.fromkeys(
             (
@@ -348,8 +371,12 @@ class ValkeyTier(SecondaryTier):
     def lookup(self, key: OffloadKey) -> bool | None:
         if self._done:
             self._fold()
-        if key in self._present or key in self._staged:
-            return True
+        if key in self._staged:
+            return True  # read and checked already: served whatever happens to its node
+        # a cluster node that is down: its keys miss at once, the other nodes' are served
+        node_down = self._conn.node_failure(self._name(key)) if self._nodes_down() else None
+        if key in self._present:
+            return node_down is None
         if key in self._writing:
             return None
         until = self._missing.get(key)
@@ -357,7 +384,7 @@ class ValkeyTier(SecondaryTier):
             if until > time.monotonic():
                 return False
             del self._missing[key]
-        if self._outage.down:
+        if self._outage.down or node_down is not None:
             return False  # nobody to ask: a miss now beats an engine that waits
         batch = self._probing.get(key)
         if batch is not None:
@@ -369,7 +396,9 @@ class ValkeyTier(SecondaryTier):
         return None
 
     def probe_foreign(self, key: OffloadKey) -> None:
-        if self._siblings is not None and not self._outage.down:
+        # not while a cluster node is down: the probe goes through the client's own commands,
+        # which a stalled node would hold for timeout_s each (the diagnosis can wait)
+        if self._siblings is not None and not self._outage.down and not self._nodes_down():
             self._siblings.want(key)
 
     def foreign_found(self) -> list[tuple[OffloadKey, str]]:
@@ -378,7 +407,16 @@ class ValkeyTier(SecondaryTier):
     def miss_reason(self, key: OffloadKey) -> Failure | None:
         if self._outage.down:
             return self._outage.reason or _UNAVAILABLE
+        if self._nodes_down():
+            reason = self._conn.node_failure(self._name(key))
+            if reason is not None:
+                return reason
         return self._miss_reasons.get(key)
+
+    def _nodes_down(self) -> bool:
+        """Whether some node of the cluster is down now (never for a standalone server)."""
+        health = self._conn.health
+        return health is not None and bool(health.down_nodes)
 
     def _remember_reason(self, key: OffloadKey, reason: Failure) -> None:
         reasons = self._miss_reasons
@@ -394,6 +432,9 @@ class ValkeyTier(SecondaryTier):
     def on_schedule_end(self) -> None:
         """Send the reads this step's lookups asked for, as pipelined GETs; keep in touch."""
         self._fold()
+        health = self._conn.health
+        if health is not None and health.read_due():  # a node down, or a MOVED: read the slot map
+            self._background.submit(self._refresh_topology)
         now = time.monotonic()
         for batch in [b for b, probe in self._probes.items() if probe.deadline <= now]:
             self._expire_probe(batch)
@@ -411,11 +452,11 @@ class ValkeyTier(SecondaryTier):
             self._wanted.clear()
             for start in range(0, len(keys), self._batch_keys):
                 self._send_probe(keys[start : start + self._batch_keys], now)
-        if self._siblings is not None:
-            self._siblings.send(lambda fn, *args: self._submit(self._reader, fn, *args))
-        if now >= self._next_figures:
-            self._next_figures = now + SERVER_FIGURES_PERIOD_S
-            self._submit(self._reader, self._refresh_figures)
+        if self._siblings is not None and not self._nodes_down():
+            self._siblings.send(lambda fn, *args: self._submit(self._background, fn, *args))
+        if now >= self._next_figures and self._figures.done():  # one at a time: a slow server
+            self._next_figures = now + SERVER_FIGURES_PERIOD_S  # must not pile them up
+            self._figures = self._background.submit(self._refresh_figures)
 
     def _send_probe(self, keys: list[OffloadKey], now: float) -> None:
         self._probe_ids += 1
@@ -536,6 +577,12 @@ class ValkeyTier(SecondaryTier):
         events, self._events = self._events, []
         return events
 
+    def _refresh_topology(self) -> None:
+        try:
+            self._conn.refresh_topology()
+        except Exception:  # no node answered: the next read is due after a pause
+            pass
+
     def _refresh_figures(self) -> None:
         try:
             self._server_figures = self._conn.server_figures()
@@ -589,15 +636,42 @@ class ValkeyTier(SecondaryTier):
 
     def _fold_probe(self, outcome: ProbeOutcome) -> None:
         if self._probes.pop(outcome.batch, None) is None:
-            return  # expired: its keys already answered False
+            # Expired: its keys answered False already. The values it found are this
+            # layout's blocks all the same (a stalled cluster node held the batch up, say,
+            # while the others answered): held, the next lookup is a hit.
+            self._stage(outcome.found)
+            for key in outcome.found:
+                self._missing.pop(key, None)
+                self._miss_reasons.pop(key, None)
+            return
         until = time.monotonic() + self.config.miss_ttl_s
         for key in [*outcome.found, *outcome.missing, *outcome.corrupt, *outcome.failed]:
             if self._probing.get(key) == outcome.batch:
                 del self._probing[key]
+        # A key of a cluster node that is down misses through the node's state, which ends
+        # as soon as another node serves its slots: remembered as missing, it would miss on.
+        cluster = self._conn.health is not None
+        failed = [key for key, reason in outcome.failed.items() if not (cluster and is_outage(reason))]
+        self._stage(outcome.found)
+        self.counters["probe_misses"] += len(outcome.missing) + len(outcome.corrupt) + len(outcome.failed)
+        self._count_failures(outcome.corrupt.values(), keys=False)
+        self._count_failures(outcome.failed.values(), keys=False)
+        for key in [*outcome.missing, *outcome.corrupt, *failed]:
+            self._remember_missing(key, until)
+        for key in [*outcome.found, *outcome.missing]:
+            self._miss_reasons.pop(key, None)
+        for key, reason in [*outcome.corrupt.items(), *outcome.failed.items()]:
+            self._remember_reason(key, reason)
+
+    def _stage(self, found: dict[OffloadKey, tuple[np.ndarray, int]]) -> None:
+        """Hold the values a read found (up to ``max_inflight_bytes``) for their loads."""
         budget = self.config.max_inflight_bytes
         now = time.monotonic()
-        for key, (value, checksum) in outcome.found.items():
+        for key, (value, checksum) in found.items():
             self.counters["probe_hits"] += 1
+            held = self._staged.pop(key, None)
+            if held is not None:  # read twice (an expired batch came in late)
+                self._staged_bytes -= len(held[0])
             if self._staged_bytes + len(value) <= budget:
                 self._staged[key] = (value, checksum, now + STAGED_TTL_S)
                 self._staged_bytes += len(value)
@@ -605,15 +679,6 @@ class ValkeyTier(SecondaryTier):
                 # No room to hold the value: the load reads it again (a second round trip).
                 self.counters["staged_dropped"] += 1
             self._remember_present(key)
-        self.counters["probe_misses"] += len(outcome.missing) + len(outcome.corrupt) + len(outcome.failed)
-        self._count_failures(outcome.corrupt.values(), keys=False)
-        self._count_failures(outcome.failed.values(), keys=False)
-        for key in [*outcome.missing, *outcome.corrupt, *outcome.failed]:
-            self._remember_missing(key, until)
-        for key in [*outcome.found, *outcome.missing]:
-            self._miss_reasons.pop(key, None)
-        for key, reason in [*outcome.corrupt.items(), *outcome.failed.items()]:
-            self._remember_reason(key, reason)
 
     # -- figures, check, close -------------------------------------------------------------------
 
@@ -627,9 +692,15 @@ class ValkeyTier(SecondaryTier):
             staged_blocks=len(self._staged),
             staged_bytes=self._staged_bytes,
             known_blocks=len(self._present),
+            # what went over the wire as values, headers and payloads (encoded, with a codec)
+            sent_value_bytes=self._io.sent_bytes,
+            received_value_bytes=self._io.received_bytes,
         )
         if self._siblings is not None:
             figures.update(sibling_probed_keys=self._siblings.probed, sibling_found_keys=self._siblings.found)
+        health = self._conn.health
+        if health is not None:  # a cluster's: its nodes' outages, redirects and slot map reads
+            figures.update(health.counters, nodes_down=len(health.down_nodes))
         for name, value in self._server_figures.items():
             figures["server_" + name] = value
         return figures
@@ -653,7 +724,9 @@ class ValkeyTier(SecondaryTier):
             names,
             fix=fix,
             layout_digest=self._digest,
-            payload_bytes=self.block_bytes,
+            payload_bytes=self._io.payload_bytes,
+            codec=self._io.descriptor,
+            exact=self._io.exact,
             batch_bytes=self.config.max_inflight_bytes,
             keys=self._keys,
         )
@@ -664,4 +737,5 @@ class ValkeyTier(SecondaryTier):
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
         self._copier.shutdown(wait=True)
+        self._background.shutdown(wait=True)
         self._conn.close()

@@ -3,7 +3,11 @@
 A :class:`ValueIO` belongs to one tier. Its ``run_*`` methods run on the tier's writer and
 reader threads (a copier thread takes half of a large load); they touch only the CPU rows of
 their job, and hand their outcome back by appending ``(kind, outcome, extra)`` to ``done``,
-which the scheduler thread folds in. A batch whose every key met an outage calls ``went_down``.
+which the scheduler thread folds in. A batch whose every key met an outage of the whole
+server (:meth:`~kvtier.tiers.valkey.connection.ValkeyConnection.outage_of`) calls ``went_down``.
+With a codec, a value's payload is the encoded block: encoded here on the writer thread, and
+on the reader thread verified as received (checksum or MAC over what the server held) before
+it is decoded into the CPU row.
 """
 
 from __future__ import annotations
@@ -17,16 +21,18 @@ import numpy as np
 import xxhash
 
 from kvtier.base import OffloadKey
+from kvtier.codecs import BlockCodec, CodecError
 from kvtier.tiers.disk.format import (
     FLAG_ENCRYPTED,
     HEADER_BYTES,
+    NO_CODEC,
     decode_header,
     header_flags,
     verify,
 )
 from kvtier.tiers.jobs import Failure, FailureKind, TierJobResult
 from kvtier.tiers.secret import TierKeys, encode_block_header
-from kvtier.tiers.valkey.connection import ValkeyConnection, is_outage
+from kvtier.tiers.valkey.connection import ValkeyConnection
 from kvtier.tiers.valkey.probe import ProbeOutcome
 
 __all__ = ["PARALLEL_COPY_BYTES", "ValueIO"]
@@ -35,6 +41,11 @@ logger = logging.getLogger(__name__)
 
 #: a load of at least this many bytes of read values copies them on two threads
 PARALLEL_COPY_BYTES = 8 << 20
+
+
+def _value_bytes(values: list) -> int:
+    """Bytes of the values among a batch's replies (not its misses or failures)."""
+    return sum(len(value) for value in values if isinstance(value, np.ndarray))
 
 
 def _unexpected(tier: str, job: str, error: BaseException) -> Failure:
@@ -48,7 +59,8 @@ class ValueIO:
 
     ``tier``: the tier's name (for logs); ``rows``: the CPU tier's ``(num_rows, block_bytes)``
     uint8 view; ``keys``: the secret's keys, or None; ``digest``: the layout's digest;
-    ``prefix``: the namespace and a colon; ``batch_keys``: keys per pipelined batch.
+    ``prefix``: the namespace and a colon; ``batch_keys``: keys per pipelined batch;
+    ``codec``: the tier's codec, or None (payloads are the rows as they are).
     """
 
     def __init__(
@@ -64,6 +76,7 @@ class ValueIO:
         copier: ThreadPoolExecutor,
         done: deque,
         went_down: Callable[[Failure], None],
+        codec: BlockCodec | None = None,
     ):
         self.tier = tier
         self.conn = conn
@@ -72,7 +85,16 @@ class ValueIO:
         self.digest = digest
         self.prefix = prefix
         self.block_bytes = rows.shape[1]
-        self.value_bytes = HEADER_BYTES + self.block_bytes
+        self.codec = codec
+        self.descriptor = codec.descriptor if codec is not None else NO_CODEC
+        #: the most payload bytes a value holds (exactly that unless the codec varies)
+        self.payload_bytes = codec.max_encoded_bytes if codec is not None else self.block_bytes
+        self.exact = codec is None or codec.fixed_size
+        #: the longest value (exactly every value's length where ``exact``)
+        self.value_bytes = HEADER_BYTES + self.payload_bytes
+        # the longest value read whole: one of this layout stored without a codec, so that a
+        # value of another codec is read far enough to be told by its header, not its length
+        self.read_bytes = HEADER_BYTES + self.block_bytes
         self.batch_keys = batch_keys
         self.ttl_s = ttl_s
         self.copier = copier
@@ -80,6 +102,13 @@ class ValueIO:
         self.went_down = went_down
         # the writer thread's ciphertext buffers, one per value of a batch (encrypt only)
         self.cipher_buffers: list[np.ndarray] = []
+        # the writer thread's encoded payloads, one per value of a batch (with a codec)
+        self.codec_buffers: list[np.ndarray] = []
+        #: bytes of the values stored (header and payload: what went over the wire and what
+        #: the server holds); added to by the writer thread alone
+        self.sent_bytes = 0
+        #: bytes of the values read back (probes and loads); added to by the reader thread alone
+        self.received_bytes = 0
 
     def header_key(self, key: OffloadKey) -> bytes:
         """What stands for ``key`` in a value's name and header: the key, or with a secret its
@@ -91,8 +120,12 @@ class ValueIO:
 
     def encode(self, key: OffloadKey, row: int, slot: int = 0) -> tuple[bytes, memoryview]:
         """The value of ``key``: its header page, then the CPU row itself (sent as it is), or
-        encrypting, its ciphertext in the writer's buffer ``slot`` (one per value of a batch)."""
+        encoded with the codec, or encrypting, its ciphertext, in the writer's buffers
+        ``slot`` (one per value of a batch)."""
         payload = self.rows[row]
+        if self.codec is not None:
+            out = self._buffer(self.codec_buffers, slot)
+            payload = out[: self.codec.encode_into(payload, out)]
         header = bytearray(HEADER_BYTES)
         keys = self.keys
         encode_block_header(
@@ -100,21 +133,23 @@ class ValueIO:
             layout_digest=self.digest,
             key=self.header_key(key),
             payload=payload,
-            payload_bytes=self.block_bytes,
+            payload_bytes=len(payload),
             keys=keys,
+            codec=self.descriptor,
         )
         if keys is None:
             return bytes(header), payload.data
-        out = None
-        if keys.encrypt:
-            # Reused from batch to batch: a fresh 2 MiB buffer per value cost more than the
-            # cipher (page faults: 64 MiB of new buffers took 140 ms here, AES-GCM 15 ms).
-            buffers = self.cipher_buffers
-            while len(buffers) <= slot:
-                buffers.append(np.empty(self.block_bytes, dtype=np.uint8))
-            out = buffers[slot]
-        sealed = keys.seal(header, payload, out)  # the ciphertext when encrypting, else the row
+        cipher = self._buffer(self.cipher_buffers, slot)[: len(payload)] if keys.encrypt else None
+        sealed = keys.seal(header, payload, cipher)  # the ciphertext when encrypting, else the row
         return bytes(header), memoryview(sealed).cast("B")
+
+    def _buffer(self, buffers: list[np.ndarray], slot: int) -> np.ndarray:
+        """The writer's buffer ``slot`` of ``buffers`` (room for one payload). Reused from
+        batch to batch: a fresh 2 MiB buffer per value cost more than the cipher (page faults:
+        64 MiB of new buffers took 140 ms here, AES-GCM 15 ms)."""
+        while len(buffers) <= slot:
+            buffers.append(np.empty(self.payload_bytes, dtype=np.uint8))
+        return buffers[slot]
 
     def run_store(self, result: TierJobResult, todo: list[tuple[OffloadKey, int]]) -> None:
         stored: list[OffloadKey] = []
@@ -130,14 +165,14 @@ class ValueIO:
                 names = [self.name_of(key) for key, _ in chunk]
                 values = [self.encode(key, row, slot) for slot, (key, row) in enumerate(chunk)]
                 reasons = self.conn.set_many(names, values, ttl)
-                del values
-                for (key, _), reason in zip(chunk, reasons):
+                for (key, _), (header, payload), reason in zip(chunk, values, reasons):
                     if reason is None:
                         stored.append(key)
+                        self.sent_bytes += len(header) + payload.nbytes
                     else:
                         result.failed[key] = reason
-                if reasons and all(r is not None and is_outage(r) for r in reasons):
-                    outage = reasons[0]
+                del values
+                outage = self.conn.outage_of(reasons)
         except Exception as error:  # a bug or an unexpected client error: fail, never crash
             failure = _unexpected(self.tier, "store", error)
             for key, _ in todo:
@@ -162,6 +197,8 @@ class ValueIO:
         if not isinstance(value, (bytes, bytearray, memoryview, np.ndarray)):
             return Failure.MISSING
         view = memoryview(value)  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
+        if self.codec is not None:
+            return self._place_encoded(key, target, view)
         if checksum is not None and self.keys is None and len(view) == self.value_bytes:
             target[:] = np.frombuffer(view, dtype=np.uint8, offset=HEADER_BYTES)
             digest = xxhash.xxh3_64_intdigest(target)  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
@@ -177,17 +214,43 @@ class ValueIO:
         else:
             target[:] = received
         # Verified where the bytes will be served from, after the copy: nothing else is trusted.
-        reason = verify(
+        reason = self._verify(key, view, target, source)
+        return None if reason is None else Failure.corrupt(reason)
+
+    def _verify(self, key: OffloadKey, view: memoryview, payload: np.ndarray, source=None) -> str | None:
+        """:func:`~kvtier.tiers.disk.format.verify` of the value in ``view`` (its payload in
+        ``payload``, or decrypted there from ``source``) as this tier reads it."""
+        return verify(
             view[:HEADER_BYTES],
-            target,
+            payload,
             len(view),
             key=self.header_key(key),
             layout_digest=self.digest,
-            payload_bytes=self.block_bytes,
+            payload_bytes=self.payload_bytes,
             keys=self.keys,
             source=source,
+            codec=self.descriptor,
+            exact=self.exact,
         )
-        return None if reason is None else Failure.corrupt(reason)
+
+    def _place_encoded(self, key: OffloadKey, target: np.ndarray, view: memoryview) -> Failure | None:
+        """:meth:`place` with a codec: verify the stored payload where it was received (an
+        encrypted one is decrypted there), then decode it into ``target``."""
+        codec = self.codec
+        assert codec is not None
+        received = np.frombuffer(view, dtype=np.uint8, offset=min(HEADER_BYTES, len(view)))
+        reason = self._verify(key, view, received)
+        if reason is not None:
+            return Failure.corrupt(reason)
+        header = decode_header(view[:HEADER_BYTES])
+        assert not isinstance(header, str)  # verified just above
+        if len(received) != header.payload_bytes:
+            return Failure.corrupt("payload length")  # bytes after the payload: not what a tier wrote
+        try:
+            codec.decode_into(received, target)
+        except CodecError:
+            return Failure.corrupt("codec")
+        return None
 
     def place_all(
         self, pairs: list[tuple[OffloadKey, int]], values: dict[OffloadKey, tuple[np.ndarray, int]]
@@ -225,16 +288,17 @@ class ValueIO:
                     for key, _ in chunk:
                         result.failed[key] = outage
                     continue
-                values = self.conn.get_many([self.name_of(key) for key, _ in chunk], self.value_bytes)
+                values = self.conn.get_many(
+                    [self.name_of(key) for key, _ in chunk], self.value_bytes, self.read_bytes
+                )
+                self.received_bytes += _value_bytes(values)
                 for (key, row), value in zip(chunk, values):
                     reason = self.place(key, self.rows[row], value)
                     if reason is None:
                         result.ok.append(key)
                     else:
                         result.failed[key] = reason
-                first = values[0] if values else None
-                if isinstance(first, Failure) and all(is_outage(v) for v in values):
-                    outage = first
+                outage = self.conn.outage_of(values)
             if outage is not None:
                 self.went_down(outage)
         except Exception as error:
@@ -253,6 +317,8 @@ class ValueIO:
         header = decode_header(memoryview(value)[:HEADER_BYTES])  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
         if isinstance(header, str):
             return header
+        if header.codec != self.descriptor:
+            return "other codec"
         if header.layout_digest != self.digest:
             return "other layout"
         if header.key != self.header_key(key):
@@ -260,14 +326,20 @@ class ValueIO:
         if bool(header.flags) != (self.keys is not None):
             # the tag itself is checked on load, where the payload lands (see place)
             return "unkeyed" if self.keys is not None else "keyed (no secret here)"
-        if header.payload_bytes != self.block_bytes or len(value) != self.value_bytes:
-            return "truncated" if len(value) < self.value_bytes else "payload length"
+        stored = header.payload_bytes
+        if stored != self.payload_bytes if self.exact else stored > self.payload_bytes:
+            return "payload length"
+        if len(value) != HEADER_BYTES + stored:
+            return "truncated" if len(value) < HEADER_BYTES + stored else "payload length"
         return header.checksum
 
     def run_probe(self, batch: int, keys: list[OffloadKey]) -> None:
         outcome = ProbeOutcome(batch)
         try:
-            values = self.conn.get_many([self.name_of(key) for key in keys], self.value_bytes)
+            values = self.conn.get_many(
+                [self.name_of(key) for key in keys], self.value_bytes, self.read_bytes
+            )
+            self.received_bytes += _value_bytes(values)
             for key, value in zip(keys, values):
                 if isinstance(value, Failure):
                     if value.kind is FailureKind.CORRUPT:  # a value of the wrong length, never held
@@ -289,9 +361,9 @@ class ValueIO:
                 outcome.found = {
                     key: (value.copy(), checksum) for key, (value, checksum) in outcome.found.items()
                 }
-            first = values[0] if values else None
-            if isinstance(first, Failure) and all(is_outage(v) for v in values):
-                self.went_down(first)
+            outage = self.conn.outage_of(values)
+            if outage is not None:
+                self.went_down(outage)
         except Exception as error:
             failure = _unexpected(self.tier, "probe", error)
             for key in keys:
