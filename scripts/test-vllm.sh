@@ -2,24 +2,18 @@
 # Run kvtier's vLLM integration tests against the real vLLM 0.33 package, on a CPU-only machine.
 #
 # Creates (once) a virtual environment in which vLLM 0.33's kv_offload and offloading-connector
-# modules import, with kvtier installed editable into it, using ../shared/tools/vllm-cpu-env.sh
-# (the checkout needs ../shared beside it). Then runs the tests marked `vllm`, and the whole
-# suite in the same environment (the default CI runs it without vLLM; here every vllm-marked
+# modules import, with kvtier installed editable into it, using scripts/vllm-cpu-env.sh. Then
+# runs the tests marked `vllm`, and the whole suite in the same environment (the default CI runs it without vLLM; here every vllm-marked
 # test must run, none may skip).
 #
 # usage: scripts/test-vllm.sh [pytest args...]      (VENV=/path overrides the environment)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-/tmp/kvtier-vllm-env}
-ENV_TOOL=../shared/tools/vllm-cpu-env.sh
 
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm.v1.kv_offload.base" 2>/dev/null; then
-  if [ ! -x "$ENV_TOOL" ] && [ ! -f "$ENV_TOOL" ]; then
-    echo "error: $ENV_TOOL not found; check out the project with ../shared beside it" >&2
-    exit 2
-  fi
   echo "== creating $VENV (CPU-only vLLM 0.33 + kvtier, a few minutes)"
-  bash "$ENV_TOOL" "$VENV" -e '.[test]'
+  scripts/vllm-cpu-env.sh "$VENV" -e '.[test]'
 fi
 # An environment made by hand (or by the tool without '.[test]') may lack the test tools or this
 # checkout; both installs are no-ops when already satisfied.

@@ -11,7 +11,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from kvtier_testing import key
 from kvtier_testing.running import FUTURE_STATS, free_port, run_engine, stack_config
+from kvtier_testing.store import KINDS, flip, holds, load, locate, open_tier, region, store
 from kvtier_testing.users import throwaway_user
 
 from kvtier import build_manager
@@ -22,6 +24,7 @@ from kvtier.metrics import LatencyHistogram, StatsCollector, serve_metrics
 from kvtier.metrics.names import LIFE, METRICS, samples
 from kvtier.metrics.exporter import MAX_CONNECTIONS
 from kvtier.metrics.view import parse_text, read_series
+from kvtier.tiers.disk.format import HEADER_BYTES
 from kvtier.policies.lru import LRUPolicy
 from kvtier.testing import MemoryBackend, MemoryTier
 
@@ -141,6 +144,34 @@ def test_the_stack_times_every_job_it_polls(tmp_path):
         assert count == inf == stats["nvme.promote_jobs"]
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_disk_tiers_failure_series_exist_at_0_before_the_first_failure(kind, tmp_path):
+    """A dashboard shows 0 rather than "no data", and the first failure is an increase of a
+    series already scraped (one that appears at 1 has no rate, so an alert would miss it)."""
+    shm = region(4)
+    tier = open_tier(kind, tmp_path / "store", shm.rows, 8)
+    try:
+        registry = prometheus_client.CollectorRegistry()
+        registry.register(StatsCollector(lambda: {f"nvme.{k}": v for k, v in tier.stats().items()}))
+
+        def failures(reason):
+            return registry.get_sample_value(
+                "kvtier_tier_failures_blocks_total", {"tier": "nvme", "reason": reason}
+            )
+
+        for reason in ("ENOSPC", "EIO", "EROFS", "EACCES", "full", "checksum"):
+            assert failures(reason) == 0, reason
+        assert store(tier, shm.rows, [key(1), key(2)]).success
+        path, offset = locate(tier, key(1))
+        flip(path, offset + HEADER_BYTES + 7)  # a payload byte: the block fails its checksum
+        result = load(tier, shm.rows, [key(1), key(2)])
+        assert result.ok == [key(2)] and holds(shm.rows, 1, key(2))
+        assert failures("checksum") == 1 and failures("ENOSPC") == 0  # the series scraped at 0
+    finally:
+        tier.close()
+        shm.close()
 
 
 def test_jobs_in_flight_count_what_is_submitted_and_not_polled():

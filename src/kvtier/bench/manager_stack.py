@@ -51,7 +51,7 @@ from typing import Any, TextIO
 from kvtier.bench.report import print_json, print_table
 from kvtier.errors import ConfigError
 
-__all__ = ["run"]
+__all__ = ["run", "vllm_tiering_config"]
 
 STORES, LOOKUPS, LOADS = 64, 64, 16
 KEYS_PER_STEP = STORES + LOOKUPS + LOADS
@@ -281,55 +281,72 @@ class _FloorDriver(_Driver):
         self.index.clear()
 
 
+def vllm_tiering_config(
+    extra_config: dict[str, Any], *, tokens_per_block: int, block_bytes: int, name: str
+) -> Any:
+    """vLLM 0.33's ``OffloadingConfig`` for a one-layer, one-worker engine whose offloaded block
+    is one GPU block of ``tokens_per_block`` tokens and ``block_bytes`` bytes: what a driver of
+    vLLM's own offloading stack hands its spec (``name`` stands for the model and the engine).
+    Imports vLLM."""
+    import uuid
+
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(
+            OffloadingGroupConfig(
+                tokens_per_block=tokens_per_block, layer_names=("model.layers.0.attn",), group_id=0
+            ),
+        ),
+        worker_kv_bytes_per_block=block_bytes,
+        enable_kv_cache_events=False,
+        extra_config=extra_config,
+        engine_id=f"{name}-{uuid.uuid4().hex[:12]}",
+        model=OffloadingModelConfig(name=f"{name}/none", dtype="float16", max_model_len=0),
+        cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
 class _VllmDriver(_ManagerDriver):
     name = "vllm"
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
         import logging
-        import uuid
 
         logging.getLogger("vllm").setLevel(logging.WARNING)
         from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
-        from vllm.v1.kv_offload.config import (
-            OffloadingCacheConfig,
-            OffloadingConfig,
-            OffloadingGroupConfig,
-            OffloadingModelConfig,
-            OffloadingParallelConfig,
-        )
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
         self._hit = LookupResult.HIT
         self._make_context = ReqContext
         self._end = ScheduleEndContext
         row = TieringOffloadingSpec.BLOCK_SIZE_ALIGNMENT  # vLLM's smallest row: one page
-        config = OffloadingConfig(
-            groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0.attn",), group_id=0),),
-            worker_kv_bytes_per_block=row,
-            enable_kv_cache_events=False,
-            extra_config={
-                "spec_name": "TieringOffloadingSpec",
-                "cpu_bytes_to_use": capacity * row,
-                "eviction_policy": "lru",
-                "secondary_tiers": [{"type": "example"}],
-            },
-            engine_id=f"kvtier-bench-{uuid.uuid4().hex[:12]}",
-            model=OffloadingModelConfig(name="bench/none", dtype="float16", max_model_len=0),
-            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-            parallel=OffloadingParallelConfig(
-                rank=0,
-                world_size=1,
-                tp_size=1,
-                pp_size=1,
-                pcp_size=1,
-                dcp_size=1,
-                data_parallel_index=0,
-                data_parallel_size=1,
-                data_parallel_rank_local=None,
-                is_parallelism_agnostic=True,
-            ),
-        )
+        extra = {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": capacity * row,
+            "eviction_policy": "lru",
+            "secondary_tiers": [{"type": "example"}],
+        }
+        config = vllm_tiering_config(extra, tokens_per_block=16, block_bytes=row, name="kvtier-bench")
         self.manager = TieringOffloadingSpec(config).get_manager()
 
     def _context(self, req_id: str) -> Any:

@@ -7,6 +7,8 @@ import json
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from kvtier.extras import install_hint
+
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], out: TextIO) -> None:
     """Rows as an aligned text table of ``columns``; floats with 3 significant digits."""
@@ -42,7 +44,7 @@ def pyplot(option: str) -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise SystemExit(f"{option} needs matplotlib: pip install 'kvtier[plot]' ({exc})") from exc
+        raise SystemExit(f"{option} needs matplotlib: {install_hint('plot')} ({exc})") from exc
     return plt
 
 

@@ -1,27 +1,41 @@
-"""``kvtier check``: verify a disk tier's store, or a shared valkey tier's values per namespace."""
+"""``kvtier check``: verify a disk tier's store, or a shared valkey tier's values per namespace.
+
+Its exit statuses are fsck(8)'s, so that scripts and units written for fsck read them alike:
+0 healthy, 1 problems found and all fixed (``--fix``), 4 problems left (found without
+``--fix``, or still there after it), 8 the check could not run (not a store, a server out of
+reach, a refused secret); 2 is a mistake on the command line, as for every command.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from kvtier.cli.common import warn_password_in_url
 from kvtier.errors import ConfigError, KvtierError
 
 
+#: exit statuses (fsck's): healthy, every problem fixed, problems left, could not check
+CLEAN, FIXED, PROBLEMS_LEFT, CANNOT_CHECK = 0, 1, 4, 8
+
+
 def add_parser(sub: Any) -> None:
     """``kvtier check``: its options."""
     check_path = sub.add_parser(
         "check",
-        help="verify a disk tier's store, or a shared valkey tier's values (exit 0 healthy, 1 problems found)",
+        help="verify a disk tier's store, or a shared valkey tier's values (exit as fsck: 0 healthy, "
+        "1 fixed, 4 problems left, 8 could not check)",
         description="Read and verify every block of the disk-tier store at PATH (its manifest says "
         "which kind and layout); report what is wrong. Safe while an engine uses the store. "
         "Given a server URL (valkey://HOST:PORT[/DB], valkeys:// for TLS, redis://, rediss://, "
         "unix:///path) or --cluster, read every value of the shared tier's namespaces with SCAN and "
         "pipelined GETs and verify each against its own header (decodes, names the key in the "
         "value's name, payload length and checksum hold) and its namespace (one layout digest); "
-        "report per namespace. Safe while engines use the tier.",
+        "report per namespace. Safe while engines use the tier. Exit status as fsck's: 0 healthy, "
+        "1 problems found and all fixed (--fix checks again after repairing), 4 problems left, "
+        "8 could not check, 2 a bad command line.",
     )
     check_path.add_argument(
         "path",
@@ -43,7 +57,8 @@ def add_parser(sub: Any) -> None:
         "--config",
         metavar="FILE",
         help="valkey: check the shared tier a kvtier YAML names (its url or cluster_nodes, username, "
-        "password_file, tls and namespace), instead of a URL",
+        "password_file, tls and namespace), instead of a URL (default, when no PATH|URL is given "
+        "either: $KVTIER_CONFIG)",
     )
     check_path.add_argument(
         "--tier", metavar="NAME", help="valkey: with --config, which valkey tier (if several)"
@@ -72,9 +87,12 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
+    from kvtier.config.load import env_config_path
     from kvtier.tiers.disk import check_store
     from kvtier.tiers.valkey.check import is_valkey_target
 
+    if not (args.path or args.cluster or args.config):
+        args.config = env_config_path()
     if args.cluster or args.config or (args.path and is_valkey_target(args.path)):
         return _check_valkey(args)
     for option, value in (("--namespace", args.namespace), ("--layout", args.layout), ("--tier", args.tier)):
@@ -86,19 +104,20 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if args.path is None:
         print(
-            "kvtier check: give a store directory, a server URL (valkey://HOST:PORT[/DB]) or "
-            "--cluster HOST:PORT,...",
+            "kvtier check: give a store directory, a server URL (valkey://HOST:PORT[/DB]), "
+            "--cluster HOST:PORT,... or --config FILE (or set KVTIER_CONFIG)",
             file=sys.stderr,
         )
         return 2
     try:
         report = check_store(args.path, fix=args.fix, secret_file=args.secret_file)
+        status, left = _status(report, args.fix, lambda: check_store(args.path, secret_file=args.secret_file))
     except KvtierError as exc:
         if args.json:
             print(json.dumps({"path": args.path, "healthy": False, "error": str(exc)}, sort_keys=True))
         else:
             print(f"{args.path}: cannot check: {exc}", file=sys.stderr)
-        return 1
+        return CANNOT_CHECK
     if args.json:
         print(
             json.dumps(
@@ -108,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
                     "blocks_checked": report.blocks_checked,
                     "problems": report.problems,
                     "fixed": report.fixed,
+                    "problems_left": left,
                 },
                 sort_keys=True,
             )
@@ -119,7 +139,32 @@ def run(args: argparse.Namespace) -> int:
             print(f"  problem: {problem}")
         for fixed in report.fixed:
             print(f"  fixed: {fixed}")
-    return 0 if report.healthy else 1
+        _print_left(args.fix, report.healthy, left, "  ")
+    return status
+
+
+def _status(report: Any, fix: bool, check_again: Callable[[], Any]) -> tuple[int, list[str]]:
+    """fsck's exit status for ``report``, and the problems left.
+
+    Without ``fix`` every problem found is left. After a repair the store (or server) is
+    checked again, read-only, and what that check finds is left: the status then says
+    what holds now, not what the repair meant to do. A healthy first check is not repeated.
+    """
+    if report.healthy:
+        return CLEAN, []
+    if not fix:
+        return PROBLEMS_LEFT, list(report.problems)
+    left = list(check_again().problems)
+    return (PROBLEMS_LEFT if left else FIXED), left
+
+
+def _print_left(fix: bool, healthy: bool, left: list[str], indent: str) -> None:
+    """After a repair: what the check that followed it found."""
+    if not fix or healthy:
+        return
+    print(f"{indent}after --fix: " + (f"{len(left)} problems left" if left else "healthy"))
+    for problem in left:
+        print(f"{indent}  left: {problem}")
 
 
 def _valkey_tier_of(path: str, name: str | None):
@@ -174,20 +219,29 @@ def _check_valkey(args: argparse.Namespace) -> int:
         print("kvtier check: give one of a server URL, --cluster and --config", file=sys.stderr)
         return 2
     warn_password_in_url(args.path, "check")
-    try:
+    try:  # the command line's own values: a mistake in them is bad input (2), not a failed check
         layout = _layout_digest(args.layout)
         tier = _valkey_tier_of(args.config, args.tier) if args.config else None
-        if tier is not None:
-            target = tier.location()
-        report = check_valkey(
+    except KvtierError as exc:
+        print(f"kvtier check: {exc}", file=sys.stderr)
+        return 2
+    if tier is not None:
+        target = tier.location()
+
+    def check(fix: bool) -> Any:
+        return check_valkey(
             args.path,
             cluster_nodes=nodes,
             namespace=args.namespace,
-            fix=args.fix,
+            fix=fix,
             layout_digest=layout,
             config=tier,
             secret_file=args.secret_file,
         )
+
+    try:
+        report = check(args.fix)
+        status, left = _status(report, args.fix, lambda: check(False))
     except (KvtierError, ImportError) as exc:
         if args.json:
             print(json.dumps({"path": target, "healthy": False, "error": str(exc)}, sort_keys=True))
@@ -195,10 +249,10 @@ def _check_valkey(args: argparse.Namespace) -> int:
             print(f"cannot check {exc}", file=sys.stderr)
         else:
             print(f"{target}: cannot check: {exc}", file=sys.stderr)
-        return 1
+        return CANNOT_CHECK
     if args.json:
-        print(json.dumps(report.to_record(), sort_keys=True))
-        return 0 if report.healthy else 1
+        print(json.dumps({**report.to_record(), "problems_left": left}, sort_keys=True))
+        return status
     state = "healthy" if report.healthy else f"{len(report.problems)} problems"
     print(
         f"{report.target}: {len(report.namespaces)} namespaces, {report.blocks_checked} blocks checked, {state}"
@@ -217,4 +271,5 @@ def _check_valkey(args: argparse.Namespace) -> int:
             print(f"    problem: {problem}")
         for fixed in found.fixed:
             print(f"    fixed: {fixed}")
-    return 0 if report.healthy else 1
+    _print_left(args.fix, report.healthy, left, "  ")
+    return status

@@ -26,7 +26,9 @@ def add_parser(sub: Any) -> None:
         "metrics socket it names; a disk tier's capacity beyond the room on its disk); print the "
         "tier stack, or the error",
     )
-    check.add_argument("file", metavar="FILE", help="a kvtier YAML configuration")
+    check.add_argument(
+        "file", nargs="?", metavar="FILE", help="a kvtier YAML configuration (default: $KVTIER_CONFIG)"
+    )
     check.set_defaults(func=run)
 
 
@@ -44,8 +46,12 @@ def _check_named_files(config: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.config import describe, load_config
+    from kvtier.config import CONFIG_ENV, describe, env_config_path, load_config
 
+    args.file = args.file or env_config_path()
+    if args.file is None:
+        print(f"kvtier config check: give FILE, or set {CONFIG_ENV} to its path", file=sys.stderr)
+        return 2
     try:
         config = load_config(args.file)
         _check_named_files(config)

@@ -20,10 +20,13 @@ COMMANDS = (replay, plan, model, generate, config, check, stats, soak, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvtier import __version__
+
     parser = argparse.ArgumentParser(
         prog="kvtier",
         description="Tiered KV-cache offloading for LLM engines: check configs, benchmark tiers.",
     )
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(commands)

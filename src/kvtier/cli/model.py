@@ -9,6 +9,7 @@ from typing import Any, TextIO
 
 from kvtier.cli.common import report
 from kvtier.cli.costing import add_cost_options, time_model
+from kvtier.config.load import env_config_path
 from kvtier.errors import KvtierError
 
 
@@ -23,7 +24,9 @@ def add_parser(sub: Any) -> None:
     )
     add_cost_options(parser, model_required=True)
     parser.add_argument(
-        "--config", metavar="CFG", help="kvtier YAML whose tiers to judge (default: cpu + lmdb)"
+        "--config",
+        metavar="CFG",
+        help="kvtier YAML whose tiers to judge (default: $KVTIER_CONFIG, else cpu + lmdb)",
     )
     parser.add_argument(
         "--prompt-tokens", type=int, default=8192, help="prompt length for the break-even (default 8192)"
@@ -44,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         priced = time_model(args)
         if args.prompt_tokens < 1 or any(n < 1 for n in args.sweep or []):
             raise KvtierError("--prompt-tokens and --sweep take positive token counts")
-        report(args, lambda out: describe(priced, args.config, args.prompt_tokens, args.sweep, out))
+        config = args.config or env_config_path()
+        report(args, lambda out: describe(priced, config, args.prompt_tokens, args.sweep, out))
     except KvtierError as exc:
         print(f"kvtier model: {exc}", file=sys.stderr)
         return 2

@@ -25,7 +25,10 @@ def add_parser(sub: Any) -> None:
         "trace", nargs="?", metavar="TRACE", help="JSONL trace (default: bundled Mooncake trace)"
     )
     replay.add_argument(
-        "--config", metavar="CFG", help="kvtier YAML (default: CPU + disk tier in a temp folder)"
+        "--config",
+        metavar="CFG",
+        help="kvtier YAML (default: CPU + disk tier in a temp folder; never $KVTIER_CONFIG: a "
+        "replay writes its blocks into the stack's stores)",
     )
     replay.add_argument(
         "--gpu-blocks", type=count(), default=2000, help="blocks in the simulated GPU cache (default 2000)"

@@ -22,7 +22,7 @@ from __future__ import annotations
 from kvtier.config.checks import MISSING, non_empty_str, parse_choice
 from kvtier.config.describe import describe
 from kvtier.config.kinds import TIER_KINDS
-from kvtier.config.load import load_config
+from kvtier.config.load import CONFIG_ENV, env_config_path, load_config
 from kvtier.config.parse import parse_tier
 from kvtier.config.schema import (
     RECEIVES,
@@ -59,6 +59,8 @@ __all__ = [
     "KvtierConfig",
     "MetricsConfig",
     "load_config",
+    "CONFIG_ENV",
+    "env_config_path",
     "parse_size",
     "format_size",
     "describe",

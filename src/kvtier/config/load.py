@@ -10,7 +10,23 @@ from kvtier.config.schema import KvtierConfig
 from kvtier.config.source import load_yaml, read_file
 from kvtier.errors import ConfigError
 
-__all__ = ["load_config"]
+__all__ = ["CONFIG_ENV", "env_config_path", "load_config"]
+
+#: the environment variable naming a kvtier YAML file, for wherever a configuration path is
+#: taken and none was given (docs/configuration.md, "Where kvtier finds its configuration")
+CONFIG_ENV = "KVTIER_CONFIG"
+
+
+def env_config_path() -> str | None:
+    """The path ``KVTIER_CONFIG`` names, or None when it is unset or empty.
+
+    The fallback of each place that takes a configuration path when none was given there:
+    ``kvtier config check``, ``kvtier model --config``, ``kvtier check --config``, vLLM's
+    ``kvtier_config`` and SGLang's ``config``. A path or inline keys given there win.
+    ``kvtier replay`` never reads it: a replay fills the stack's stores with its own blocks,
+    and a store opened for another layout is wiped, so a production store must be named.
+    """
+    return os.environ.get(CONFIG_ENV) or None
 
 
 def _looks_like_path(text: str) -> bool:

@@ -36,9 +36,10 @@ from kvtier.config.units import SIZE_FORMS, positive_int, positive_size
 from kvtier.errors import ConfigError
 from kvtier.policies import POLICIES
 
-__all__ = ["parse_document", "parse_tier"]
+__all__ = ["TOP_KEYS", "parse_document", "parse_tier"]
 
-_TOP_KEYS = ("tiers", "block_size_tokens", "cascade", "metrics", "miss_causes")
+#: the keys of a kvtier configuration document (YAML file, or beside vLLM's in its extra config)
+TOP_KEYS = ("tiers", "block_size_tokens", "cascade", "metrics", "miss_causes")
 # Keys of vLLM's kv_connector_extra_config that belong to vLLM; kvtier accepts and skips them
 # so that the whole extra config can be handed over untouched.
 _VLLM_PASSTHROUGH_KEYS = ("spec_name", "spec_module_path", "offload_prompt_only")
@@ -337,10 +338,10 @@ def parse_document(document: object, root: str, from_yaml: bool) -> KvtierConfig
     document = require_mapping(
         document,
         root,
-        "of kvtier keys: " + ", ".join(_TOP_KEYS),
+        "of kvtier keys: " + ", ".join(TOP_KEYS),
         "write the settings as key: value lines, starting with tiers:",
     )
-    valid = _TOP_KEYS if from_yaml else _TOP_KEYS + _VLLM_KEYS
+    valid = TOP_KEYS if from_yaml else TOP_KEYS + _VLLM_KEYS
     for key in document:
         if from_yaml and key in _VLLM_KEYS:
             fix = (
@@ -348,7 +349,7 @@ def parse_document(document: object, root: str, from_yaml: bool) -> KvtierConfig
                 if key == _INCLUDE_KEY
                 else f"move '{key}' to vLLM's kv_connector_extra_config"
             )
-            raise ConfigError(key, document[key], "a kvtier key: " + ", ".join(_TOP_KEYS), fix)
+            raise ConfigError(key, document[key], "a kvtier key: " + ", ".join(TOP_KEYS), fix)
     check_keys(document, valid, "", "the kvtier configuration")
 
     if not from_yaml and _INCLUDE_KEY in document:
@@ -391,7 +392,7 @@ def _merge_block_size(document: Mapping, block_size_tokens: int | None) -> int |
 
 def _parse_include(document: Mapping) -> KvtierConfig:
     """The extra-config form that names a kvtier YAML file in ``kvtier_config``."""
-    inline = [key for key in _TOP_KEYS if key in document]
+    inline = [key for key in TOP_KEYS if key in document]
     if inline:
         raise ConfigError(
             _INCLUDE_KEY,

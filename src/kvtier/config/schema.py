@@ -168,7 +168,7 @@ class MetricsConfig:
     """Where a running stack reports its counters (``stats()``); both ways are off by default."""
 
     # port of a Prometheus endpoint serving stats() at http://addr:port/metrics (needs
-    # kvtier[prometheus]); none: no endpoint; 0: any free port
+    # prometheus_client, kvtier's prometheus extra); none: no endpoint; 0: any free port
     port: int | None = None
     # address the endpoint binds: loopback unless the counters are meant to leave the machine
     addr: str = "127.0.0.1"

@@ -25,6 +25,7 @@ from typing import Any
 
 from kvtier.atomic import check_private_parent
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.extras import install_hint
 from kvtier.metrics.histogram import LatencyHistogram
 from kvtier.metrics.names import JOB_SECONDS, METRICS, samples
 
@@ -206,15 +207,15 @@ def serve_metrics(
     says which).
 
     Binds to loopback unless ``addr`` says otherwise. Raises :class:`KvtierError` when
-    prometheus_client is missing (``pip install 'kvtier[prometheus]'``), neither a port nor
-    a socket is given, or one cannot be bound (a :class:`ConfigError` for a socket path that
+    prometheus_client is missing (kvtier's ``prometheus`` extra), neither a port nor a socket
+    is given, or one cannot be bound (a :class:`ConfigError` for a socket path that
     :func:`check_unix_socket` refuses).
     """
     try:
         from prometheus_client import CollectorRegistry
     except ImportError as exc:
         raise KvtierError(
-            "the Prometheus exporter needs prometheus_client: pip install 'kvtier[prometheus]'"
+            f"the Prometheus exporter needs prometheus_client: {install_hint('prometheus')}"
         ) from exc
     if port is None and unix_socket is None:
         raise KvtierError("serve_metrics needs a port or a unix_socket")

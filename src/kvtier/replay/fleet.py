@@ -46,7 +46,14 @@ from kvtier.cli.signals import deferred_stop
 from kvtier.config import KvtierConfig, MetricsConfig, TierConfig, load_config
 from kvtier.errors import KvtierError
 from kvtier.replay.engine import block_key
-from kvtier.replay.run import DEFAULT_BLOCK_BYTES, DEFAULT_GPU_BLOCKS, _fitting, default_config, miss_causes
+from kvtier.replay.run import (
+    DEFAULT_BLOCK_BYTES,
+    DEFAULT_GPU_BLOCKS,
+    _fitting,
+    default_config,
+    in_trace_blocks,
+    miss_causes,
+)
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, Request, bundled_trace_path, ceiling_hit_ratio, load_trace
 from kvtier.routing import ROUTERS, Router
 from kvtier.tiers.valkey.config import ValkeyTierConfig, redact_url
@@ -281,7 +288,9 @@ def _engine_configs(
 
 def _local_config(config: str | None, directory: str, block_bytes: int) -> KvtierConfig:
     """Each engine's local stack: ``config`` (a YAML path), or the replay's default stack."""
-    parsed = load_config(config if config is not None else default_config(directory, block_bytes))
+    parsed = in_trace_blocks(
+        load_config(config if config is not None else default_config(directory, block_bytes))
+    )
     if any(tier.kind in ("valkey", "redis") for tier in parsed.tiers):
         raise KvtierError(
             "fleet replay: --config is each engine's local stack; name the shared server with "

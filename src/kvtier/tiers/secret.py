@@ -19,7 +19,7 @@ the header too; encryption is AES-256-GCM under such a key. The salt makes each 
 message, so GCM's nonce (fixed at zero) never repeats under a key. Why GMAC, and the MACs
 rejected: docs/design/secrets.md.
 
-AES-GCM and GMAC come from the ``cryptography`` package (``pip install 'kvtier[secure]'``);
+AES-GCM and GMAC come from the ``cryptography`` package (kvtier's ``secure`` extra);
 a section with a secret refuses to load without it, with that fix.
 
 Who calls what: the configuration parser (:func:`parse_secret_options`), a tier's opener
@@ -38,6 +38,7 @@ from typing import Any
 import xxhash
 
 from kvtier.errors import ConfigError
+from kvtier.extras import install_hint
 from kvtier.tiers.disk.format import (
     FLAG_ENCRYPTED,
     FLAG_KEYED,
@@ -185,7 +186,7 @@ def tier_keys(config: Any, field: str) -> TierKeys | None:
             f"{field}.secret_file",
             path,
             "the cryptography package installed (AES-GCM and GMAC)",
-            "pip install 'kvtier[secure]'",
+            install_hint("secure"),
         )
     secret = read_secret_file(path, f"{field}.secret_file")
     return TierKeys(secret, encrypt=getattr(config, "encrypt", "none") == "aes-gcm")
@@ -209,7 +210,7 @@ class TierKeys:
                 "secret_file",
                 "(a secret)",
                 "the cryptography package installed (AES-GCM and GMAC)",
-                "pip install 'kvtier[secure]'",
+                install_hint("secure"),
             )
         self._cipher, self._aes, self._gcm, self._aead, self._invalid = crypto
         self.encrypt = encrypt

@@ -12,6 +12,7 @@ from kvtier_testing.store import KINDS, open_tier, region, store
 
 from kvtier.cli.main import main
 from kvtier.tiers.disk.format import HEADER_BYTES
+from kvtier.tiers.disk.manifest import MANIFEST_NAME
 
 
 @pytest.fixture
@@ -43,33 +44,48 @@ def damage(kind, path):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_check_reports_and_fixes(kind, tmp_path, shm, capsys):
+def test_check_reports_and_fixes_with_fscks_exit_statuses(kind, tmp_path, shm, capsys):
     path = tmp_path / "store"
     make_store(kind, path, shm.rows)
-    assert main(["check", str(path)]) == 0
+    assert main(["check", str(path)]) == 0  # clean
     assert "4 blocks checked, healthy" in capsys.readouterr().out
 
     damage(kind, path)
-    assert main(["check", str(path)]) == 1
+    assert main(["check", str(path)]) == 4  # problems left: found, not fixed
     out = capsys.readouterr().out
     assert "1 problems" in out and "checksum" in out
 
-    assert main(["check", "--json", str(path)]) == 1
+    assert main(["check", "--json", str(path)]) == 4
     record = json.loads(capsys.readouterr().out)
     assert record["healthy"] is False and record["blocks_checked"] == 4
     assert len(record["problems"]) == 1 and "checksum" in record["problems"][0]
+    assert record["problems_left"] == record["problems"]
 
-    assert main(["check", "--fix", str(path)]) == 1  # problems were found (and fixed)
-    assert "fixed:" in capsys.readouterr().out
+    assert main(["check", "--fix", str(path)]) == 1  # problems fixed, every one
+    out = capsys.readouterr().out
+    assert "fixed:" in out and "after --fix: healthy" in out
     assert main(["check", str(path)]) == 0
     assert "3 blocks checked, healthy" in capsys.readouterr().out
 
 
-def test_check_of_a_non_store(tmp_path, capsys):
-    assert main(["check", str(tmp_path)]) == 1
+def test_check_after_a_fix_that_cannot_mend_the_store_exits_4(tmp_path, shm, capsys):
+    # a manifest naming the other kind: --fix opens nothing, so the problem is left
+    path = tmp_path / "store"
+    make_store("lmdb", path, shm.rows)
+    manifest = path / MANIFEST_NAME
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "kind": "files"}))
+    assert main(["check", "--fix", "--json", str(path)]) == 4
+    record = json.loads(capsys.readouterr().out)
+    assert record["fixed"] == [] and len(record["problems_left"]) == 1
+    assert "holds the files of a lmdb store" in record["problems_left"][0]
+
+
+def test_check_of_a_non_store_could_not_check(tmp_path, capsys):
+    assert main(["check", str(tmp_path)]) == 8
     assert "kvtier-store.json" in capsys.readouterr().err
-    assert main(["check", "--json", str(tmp_path / "missing")]) == 1
+    assert main(["check", "--json", str(tmp_path / "missing")]) == 8
     assert json.loads(capsys.readouterr().out)["healthy"] is False
+    assert main(["check", "--namespace", "ns", str(tmp_path)]) == 2  # a bad command line
 
 
 def test_check_from_the_installed_command(tmp_path, shm):

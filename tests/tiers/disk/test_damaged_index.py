@@ -147,7 +147,7 @@ def test_a_damaged_index_is_found_before_mapping_and_rebuilt_by_fix(damage, tmp_
     before = snapshot(path)
     checked = kvtier("check", path)
     alive(checked)
-    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert checked.returncode == 4, checked.stdout + checked.stderr  # fsck's "problems left"
     assert "index damaged" in checked.stdout
     assert f"the slab holds {BLOCKS - 1} intact blocks" in checked.stdout
     assert snapshot(path) == before  # check without --fix wrote nothing
@@ -159,7 +159,8 @@ def test_a_damaged_index_is_found_before_mapping_and_rebuilt_by_fix(damage, tmp_
 
     fixed = kvtier("check", "--fix", path)
     alive(fixed)
-    assert fixed.returncode == 1, fixed.stdout + fixed.stderr  # problems found (and fixed)
+    assert fixed.returncode == 1, fixed.stdout + fixed.stderr  # fsck's "problems fixed"
+    assert "after --fix: healthy" in fixed.stdout
     assert f"rebuilt the index from the slab's block headers: {BLOCKS - 1} blocks re-indexed" in fixed.stdout
 
     again = kvtier("check", path)
@@ -207,7 +208,7 @@ def test_check_without_fix_writes_nothing(kind, tmp_path, shm):
         stream.write(b"\x01\x02")
     before = snapshot(path)
     result = kvtier("check", path)
-    assert result.returncode == 1 and "checksum" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 4 and "checksum" in result.stdout, result.stdout + result.stderr
     assert snapshot(path) == before
 
 
@@ -224,7 +225,7 @@ def test_a_manifest_naming_the_other_kind_is_a_problem_and_nothing_is_written(ki
     before = snapshot(path)
     result = kvtier("check", *(["--fix"] if fix else []), path)
     alive(result)
-    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.returncode == 4, result.stdout + result.stderr  # --fix cannot mend it either
     assert (
         f"the manifest names a {other} store, but the directory holds the files of a {kind} store"
         in result.stdout

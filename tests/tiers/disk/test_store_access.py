@@ -142,7 +142,7 @@ def test_blocks_another_user_planted_are_never_served(kind, shared, attacker, sh
     with pytest.raises(ConfigError, match=f"owned by uid {attacker[1]}"):
         open_tier(kind, squat, shm.rows, 8)
     checked = kvtier("check", squat)
-    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert checked.returncode == 4, checked.stdout + checked.stderr
     assert f"owned by uid {attacker[1]}" in checked.stdout and "healthy" not in checked.stdout
 
 
@@ -354,7 +354,7 @@ def test_a_fifo_under_a_block_name_is_a_failed_read_never_a_hang(tmp_path, shm):
     assert result.ok == [key(2)] and holds(shm.rows, 1, key(2))
     tier.close()
     checked = kvtier("check", path, timeout=60)  # a plain open of the FIFO would wait for ever
-    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert checked.returncode == 4, checked.stdout + checked.stderr
     assert "not a regular file" in checked.stdout
 
 

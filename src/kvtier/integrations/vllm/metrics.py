@@ -83,10 +83,15 @@ class MetricDeltas:
                 stats.set_gauge(metric.name, sample.value, sample.labels)
                 continue
             key = (metric.name, sample.labels)
-            increase = sample.value - self._totals.get(key, 0.0)
+            reported = self._totals.get(key)
             self._totals[key] = sample.value
-            if increase > 0:
-                stats.increase_counter(vllm_name(metric.name), increase, sample.labels)
+            # A series is sent on its first report even at 0: vLLM creates it then, so
+            # /metrics has every counter from the start (a dashboard shows 0, not "no data",
+            # and an alert on its rate sees the first event); after that, increases only.
+            if reported is None or sample.value > reported:
+                stats.increase_counter(
+                    vllm_name(metric.name), sample.value - (reported or 0.0), sample.labels
+                )
         for series, histogram in histograms.items():
             counts = list(histogram.counts)
             before = self._buckets.get(series, [0] * len(counts))

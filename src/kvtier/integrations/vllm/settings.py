@@ -29,7 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.config import KvtierConfig, load_config
+from kvtier.config import CONFIG_ENV, KvtierConfig, env_config_path, load_config
+from kvtier.config.parse import TOP_KEYS
 from kvtier.tiers.cpu.config import CPUTierConfig
 from kvtier.errors import ConfigError
 from kvtier.tiers.disk.format import LayoutFingerprint
@@ -93,7 +94,9 @@ def kvtier_settings(extra_config: Mapping[str, Any]) -> tuple[dict[str, Any], di
     Connector keys are dropped (vLLM reads them itself); a key of vLLM's own CPU spec, or
     ``canonical_layout: true`` (a host layout kvtier's rows do not implement), raises
     :class:`ConfigError`. What remains goes to :func:`kvtier.load_config`, whose own checks
-    catch misspelt keys.
+    catch misspelt keys. With neither ``kvtier_config`` nor inline kvtier keys, the YAML that
+    ``KVTIER_CONFIG`` names in the engine's environment is the stack (every process of the
+    engine inherits it, so all reach the same one); without that either, :class:`ConfigError`.
     """
     if not isinstance(extra_config, Mapping):
         raise ConfigError(
@@ -126,6 +129,17 @@ def kvtier_settings(extra_config: Mapping[str, Any]) -> tuple[dict[str, Any], di
             integration[key] = value
         else:
             kvtier[key] = value
+    if "kvtier_config" not in kvtier and not any(key in kvtier for key in TOP_KEYS):
+        path = env_config_path()
+        if path is None:
+            raise ConfigError(
+                "kv_connector_extra_config.kvtier_config",
+                None,
+                f"kvtier's tier stack: a YAML path, inline tiers, or {CONFIG_ENV} in vLLM's environment",
+                'add "kvtier_config": "tiers.yaml" (see examples/vllm/tiers.yaml), or '
+                f"export {CONFIG_ENV}=/path/to/tiers.yaml before vllm serve",
+            )
+        kvtier["kvtier_config"] = path
     return kvtier, integration
 
 

@@ -27,6 +27,7 @@ medium's ``_open_medium`` (its files and index).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -90,6 +91,12 @@ class DiskTier(IndexedTier):
     kind: ClassVar[str] = ""
     #: entries of the store directory that belong to the medium (removed when wiping)
     medium_names: ClassVar[tuple[str, ...]] = ()
+    #: a full, failing or read-only disk, and a block that fails its checksum (docs/operations.md)
+    zero_failures = (
+        Failure.FULL,
+        *(Failure.os_error(code) for code in (errno.ENOSPC, errno.EIO, errno.EROFS, errno.EACCES)),
+        Failure.corrupt("checksum"),
+    )
     #: what a store of another layout held before this open wiped it (foreign_stored)
     _wiped: Wiped | None
 

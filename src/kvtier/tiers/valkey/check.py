@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import ConfigError, ValkeyCheckError
+from kvtier.extras import install_hint
 from kvtier.tiers.base import Failure, FailureKind
 from kvtier.tiers.disk.format import HEADER_BYTES, decode_header, verify
 from kvtier.tiers.secret import tier_keys
@@ -390,7 +391,7 @@ def check_valkey(
             "check",
             redact_url(url) or ",".join(cluster_nodes),
             "the valkey client installed",
-            "pip install 'kvtier[valkey]'",
+            install_hint("valkey"),
         )
     if config is None:
         section: dict[str, Any] = {"kind": "valkey", "name": "check", "timeout_s": timeout_s}

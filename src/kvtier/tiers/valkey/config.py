@@ -43,6 +43,7 @@ from kvtier.config.parse import parse_tier
 from kvtier.config.schema import TierConfig
 from kvtier.config.units import parse_size
 from kvtier.errors import ConfigError
+from kvtier.extras import install_hint
 from kvtier.registry import Registry
 from kvtier.tiers.base import SecondaryTier
 from kvtier.codecs import parse_codec_option
@@ -254,7 +255,7 @@ class ValkeyTierConfig(TierConfig):
                 f"{field}.kind",
                 self.kind,
                 "a tier whose client is installed",
-                "pip install 'kvtier[valkey]' (the valkey client and its libvalkey parser)",
+                install_hint("valkey"),
             )
         # By name, as the kind registry finds this section: the tier imports this module.
         cls = VALKEY_MEDIA.resolve(self.kind, field=f"{field}.kind")

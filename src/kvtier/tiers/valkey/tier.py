@@ -101,6 +101,20 @@ STAGED_TTL_S = 30.0
 _UNAVAILABLE = Failure(FailureKind.UNAVAILABLE)
 #: a read that outlived timeout_s
 _TIMEOUT = Failure(FailureKind.UNAVAILABLE, detail="timeout")
+#: failures ``stats()`` shows at 0 before the first one (as IndexedTier.zero_failures): an
+#: unreachable server, refused credentials, a full server, a value that fails its checksum
+ZERO_FAILURES = (
+    _TIMEOUT,
+    *(Failure(FailureKind.UNAVAILABLE, detail=detail) for detail in ("refused", "connection", "closed")),
+    Failure(FailureKind.AUTH, detail="wrong credentials"),
+    Failure(FailureKind.SERVER, detail="OOM"),
+    Failure.corrupt("checksum"),
+)
+
+
+def _counter_of(reason: Failure) -> str:
+    """The stats key counting ``reason``: ``corrupt_<check>``, else ``failed_<reason>``."""
+    return ("corrupt_" if reason.kind is FailureKind.CORRUPT else "failed_") + reason.counter
 
 
 def default_namespace(fingerprint: LayoutFingerprint) -> str:
@@ -209,6 +223,7 @@ class ValkeyTier(SecondaryTier):
                 "probe_timeouts",
                 "staged_dropped",
                 "outages",
+                *map(_counter_of, ZERO_FAILURES),
             ),
             0,
         )
@@ -311,9 +326,7 @@ class ValkeyTier(SecondaryTier):
                 counters["failed_keys"] += 1
             if reason.kind is FailureKind.CORRUPT:
                 counters["corrupt_values"] += 1
-                name = "corrupt_" + reason.counter
-            else:
-                name = "failed_" + reason.counter
+            name = _counter_of(reason)
             counters[name] = counters.get(name, 0) + 1
             if reason.kind in (FailureKind.DENIED, FailureKind.SERVER, FailureKind.UNEXPECTED):
                 self._warn_once(reason)
