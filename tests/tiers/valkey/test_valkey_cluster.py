@@ -8,6 +8,7 @@ replica takes over about two seconds after it falls silent (cluster-node-timeout
 
 from __future__ import annotations
 
+import socket
 import time
 
 import numpy as np
@@ -325,3 +326,31 @@ def test_a_fleet_replay_goes_on_through_a_primary_killed_mid_run(replicated_clus
     assert record["mismatched_blocks"] == 0 and shared["corrupt_blocks"] == 0
     assert all(engine["hits"].get("shared", 0) > 0 for engine in shared["engines"])
     assert successor.client().info("stats")["keyspace_hits"] > 0  # the failed slots served again
+
+
+def test_a_server_whose_picked_port_is_taken_starts_on_another(server_binary):
+    # a picked port is free when picked, not reserved: another process can bind it first
+    from kvtier.tiers.valkey.server import LOOPBACK, LocalValkeyServer
+
+    server = LocalValkeyServer(server_binary)
+    taken = server.port
+    with socket.socket() as squatter:
+        squatter.bind((LOOPBACK, taken))
+        squatter.listen()
+        with server:
+            assert server.port != taken and server.client().ping()
+
+
+def test_a_server_given_a_taken_port_says_so(server_binary):
+    from kvtier.tiers.valkey.server import LOOPBACK, LocalValkeyServer, free_port
+
+    port = free_port()
+    with socket.socket() as squatter:
+        squatter.bind((LOOPBACK, port))
+        squatter.listen()
+        server = LocalValkeyServer(server_binary, port=port)
+        try:
+            with pytest.raises(RuntimeError, match="Address already in use"):
+                server.start()
+        finally:
+            server.stop()

@@ -29,6 +29,12 @@ CLUSTER_SLOTS = 16384
 #: a cluster node's bus listens on its port plus this
 CLUSTER_BUS_OFFSET = 10000
 _START_TIMEOUT_S = 10.0
+#: starts tried on other picked ports when the one picked was taken meanwhile
+_PORT_ATTEMPTS = 5
+
+
+class _PortTaken(RuntimeError):
+    """The server exited because another process bound its port first."""
 
 
 def find_server_binary() -> str | None:
@@ -96,6 +102,8 @@ class LocalValkeyServer:
         self.cluster = cluster
         #: a cluster node's cluster-node-timeout: how long a silent peer takes to be failed over
         self.node_timeout_ms = node_timeout_ms
+        #: the port was picked here (free then, not reserved): start() may pick another
+        self._picked_port = not port
         self.port = port or free_port(cluster)
         self._dir = tempfile.mkdtemp(prefix="kvtier-valkey-")
         self._process: subprocess.Popen | None = None
@@ -116,7 +124,24 @@ class LocalValkeyServer:
 
     def start(self, keep_identity: bool = False) -> LocalValkeyServer:
         """Start the server (empty) and wait until it answers PING. ``keep_identity``: a
-        cluster node that comes back as itself (its nodes.conf kept), as a restarted node does."""
+        cluster node that comes back as itself (its nodes.conf kept), as a restarted node does.
+
+        A port picked by :func:`free_port` is free when picked, not reserved: another process
+        (a client's ephemeral port, another server) can bind it first. A server that finds its
+        port taken is started again on another, unless its port was given or is its identity.
+        """
+        for attempt in range(_PORT_ATTEMPTS):
+            try:
+                self._launch(keep_identity)
+                self._wait_ready()
+                return self
+            except _PortTaken:
+                if not self._picked_port or keep_identity or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+                self.port = free_port(self.cluster)
+        raise AssertionError("unreachable")
+
+    def _launch(self, keep_identity: bool) -> None:
         args = [
             self.binary,
             "--bind",
@@ -163,8 +188,6 @@ class LocalValkeyServer:
             )
         finally:
             log.close()
-        self._wait_ready()
-        return self
 
     def _wait_ready(self) -> None:
         assert self._process is not None  # start() made it
@@ -172,7 +195,8 @@ class LocalValkeyServer:
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
                 log = Path(self._dir, "server.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"valkey-server exited with {self._process.returncode}: {log}")
+                kind = _PortTaken if f":{self.port}: bind: Address already in use" in log else RuntimeError
+                raise kind(f"valkey-server exited with {self._process.returncode}: {log}")
             try:
                 with socket.create_connection((LOOPBACK, self.port), timeout=0.5) as conn:
                     conn.sendall(b"PING\r\n")
