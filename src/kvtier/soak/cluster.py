@@ -245,7 +245,13 @@ def _shared_figures(engines: list[SoakEngine]) -> dict[str, int]:
         stats = engine.stats()
         figures["shared_hits"] += int(stats.get("shared.promotions", 0))
         figures["unavailable_misses"] += int(stats.get("miss_unavailable", 0))
-        for name in ("node_outages", "redirects_ask", "redirects_moved", "slot_map_reads"):
+        for name in (
+            "node_outages",
+            "redirects_ask",
+            "redirects_moved",
+            "redirects_exhausted",
+            "slot_map_reads",
+        ):
             figures[name] += int(stats.get(f"shared.{name}", 0))
     return dict(figures)
 

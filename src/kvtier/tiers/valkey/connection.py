@@ -300,6 +300,8 @@ def _read_values(
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
 #: a key redirected a second time (the slots are moving again): it is not read or written now
 _REDIRECTED_AGAIN = Failure(FailureKind.UNAVAILABLE, detail="moved")
+#: redirects a key follows in one batch before it fails (nodes disagree while a slot moves)
+MAX_REDIRECTS = 3
 #: a key of a slot no cluster node serves (as far as the slot map says)
 _UNCOVERED = Failure(FailureKind.UNAVAILABLE, detail="uncovered")
 
@@ -514,10 +516,11 @@ class ValkeyConnection:
         the replies. A reply is a value, ``None``, or a :class:`~kvtier.tiers.base.Failure`; a
         server that cannot be reached fails all of its names.
 
-        In a cluster, a key answered MOVED or ASK is sent once more, to the node named (after
+        In a cluster, a key answered MOVED or ASK is sent again, to the node named (after
         ASKING, for ASK: a slot being migrated), in one round trip per node; a MOVED also
-        asks for the slot map to be read again. A key redirected again fails as
-        ``UNAVAILABLE`` (``moved``).
+        asks for the slot map to be read again. While a slot changes owner the nodes can
+        disagree for a moment and send a key back and forth: after :data:`MAX_REDIRECTS`
+        redirects it fails as ``UNAVAILABLE`` (``moved``), counted in ``redirects_exhausted``.
         """
         from valkey.exceptions import AskError, MovedError
 
@@ -526,23 +529,29 @@ class ValkeyConnection:
             groups = self._groups(names)
         except Exception as error:  # the cluster's topology could not be read
             return [reason_of(error)] * len(names)
-        redirects: dict[tuple[str, int, bool], list[int]] = {}
-        for node, server, indexes in groups:
-            for index, reply in zip(indexes, self._send(node, server, names, indexes, pack, read)):
-                if isinstance(reply, AskError):  # a MovedError is one too
-                    asking = not isinstance(reply, MovedError)
-                    redirects.setdefault((reply.host, reply.port, asking), []).append(index)
-                else:
-                    out[index] = reason_of(reply) if isinstance(reply, Exception) else reply
-        for (host, port, asking), indexes in redirects.items():
-            assert self.health is not None  # only a cluster redirects
-            self.health.redirected(moved=not asking, count=len(indexes))
-            node, server = self._node_at(host, port)
-            for index, reply in zip(indexes, self._send(node, server, names, indexes, pack, read, asking)):
-                if isinstance(reply, AskError):
-                    out[index] = _REDIRECTED_AGAIN
-                else:
-                    out[index] = reason_of(reply) if isinstance(reply, Exception) else reply
+        sends = [(node, server, indexes, False) for node, server, indexes in groups]
+        for hop in range(MAX_REDIRECTS + 1):
+            redirects: dict[tuple[str, int, bool], list[int]] = {}
+            for node, server, indexes, asking in sends:
+                for index, reply in zip(
+                    indexes, self._send(node, server, names, indexes, pack, read, asking)
+                ):
+                    if not isinstance(reply, AskError):  # a MovedError is an AskError too
+                        out[index] = reason_of(reply) if isinstance(reply, Exception) else reply
+                    elif hop == MAX_REDIRECTS:
+                        out[index] = _REDIRECTED_AGAIN
+                        assert self.health is not None  # only a cluster redirects
+                        self.health.redirected_too_often()
+                    else:
+                        key = (reply.host, reply.port, not isinstance(reply, MovedError))
+                        redirects.setdefault(key, []).append(index)
+            sends = []
+            for (host, port, asking), indexes in redirects.items():
+                assert self.health is not None
+                self.health.redirected(moved=not asking, count=len(indexes))
+                sends.append((*self._node_at(host, port), indexes, asking))
+            if not sends:
+                break
         return out
 
     def _send(

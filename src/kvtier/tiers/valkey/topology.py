@@ -45,13 +45,14 @@ class ClusterHealth:
 
     :attr:`counters` (in the tier's stats): ``node_outages`` is raised as a node goes down,
     ``redirects_moved`` and ``redirects_ask`` with each key followed to another node,
-    ``slot_map_reads`` with each read of the map.
+    ``redirects_exhausted`` with each key that failed because it was still redirected after
+    the most redirects a batch follows, ``slot_map_reads`` with each read of the map.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.counters = dict.fromkeys(
-            ("node_outages", "redirects_moved", "redirects_ask", "slot_map_reads"), 0
+            ("node_outages", "redirects_moved", "redirects_ask", "redirects_exhausted", "slot_map_reads"), 0
         )
         #: node name (host:port) -> its outage; replaced, never changed in place
         self._down: dict[str, NodeOutage] = {}
@@ -88,6 +89,13 @@ class ClusterHealth:
             self.counters["redirects_moved" if moved else "redirects_ask"] += count
             if moved:
                 self._due_at = time.monotonic()
+
+    def redirected_too_often(self) -> None:
+        """A key was still redirected after the most redirects a batch follows: the nodes
+        disagree about its slot, so the map is read again at once."""
+        with self.lock:
+            self.counters["redirects_exhausted"] += 1
+            self._due_at = time.monotonic()
 
     def read_due(self) -> bool:
         """Whether the slot map should be read now (none being read, its pause over); if so,
