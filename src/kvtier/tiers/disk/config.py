@@ -211,7 +211,7 @@ class DiskTierConfig(TierConfig):
         """The capacity against the room on the disk: what the store holds there already
         plus the free space (payload bytes; each block also takes a 4 KiB header page)."""
         assert self.path is not None
-        path = os.path.abspath(self.path)
+        path = os.path.abspath(os.path.expanduser(self.path))  # as the store opens it
         where = path
         while not os.path.isdir(where):  # a store not created yet: the disk of its parent
             where = os.path.dirname(where)
