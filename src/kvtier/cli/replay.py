@@ -19,7 +19,7 @@ def add_parser(sub: Any) -> None:
         "replay",
         help="replay a request trace through the real tier stack, verifying every loaded block",
         description="Replay a Mooncake-format trace (default: the bundled one) through a simulated "
-        "engine over the real manager, tiers and bytes; print hits per tier and one JSON line.",
+        "engine over the real manager, tiers and bytes; print hits per tier (with --json, one JSON line instead).",
     )
     replay.add_argument(
         "trace", nargs="?", metavar="TRACE", help="JSONL trace (default: bundled Mooncake trace)"
@@ -47,7 +47,9 @@ def add_parser(sub: Any) -> None:
         "lossy ones are verified against their own decode",
     )
     replay.add_argument("--no-baseline", action="store_true", help="skip the CPU-tier-only comparison run")
-    replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (shown on stderr, on a terminal only)"
+    )
     replay.add_argument(
         "--deterministic",
         action="store_true",
@@ -190,6 +192,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
                 time_model=priced,
                 arrival_scale=args.arrival_scale,
                 out=out,
+                progress=not args.no_progress,
             ),
         )  # the JSON line only with --json (printed by report)
     except (KvtierError, OSError, ImportError) as exc:
