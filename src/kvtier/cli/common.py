@@ -11,7 +11,14 @@ from typing import Any, TextIO
 
 from kvtier.bench.report import print_json
 
-__all__ = ["add_secrets_option", "count", "disk_kinds", "report", "warn_password_in_url"]
+__all__ = [
+    "add_secrets_option",
+    "add_trace_argument",
+    "count",
+    "disk_kinds",
+    "report",
+    "warn_password_in_url",
+]
 
 
 def report(args: argparse.Namespace, run: Callable[[TextIO], dict[str, Any]]) -> dict[str, Any]:
@@ -42,6 +49,20 @@ def count(low: int = 1, high: int | None = None) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def add_trace_argument(parser: argparse.ArgumentParser) -> None:
+    """The optional TRACE of ``replay`` and ``plan``: a file, or a bundled trace by name."""
+    from kvtier.replay.trace import BUNDLED_TRACES
+
+    default, *others = BUNDLED_TRACES
+    parser.add_argument(
+        "trace",
+        nargs="?",
+        metavar="TRACE",
+        help="a Mooncake-format trace (.jsonl or .jsonl.gz), or a bundled one by name: "
+        f"{default} (the default), {', '.join(others)}",
+    )
 
 
 def add_secrets_option(parser: argparse.ArgumentParser, keyed: str) -> None:

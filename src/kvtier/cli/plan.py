@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from kvtier.cli.common import count, report
+from kvtier.cli.common import add_trace_argument, count, report
 from kvtier.codecs import CODEC_NAMES
 from kvtier.cli.costing import add_cost_options, time_model
 from kvtier.errors import KvtierError
@@ -28,9 +28,7 @@ def add_parser(sub: Any) -> None:
         "and the disk-admission table (writes an oracle could skip at no loss vs admit: reuse). "
         "--write-config turns the advice into a kvtier YAML stack.",
     )
-    plan.add_argument(
-        "trace", nargs="?", metavar="TRACE", help="JSONL trace (default: bundled Mooncake trace)"
-    )
+    add_trace_argument(plan)
     plan.add_argument(
         "--capacities",
         type=count(),

@@ -231,6 +231,16 @@ class DiskTierConfig(TierConfig):
     def admission(self) -> tuple[str, float, float | None]:
         return self.admit, self.min_reuse, self.endurance_tbw
 
+    def unused_keys(self) -> tuple[str, ...]:
+        """``min_reuse`` but under ``admit: reuse`` (a budget sets its own bar), the budget's
+        keys but under ``admit: budget``, ``encrypt`` without a secret."""
+        unused = [] if self.admit == "reuse" else ["min_reuse"]
+        if self.admit != "budget":
+            unused += BUDGET_KEYS
+        if self.secret_file is None:
+            unused.append("encrypt")
+        return tuple(unused)
+
     def write_budget(self, field: str) -> WriteBudget | None:
         """With ``admit: budget``, the tier's :class:`WriteBudget`, counting the writes of the
         drive under ``path`` where ``/sys`` shows them (call once the store is open: the
