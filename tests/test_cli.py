@@ -111,20 +111,6 @@ def test_config_check_refuses_a_disk_tier_larger_than_its_disk(tmp_path, capsys)
     assert "tiers[1].capacity" in err and "free there" in err and "lower the capacity" in err
 
 
-def test_config_check_measures_the_room_where_a_home_path_leads(tmp_path, monkeypatch, capsys):
-    # ~ is expanded as the tier opens the store: the room is that of HOME's disk, named
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.chdir(tmp_path.parent)
-    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
-    path = tmp_path / "home.yaml"
-    path.write_text(
-        "tiers:\n  - {name: cpu, kind: cpu, capacity: 1MiB}\n"
-        f"  - {{name: disk, kind: lmdb, path: ~/cache/lmdb, capacity: {2 * free}}}\n"
-    )
-    assert main(["config", "check", str(path)]) == 1
-    assert f"fits in {tmp_path / 'cache' / 'lmdb'}:" in capsys.readouterr().err
-
-
 def test_config_check_names_the_bad_field(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("tiers:\n  - {kind: cpu, capacity: 4GiB, evicton: lru}\n")
