@@ -209,6 +209,10 @@ def test_watch_refreshes_until_ctrl_c_then_exits_0(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # Ctrl-C as at a terminal: a suite started in the background by a shell without job
+        # control (`scripts/check.sh &`) ignores SIGINT, and a Python that starts with it
+        # ignored never raises KeyboardInterrupt: the child would outlive the test
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         seen = ""
