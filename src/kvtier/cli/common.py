@@ -22,15 +22,15 @@ __all__ = [
 
 
 def report(args: argparse.Namespace, run: Callable[[TextIO], dict[str, Any]]) -> dict[str, Any]:
-    """Run a reporter (table, then JSON line, on the stream it is given); its JSON record.
+    """Run a reporter (its text, on the stream it is given); its JSON record.
 
-    With ``--json`` only the JSON line reaches stdout: every reporter's last line is
-    ``print_json(record)``, so printing the returned record gives the same line.
+    Every command's one output rule: a person gets the reporter's tables on stdout, and with
+    ``--json`` stdout carries the record as one JSON line and nothing else. A benchmark script
+    (``benchmarks/``, ``args.table_and_json``: see :func:`~kvtier.cli.main.main`) prints both.
     """
-    if not args.json:
-        return run(sys.stdout)
-    record = run(io.StringIO())
-    print_json(record, sys.stdout)
+    record = run(io.StringIO() if args.json else sys.stdout)
+    if args.json or getattr(args, "table_and_json", False):
+        print_json(record, sys.stdout)
     return record
 
 

@@ -34,12 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, table_and_json: bool = False) -> int:
+    """Run the command of ``argv`` (default: the process's); its exit status.
+
+    ``table_and_json``: a benchmark script's output (``benchmarks/``): the table, then the
+    JSON line, where a command prints only one of them (the JSON line with ``--json``).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:  # bare `kvtier`: what there is to run, not a usage error
         parser.print_help()
         return 0
+    args.table_and_json = table_and_json
     try:
         with stop_on_signals():
             status = args.func(args)

@@ -19,7 +19,7 @@ def add_parser(sub: Any) -> None:
         "replay",
         help="replay a request trace through the real tier stack, verifying every loaded block",
         description="Replay a Mooncake-format trace (default: the bundled one) through a simulated "
-        "engine over the real manager, tiers and bytes; print hits per tier and one JSON line.",
+        "engine over the real manager, tiers and bytes; print hits per tier (with --json, one JSON line instead).",
     )
     add_trace_argument(replay)
     replay.add_argument(
@@ -45,7 +45,9 @@ def add_parser(sub: Any) -> None:
         "lossy ones are verified against their own decode",
     )
     replay.add_argument("--no-baseline", action="store_true", help="skip the CPU-tier-only comparison run")
-    replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (shown on stderr, on a terminal only)"
+    )
     replay.add_argument(
         "--deterministic",
         action="store_true",
@@ -202,6 +204,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
                 time_model=priced,
                 arrival_scale=args.arrival_scale,
                 out=out,
+                progress=not args.no_progress,
             ),
         )  # the JSON line only with --json (printed by report)
     except (KvtierError, OSError, ImportError) as exc:
