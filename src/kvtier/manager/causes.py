@@ -227,8 +227,9 @@ class CauseSketch:
     def records_at(self, hashes: np.ndarray) -> np.ndarray:
         """:meth:`records` of the keys whose :func:`key_hashes` are ``hashes``."""
         found = np.empty(hashes.size, dtype=np.uint8)
-        # in batches whose temporaries stay in the CPU's cache (each numpy call's own cost
-        # weighs on smaller ones): a third of the time of one pass over 50,000 keys
+        # in batches whose temporaries stay in the CPU's cache, and large enough that each
+        # numpy call's own cost is spread thin: 11 ns a key, against 14 at 4,096 and 46 in one
+        # pass over 50,000
         for first in range(0, hashes.size, _PROBE_KEYS):
             found[first : first + _PROBE_KEYS] = self._records_batch(hashes[first : first + _PROBE_KEYS])
         return found
