@@ -79,7 +79,7 @@ def test_bench_manager_json_has_every_figure(capsys):
 
 
 def test_bench_manager_lookup_floor_times_each_subject_per_policy(capsys):
-    args = ["bench", "manager", "--lookup-floor", "--json", "--keys", "2000", "--capacity", "1000", "--runs", "2"]
+    args = "bench manager --lookup-floor --json --keys 2000 --capacity 1000 --runs 2".split()
     assert main(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
