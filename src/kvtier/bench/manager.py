@@ -58,6 +58,7 @@ FIGURES = ("store_us", "lookup_us", "load_us", "metadata_bytes_per_block")
 GOAL_SPEEDUP = 2.0
 GOAL_BYTES_PER_BLOCK = 200
 BLOCK_BYTES = 4096  # rows are never touched here; small keeps the shared region small
+_SWEEP_BYTES = 64 << 20  # more than any CPU's last-level cache this runs on (32 MiB here)
 
 
 def make_keys(count: int, salt: bytes = b"") -> list[bytes]:
@@ -328,8 +329,8 @@ def lookup_floor(
     function of ``(key, context)`` (the least any dict-based ``lookup`` costs in CPython);
     and ``np.fromiter(map(hash, missed))`` over the missed keys, per lookup (the least a
     sketch keyed by Python's hash costs the misses). Rounds alternate the order of the
-    subjects; each figure's min, median and max over ``runs`` rounds, and vLLM's time over
-    it, the median of the rounds' own ratios.
+    subjects, and each subject starts with cold caches; each figure's min, median and max
+    over ``runs`` rounds, and vLLM's time over it, the median of the rounds' own ratios.
     """
     out = out or sys.stdout
     keys = make_keys(num_keys)
@@ -434,9 +435,14 @@ def _floor_rounds(
     names = list(timed)
     taken: dict[str, list[float]] = {name: [] for name in names}
     clock = time.process_time
+    # written through before each subject: every one starts with the CPU's caches holding
+    # none of its tables (else a subject timed after another on the same dict finds it warm)
+    sweep = bytearray(_SWEEP_BYTES)
+    lines = b"\1" * len(sweep[::64])
     try:
         for round_index in range(runs):
             for name in names if round_index % 2 == 0 else names[::-1]:
+                sweep[::64] = lines
                 start = clock()
                 timed[name]()
                 taken[name].append((clock() - start) / len(keys) * 1e9)
