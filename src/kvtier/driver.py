@@ -191,9 +191,7 @@ class StackDriver:
             counts[tier] = counts.get(tier, 0) + 1
         return counts
 
-    def lookup_prefix(
-        self, keys: list[OffloadKey], ctx: ReqContext
-    ) -> tuple[int, set[OffloadKey], set[int]]:
+    def lookup_prefix(self, keys: list[OffloadKey], ctx: ReqContext) -> tuple[int, set[OffloadKey], set[int]]:
         """How many of ``keys`` (in order) the offloading tiers can load now, which keys were
         pending (being promoted from a lower tier) at some point, and the indexes of the keys
         the manager counted as misses when it answered ``False`` (not a key another request
