@@ -238,11 +238,12 @@ class CauseSketch:
         tags, first, second = self._place(hashes)
         # both buckets of a key side by side: eight 32-bit slots a row, the first bucket's first
         rows = np.take(self._table, np.stack((first, second), axis=1), axis=0).reshape(-1, 2 * _WAYS)
-        # one byte a slot (1 where the tag matches), read as one 64-bit word a key
-        match = ((rows >> 8) == tags[:, None]).view(np.uint64).ravel()
+        # one byte a slot (1 where the tag matches), read as one little-endian 64-bit word a
+        # key: slot i is byte i, bits 8i up
+        match = ((rows >> 8) == tags[:, None]).view("<u8").ravel()
         lowest = match & (~match + _U64_1)  # the first matching slot's byte: 1 << 8 * slot; 0 if none
         # each slot's record byte, all but the first matching slot's masked off, folded down
-        found = rows.astype(np.uint8).view(np.uint64).ravel() & lowest * _U64_255
+        found = rows.astype(np.uint8).view("<u8").ravel() & lowest * _U64_255
         for shift in _FOLD:
             found |= found >> shift
         return found.astype(np.uint8)
