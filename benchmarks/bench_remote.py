@@ -12,4 +12,4 @@ import sys
 from kvtier.cli.main import main
 
 if __name__ == "__main__":
-    sys.exit(main(["bench", "remote", *sys.argv[1:]]))
+    sys.exit(main(["bench", "remote", *sys.argv[1:]], table_and_json=True))

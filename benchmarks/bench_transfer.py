@@ -11,4 +11,4 @@ import sys
 from kvtier.cli.main import main
 
 if __name__ == "__main__":
-    sys.exit(main(["bench", "transfer", *sys.argv[1:]]))
+    sys.exit(main(["bench", "transfer", *sys.argv[1:]], table_and_json=True))

@@ -20,7 +20,7 @@ fi
 echo "== ruff check" >&2
 "$PYTHON" -m ruff check src tests benchmarks
 echo "== ruff format --check" >&2
-"$PYTHON" -m ruff format --check src tests benchmarks examples docs/gen_config.py docs/gen_metrics.py
+"$PYTHON" -m ruff format --check src tests benchmarks examples docs/gen_config.py docs/gen_metrics.py docs/gen_tables.py
 echo "== mypy" >&2
 "$PYTHON" -m mypy
 echo "== mkdocs build --strict" >&2

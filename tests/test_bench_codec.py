@@ -43,6 +43,14 @@ def test_bench_codec_refuses_bad_arguments(capsys):
     assert "--rounds" in capsys.readouterr().err
 
 
+def test_bench_codec_with_a_model_refuses_what_does_not_apply(tmp_path, capsys):
+    assert main(["bench", "codec", "--model", "smollm2", "--block-bytes", "65536"]) == 2
+    assert "--block-bytes" in capsys.readouterr().err
+    pytest.importorskip("transformers")
+    assert main(["bench", "codec", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "MODEL" in capsys.readouterr().err
+
+
 def test_plan_shows_the_blocks_a_codec_holds_in_the_same_bytes(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text(

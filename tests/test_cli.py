@@ -19,6 +19,22 @@ def test_help_lists_the_commands(capsys):
     assert "config" in out and "bench" in out
 
 
+def test_bare_kvtier_prints_the_help(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kvtier") and "replay" in out and "stats" in out
+
+
+@pytest.mark.parametrize("command", ["replay", "plan"])
+def test_trace_help_names_the_bundled_traces(command, capsys):
+    from kvtier.replay.trace import BUNDLED_TRACES
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert all(name in help_text for name in BUNDLED_TRACES) and "conversation" in help_text
+
+
 def test_installed_entry_point_runs():
     # the console script is what users type; make sure it is wired to main()
     result = subprocess.run(
@@ -34,6 +50,51 @@ def test_config_check_prints_the_stack(tmp_path, capsys):
     assert main(["config", "check", str(tmp_path / "stack.yaml")]) == 0
     out = capsys.readouterr().out
     assert "valid" in out and "lmdb" in out and "1 GiB" in out
+
+
+@pytest.mark.parametrize(
+    ("admission", "shown", "hidden"),
+    [
+        ("admit: all", ["admit=all"], ["min_reuse", "drive_bytes", "budget_window_s"]),
+        ("admit: reuse, min_reuse: 3", ["admit=reuse", "min_reuse=3"], ["budget_window_s"]),
+        (
+            "admit: budget, drive_writes_per_day: 1, drive_bytes: 1TiB",
+            ["admit=budget", "drive_bytes=1 TiB", "budget_window_s=3600.0"],
+            ["min_reuse"],
+        ),
+    ],
+)
+def test_config_check_shows_the_keys_that_act_in_units(tmp_path, capsys, admission, shown, hidden):
+    """No None, no raw byte count, no key the chosen admission does not read."""
+    path = tmp_path / "stack.yaml"
+    path.write_text(
+        "tiers:\n  - {name: cpu, kind: cpu, capacity: 1MiB}\n"
+        f"  - {{name: disk, kind: lmdb, path: {tmp_path / 'store'}, capacity: 64MiB, {admission}}}\n"
+        "  - {name: shared, kind: valkey, url: valkey://127.0.0.1:6379/0}\n"
+    )
+    assert main(["config", "check", str(path)]) == 0
+    out = capsys.readouterr().out
+    disk = next(line for line in out.splitlines() if " lmdb " in line)
+    shared = next(line for line in out.splitlines() if " valkey " in line)
+    assert "None" not in out and "max_inflight_bytes=256 MiB" in shared and "(server's)" in shared
+    assert all(key in disk for key in shown), disk
+    assert not any(key in disk for key in hidden), disk
+    assert "encrypt" not in disk  # encrypt needs a secret_file, and none is given
+
+
+def test_config_check_measures_a_home_path_where_the_store_opens(tmp_path, capsys, monkeypatch):
+    """~ in a disk tier's path is the home directory there too, not a folder named ~."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    path = tmp_path / "home.yaml"
+    path.write_text(
+        "tiers:\n  - {name: cpu, kind: cpu, capacity: 1MiB}\n"
+        f"  - {{name: disk, kind: files, path: ~/store, capacity: {2 * free}}}\n"
+    )
+    assert main(["config", "check", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"fits in {tmp_path / 'store'}:" in err and "~" not in err.split("fits in")[1].split(":")[0]
 
 
 def test_config_check_refuses_a_disk_tier_larger_than_its_disk(tmp_path, capsys):

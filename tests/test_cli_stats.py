@@ -50,8 +50,13 @@ def test_from_the_endpoint_the_numbers_are_the_stacks(tmp_path, capsys):
         check_against(summary, engine.manager.stats())
         assert main(["stats", url]) == 0
         text = capsys.readouterr().out
+        # HOST:PORT, as metrics.port is written: the same endpoint, not a file of that name
+        assert main(["stats", f"127.0.0.1:{port}", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["lookups"] == summary["lookups"]
     finally:
         engine.close()
+    # the ratio says what it divides (a replay's counts the GPU's hits too)
+    assert "hit ratio = hits / (hits + misses)" in text and "GPU's own hits are not counted" in text
     stats = engine.manager.stats()
     nvme_row = next(line for line in text.splitlines() if line.startswith("nvme "))
     cells = nvme_row.split()
@@ -73,6 +78,32 @@ def test_from_the_stats_file_the_numbers_are_the_stacks(tmp_path, capsys):
     engine.close()  # the final snapshot: what stats() answers from now on
     assert main(["stats", str(path), "--json"]) == 0
     check_against(json.loads(capsys.readouterr().out), engine.manager.stats())
+
+
+def test_host_port_is_an_endpoint_unless_such_a_file_exists(tmp_path, monkeypatch):
+    from kvtier.metrics.view import endpoint_or_path
+
+    assert endpoint_or_path("127.0.0.1:9400") == "http://127.0.0.1:9400/metrics"
+    assert endpoint_or_path("[::1]:9400/other") == "http://[::1]:9400/other"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "host:1").write_text("{}")
+    assert endpoint_or_path("host:1") == "host:1"  # a file of that name is read as a file
+
+
+def test_a_reader_that_leaves_ends_it_quietly(tmp_path):
+    """`kvtier stats FILE | head`: the pipe's reader gone is the end, not a traceback."""
+    path = tmp_path / "stats.json"
+    run_engine(tmp_path, {"stats_file": str(path), "stats_interval_s": 60}).close()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli.main", "stats", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": KVTIER_SRC},
+    )
+    process.stdout.close()  # gone before kvtier writes a line
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=60) == 128 + signal.SIGPIPE
+    assert err == ""
 
 
 def test_the_endpoint_and_the_file_agree(tmp_path, capsys):
@@ -178,6 +209,10 @@ def test_watch_refreshes_until_ctrl_c_then_exits_0(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # Ctrl-C as at a terminal: a suite started in the background by a shell without job
+        # control (`scripts/check.sh &`) ignores SIGINT, and a Python that starts with it
+        # ignored never raises KeyboardInterrupt: the child would outlive the test
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         seen = ""

@@ -85,6 +85,48 @@ def test_configuration_reference_is_current():
     )
 
 
+def _tables():
+    spec = importlib.util.spec_from_file_location("gen_tables", DOCS / "gen_tables.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    return gen
+
+
+@pytest.mark.parametrize(
+    "name", ["plan-synthetic", pytest.param("plan-conversation", marks=pytest.mark.slow)]
+)
+def test_plan_tables_are_what_kvtier_plan_prints(name):
+    """kvtier plan is deterministic: its first row, recomputed, is the committed one."""
+    gen = _tables()
+    first = gen.PLAN_TABLES[name][1][0]
+    (row,) = gen.plan_rows(gen.plan_record(name, [first], jobs=1))
+    assert row in gen.committed(name, "docs/policies.md").splitlines(), (
+        f"docs/policies.md's {name} table is stale: run python docs/gen_tables.py {name}"
+    )
+
+
+@pytest.mark.slow
+def test_replay_tables_are_what_a_deterministic_replay_prints():
+    """The README's exact figures are those of `kvtier replay --deterministic`, to the block."""
+    gen = _tables()
+    body = gen.replay_exact(gen.replay_record(deterministic=True))
+    for path in gen.FILES["replay-exact"]:
+        assert gen.committed("replay-exact", path) == body, (
+            f"{path}: the replay table is stale: run python docs/gen_tables.py replay-exact replay-runs"
+        )
+
+
+def test_configuration_page_names_every_kind_and_policy():
+    from kvtier.config import TIER_KINDS
+    from kvtier.policies import POLICIES
+
+    text = (DOCS / "configuration.md").read_text()
+    kinds = re.search(r"`kvtier\.config\.TIER_KINDS` \((.*?)\), or", text, re.S).group(1)
+    assert set(re.findall(r"`(\w+)`", kinds)) == set(TIER_KINDS.names())
+    policies = re.search(r"the\s+policies are (.*?), see", text, re.S).group(1)
+    assert re.findall(r"`(\w+)`", policies) == list(POLICIES.names())
+
+
 def test_every_page_is_in_the_nav():
     def pages(node):
         if isinstance(node, str):

@@ -18,7 +18,7 @@ from kvtier.extras import extra_requirements, install_hint
 
 ROOT = Path(__file__).resolve().parent.parent
 #: the extras a user may need beside an engine (the others are for working on kvtier)
-USER_EXTRAS = ("plot", "prometheus", "valkey", "secure")
+USER_EXTRAS = ("plot", "prometheus", "valkey", "secure", "transformers")
 ALL_EXTRAS = (*USER_EXTRAS, "test", "docs")
 # the arguments of one hint: up to the end of the command (a shell operator, a closing
 # backtick or parenthesis, the end of a Python string or of the line)

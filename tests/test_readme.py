@@ -38,3 +38,15 @@ def test_readme_is_a_landing_page():
 def test_readme_links_resolve():
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", README.read_text()):
         assert (README.parent / target).exists(), target
+
+
+def test_readme_gives_the_suites_length_and_its_quick_loop():
+    import tomllib
+
+    text = " ".join(README.read_text().split())
+    assert re.search(r"The whole suite takes about \d+ minutes", text)
+    loop = re.search(r'pytest -n auto -m "(not \w+)"', text).group(1)
+    markers = tomllib.loads((README.parent / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"][
+        "markers"
+    ]
+    assert any(marker.startswith(loop.split()[1] + ":") for marker in markers)

@@ -87,6 +87,28 @@ def test_mha_and_gqa_caches_come_back_bit_identical(tmp_path, kv_heads):
     assert torch.equal(reloaded.tiered, reloaded.memory)
 
 
+def test_an_fp32_model_can_store_its_kv_in_bf16(tmp_path):
+    """``kv_dtype``: the tiers hold bf16 (half the bytes), the model computes in fp32 over the
+    values rounded to bf16, and the reload equals the in-memory cache rounded the same way."""
+    model = tiny_llama(kv_heads=2)
+    tokens = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    config = {"block_size_tokens": 16, **stack(disk_tier("lmdb", tmp_path / "s"))}
+    rounded = reload_logits(model, config, tokens[:32], tokens[32:], kv_dtype="bfloat16")
+    assert rounded.cached_tokens == 32 and rounded.hits == {"disk": 2}
+    assert rounded.tiered.dtype == torch.float32 and torch.equal(rounded.tiered, rounded.memory)
+    exact = reload_logits(model, {"block_size_tokens": 16, **stack()}, tokens[:32], tokens[32:])
+    assert not torch.equal(exact.memory, rounded.memory)  # the rounding is real
+    with TieredPrefixCache(model, {"block_size_tokens": 16, **stack()}, kv_dtype="bfloat16") as cache:
+        assert cache.layout.dtype == "bfloat16" and cache.layout.block_bytes == 3 * 2 * 2 * 16 * 16 * 2
+        computed = cache.prefill(tokens[:32], store=False)
+        rows = cache.block_rows(computed.cache, [1])
+    keys = computed.cache.layers[0].keys[0, :, 16:32]  # block 1's layer-0 keys, (heads, tokens, dim)
+    head_bytes = keys.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1)
+    assert rows.shape == (1, cache.layout.block_bytes) and torch.equal(rows[0, : len(head_bytes)], head_bytes)
+    with pytest.raises(ConfigError, match="kv_dtype.*float64"):
+        TieredPrefixCache(model, stack(), kv_dtype="float64")
+
+
 def test_generate_names_a_model_it_cannot_find(tmp_path, capsys):
     from kvtier.cli.main import main
 

@@ -58,12 +58,14 @@ class TestSketch:
     @pytest.mark.parametrize(("tag_bits", "seed"), [(8, 1), (10, 2), (12, 3)])
     def test_observed_false_match_rate_is_within_the_stated_one(self, tag_bits, seed):
         """A full table, then keys it never saw: the share taken for remembered ones is the
-        stated rate (a binomial count; the bound allows 4 standard deviations)."""
+        stated rate (a binomial count; the bound allows 4 standard deviations). At 8 tag bits
+        the stated rate must count tag 1's double weight (tag 0 is stored as 1): without it,
+        some hash seeds observe 4.9 standard deviations above it."""
         rng = random.Random(seed)
         sketch = CauseSketch(8192, tag_bits=tag_bits)
         sketch.put(random_keys(rng, 3 * sketch.keys), STORED, 1)  # every slot taken
         trials = 200_000
-        wrong = sum(1 for k in random_keys(rng, trials) if sketch.get(k))
+        wrong = int(np.count_nonzero(sketch.records(random_keys(rng, trials))))
         rate = sketch.error_rate
         spread = 4 * (rate * (1 - rate) / trials) ** 0.5
         assert wrong / trials <= rate + spread

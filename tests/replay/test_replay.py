@@ -1,9 +1,10 @@
+import io
 import json
 
 import numpy as np
 import pytest
 
-from kvtier.config import CascadeConfig
+from kvtier.config import CascadeConfig, format_size
 from kvtier.manager.stack import TierStackManager
 from kvtier.policies.lru import LRUPolicy
 from kvtier.replay.engine import ReplayEngine, block_bytes_of, block_key
@@ -195,7 +196,9 @@ def test_cli_replay_without_json_prints_the_table_and_no_json_line(capsys):
     assert main(["replay", "--limit", "60", "--no-progress", "--no-baseline", "--block-bytes", "4096"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("kvtier replay: 60 requests") and "ceiling" in lines[0]
-    assert lines[1].split() == ["tier", "hits", "hit_ratio", "bytes_read", "bytes_written"]
+    # the time says what it covers, and what it leaves out
+    assert lines[1].startswith("replayed in ") and "not the trace load" in lines[1]
+    assert lines[2].split() == ["tier", "hits", "hit_ratio", "bytes_read", "bytes_written"]
     assert not any(line.lstrip().startswith("{") for line in lines)
 
 
@@ -222,8 +225,15 @@ def test_replay_reports_each_lower_tiers_admission(tmp_path):
     config["tiers"][1].update(admit="reuse", min_reuse=2, endurance_tbw=600)
     path = tmp_path / "stack.yaml"
     path.write_text(yaml.safe_dump(config))
+    out = io.StringIO()
     record = replay(
-        config=str(path), limit=300, gpu_blocks=200, block_bytes=BLOCK, baseline=False, progress=False
+        config=str(path),
+        limit=300,
+        gpu_blocks=200,
+        block_bytes=BLOCK,
+        baseline=False,
+        progress=False,
+        out=out,
     )
     admission = record["admission"]["disk"]
     assert admission["refused_blocks"] > 0 and admission["admitted_blocks"] > 0
@@ -231,6 +241,67 @@ def test_replay_reports_each_lower_tiers_admission(tmp_path):
     assert admission["bytes_written"] == admission["admitted_blocks"] * BLOCK
     assert admission["projected_life_days"] > 0
     assert record["mismatched_blocks"] == 0
+    # the text says what the JSON does: the checks, and what admission took and refused
+    text = out.getvalue()
+    assert (
+        f"loads: {record['verified_blocks']} verified byte for byte, 0 served wrong bytes" in text
+        and f"{record['corrupt_blocks']} corrupt" in text
+        and f"{record['dropped_blocks']} blocks dropped" in text
+    )
+    assert (
+        f"tier disk: admitted {admission['admitted_blocks']} blocks, refused {admission['refused_blocks']}; "
+        f"wrote {format_size(admission['bytes_written'])}" in text
+    )
+    assert "hit ratio = block refs served by any tier, the GPU cache included / every block ref" in text
+
+
+def test_a_warm_store_is_warned_about_and_fresh_empties_it(tmp_path, capsys):
+    """A second replay over a persistent store counts the first one's blocks: it says so on
+    stderr, and --fresh starts it clean (the ratio back under the trace's ceiling)."""
+    import yaml
+
+    from kvtier.cli.main import main
+    from kvtier.replay.run import default_config
+
+    path = tmp_path / "stack.yaml"
+    path.write_text(yaml.safe_dump(default_config(str(tmp_path), BLOCK)))
+    args = [
+        "replay",
+        "--config",
+        str(path),
+        "--limit",
+        "150",
+        "--no-progress",
+        "--no-baseline",
+        "--deterministic",
+    ]
+    runs = []
+    for extra in ([], [], ["--fresh"]):
+        assert main([*args, "--block-bytes", str(BLOCK), "--json", *extra]) == 0
+        captured = capsys.readouterr()
+        runs.append((json.loads(captured.out), captured.err))
+    (first, cold), (second, warm), (fresh, emptied) = runs
+    assert "already holds" not in cold and first["hit_ratio"] <= first["ceiling_hit_ratio"] + 1e-9
+    assert second["hit_ratio"] > second["ceiling_hit_ratio"]  # the earlier run's blocks hit
+    assert "warning: tier disk" in warm and "already holds" in warm and "--fresh" in warm
+    assert "--fresh: emptied the store at" in emptied and "already holds" not in emptied
+    assert fresh["hits"] == first["hits"]
+
+
+def test_fresh_never_empties_a_directory_kvtier_did_not_write(tmp_path, capsys):
+    from kvtier.cli.main import main
+
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    (store / "precious").write_text("kept")
+    path = tmp_path / "stack.yaml"
+    path.write_text(
+        "tiers:\n  - {name: cpu, kind: cpu, capacity: 4MiB, pin_memory: off}\n"
+        f"  - {{name: disk, kind: lmdb, path: {store}, capacity: 64MiB}}\n"
+    )
+    assert main(["replay", "--config", str(path), "--limit", "10", "--no-progress", "--fresh"]) == 2
+    assert "kvtier never deletes files it did not write" in capsys.readouterr().err
+    assert (store / "precious").read_text() == "kept"
 
 
 @pytest.mark.slow

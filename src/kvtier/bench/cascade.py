@@ -27,7 +27,7 @@ from typing import Any, TextIO, cast
 
 import yaml
 
-from kvtier.bench.report import print_json, print_table
+from kvtier.bench.report import print_table
 from kvtier.replay.run import DEFAULT_BLOCK_BYTES, DEFAULT_DISK_BLOCKS, default_config, replay
 
 __all__ = ["STACKS", "run"]
@@ -62,7 +62,7 @@ def run(
     out: TextIO | None = None,
 ) -> dict[str, Any]:
     """Replay ``trace`` (default: the bundled one) through each of :data:`STACKS`; print the
-    table and one JSON line; the JSON record."""
+    table; the JSON record."""
     out = out or sys.stdout
     results: dict[str, dict[str, Any]] = {}
     ceiling = block_refs = requests = None  # the trace's, the same for every stack
@@ -152,7 +152,6 @@ def run(
         ],
         out,
     )
-    print_json(result, out)
     return result
 
 

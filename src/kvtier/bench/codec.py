@@ -17,9 +17,10 @@ real K and V have — a scale per channel spanning two orders of magnitude, an o
 channel (K), per-token variation, and rare outliers — but it is not a model's KV, and its
 lossless ratio is a stand-in for the real one (issue #33 measured 1.43x on SmolLM2-135M).
 ``rel_rms_error`` (the decode's RMS error over the data's RMS) says how much a lossy codec
-perturbs these values; what that costs a model (``kl_mean``, ``ppl_delta``,
-``greedy_agreement``) needs a real model's KV and logits: those keys are null here, and a
-caller with a model passes ``blocks`` of its KV and ``quality`` figures per codec.
+perturbs these values; what that costs a model (:data:`MODEL_KEYS`: ``kl_mean``,
+``ppl_delta``, ``greedy_agreement`` ...) needs a real model's KV and logits: those keys are
+null here. ``kvtier bench codec --model`` (:mod:`kvtier.bench.codec_model`) measures them and
+passes ``blocks`` of the model's KV and ``quality`` figures per codec.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ __all__ = ["BLOCK_SIZES", "MODEL_KEYS", "run", "synthetic_kv"]
 #: block sizes measured by default: a small block, a mid one, a 2 MiB CPU row (vLLM's usual)
 BLOCK_SIZES = (64 << 10, 512 << 10, 2 << 20)
 #: what a real model's run adds per codec (null without one)
-MODEL_KEYS = ("kl_mean", "ppl_delta", "greedy_agreement")
+MODEL_KEYS = ("kl_mean", "kl_max", "ppl_delta", "ppl_reference", "greedy_agreement", "kl_by_text")
 #: values per token and head: the channels a K or V row has (SmolLM2: 64; Llama: 128)
 HEAD_DIM = 64
 
@@ -143,7 +144,8 @@ def run(
     rounds: int = 5,
     dtype: str = "bfloat16",
     blocks: Mapping[int, Sequence[np.ndarray]] | None = None,
-    quality: Mapping[str, Mapping[str, float]] | None = None,
+    quality: Mapping[str, Mapping[str, Any]] | None = None,
+    model: Mapping[str, Any] | None = None,
     data: str = "synthetic KV",
     out: TextIO | None = None,
     json_line: bool = False,
@@ -154,7 +156,7 @@ def run(
 
     ``blocks``: block size -> the blocks to measure (real KV, say), instead of ``mib`` MiB of
     :func:`synthetic_kv` per size; ``data`` names where they came from. ``quality``: codec ->
-    its ``kl_mean``, ``ppl_delta``, ``greedy_agreement`` on a real model (null without).
+    its :data:`MODEL_KEYS` on a real model (null without); ``model``: how they were measured.
     Raises :class:`KvtierError` for bad arguments, or a block that came back wrong.
     """
     from kvtier.codecs.base import ELEMENT_DTYPES, element_dtype
@@ -228,7 +230,7 @@ def run(
         "rounds": rounds,
         "block_sizes": list(block_sizes),
         "codecs": {},
-        "model": None if quality is None else "given",
+        "model": None if model is None else dict(model),
         "note": None
         if quality is not None
         else "kl_mean, ppl_delta and greedy_agreement need a real model's KV and logits (null here)",
@@ -262,6 +264,16 @@ def run(
     )
     if quality is None:
         print("model error (kl_mean, ppl_delta, greedy_agreement): needs a real model's KV", file=out)
+    else:
+        print(
+            "model error: KL(reference || codec) per position, nats; perplexity change; top-1 agreement",
+            file=out,
+        )
+        print_table(
+            [{"codec": name, **record["codecs"][name]} for name in names],
+            ["codec", "kl_mean", "kl_max", "ppl_delta", "greedy_agreement"],
+            out,
+        )
     if json_line:
         print_json(record, out)
     return record

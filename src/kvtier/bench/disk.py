@@ -56,7 +56,7 @@ import numpy as np
 import xxhash
 
 from kvtier.base import OffloadKey
-from kvtier.bench.report import print_json, print_table
+from kvtier.bench.report import print_table
 from kvtier.errors import ConfigError
 from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk import open_store
@@ -388,7 +388,7 @@ def run(
     secrets: bool = False,
     out: TextIO,
 ) -> dict[str, Any]:
-    """Run the benchmark for ``backend`` (``lmdb`` or ``files``); print the table and JSON line.
+    """Run the benchmark for ``backend`` (``lmdb`` or ``files``); print the table; the JSON record.
 
     ``open_blocks``: size of the store whose open is timed (0: skip that measurement).
     ``drop_caches``: may empty the machine's page cache (root) for cold reads and opens.
@@ -551,5 +551,4 @@ def run(
             ),
             file=out,
         )
-    print_json(record, out)
     return record

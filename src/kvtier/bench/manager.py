@@ -44,7 +44,7 @@ from functools import partial
 from statistics import median
 from typing import Any, TextIO
 
-from kvtier.bench.report import print_json, print_table
+from kvtier.bench.report import print_table
 
 # vLLM 0.33's CPU manager on this machine kind, driven by this protocol (from issue #2).
 VLLM_REFERENCE: dict[tuple[str, int], dict[str, float]] = {
@@ -218,7 +218,7 @@ def _spread(values: list[float]) -> list[float]:
 def run(
     *, num_keys: int = 100_000, capacity: int = 50_000, runs: int = 5, out: TextIO | None = None
 ) -> dict[str, Any]:
-    """Run the whole benchmark; print the table and the JSON line; return the JSON record."""
+    """Run the whole benchmark; print the table; return the JSON record (the CLI prints it with --json)."""
     out = out or sys.stdout
     keys = make_keys(num_keys)
     rows: list[dict[str, Any]] = []
@@ -314,7 +314,6 @@ def run(
         + ("met" if not below else "not met: " + ", ".join(below)),
         file=out,
     )
-    print_json(record, out)
     return record
 
 

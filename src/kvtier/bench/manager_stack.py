@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 from statistics import median
 from typing import Any, TextIO
 
-from kvtier.bench.report import print_json, print_table
+from kvtier.bench.report import print_table
 from kvtier.errors import ConfigError
 
 __all__ = ["run", "vllm_tiering_config"]
@@ -413,7 +413,7 @@ def _bytes_per_block(
 def run(
     *, sizes: Sequence[int] = DEFAULT_SIZES, steps: int = 1000, runs: int = 5, out: TextIO | None = None
 ) -> dict[str, Any]:
-    """Run the benchmark; print the table and the JSON line; return the JSON record."""
+    """Run the benchmark; print the table; return the JSON record (the CLI prints it with --json)."""
     out = out or sys.stdout
     sizes = sorted(sizes)
     if not sizes or sizes[0] < MIN_SIZE:
@@ -521,5 +521,4 @@ def run(
     if "vllm" in memory:
         summary += f", vLLM {memory['vllm']:.0f}"
     print(summary, file=out)
-    print_json(record, out)
     return record

@@ -47,7 +47,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvtier.base import make_offload_key
-from kvtier.bench.report import print_json, print_table
+from kvtier.bench.report import print_table
 from kvtier.errors import KvtierError
 
 __all__ = ["run"]
@@ -212,7 +212,7 @@ def run(
     secrets: bool = False,
     codecs: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Measure, print a table and one JSON line; the JSON record.
+    """Measure, print a table; the JSON record.
 
     ``url``: a server of the user's (default: a local one started for the run). ``secrets``:
     also the keyed and the encrypted tier; ``codecs``: also the tier with each codec (module
@@ -395,5 +395,4 @@ def run(
             ["block", "tier", "store_GB/s", "store_cost", "load_GB/s", "load_cost", "sent_MiB", "server_MiB"],
             out,
         )
-    print_json(record, out)
     return record

@@ -1,9 +1,10 @@
-"""How every benchmark reports: an aligned table for people, then one JSON line for tools (and,
-where asked for, a plot)."""
+"""How every benchmark reports: an aligned table for people, one JSON line for tools (and,
+where asked for, a plot), and a progress bar on a terminal while a long one runs."""
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -33,6 +34,16 @@ def print_counts(record: dict[str, Any], names: Sequence[str], out: TextIO) -> N
 def print_json(record: dict[str, Any], out: TextIO) -> None:
     """``record`` as one JSON line (the last line a benchmark prints)."""
     print(json.dumps(record, sort_keys=True), file=out, flush=True)
+
+
+def progress_bar(total: int, label: str, enabled: bool = True, unit: str = "req") -> Any:
+    """A tqdm bar counting to ``total`` on stderr, shown only where stderr is a terminal (and
+    ``enabled``): never on stdout, which carries the tables or the JSON line, and never in a
+    log file. ``bar.update(n)`` counts; use it as a context manager."""
+    from tqdm import tqdm
+
+    # disable=None is tqdm's "off unless the stream is a TTY"
+    return tqdm(total=total, desc=label, unit=unit, disable=None if enabled else True, file=sys.stderr)
 
 
 def pyplot(option: str) -> Any:

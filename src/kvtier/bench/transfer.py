@@ -54,7 +54,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from kvtier.bench.report import print_json, print_table
+from kvtier.bench.report import print_table
 
 KiB = 1024
 #: name -> bytes per layer and block
@@ -286,7 +286,7 @@ def run(
     out: TextIO | None = None,
     kernel: bool = True,
 ) -> dict[str, Any]:
-    """Run the benchmark; print the table and the JSON line; return the JSON record.
+    """Run the benchmark; print the table; return the JSON record (the CLI prints it with --json).
 
     ``kernel``: on CUDA, also time the kernel engine, where Triton imports."""
     out = out or sys.stdout
@@ -366,5 +366,4 @@ def run(
     if kernel_error:
         print(f"kernel engine left out: {kernel_error[0]}", file=out)
     print_table(rows, columns, out)
-    print_json(record, out)
     return record

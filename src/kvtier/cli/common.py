@@ -11,19 +11,26 @@ from typing import Any, TextIO
 
 from kvtier.bench.report import print_json
 
-__all__ = ["add_secrets_option", "count", "disk_kinds", "report", "warn_password_in_url"]
+__all__ = [
+    "add_secrets_option",
+    "add_trace_argument",
+    "count",
+    "disk_kinds",
+    "report",
+    "warn_password_in_url",
+]
 
 
 def report(args: argparse.Namespace, run: Callable[[TextIO], dict[str, Any]]) -> dict[str, Any]:
-    """Run a reporter (table, then JSON line, on the stream it is given); its JSON record.
+    """Run a reporter (its text, on the stream it is given); its JSON record.
 
-    With ``--json`` only the JSON line reaches stdout: every reporter's last line is
-    ``print_json(record)``, so printing the returned record gives the same line.
+    Every command's one output rule: a person gets the reporter's tables on stdout, and with
+    ``--json`` stdout carries the record as one JSON line and nothing else. A benchmark script
+    (``benchmarks/``, ``args.table_and_json``: see :func:`~kvtier.cli.main.main`) prints both.
     """
-    if not args.json:
-        return run(sys.stdout)
-    record = run(io.StringIO())
-    print_json(record, sys.stdout)
+    record = run(io.StringIO() if args.json else sys.stdout)
+    if args.json or getattr(args, "table_and_json", False):
+        print_json(record, sys.stdout)
     return record
 
 
@@ -42,6 +49,20 @@ def count(low: int = 1, high: int | None = None) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def add_trace_argument(parser: argparse.ArgumentParser) -> None:
+    """The optional TRACE of ``replay`` and ``plan``: a file, or a bundled trace by name."""
+    from kvtier.replay.trace import BUNDLED_TRACES
+
+    default, *others = BUNDLED_TRACES
+    parser.add_argument(
+        "trace",
+        nargs="?",
+        metavar="TRACE",
+        help="a Mooncake-format trace (.jsonl or .jsonl.gz), or a bundled one by name: "
+        f"{default} (the default), {', '.join(others)}",
+    )
 
 
 def add_secrets_option(parser: argparse.ArgumentParser, keyed: str) -> None:

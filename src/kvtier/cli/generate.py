@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.extras import install_hint
 
 #: the prompt when none is given: long enough (~500 tokens with SmolLM2's chat template) that
 #: loading its prefix visibly beats computing it; a second run shares all of it
@@ -51,7 +52,7 @@ def add_parser(sub: Any) -> None:
         "the prompt's longest cached prefix is loaded through the tiers (promoted from disk or "
         "Valkey when only they hold it), the rest prefilled, and the new blocks stored. Prints the "
         "text, the time to first token, tokens/s and the blocks hit per tier and stored. Needs "
-        "pip install 'kvtier[transformers]'.",
+        "kvtier's transformers extra (transformers, gguf, accelerate).",
     )
     parser.add_argument(
         "model",
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise KvtierError(
                 f"kvtier generate needs transformers, gguf and accelerate ({exc}): "
-                "pip install 'kvtier[transformers]'"
+                f"{install_hint('transformers')}"
             ) from None
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
         _quiet_transformers()

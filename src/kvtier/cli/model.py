@@ -58,8 +58,9 @@ def run(args: argparse.Namespace) -> int:
 def describe(
     priced: Any, config: str | None, prompt_tokens: int, sweep: list[int] | None, out: TextIO
 ) -> dict:
-    """Print the model, the break-even per tier and the sweep; the JSON record."""
-    from kvtier.bench.report import print_json, print_table
+    """Print the model, the break-even per tier and the sweep; the JSON record (printed by
+    :func:`~kvtier.cli.common.report` with ``--json``)."""
+    from kvtier.bench.report import print_table
     from kvtier.config import load_config
     from kvtier.costs.sweep import DEFAULT_PROMPTS, hit_sweep
     from kvtier.costs.timing import CostModel, tier_speeds
@@ -88,5 +89,4 @@ def describe(
     print_break_even(figures, out)
     print(f"one request alone: TTFT recomputing the prompt vs loading it from tier {tiers[0][0]!r}", file=out)
     print_table(rows, list(rows[0]), out)
-    print_json(record, out)
     return record

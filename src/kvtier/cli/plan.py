@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from kvtier.cli.common import count, report
+from kvtier.cli.common import add_trace_argument, count, report
 from kvtier.codecs import CODEC_NAMES
 from kvtier.cli.costing import add_cost_options, time_model
 from kvtier.errors import KvtierError
@@ -15,7 +15,7 @@ from kvtier.errors import KvtierError
 
 def add_parser(sub: Any) -> None:
     """``kvtier plan``: its options."""
-    from kvtier.plan.run import DEFAULT_BLOCK_BYTES, DEFAULT_CAPACITIES
+    from kvtier.plan.run import DEFAULT_CAPACITIES
 
     plan = sub.add_parser(
         "plan",
@@ -25,11 +25,10 @@ def add_parser(sub: Any) -> None:
         "prefix-hit-ratio table, Belady's offline optimum and the unbounded ceiling, and the "
         "smallest CPU and disk tier sizes reaching the targets. Two bounds from the trace's future "
         "show what is left to gain: reuse_oracle (the policies told which blocks never come back) "
-        "and the disk-admission table (writes an oracle could skip at no loss vs admit: reuse).",
+        "and the disk-admission table (writes an oracle could skip at no loss vs admit: reuse). "
+        "--write-config turns the advice into a kvtier YAML stack.",
     )
-    plan.add_argument(
-        "trace", nargs="?", metavar="TRACE", help="JSONL trace (default: bundled Mooncake trace)"
-    )
+    add_trace_argument(plan)
     plan.add_argument(
         "--capacities",
         type=count(),
@@ -55,9 +54,15 @@ def add_parser(sub: Any) -> None:
     )
     plan.add_argument(
         "--block-bytes",
-        type=int,
-        default=DEFAULT_BLOCK_BYTES,
-        help="bytes per block, for sizes in bytes (default %(default)s: 512 tokens of Llama-3-8B fp16)",
+        type=count(),
+        help="bytes per block, for sizes in bytes (default: --model's KV of a 512-token trace block, "
+        "else 64 MiB: 512 tokens of Llama-3-8B fp16)",
+    )
+    plan.add_argument(
+        "--write-config",
+        metavar="FILE",
+        help="write the advised CPU + disk stack to FILE as kvtier YAML (capacities in the bytes each "
+        "tier counts per block, a disk tier's header included; check it with kvtier config check FILE)",
     )
     plan.add_argument(
         "--plot", metavar="FILE.png", help="draw the hit-ratio curves, Belady's and the ceiling"
@@ -113,6 +118,9 @@ def add_parser(sub: Any) -> None:
         help="also show, at each size's bytes, the blocks a disk tier holds with this codec (bf16 KV) "
         "and the hit ratio they reach",
     )
+    plan.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (stderr, on a terminal only)"
+    )
     plan.add_argument("--json", action="store_true", help="print only the JSON line")
     plan.set_defaults(func=run)
 
@@ -143,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
                 gpu_blocks=args.gpu_blocks,
                 money_plot=args.money_plot,
                 codec=args.codec,
+                progress=not args.no_progress,
+                write_config=args.write_config,
             ),
         )
     except KvtierError as exc:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvtier.cli.common import count, disk_kinds, report, warn_password_in_url
+from kvtier.cli.common import add_trace_argument, count, disk_kinds, report, warn_password_in_url
 from kvtier.codecs import CODEC_NAMES
 from kvtier.cli.costing import add_cost_options, time_model
 from kvtier.errors import KvtierError
@@ -19,11 +19,9 @@ def add_parser(sub: Any) -> None:
         "replay",
         help="replay a request trace through the real tier stack, verifying every loaded block",
         description="Replay a Mooncake-format trace (default: the bundled one) through a simulated "
-        "engine over the real manager, tiers and bytes; print hits per tier and one JSON line.",
+        "engine over the real manager, tiers and bytes; print hits per tier (with --json, one JSON line instead).",
     )
-    replay.add_argument(
-        "trace", nargs="?", metavar="TRACE", help="JSONL trace (default: bundled Mooncake trace)"
-    )
+    add_trace_argument(replay)
     replay.add_argument(
         "--config",
         metavar="CFG",
@@ -47,12 +45,20 @@ def add_parser(sub: Any) -> None:
         "lossy ones are verified against their own decode",
     )
     replay.add_argument("--no-baseline", action="store_true", help="skip the CPU-tier-only comparison run")
-    replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (shown on stderr, on a terminal only)"
+    )
     replay.add_argument(
         "--deterministic",
         action="store_true",
         help="each step waits for its copies and tier jobs: the same figures every "
         "run (the hits per tier too), a little slower",
+    )
+    replay.add_argument(
+        "--fresh",
+        action="store_true",
+        help="empty the disk stores --config names before the replay (kvtier's own stores only), "
+        "so that blocks of earlier runs do not count as hits",
     )
     replay.add_argument(
         "--plot",
@@ -109,6 +115,13 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     if args.engines is not None:
+        if args.fresh:
+            print(
+                "kvtier replay: --fresh empties one engine's stores, not a fleet's (drop --fresh "
+                "or --engines)",
+                file=sys.stderr,
+            )
+            return 2
         if args.deterministic:
             print(
                 "kvtier replay: --deterministic is for one engine; engine processes sharing a "
@@ -147,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
                 time_model=priced,
                 arrival_scale=args.arrival_scale,
                 codec=args.codec,
+                fresh=args.fresh,
             ),
         )  # the JSON line only with --json (printed by report): a person gets the table
     except KvtierError as exc:
@@ -190,6 +204,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
                 time_model=priced,
                 arrival_scale=args.arrival_scale,
                 out=out,
+                progress=not args.no_progress,
             ),
         )  # the JSON line only with --json (printed by report)
     except (KvtierError, OSError, ImportError) as exc:

@@ -17,7 +17,7 @@ def add_parser(sub: Any) -> None:
         help="mixed load over a CPU + disk stack, with faults injected on a schedule (exit 1 on a wrong or lost block)",
         description="Run an engine-like load over a real CPU + disk stack for --minutes, verifying every "
         "block served; with --faults, kill a writer, fill the filesystem (root), corrupt blocks and share "
-        "the store with a second process, in turn. Prints counts and one JSON line.",
+        "the store with a second process, in turn. Prints counts (with --json, one JSON line instead).",
     )
     soak.add_argument(
         "--minutes", type=float, default=1.0, help="how long to run (default 1; fractions allowed)"

@@ -26,13 +26,18 @@ def add_parser(sub: Any) -> None:
         help="a running engine's tier table and misses by cause, from its metrics endpoint or stats file",
         description="Read a running kvtier's counters and print the tier table (blocks, hits, bytes "
         "moved, failures, evictions, job latencies) and the misses by cause. SOURCE is the engine's "
-        "metrics endpoint (http://127.0.0.1:9400/metrics: its config's metrics.port; or the path of "
-        "its metrics.unix_socket) or the file its config's metrics.stats_file names. An endpoint "
+        "metrics endpoint (http://127.0.0.1:9400/metrics, or 127.0.0.1:9400: its config's "
+        "metrics.port; or the path of its metrics.unix_socket) or the file its config's "
+        "metrics.stats_file names. The hit ratio counts kvtier's tiers only: hits / (hits + "
+        "misses) of the blocks asked for after a GPU miss (a replay's counts the GPU's hits "
+        "too, over every block of the trace). An endpoint "
         "must answer in 5 s, without a redirect. Exit 2 if SOURCE cannot be read or holds anything "
         "kvtier would not write.",
     )
     parser.add_argument(
-        "source", metavar="URL|PATH", help="http://HOST:PORT/metrics, a metrics Unix socket, or a stats file"
+        "source",
+        metavar="URL|PATH",
+        help="http://HOST:PORT/metrics (or HOST:PORT), a metrics Unix socket, or a stats file",
     )
     parser.add_argument(
         "--watch",

@@ -24,7 +24,7 @@ def describe(config: KvtierConfig) -> str:
                 f"[{index}]",
                 tier.name,
                 tier.kind,
-                describe_size(tier.capacity_bytes),
+                "(server's)" if tier.bounded_by_server else describe_size(tier.capacity_bytes),
                 f"eviction={eviction}",
                 f"at={where}",
                 options,

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from kvtier.config.units import MiB
+from kvtier.config.units import MiB, format_size
 from kvtier.errors import ConfigError
 
 __all__ = [
@@ -85,15 +85,25 @@ class TierConfig:
         return None
 
     def options_text(self) -> str:
-        """The kind's own settings as ``key=value`` pairs, for ``describe`` (the field that
-        :meth:`location` shows is left out)."""
-        common = {f.name for f in fields(TierConfig)}
+        """The kind's own settings as ``key=value`` pairs, for ``describe``: sizes in units,
+        and none that is unset (None), shown by :meth:`location`, or of no effect here
+        (:meth:`unused_keys`)."""
+        skipped = {f.name for f in fields(TierConfig)} | set(self.unused_keys())
         where = self.location()
-        return "  ".join(
-            f"{f.name}={getattr(self, f.name)}"
-            for f in fields(self)
-            if f.name not in common and not (where is not None and getattr(self, f.name) == where)
-        )
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in skipped or value is None or (where is not None and value == where):
+                continue
+            if f.name.endswith("_bytes") and isinstance(value, int):
+                value = format_size(value)
+            shown.append(f"{f.name}={value}")
+        return "  ".join(shown)
+
+    def unused_keys(self) -> tuple[str, ...]:
+        """The kind's keys that do nothing as the section is set (a disk tier's ``min_reuse``
+        without ``admit: reuse``), left out of ``describe``. Default: none."""
+        return ()
 
     def admission(self) -> tuple[str, float, float | None]:
         """Which blocks a lower tier takes: ``(admit, min_reuse, endurance_tbw)``, see

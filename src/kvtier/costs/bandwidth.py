@@ -53,12 +53,12 @@ class CodecCost:
 #: record gives them: this project's measurement on SmolLM2-135M's KV (docs/results.md#codecs;
 #: the lossy ratios are exact for any bf16 KV), a starting point for other machines
 DEFAULT_CODEC_COSTS: dict[str, CodecCost] = {
-    name: CodecCost(name, ratio, decode, "docs/results.md#codecs: kvtier bench codec on SmolLM2-135M's KV")
+    name: CodecCost(name, ratio, decode, "docs/results.md#codecs: kvtier bench codec --model smollm2")
     for name, ratio, decode in (
-        ("lossless", 1.44, 1.76),
-        ("int8", 128 / 66, 2.47),
-        ("fp8", 128 / 66, 1.19),
-        ("int4", 64 / 20, 1.45),
+        ("lossless", 1.45, 2.1),
+        ("int8", 128 / 66, 3.48),
+        ("fp8", 128 / 66, 1.79),
+        ("int4", 64 / 20, 2.0),
     )
 }
 

@@ -203,9 +203,12 @@ class CauseSketch:
 
     @property
     def error_rate(self) -> float:
-        """The most likely a key it never saw is taken for one it did (a tag match in one
-        of the 8 slots of its two buckets: ``1 - (1 - 2**-tag_bits)**8``)."""
-        return 1.0 - (1.0 - 2.0**-self.tag_bits) ** (2 * _WAYS)
+        """The most likely a key it never saw is taken for one it did: a tag match in one of
+        the 8 slots of its two buckets, ``1 - (1 - q)**8``. With ``n = 2**tag_bits`` tags, a
+        tag of 0 is taken as 1 (0 marks an empty slot), so tag 1 is twice as likely as the
+        others and two random tags match with ``q = (n + 2) / n**2``, not ``1 / n``."""
+        tags = 2.0**self.tag_bits
+        return 1.0 - (1.0 - (tags + 2.0) / tags**2) ** (2 * _WAYS)
 
     def _place(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per key hash: its non-zero tag (the top bits of one half of the hash), its first

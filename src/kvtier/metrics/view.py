@@ -28,7 +28,7 @@ from kvtier.metrics import names as n
 from kvtier.metrics.histogram import LatencyHistogram
 from kvtier.metrics.report import read_stats_document
 
-__all__ = ["Series", "parse_text", "read_series", "render", "summarize"]
+__all__ = ["Series", "endpoint_or_path", "parse_text", "read_series", "render", "summarize"]
 
 #: one series: metric name (as exposed: ``_total``, ``_bucket`` ...), its labels, its value
 Series = tuple[str, dict[str, str], float]
@@ -198,14 +198,28 @@ def _get(source: str, timeout_s: float) -> str:
     return body.decode("utf-8", "replace")
 
 
+#: an endpoint written without its scheme: ``HOST:PORT`` or ``HOST:PORT/path`` (IPv6 in brackets)
+_HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}(/\S*)?")
+
+
+def endpoint_or_path(source: str) -> str:
+    """``source`` as :func:`read_series` reads it: ``HOST:PORT`` (no such file here) is the
+    endpoint ``http://HOST:PORT/metrics``, what people type after reading ``metrics.port``."""
+    m = _HOST_PORT.fullmatch(source)
+    if m is None or os.path.lexists(source):
+        return source
+    return f"http://{source}" + ("" if m.group(1) else "/metrics")
+
+
 def read_series(source: str, timeout_s: float = 5.0) -> list[Series]:
-    """The series of ``source``: an ``http(s)://`` metrics endpoint, the path of its Unix
-    socket, or a stats file's path.
+    """The series of ``source``: an ``http(s)://`` metrics endpoint (or its ``HOST:PORT``),
+    the path of its Unix socket, or a stats file's path.
 
     Raises :class:`KvtierError` saying what is wrong and what to give instead, for an
     endpoint that does not answer (in ``timeout_s``, all of it) or answers anything but
     kvtier's metrics, a missing file, or content that is neither.
     """
+    source = endpoint_or_path(source)
     try:
         is_socket = stat.S_ISSOCK(os.stat(source).st_mode)
     except (OSError, ValueError):
@@ -352,12 +366,21 @@ def _either(figures: dict[str, Any], *names: str) -> float | None:
     return sum(present) if present else None
 
 
+#: what ``hit_ratio`` divides, printed beside it: not a replay's ratio, which counts the GPU's
+#: own hits and every block of the trace
+HIT_RATIO_MEANS = (
+    "hit ratio = hits / (hits + misses): of the blocks the engine asked kvtier's tiers for "
+    "after its GPU cache missed, the share a tier served; the GPU's own hits are not counted"
+)
+
+
 def render(summary: dict[str, Any]) -> str:
     """The summary as text: totals, then the tier table, then the misses by cause."""
     ratio = summary["hit_ratio"]
     lines = [
         f"lookups {summary['lookups']:.0f}   hits {summary['hit_blocks']:.0f}   "
         f"misses {summary['miss_blocks']:.0f}   hit ratio " + ("-" if ratio is None else f"{ratio:.1%}"),
+        f"  ({HIT_RATIO_MEANS})",
         "",
     ]
     header = (

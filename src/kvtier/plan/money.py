@@ -23,13 +23,14 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from kvtier.bench.report import print_table, pyplot, save_figure
+from kvtier.config.units import format_size
 from kvtier.costs.prices import Prices
 from kvtier.costs.queue import BLOCK_TOKENS
 from kvtier.costs.timing import CostModel, TierSpeed, tier_speeds
 from kvtier.errors import KvtierError
 from kvtier.replay.trace import Request
 
-__all__ = ["LEVELS", "money_plan", "print_money", "stack_cost"]
+__all__ = ["LEVELS", "block_bytes", "money_plan", "print_money", "stack_cost"]
 
 #: the tiers a plan prices: (name, kind, the price's key)
 LEVELS = (
@@ -39,6 +40,11 @@ LEVELS = (
 )
 #: seconds in the month a GB-month price covers: 730 hours, as cloud price lists count it
 MONTH_S = 730 * 3600
+
+
+def block_bytes(model: Any) -> int:
+    """The bytes of ``model``'s KV in one trace block (:data:`~kvtier.costs.queue.BLOCK_TOKENS`)."""
+    return model.kv_bytes_per_token * BLOCK_TOKENS
 
 
 def stack_cost(model: Any, gpu: Any, measured: Any) -> CostModel:
@@ -72,7 +78,7 @@ def money_plan(
     # more (attention grows with the context), as they do on the GPU
     compute_block = sum(cost.prefill_seconds(r.input_length) for r in requests) / refs if refs else 0.0
     load_block = {name: cost.load_seconds(name, BLOCK_TOKENS) for name, _, _ in LEVELS}
-    block_gb = cost.model.kv_bytes_per_token * BLOCK_TOKENS / 1e9
+    block_gb = block_bytes(cost.model) / 1e9  # prices are per GB (10^9 bytes)-month
     levels = [level for level in LEVELS if getattr(prices, level[2]) is not None]
     curves = {"online": _curve(capacities, online), "belady": _curve(capacities, belady)}
     gpu_hits = gpu_hit_blocks / refs if refs else 0.0
@@ -104,6 +110,7 @@ def money_plan(
         "duration_s": duration_s,
         "mean_prompt_tokens": mean_prompt,
         "block_gb": block_gb,
+        "block_bytes": block_bytes(cost.model),
         "compute_s_per_block": compute_block,
         "load_s_per_block": load_block,
         "gpu_hit_blocks": gpu_hit_blocks,
@@ -125,7 +132,7 @@ def print_money(record: dict[str, Any], out: TextIO, top: int = 12) -> None:
     levels = [name for name, _, _ in LEVELS if name in record["combinations"][0]]
     print(
         f"GPU-seconds saved over the trace ({record['duration_s']:.0f} s) against the GPU cache alone, "
-        f"per combination of tier sizes (blocks of {record['block_gb']:.3g} GB); the {top} saving most per dollar:",
+        f"per combination of tier sizes (blocks of {format_size(record['block_bytes'])}); the {top} saving most per dollar:",
         file=out,
     )
     ranked = sorted(
@@ -139,7 +146,7 @@ def print_money(record: dict[str, Any], out: TextIO, top: int = 12) -> None:
         print("no combination saves GPU time: every tier is below the break-even, or nothing hits", file=out)
         return
     sizes = ", ".join(
-        f"{name} {pick[name]} blocks ({pick[name] * record['block_gb']:.3g} GB)" for name in levels
+        f"{name} {pick[name]} blocks ({format_size(pick[name] * record['block_bytes'])})" for name in levels
     )
     print(
         f"recommended (the cheapest within {record['target']:.0%} of the best saving, {record['best_saved_s']:.4g} "

@@ -9,17 +9,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvtier.bench.report import print_json, print_table, pyplot, save_figure
+from kvtier.bench.report import print_table, progress_bar, pyplot, save_figure
 from kvtier.cli.signals import deferred_stop
+from kvtier.config.units import format_size
 from kvtier.errors import ConfigError
 from kvtier.plan.admission import simulate_admission
 from kvtier.plan.belady import belady
 from kvtier.plan.oracle import reuse_oracle
 from kvtier.plan.signals import SIGNALS, reuse_signals
 from kvtier.plan.simulate import simulate
+from kvtier.plan.stack import PER_BLOCK, check_writable, tier_capacities, write_stack
 from kvtier.policies.admission import AdmissionFilter
 from kvtier.policies import get_policy_class, registered_policies
-from kvtier.replay.trace import bundled_trace_path, ceiling_hit_ratio, load_trace
+from kvtier.replay.trace import TRACE_BLOCK_TOKENS, bundled_trace_path, ceiling_hit_ratio, load_trace
 
 __all__ = ["DEFAULT_CAPACITIES", "plan", "smallest_reaching"]
 
@@ -64,7 +66,7 @@ def plan(
     policies: Sequence[str] | None = None,
     target: float = 0.95,
     cpu_target: float = 0.5,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    block_bytes: int | None = None,
     plot: str | None = None,
     out: TextIO | None = None,
     admission_policy: str = "lru",
@@ -77,6 +79,8 @@ def plan(
     gpu_blocks: int = 2000,
     money_plot: str | None = None,
     codec: str | None = None,
+    progress: bool = True,
+    write_config: str | None = None,
 ) -> dict[str, Any]:
     """Hit ratio per policy and size, Belady's bound, the ceiling, and tier sizes; the JSON record.
 
@@ -114,6 +118,11 @@ def plan(
     how many blocks of bf16 KV the tier holds with the codec (its slots sized for the encoded
     block), and the hit ratio the best policy at that size reaches with them; and the disk
     tier it recommends for ``target`` then.
+
+    ``block_bytes`` (the sizes in bytes) is, with ``time_model``, its model's KV of a trace
+    block (512 tokens), else :data:`DEFAULT_BLOCK_BYTES`. ``progress``: a bar counting the
+    simulations on a terminal's stderr. ``write_config`` (a path) writes the advised stack
+    there as kvtier YAML (:mod:`kvtier.plan.stack`).
     """
     started = time.perf_counter()
     policies = list(policies or registered_policies())
@@ -123,6 +132,9 @@ def plan(
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ConfigError("--jobs", jobs, "a positive number of processes", "e.g. --jobs 2")
     money_inputs = _money_inputs(prices, time_model, cost_target, gpu_blocks)  # bad input fails first
+    block_bytes, block_note = _block_bytes(block_bytes, time_model)
+    if write_config is not None:
+        check_writable(write_config)
     slots = _codec_slots(codec, block_bytes) if codec is not None else None
     path = Path(trace) if trace else bundled_trace_path()
     requests = load_trace(path)
@@ -143,7 +155,7 @@ def plan(
     tasks += [("belady", None, sized[c]) for c in capacities]
     tasks += [("admission", admitting, sized[c]) for c in capacities]
     tasks = list(dict.fromkeys(tasks))
-    ran = dict(zip(tasks, _run_all(tasks, chains, path, min_reuse, jobs)))
+    ran = dict(zip(tasks, _run_all(tasks, chains, path, min_reuse, jobs, progress)))
     done = {(kind, path, c): ran[kind, path, sized[c]] for kind, path, _ in tasks for c in capacities}
 
     hit_ratio: dict[str, list[float]] = {}
@@ -193,6 +205,8 @@ def plan(
             "cpu_bytes": None if cpu_blocks is None else cpu_blocks * block_bytes,
             "disk_blocks": disk_blocks,
             "disk_bytes": None if disk_blocks is None else disk_blocks * block_bytes,
+            # what a stack's tiers need as capacity: a disk tier's also counts each block's header
+            **tier_capacities(block_bytes, cpu_blocks, disk_blocks),
         },
         "refs_per_s": {name: round(sim_refs / max(seconds[name], 1e-9)) for name in policies},
         "opt_refs_per_s": round(sim_refs / max(opt_s, 1e-9)),
@@ -211,7 +225,7 @@ def plan(
         more: list[tuple[str, str | None, int]] = [
             ("policy", classes[name], min(c, distinct)) for name, c in zip(best_policy, held)
         ]
-        ratios = [result[0] for result in _run_all(more, chains, path, min_reuse, jobs)]
+        ratios = [result[0] for result in _run_all(more, chains, path, min_reuse, jobs, progress)]
         reached = smallest_reaching(capacities, ratios, target * ceiling)
         record["codec"] = {
             "name": codec,
@@ -239,7 +253,13 @@ def plan(
         record["break_even"] = stack_cost(*time_model).break_even(mean_prompt)
     record["wall_s"] = round(time.perf_counter() - started, 2)
     if out is not None:
-        _print(record, policies, out)
+        _print(record, policies, block_note, out)
+    if write_config is not None:
+        write_stack(record, block_note, write_config)
+        if out is not None:
+            print(
+                f"the advised stack written to {write_config}: kvtier config check {write_config}", file=out
+            )
     if plot:
         _plot(record, policies, plot)
     if money_plot and "money" in record:
@@ -259,6 +279,31 @@ def _codec_slots(codec: str, block_bytes: int) -> tuple[int, int]:
     made = make_codec(codec, block_bytes, "bfloat16", "--codec")
     stored = made.max_encoded_bytes if made is not None else block_bytes
     return on_disk_block_bytes(block_bytes), on_disk_block_bytes(stored)
+
+
+def _block_bytes(block_bytes: int | None, time_model: Any) -> tuple[int, str]:
+    """The bytes of a block, and where they come from (said beside the sizes)."""
+    if block_bytes is not None and (isinstance(block_bytes, bool) or block_bytes < 1):
+        raise ConfigError(
+            "--block-bytes", block_bytes, "a positive number of bytes", "e.g. --block-bytes 65536"
+        )
+    if time_model is None:
+        if block_bytes is None:
+            return (
+                DEFAULT_BLOCK_BYTES,
+                f"the default, {TRACE_BLOCK_TOKENS} tokens of Llama-3-8B fp16: --model sets it",
+            )
+        return block_bytes, "--block-bytes"
+    from kvtier.plan.money import block_bytes as model_block_bytes
+
+    model = time_model[0]
+    derived = model_block_bytes(model)
+    where = f"{TRACE_BLOCK_TOKENS} tokens x {model.kv_bytes_per_token} KV bytes/token of {model.name}"
+    if block_bytes not in (None, derived):
+        raise ConfigError(
+            "--block-bytes", block_bytes, f"{derived} with --model: {where}", "drop --block-bytes"
+        )
+    return derived, where
 
 
 def _money_inputs(prices: str | None, time_model: Any, target: float, gpu_blocks: int) -> Any:
@@ -351,16 +396,22 @@ def _run_all(
     trace: Path,
     min_reuse: int,
     jobs: int,
+    progress: bool,
 ) -> list[Any]:
     """Each task's result, in order: here, or in ``jobs`` spawned worker processes (which
-    read the ``chains`` again from ``trace``)."""
-    if jobs == 1 or len(tasks) == 1:
-        return [_simulate_task(task, chains, min_reuse) for task in tasks]
-    # multiprocessing's Pool rather than concurrent.futures': leaving its `with` terminates the
-    # workers, so SIGTERM or Ctrl-C ends a plan at once, where the executor's exit would run
-    # every simulation still queued first (minutes).
-    context = multiprocessing.get_context("spawn")
+    read the ``chains`` again from ``trace``); a bar counting them with ``progress``."""
     with contextlib.ExitStack() as stack:
+        bar = stack.enter_context(progress_bar(len(tasks), "plan", progress, unit="sim"))
+        if jobs == 1 or len(tasks) == 1:
+            results = []
+            for task in tasks:
+                results.append(_simulate_task(task, chains, min_reuse))
+                bar.update(1)
+            return results
+        # multiprocessing's Pool rather than concurrent.futures': leaving its `with` terminates
+        # the workers, so SIGTERM or Ctrl-C ends a plan at once, where the executor's exit would
+        # run every simulation still queued first (minutes).
+        context = multiprocessing.get_context("spawn")
         with deferred_stop():  # never a worker spawned and left without its data
             pool = stack.enter_context(
                 context.Pool(min(jobs, len(tasks)), initializer=_start_worker, initargs=(trace, min_reuse))
@@ -368,7 +419,11 @@ def _run_all(
         # Handed out slowest first (Belady's heap, then the oracles, then the policies), so
         # the last task to finish is a short one and no worker idles long at the end.
         by_cost = sorted(tasks, key=lambda task: (_COST[task[0]], task[2]), reverse=True)
-        pending = {task: pool.apply_async(_worker_task, (task,)) for task in by_cost}
+        # the bar counts in the pool's result thread, as each simulation finishes
+        pending = {
+            task: pool.apply_async(_worker_task, (task,), callback=lambda _: bar.update(1))
+            for task in by_cost
+        }
         return [pending[task].get() for task in tasks]
 
 
@@ -376,11 +431,7 @@ def _run_all(
 _COST = {"admission": 3, "belady": 2, "oracle": 1, "policy": 0}
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.1f} GiB"
-
-
-def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None:
+def _print(record: dict[str, Any], policies: Sequence[str], block_note: str, out: TextIO) -> None:
     rows = []
     for i, capacity in enumerate(record["capacities"]):
         row: dict[str, Any] = {"blocks": capacity}
@@ -484,19 +535,17 @@ def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None
             out,
         )
     rec = record["recommend"]
+    print(f"blocks of {format_size(record['block_bytes'])}: {block_note}", file=out)
     for tier, share, key in (("CPU tier ", "cpu_target", "cpu"), ("disk tier", "target", "disk")):
         blocks = rec[f"{key}_blocks"]
         size = (
             "not reached: simulate larger sizes"
             if blocks is None
-            else (f"{blocks} blocks, {_gib(rec[f'{key}_bytes'])}")
+            else f"{blocks} blocks: capacity {format_size(rec[f'{key}_capacity_bytes'])} ({PER_BLOCK[key]})"
         )
         print(f"{tier} ({record[share]:.0%} of ceiling): {size}", file=out)
-    print(
-        f"(at {record['block_bytes']} bytes per block; block refs simulated per CPU second: "
-        f"{record['refs_per_s']}, Belady {record['opt_refs_per_s']})",
-        file=out,
-    )
+    rates = ", ".join(f"{name} {rate}" for name, rate in record["refs_per_s"].items())
+    print(f"block refs simulated per CPU second: {rates}; Belady {record['opt_refs_per_s']}", file=out)
     if "codec" in record:
         _print_codec(record, out)
     if "money" in record:
@@ -507,7 +556,6 @@ def _print(record: dict[str, Any], policies: Sequence[str], out: TextIO) -> None
         from kvtier.replay.ttft import print_break_even
 
         print_break_even(record["break_even"], out)
-    print_json(record, out)
 
 
 def _print_codec(record: dict[str, Any], out: TextIO) -> None:
@@ -521,7 +569,7 @@ def _print_codec(record: dict[str, Any], out: TextIO) -> None:
     print_table(
         [
             {
-                "bytes": _gib(capacity * record["block_bytes"]),
+                "bytes": format_size(capacity * record["block_bytes"]),
                 "blocks": capacity,
                 "hit_ratio": max(record["hit_ratio"][name][i] for name in record["hit_ratio"]),
                 "codec_blocks": codec["blocks"][i],
@@ -533,7 +581,7 @@ def _print_codec(record: dict[str, Any], out: TextIO) -> None:
         out,
     )
     blocks = codec["disk_blocks"]
-    size = "not reached" if blocks is None else f"{blocks} blocks, {_gib(codec['disk_bytes'])}"
+    size = "not reached" if blocks is None else f"{blocks} blocks, {format_size(codec['disk_bytes'])}"
     print(f"disk tier with {codec['name']} ({record['target']:.0%} of ceiling): {size}", file=out)
 
 

@@ -36,12 +36,12 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 from kvtier.base import get_offload_block_hash
-from kvtier.bench.report import print_json, print_table
+from kvtier.bench.report import print_json, print_table, progress_bar
 from kvtier.cli.signals import deferred_stop
 from kvtier.config import KvtierConfig, MetricsConfig, TierConfig, load_config
 from kvtier.errors import KvtierError
@@ -195,9 +195,11 @@ class _Fleet:
                 raise KvtierError(f"fleet replay: engine failed: {message[2]['error']}")
             return message
 
-    def run(self, requests: list[Request], router: Router) -> tuple[list[dict], list[int]]:
+    def run(
+        self, requests: list[Request], router: Router, done: Callable[[int], Any]
+    ) -> tuple[list[dict], list[int]]:
         """Route ``requests`` (see the module docstring); per engine its figures, in engine
-        order, and the engine each request went to."""
+        order, and the engine each request went to. ``done(1)`` as each request is served."""
         engines = len(self.inboxes)
         hashes: dict[int, bytes] = {}  # trace block id -> the block hash its engine publishes
         reported: dict[int, tuple[int, list]] = {}  # request number -> (engine, its events)
@@ -207,7 +209,7 @@ class _Fleet:
         for number, request in enumerate(requests):
             while fed <= number - engines:
                 while fed not in reported:
-                    self._note(self.take(), reported, records)
+                    self._note(self.take(), reported, records, done)
                 router.feed(*reported.pop(fed))
                 fed += 1
             chain = [
@@ -220,14 +222,15 @@ class _Fleet:
         for inbox in self.inboxes:
             inbox.put(None)
         while len(records) < engines:
-            self._note(self.take(), reported, records)
+            self._note(self.take(), reported, records, done)
         return [records[i] for i in range(engines)], assigned
 
     @staticmethod
-    def _note(message: tuple, reported: dict, records: dict) -> None:
+    def _note(message: tuple, reported: dict, records: dict, done: Callable[[int], Any]) -> None:
         if message[0] == "done":
             _, engine, number, events = message
             reported[number] = (engine, events)
+            done(1)
         else:
             records[message[2]["engine"]] = message[2]
 
@@ -376,12 +379,14 @@ def replay_fleet(
     arrival_scale: float = 1.0,
     out: TextIO | None = None,
     json_line: bool = False,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Run the fleet with the shared tier and (with ``baseline``) with local disks only, each
     request sent where ``router`` (a :data:`~kvtier.routing.ROUTERS` name) says; print a
     table (and, with ``json_line``, one JSON line); return the JSON record (see the module
     docstring). ``time_model`` (``(model, gpu, measured speeds)``, as ``kvtier replay
-    --model`` builds it) adds the fleet's TTFT."""
+    --model`` builds it) adds the fleet's TTFT. ``progress``: a bar per run on a terminal's
+    stderr (:func:`~kvtier.bench.report.progress_bar`)."""
     out = out or sys.stdout
     if not 1 <= engines <= MAX_ENGINES:
         raise KvtierError(
@@ -441,7 +446,8 @@ def replay_fleet(
         try:
             fleet.start()
             for (name, _), each in zip(runs, routers):
-                records, assigned = fleet.run(requests, each)
+                with progress_bar(len(requests), name, progress) as bar:
+                    records, assigned = fleet.run(requests, each, bar.update)
                 summaries[name] = _summary(records, assigned, requests, cost, arrival_scale)
         finally:
             fleet.close(finished=len(summaries) == len(runs))

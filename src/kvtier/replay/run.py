@@ -10,12 +10,13 @@ import time
 from pathlib import Path
 from typing import Any, TextIO, cast
 
-from kvtier.bench.report import print_json, print_table, pyplot, save_figure
+from kvtier.bench.report import print_json, print_table, progress_bar, pyplot, save_figure
 from kvtier.config import KvtierConfig, MetricsConfig, load_config
 from kvtier.errors import KvtierError
 from kvtier.replay.engine import ReplayEngine
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, bundled_trace_path, ceiling_hit_ratio, load_trace
 from kvtier.tiers.cpu.region import row_stride_for
+from kvtier.tiers.disk.config import DiskTierConfig
 
 __all__ = ["replay", "default_config", "in_trace_blocks"]
 
@@ -147,8 +148,6 @@ def _run_one(
     device: str = "cpu",
     deterministic: bool = False,
 ):
-    from tqdm import tqdm
-
     from kvtier.spec import TieredOffloadingSpec
 
     spec = TieredOffloadingSpec(
@@ -159,7 +158,8 @@ def _run_one(
     )
     engine = ReplayEngine(spec, gpu_blocks, device, deterministic=deterministic)
     try:
-        with tqdm(total=len(requests), desc=label, unit="req", disable=not progress, file=sys.stderr) as bar:
+        _warn_warm(config, engine.manager.stats() if hasattr(engine.manager, "stats") else {})
+        with progress_bar(len(requests), label, progress) as bar:
             elapsed = engine.run(requests, progress=bar.update, total=len(requests))
         stats = engine.manager.stats() if hasattr(engine.manager, "stats") else {}
     finally:
@@ -174,6 +174,39 @@ def _run_one(
         if name.endswith(".demoted_bytes")
     }
     return engine.counts, stats, elapsed
+
+
+def _warn_warm(config: KvtierConfig, opened: dict[str, Any]) -> None:
+    """Say so when a lower tier opens holding blocks (a persistent store an earlier run
+    filled): the hit ratio then counts them, and may pass the trace's own ceiling."""
+    for tier in config.tiers[1:]:
+        held = opened.get(f"{tier.name}.blocks", 0)
+        if held:
+            fix = (
+                "--fresh empties kvtier's store there first"
+                if isinstance(tier, DiskTierConfig)
+                else "give the tier a namespace of its own for a clean start (--fresh empties disk stores only)"
+            )
+            print(
+                f"kvtier replay: warning: tier {tier.name} ({tier.location()}) already holds {held} "
+                f"blocks from earlier runs: the hits count them, so the hit ratio is not the trace's "
+                f"alone and may reach past its ceiling; {fix}",
+                file=sys.stderr,
+            )
+
+
+def empty_stores(config: KvtierConfig) -> list[str]:
+    """``--fresh``: empty the disk stores ``config`` names (kvtier's own stores only, see
+    :func:`~kvtier.tiers.disk.store.empty_store`); the paths emptied."""
+    from kvtier.tiers.disk.store import empty_store
+
+    return [
+        tier.path
+        for index, tier in enumerate(config.tiers)
+        if isinstance(tier, DiskTierConfig)
+        and tier.path is not None
+        and empty_store(tier.path, f"tiers[{index}]", tier.lock_timeout_s)
+    ]
 
 
 def _tier_bytes(config: KvtierConfig, counts, stats: dict[str, int], block_bytes: int) -> tuple[dict, dict]:
@@ -284,6 +317,7 @@ def replay(
     time_model: Any = None,
     arrival_scale: float = 1.0,
     codec: str | None = None,
+    fresh: bool = False,
 ) -> dict[str, Any]:
     """Replay ``trace`` (default: the bundled one) through ``config`` (default: CPU + disk in a
     temporary folder); print a summary and a table (and, with ``json_line``, one JSON line);
@@ -308,6 +342,10 @@ def replay(
     simulated engine: such requests are found before the replay starts, reported, counted
     (``skipped_requests``, ``skipped_block_refs``) and left out; the ceiling is that of the
     requests replayed. If none is left, :class:`KvtierError` says which ``--gpu-blocks`` fits.
+
+    A lower tier that opens holding blocks (a persistent store of an earlier run) is warned
+    about on stderr: its hits are not the trace's alone. ``fresh`` empties the configuration's
+    disk stores first (kvtier's own stores only; a shared server is never emptied).
     """
     out = out or sys.stdout
     device = _resolve_device(device)
@@ -326,6 +364,9 @@ def replay(
             parsed = in_trace_blocks(load_config(config))
         if codec is not None:
             parsed = with_codec(parsed, codec)
+        if fresh:
+            for path in empty_stores(parsed):
+                print(f"kvtier replay: --fresh: emptied the store at {path}", file=sys.stderr)
         cost = _cost_model(time_model, parsed) if time_model is not None else None  # bad input fails first
         counts, stats, elapsed = _run_one(
             parsed, requests, gpu_blocks, block_bytes, progress, "replay", device, deterministic
@@ -422,14 +463,22 @@ def replay(
         for name, hits in counts.hits.items()
     ]
     print(
-        f"kvtier replay: {counts.requests} requests, {counts.block_refs} block refs, "
-        f"{elapsed:.1f} s ({record['blocks_per_s']:.0f} blocks/s; the engine's own work "
-        f"{counts.engine_s:.1f} s of it); hit ratio {record['hit_ratio']:.4f} "
-        f"of a {ceiling:.4f} ceiling"
+        f"kvtier replay: {counts.requests} requests, {counts.block_refs} block refs; hit ratio "
+        f"{record['hit_ratio']:.4f} of a {ceiling:.4f} ceiling"
         + (f"; CPU tier alone {record['cpu_only_hit_ratio']:.4f}" if cpu_only is not None else ""),
         file=out,
     )
+    print(  # what elapsed_s is: ReplayEngine.run, from the first request to the last store
+        f"replayed in {elapsed:.1f} s ({record['blocks_per_s']:.0f} blocks/s): the stack and the simulated "
+        f"engine serving every request, to its last store ({counts.engine_s:.1f} s of it the engine's own "
+        f"work: making and checking payloads); not the trace load, opening the stack, closing it "
+        f"({counts.shutdown_s:.1f} s), nor the CPU-tier-only run",
+        file=out,
+    )
     print_table(rows, ["tier", "hits", "hit_ratio", "bytes_read", "bytes_written"], out)
+    print(HIT_RATIO_MEANS, file=out)
+    _print_checks(record, out)
+    _print_admission(record["admission"], out)
     _print_held(record["tier_blocks"], counts.codec_verified_blocks, out)
     if causes is not None:
         _print_causes(causes, out)
@@ -442,6 +491,62 @@ def replay(
     if json_line:
         print_json(record, out)
     return record
+
+
+#: what a replay's ``hit_ratio`` divides, printed under its table
+HIT_RATIO_MEANS = (
+    "hit ratio = block refs served by any tier, the GPU cache included / every block ref of the "
+    "trace (kvtier stats counts kvtier's tiers only: their hits / the blocks asked of them)"
+)
+
+
+def _print_checks(record: dict[str, Any], out: TextIO) -> None:
+    """What the replay checked: loads verified, wrong bytes, corrupt blocks, blocks dropped."""
+    print(
+        f"loads: {record['verified_blocks']} verified byte for byte, "
+        f"{record['mismatched_blocks']} served wrong bytes (exit 1 if any); "
+        f"{record['corrupt_blocks']} corrupt (caught by a check, served as a miss); "
+        f"{record['dropped_blocks']} blocks dropped from the CPU tier that no lower tier held",
+        file=out,
+    )
+
+
+def _print_admission(admission: dict[str, dict[str, Any]], out: TextIO) -> None:
+    """One line per lower tier that counts admission: what it took and refused, what the
+    writes bought, and under ``admit: budget`` the budget's figures."""
+    from kvtier.config.units import format_size
+
+    def size(value: float) -> str:
+        return format_size(int(value))
+
+    for name, figures in admission.items():
+        if not figures:
+            continue
+        parts = [
+            f"admitted {figures.get('admitted_blocks', 0)} blocks, refused {figures.get('refused_blocks', 0)}"
+        ]
+        if "bytes_written" in figures:
+            parts.append(
+                f"wrote {size(figures['bytes_written'])}, read back {size(figures.get('bytes_read_later', 0))}"
+                + (
+                    f" (write amplification {figures['write_amplification']:.3f})"
+                    if "write_amplification" in figures
+                    else ""
+                )
+            )
+        if "budget_bytes_per_s" in figures:
+            parts.append(
+                f"writing {size(figures.get('write_bytes_per_s', 0))}/s of a "
+                f"{size(figures['budget_bytes_per_s'])}/s budget (trace time), admit threshold "
+                f"{figures.get('admit_threshold', 0):.2f}"
+            )
+        if "device_written_bytes" in figures:
+            parts.append(f"the drive wrote {size(figures['device_written_bytes'])}")
+        if "projected_life_years" in figures:
+            parts.append(f"projected drive life {figures['projected_life_years']:.1f} years")
+        elif "projected_life_days" in figures:
+            parts.append(f"projected drive life {figures['projected_life_days']:.0f} days")
+        print(f"tier {name}: " + "; ".join(parts), file=out)
 
 
 def _print_held(held: dict[str, dict[str, Any]], codec_verified: int, out: TextIO) -> None:

@@ -45,7 +45,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvtier.base import OffloadKey
-from kvtier.bench.report import print_counts, print_json, print_table
+from kvtier.bench.report import print_counts, print_table
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.extras import install_hint
 from kvtier.soak.blocks import block_key, is_exact
@@ -282,7 +282,7 @@ def _check_committed(
 def run_cluster(
     minutes: float = 1.0, faults: bool = False, seed: int = 0, out: TextIO = sys.stdout
 ) -> dict[str, Any]:
-    """Run the cluster soak for ``minutes``; print a table and one JSON line; the JSON record."""
+    """Run the cluster soak for ``minutes``; print a table; the JSON record."""
     if not minutes > 0:
         raise ConfigError(
             "--minutes", minutes, "a positive number of minutes", "e.g. --minutes 1 (0.5 for 30 s)"
@@ -408,5 +408,4 @@ def _report(
         ),
         out,
     )
-    print_json(record, out)
     return record

@@ -40,7 +40,7 @@ from typing import Any, TextIO
 
 import kvtier
 from kvtier.base import OffloadKey
-from kvtier.bench.report import print_counts, print_json
+from kvtier.bench.report import print_counts
 from kvtier.soak.blocks import block_key
 from kvtier.soak.engine import BLOCK_BYTES, FAMILIES, FAMILY_BLOCKS, SoakEngine, soak_stack
 from kvtier.soak.faults import SmallFilesystem, corrupt_blocks, kill_writer, sharer_outcome, start_sharer
@@ -115,7 +115,7 @@ def run(
     seed: int = 0,
     out: TextIO = sys.stdout,
 ) -> dict[str, Any]:
-    """Run the soak for ``minutes``; print a table and one JSON line; the JSON record."""
+    """Run the soak for ``minutes``; print a table; the JSON record."""
     if kind not in ("lmdb", "files"):
         raise kvtier.ConfigError("--kind", kind, "lmdb or files")
     if not minutes > 0:
@@ -297,5 +297,4 @@ def run(
     )
     for name, reason in left_out.items():
         print(f"fault left out: {name}: {reason}", file=out)
-    print_json(record, out)
     return record

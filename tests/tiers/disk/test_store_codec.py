@@ -73,7 +73,7 @@ def test_check_finds_a_damaged_compressed_block_and_fix_drops_only_it(kind, tmp_
         capture_output=True,
         text=True,
     )
-    assert shown.returncode == 1
+    assert shown.returncode == 4  # fsck: problems left (no --fix)
     problems = json.loads(shown.stdout.splitlines()[-1])["problems"]
     assert len(problems) == 1 and "checksum" in problems[0]
     assert check_store(str(tmp_path / "s"), fix=True).fixed

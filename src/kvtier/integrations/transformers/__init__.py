@@ -1,5 +1,5 @@
 """kvtier as the prefix cache of a Hugging Face transformers causal LM, the only part of kvtier
-that imports transformers (``pip install 'kvtier[transformers]'``).
+that imports transformers (kvtier's ``transformers`` extra: transformers, gguf, accelerate).
 
 :class:`TieredPrefixCache` loads a prompt's longest cached prefix from kvtier's stack into
 the model's ``DynamicCache``, prefills the rest and stores the new blocks; the bytes go

@@ -82,12 +82,15 @@ def forward(model: Any, token_ids: Sequence[int], cache: DynamicCache, logits: i
     return out.logits[0]
 
 
-def cache_prefix(model: Any, cache: DynamicCache, tokens: int) -> DynamicCache:
+def cache_prefix(model: Any, cache: DynamicCache, tokens: int, kv_dtype: str | None = None) -> DynamicCache:
     """A new ``DynamicCache`` holding a copy of the first ``tokens`` tokens of ``cache``: the
-    in-memory cache at a given split, which a reload through the tiers must equal."""
+    in-memory cache at a given split, which a reload through the tiers must equal. With
+    ``kv_dtype``, each value is rounded to that dtype and back, as the tiers store it."""
     copy = DynamicCache(config=model.config)
-    for index, (keys, values) in enumerate(layer_states(cache)):
-        copy.update(keys[:, :, :tokens].clone(), values[:, :, :tokens].clone(), index)
+    stored = getattr(torch, kv_dtype) if kv_dtype else model.dtype
+    for index, layer in enumerate(layer_states(cache)):
+        keys, values = (states[:, :, :tokens].to(stored).to(model.dtype, copy=True) for states in layer)
+        copy.update(keys, values, index)
     return copy
 
 
@@ -171,7 +174,9 @@ class TieredPrefixCache:
     block size (default :data:`DEFAULT_BLOCK_TOKENS`). ``model_id`` names the weights in the
     layout fingerprint (default: their digest, see
     :meth:`~kvtier.integrations.transformers.layout.ModelKVLayout.of_model`).
-    ``staging_blocks``: blocks of the paged KV tensor, on the model's device.
+    ``staging_blocks``: blocks of the paged KV tensor, on the model's device. ``kv_dtype``:
+    the dtype the tiers store the KV in (default: the model's), such as ``bfloat16`` for a
+    model computing in ``float32``: stored values are rounded to it, loaded ones cast back.
 
     Who calls it: one thread, one prompt at a time. Raises :class:`ConfigError` for a model
     whose cache the block layout cannot hold, or a bad configuration. :meth:`close` saves
@@ -186,18 +191,18 @@ class TieredPrefixCache:
         model_id: str | None = None,
         staging_blocks: int = DEFAULT_STAGING_BLOCKS,
         engine: str = "auto",
+        kv_dtype: str | None = None,
     ):
         parsed = load_config(config)
         tokens = parsed.block_size_tokens or DEFAULT_BLOCK_TOKENS
         if isinstance(staging_blocks, bool) or not isinstance(staging_blocks, int) or staging_blocks < 1:
             raise ConfigError("staging_blocks", staging_blocks, "a positive number of blocks")
         self.model = model
-        self.layout = ModelKVLayout.of_model(model, tokens, model_id)
+        self.layout = ModelKVLayout.of_model(model, tokens, model_id, kv_dtype)
         layout = self.layout
         shape = (staging_blocks, 2, layout.kv_heads, tokens, layout.head_dim)
-        self._pages = [
-            torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(layout.layers)
-        ]
+        stored = getattr(torch, layout.dtype)
+        self._pages = [torch.zeros(shape, dtype=stored, device=model.device) for _ in range(layout.layers)]
         self.spec = _ModelSpec(parsed, layout, engine)
         self.driver: StackDriver | None = StackDriver(self.spec, canonicalize(self._pages))
         #: the stack's manager (its counters stay readable after :meth:`close`)
@@ -270,6 +275,19 @@ class TieredPrefixCache:
             load_s=first.load_s,
         )
 
+    def block_rows(self, cache: DynamicCache, blocks: Sequence[int]) -> torch.Tensor:
+        """What the tiers store for ``blocks`` (block indices of the tokens ``cache`` holds):
+        ``(len(blocks), block_bytes)`` uint8 rows, each every layer's page in turn, in the
+        layout's dtype (the bytes a lower tier's codec encodes), on the CPU."""
+        rows = []
+        for start in range(0, len(blocks), self.staging_blocks):
+            chunk = [int(block) for block in blocks[start : start + self.staging_blocks]]
+            self._write_pages(cache, chunk)
+            n = len(chunk)
+            pages = [page[:n].reshape(n, -1).view(torch.uint8) for page in self._pages]
+            rows.append(torch.cat(pages, dim=1).cpu())
+        return torch.cat(rows)
+
     def stats(self) -> dict[str, float]:
         """The manager's counters (hits and misses by cause, bytes per tier ...), also after
         :meth:`close`."""
@@ -338,7 +356,7 @@ class TieredPrefixCache:
             done += n
         if done:
             for layer, pieces in enumerate(parts):
-                kv = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
+                kv = (torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]).to(self.model.dtype)
                 cache.update(kv[0].unsqueeze(0), kv[1].unsqueeze(0), layer)
         return done
 
@@ -375,7 +393,7 @@ class TieredPrefixCache:
     def _check(self, cache: DynamicCache, tokens: int) -> None:
         """The cache holds what the layout says, or :class:`KvtierError` naming the difference."""
         layout = self.layout
-        want = ((1, layout.kv_heads, tokens, layout.head_dim), self._pages[0].dtype)
+        want = ((1, layout.kv_heads, tokens, layout.head_dim), self.model.dtype)
         layers = layer_states(cache)
         if len(layers) != layout.layers:
             raise KvtierError(f"the model's cache has {len(layers)} layers, the block layout {layout.layers}")

@@ -91,8 +91,11 @@ class ModelKVLayout:
         )
 
     @classmethod
-    def of_model(cls, model: Any, tokens_per_block: int, model_id: str | None = None) -> ModelKVLayout:
-        """The layout of ``model`` (a transformers causal LM) in its current dtype.
+    def of_model(
+        cls, model: Any, tokens_per_block: int, model_id: str | None = None, dtype: str | None = None
+    ) -> ModelKVLayout:
+        """The layout of ``model`` (a transformers causal LM), its KV stored in ``dtype``
+        (default: the model's current dtype).
 
         ``model_id``: the name the fingerprint gives the weights; by default their
         :func:`weights_digest` (give a name that changes whenever the weights do, to skip
@@ -123,11 +126,12 @@ class ModelKVLayout:
                 f"its cache has {', '.join(others)} layers (sliding-window, chunked, linear or "
                 "shared-KV attention), whose K and V this block layout cannot hold",
             )
-        dtype = str(model.dtype).removeprefix("torch.")
-        if dtype not in DTYPES:
-            raise ConfigError(
-                "model dtype", dtype, f"one of {', '.join(DTYPES)}", "load or cast the model to one of them"
-            )
+        own = str(model.dtype).removeprefix("torch.")
+        for field, name in (("model dtype", own), ("kv_dtype", dtype or own)):
+            if name not in DTYPES:
+                raise ConfigError(
+                    field, name, f"one of {', '.join(DTYPES)}", "load, cast or store the KV in one of them"
+                )
         heads = int(config.num_attention_heads)
         head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
         return cls(
@@ -136,6 +140,6 @@ class ModelKVLayout:
             layers=int(config.num_hidden_layers),
             kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
             head_dim=int(head_dim),
-            dtype=dtype,
+            dtype=dtype or own,
             tokens_per_block=tokens_per_block,
         )

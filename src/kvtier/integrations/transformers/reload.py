@@ -44,6 +44,7 @@ def reload_logits(
     *,
     reload_config: KvtierConfig | dict | str | None = None,
     model_id: str | None = None,
+    kv_dtype: str | None = None,
 ) -> Reloaded:
     """Prefill ``prefix_ids`` through a stack built from ``config`` (storing its full blocks),
     then prefill ``prefix_ids + continuation_ids`` loading them back; the continuation's
@@ -53,18 +54,22 @@ def reload_logits(
     saves every block below) and a second one opened on ``reload_config`` (default:
     ``config`` again), so the prefix comes back from the lower tiers, through their checks and
     codecs; with a CPU tier alone, from it. A ``reload_config`` sharing only some of the
-    tiers is another engine: one sharing only the Valkey tier reads from it.
+    tiers is another engine: one sharing only the Valkey tier reads from it. ``kv_dtype``:
+    the dtype the tiers store the KV in (see :class:`TieredPrefixCache`); the in-memory cache
+    is rounded to it too, so the two differ by what the tiers do alone.
     """
     parsed = load_config(config)
     prefix = [int(t) for t in prefix_ids]
     continuation = [int(t) for t in continuation_ids]
-    first = TieredPrefixCache(model, parsed, model_id=model_id)
+    first = TieredPrefixCache(model, parsed, model_id=model_id, kv_dtype=kv_dtype)
     try:
         stored = first.prefill(prefix)
         if len(parsed.tiers) > 1 or reload_config is not None:
             first.close()
             # the weights are hashed once
-            second = TieredPrefixCache(model, reload_config or parsed, model_id=first.layout.weights)
+            second = TieredPrefixCache(
+                model, reload_config or parsed, model_id=first.layout.weights, kv_dtype=kv_dtype
+            )
         else:
             second = first
         try:
@@ -75,6 +80,9 @@ def reload_logits(
         first.close()
     split = loaded.cached_tokens
     memory = forward(
-        model, (prefix + continuation)[split:], cache_prefix(model, stored.cache, split), len(continuation)
+        model,
+        (prefix + continuation)[split:],
+        cache_prefix(model, stored.cache, split, kv_dtype),
+        len(continuation),
     )
     return Reloaded(loaded.logits, memory, split, loaded.hits, second.stats())

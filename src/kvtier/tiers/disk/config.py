@@ -211,7 +211,7 @@ class DiskTierConfig(TierConfig):
         """The capacity against the room on the disk: what the store holds there already
         plus the free space (payload bytes; each block also takes a 4 KiB header page)."""
         assert self.path is not None
-        path = os.path.abspath(self.path)
+        path = os.path.abspath(os.path.expanduser(self.path))  # as the store opens it
         where = path
         while not os.path.isdir(where):  # a store not created yet: the disk of its parent
             where = os.path.dirname(where)
@@ -230,6 +230,16 @@ class DiskTierConfig(TierConfig):
 
     def admission(self) -> tuple[str, float, float | None]:
         return self.admit, self.min_reuse, self.endurance_tbw
+
+    def unused_keys(self) -> tuple[str, ...]:
+        """``min_reuse`` but under ``admit: reuse`` (a budget sets its own bar), the budget's
+        keys but under ``admit: budget``, ``encrypt`` without a secret."""
+        unused = [] if self.admit == "reuse" else ["min_reuse"]
+        if self.admit != "budget":
+            unused += BUDGET_KEYS
+        if self.secret_file is None:
+            unused.append("encrypt")
+        return tuple(unused)
 
     def write_budget(self, field: str) -> WriteBudget | None:
         """With ``admit: budget``, the tier's :class:`WriteBudget`, counting the writes of the

@@ -41,7 +41,7 @@ from kvtier.base import OffloadKey
 from kvtier.config import format_size
 from kvtier.errors import ConfigError, DiskTierError, ManifestError
 from kvtier.tiers.disk.blockio import RowIO, probe_o_direct
-from kvtier.tiers.disk.config import DiskTierConfig, default_store_path, user_cache_root
+from kvtier.tiers.disk.config import DISK_MEDIA, DiskTierConfig, default_store_path, user_cache_root
 from kvtier.tiers.disk.format import LayoutFingerprint, differing_part
 from kvtier.tiers.disk.manifest import (
     MANIFEST_NAME,
@@ -60,6 +60,7 @@ __all__ = [
     "create_private",
     "decide_direct",
     "default_store_path",
+    "empty_store",
     "open_private",
     "own_entries",
     "open_private_dir",
@@ -714,6 +715,42 @@ def _wipe(directory: str, medium_names: tuple[str, ...]) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(directory, MANIFEST_NAME))
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def empty_store(path: str, field: str, timeout_s: float = 60.0) -> bool:
+    """Empty the kvtier store at ``path`` (``kvtier replay --fresh``): its blocks and manifest
+    go as when a store of another layout is wiped at open; its lock files stay. False, with
+    nothing touched, where there is no store. ConfigError naming ``<field>.path`` for a
+    directory that is not a kvtier store (kvtier never deletes files it did not write) or a
+    store another process has open."""
+    directory = store_directory_path(path, f"{field}.path")
+    if not os.path.isdir(directory):
+        return False
+    dir_fd = open_store_directory(directory, field, path)  # this user's own, a store or empty
+    try:
+        locks = StoreLocks(dir_fd, directory, timeout_s=timeout_s)
+        try:
+            try:
+                manifest = read_manifest(directory)
+            except ManifestError as exc:
+                raise ConfigError(
+                    f"{field}.path", path, "a kvtier store or an empty directory", str(exc)
+                ) from None
+            if manifest is None:
+                return False
+            if not locks.alone:
+                raise ConfigError(
+                    f"{field}.path",
+                    path,
+                    "a store no other process has open",
+                    "stop the engine using it, or give the replay a stack of its own",
+                )
+            _wipe(directory, DISK_MEDIA.resolve(manifest.kind, field=f"{field}.kind").medium_names)
+            return True
+        finally:
+            locks.close()
+    finally:
+        os.close(dir_fd)
 
 
 def _remove_trash(directory: str) -> None:

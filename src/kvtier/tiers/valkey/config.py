@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 
 from kvtier.config.parse import parse_tier
 from kvtier.config.schema import TierConfig
-from kvtier.config.units import parse_size
+from kvtier.config.units import format_size, parse_size
 from kvtier.errors import ConfigError
 from kvtier.extras import install_hint
 from kvtier.registry import Registry
@@ -209,7 +209,7 @@ class ValkeyTierConfig(TierConfig):
         parts = [f"namespace={self.namespace or '(from the layout)'}", f"timeout_s={self.timeout_s}"]
         if self.ttl_s is not None:
             parts.append(f"ttl_s={self.ttl_s}")
-        parts.append(f"max_inflight_bytes={self.max_inflight_bytes}")
+        parts.append(f"max_inflight_bytes={format_size(self.max_inflight_bytes)}")
         if self.username:
             parts.append(f"username={self.username}")
         parts.append("password=" + self.password_source())
