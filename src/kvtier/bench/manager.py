@@ -382,7 +382,6 @@ def lookup_floor(
         for row in rows
     ]
     print_table(table, ["policy", "subject", "min", "median", "max", "vllm_over"], out)
-    print_json(record, out)
     return record
 
 
