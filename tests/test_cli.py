@@ -139,6 +139,24 @@ def test_bench_manager_json_has_every_figure(capsys):
         assert row["metadata_bytes_per_block_incl_keys"] > row["metadata_bytes_per_block"]
 
 
+def test_bench_manager_lookup_floor_times_each_subject_per_policy(capsys):
+    args = "bench manager --lookup-floor --json --keys 2000 --capacity 1000 --runs 2".split()
+    assert main(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["bench"] == "manager_lookup_floor" and record["runs"] == 2
+    subjects = {"dict probe, inline", "dict probe in a function", "hash of each missed key", "kvtier"}
+    subjects.add("kvtier, miss_causes off")
+    if record["baseline"] == "vllm":
+        subjects.add("vllm")
+    for policy in ("lru", "arc"):
+        rows = [row for row in record["rows"] if row["policy"] == policy]
+        assert {row["subject"] for row in rows} == subjects
+        for row in rows:
+            assert 0 < row["ns_min"] <= row["ns_median"] <= row["ns_max"]
+
+
 def test_bench_disk_with_a_missing_dir_names_it_and_the_fix(tmp_path, capsys):
     missing = tmp_path / "nowhere"
     assert main(["bench", "disk", "--backend", "files", "--gib", "0.01", "--dir", str(missing)]) == 1

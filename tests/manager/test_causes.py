@@ -93,6 +93,30 @@ class TestSketch:
         assert sketch.forgotten == 1000 - slots
         assert sum(1 for k in keys[-64:] if sketch.get(k)) > sum(1 for k in keys[:64] if sketch.get(k))
 
+    @pytest.mark.parametrize(("keys", "tag_bits"), [(4, 3), (1000, 4), (50_000, 24)])
+    def test_a_probe_reads_the_first_matching_slot_of_the_two_buckets(self, keys, tag_bits):
+        """The vectorised probe against a scan of each key's eight slots in order: with few
+        tag bits many keys match several slots, and the first one's record is the answer; a
+        second bucket is never the first, whatever the table's size (two buckets at 4 keys)."""
+        rng = random.Random(keys)
+        sketch = CauseSketch(keys, tag_bits=tag_bits)
+        stored = random_keys(rng, 2 * keys)
+        records = [rng.randint(STORED, FOREIGN) << 5 | rng.randint(0, 30) for _ in stored]
+        sketch.put_records(stored, np.array(records, dtype=np.uint8))
+        probed = stored + random_keys(rng, 2 * keys)
+        tags, first, second = sketch._place(np.array([hash(k) for k in probed], dtype=np.int64))
+        assert not (first == second).any() and max(first.max(), second.max()) < len(sketch._table)
+        scanned, ambiguous = [], 0
+        for tag, one, two in zip(tags.tolist(), first.tolist(), second.tolist()):
+            slots = sketch._table[one].tolist() + sketch._table[two].tolist()
+            matching = [slot & 0xFF for slot in slots if slot >> 8 == tag]
+            scanned.append(matching[0] if matching else 0)
+            ambiguous += len(set(matching)) > 1
+        assert sketch.records(probed).tolist() == scanned
+        assert any(scanned)
+        if keys == 1000:  # 4 tag bits: keys in different buckets share tags, and a probe sees both
+            assert ambiguous > 0
+
     def test_a_refusal_outlasts_the_eviction_that_follows(self):
         sketch = CauseSketch(16)
         k = key(1)

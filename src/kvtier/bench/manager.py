@@ -38,8 +38,9 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from statistics import median
 from typing import Any, TextIO
 
@@ -57,6 +58,7 @@ FIGURES = ("store_us", "lookup_us", "load_us", "metadata_bytes_per_block")
 GOAL_SPEEDUP = 2.0
 GOAL_BYTES_PER_BLOCK = 200
 BLOCK_BYTES = 4096  # rows are never touched here; small keeps the shared region small
+_SWEEP_BYTES = 64 << 20  # more than any CPU's last-level cache this runs on (32 MiB here)
 
 
 def make_keys(count: int, salt: bytes = b"") -> list[bytes]:
@@ -76,7 +78,9 @@ class Subject:
     settle: Callable[[Any], None] = lambda manager: None
 
 
-def kvtier_subject(shm_dir: str) -> Subject:
+def kvtier_subject(shm_dir: str, miss_causes: str = "on") -> Subject:
+    """kvtier's single-tier manager over a CPU tier in ``shm_dir``, miss causes ``on`` (the
+    default configuration) or ``off``."""
     from kvtier.base import ReqContext
     from kvtier.build import build_manager
 
@@ -87,17 +91,21 @@ def kvtier_subject(shm_dir: str) -> Subject:
             "kind": "cpu",
             "capacity": capacity_blocks * BLOCK_BYTES,
             "eviction": policy,
-            "path": f"{shm_dir}/bench-{next(counter)}",
+            "path": f"{shm_dir}/bench-{miss_causes}-{next(counter)}",
             "pin_memory": "off",
         }
-        return build_manager({"tiers": [tier]}, BLOCK_BYTES, enable_events=False)
+        config: dict[str, Any] = {"tiers": [tier]}
+        if miss_causes == "off":
+            config["miss_causes"] = "off"
+        return build_manager(config, BLOCK_BYTES, enable_events=False)
 
     def settle(manager: Any) -> None:
         causes = manager.miss_causes
         if causes is not None:
             causes.flush()
 
-    return Subject("kvtier", make, ReqContext, lambda manager: manager.on_schedule_end(), settle)
+    name = "kvtier" if miss_causes == "on" else f"kvtier, miss_causes {miss_causes}"
+    return Subject(name, make, ReqContext, lambda manager: manager.on_schedule_end(), settle)
 
 
 def vllm_subject() -> Subject | None:
@@ -131,13 +139,7 @@ def run_once(
     clock = time.process_time
     try:
         start = clock()
-        for chunk, ctx in zip(requests, contexts):
-            manager.on_new_request(ctx)
-            manager.prepare_store(chunk, ctx)
-            manager.complete_store(chunk, ctx, True)
-            manager.on_request_finished(ctx)
-            end_step(manager)
-        settle(manager)
+        _store(subject, manager, zip(requests, contexts))
         store_s = (clock() - start) / len(keys)
 
         ctx = contexts[0]
@@ -169,6 +171,19 @@ def run_once(
     return {"store_us": store_s * 1e6, "lookup_us": lookup_s * 1e6, "load_us": load_s * 1e6}
 
 
+def _store(subject: Subject, manager: Any, requests: Iterable[tuple[list[bytes], Any]]) -> None:
+    """The store phase: each request (its keys, its context) starts, stores its keys and
+    ends, a step each; then the manager settles."""
+    end_step = subject.end_step
+    for chunk, ctx in requests:
+        manager.on_new_request(ctx)
+        manager.prepare_store(chunk, ctx)
+        manager.complete_store(chunk, ctx, True)
+        manager.on_request_finished(ctx)
+        end_step(manager)
+    subject.settle(manager)
+
+
 def _is_hit(answer: Any) -> bool:
     return answer is True or getattr(answer, "name", None) == "HIT"
 
@@ -185,14 +200,8 @@ def metadata_bytes(
         # requests of 64 keys that start, store and finish, as the timed store phase's: what
         # is measured is what the manager keeps per block, not a request's state that an
         # engine would have let go (vLLM's and kvtier's alike keep keys per open request)
-        for index, chunk in enumerate(_chunks(held, 64)):
-            ctx = subject.make_context(f"mem-{index}")
-            manager.on_new_request(ctx)
-            manager.prepare_store(chunk, ctx)
-            manager.complete_store(chunk, ctx, True)
-            manager.on_request_finished(ctx)
-            subject.end_step(manager)
-        subject.settle(manager)
+        chunks = enumerate(_chunks(held, 64))
+        _store(subject, manager, ((chunk, subject.make_context(f"mem-{i}")) for i, chunk in chunks))
         del held
         gc.collect()
         used, _ = tracemalloc.get_traced_memory()
@@ -306,3 +315,136 @@ def run(
         file=out,
     )
     return record
+
+
+def lookup_floor(
+    *, num_keys: int = 100_000, capacity: int = 50_000, runs: int = 15, out: TextIO | None = None
+) -> dict[str, Any]:
+    """Where a lookup's time goes (``kvtier bench manager --lookup-floor``): the protocol's
+    lookup phase (every key once, half hit) on the state its store phase leaves (64 keys a
+    call), timed for kvtier's manager with miss causes on (the default: the lookup and the
+    batch that decides the misses' causes) and off, for vLLM's, and for the floors beside
+    them on kvtier's own index dict: the probe alone in a loop, and the probe as a Python
+    function of ``(key, context)`` (the least any dict-based ``lookup`` costs in CPython);
+    and ``np.fromiter(map(hash, missed))`` over the missed keys, per lookup (the least a
+    sketch keyed by Python's hash costs the misses). Rounds alternate the order of the
+    subjects, and each subject starts with cold caches; each figure's min, median and max
+    over ``runs`` rounds, and vLLM's time over it, the median of the rounds' own ratios.
+    """
+    out = out or sys.stdout
+    keys = make_keys(num_keys)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir="/dev/shm") as shm_dir:
+        subjects = [kvtier_subject(shm_dir), kvtier_subject(shm_dir, miss_causes="off")]
+        baseline = vllm_subject()
+        subjects += [baseline] if baseline is not None else []
+        for policy in ("lru", "arc"):
+            taken = _floor_rounds(subjects, policy, keys, capacity, runs)
+            for name, times in taken.items():
+                row: dict[str, Any] = {
+                    "policy": policy,
+                    "subject": name,
+                    "ns_min": min(times),
+                    "ns_median": median(times),
+                    "ns_max": max(times),
+                }
+                if baseline is not None:
+                    ratios = [theirs / mine for mine, theirs in zip(times, taken["vllm"])]
+                    row["vllm_over"] = median(ratios)
+                    row["vllm_over_range"] = _spread(ratios)
+                rows.append(row)
+    record: dict[str, Any] = {
+        "bench": "manager_lookup_floor",
+        "baseline": "vllm" if baseline is not None else None,
+        "timer": "process_time",
+        "num_keys": num_keys,
+        "capacity_blocks": capacity,
+        "runs": runs,
+        "rows": rows,
+    }
+    print(
+        f"kvtier bench manager --lookup-floor: {num_keys} lookups (half hit) over {capacity} blocks, "
+        f"ns per lookup, CPU time, {runs} alternating rounds"
+        + ("" if baseline else "; vLLM not importable: no baseline"),
+        file=out,
+    )
+    table = [
+        {
+            "policy": row["policy"],
+            "subject": row["subject"],
+            "min": row["ns_min"],
+            "median": row["ns_median"],
+            "max": row["ns_max"],
+            "vllm_over": None
+            if "vllm_over" not in row
+            else f"{row['vllm_over']:.2f} ({row['vllm_over_range'][0]:.2f}-{row['vllm_over_range'][1]:.2f})",
+        }
+        for row in rows
+    ]
+    print_table(table, ["policy", "subject", "min", "median", "max", "vllm_over"], out)
+    return record
+
+
+def _floor_rounds(
+    subjects: list[Subject], policy: str, keys: list[bytes], capacity: int, runs: int
+) -> dict[str, list[float]]:
+    """:func:`lookup_floor`'s rounds for one policy: ns per lookup, each round's, by subject."""
+    from kvtier.manager.causes import key_hashes
+
+    managers, contexts = {}, {}
+    for subject in subjects:
+        manager = managers[subject.name] = subject.make_manager(policy, capacity)
+        requests = enumerate(_chunks(keys, 64))
+        _store(subject, manager, ((chunk, subject.make_context(f"r-{i}")) for i, chunk in requests))
+        contexts[subject.name] = subject.make_context("lookups")
+    index = managers["kvtier"].policy.contains.__self__  # the policy's dict (its bound __contains__)
+    missed = [key for key in keys if key not in index]
+
+    def probe_loop() -> None:
+        for key in keys:
+            key in index  # noqa: B015 (the probe is what is timed)
+
+    def probe_function(key: bytes, req_context: Any) -> bool:
+        return key in index
+
+    def hashes() -> None:
+        key_hashes(missed)  # type: ignore[arg-type]  # the bench's keys are plain bytes
+
+    def calling(
+        lookup: Callable[[bytes, Any], Any], ctx: Any, settle: Callable[[], None]
+    ) -> Callable[[], None]:
+        def timed() -> None:
+            for key in keys:
+                lookup(key, ctx)
+            settle()
+
+        return timed
+
+    timed: dict[str, Callable[[], None]] = {
+        "dict probe, inline": probe_loop,
+        "dict probe in a function": calling(probe_function, None, lambda: None),
+        "hash of each missed key": hashes,
+    }
+    for subject in subjects:
+        manager = managers[subject.name]
+        timed[subject.name] = calling(
+            manager.lookup, contexts[subject.name], partial(subject.settle, manager)
+        )
+    names = list(timed)
+    taken: dict[str, list[float]] = {name: [] for name in names}
+    clock = time.process_time
+    # written through before each subject: every one starts with the CPU's caches holding
+    # none of its tables (else a subject timed after another on the same dict finds it warm)
+    sweep = bytearray(_SWEEP_BYTES)
+    lines = b"\1" * len(sweep[::64])
+    try:
+        for round_index in range(runs):
+            for name in names if round_index % 2 == 0 else names[::-1]:
+                sweep[::64] = lines
+                start = clock()
+                timed[name]()
+                taken[name].append((clock() - start) / len(keys) * 1e9)
+    finally:
+        for manager in managers.values():
+            manager.shutdown()
+    return taken

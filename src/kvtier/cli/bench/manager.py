@@ -40,6 +40,12 @@ def add_parser(sub: Any) -> None:
     bench_manager.add_argument(
         "--steps", type=int, default=1000, help="--stack: timed steps per run (default 1000)"
     )
+    bench_manager.add_argument(
+        "--lookup-floor",
+        action="store_true",
+        help="where a lookup's time goes: kvtier's (miss causes on and off) and vLLM's beside a "
+        "bare dict probe and the same probe in a Python function (use --runs 15 or more)",
+    )
     bench_manager.set_defaults(func=run)
 
 
@@ -65,6 +71,14 @@ def run(args: argparse.Namespace) -> int:
         return 0 if record["us_per_step"] else 1
     from kvtier.bench import manager
 
+    if args.lookup_floor:
+        record = report(
+            args,
+            lambda out: manager.lookup_floor(
+                num_keys=args.keys, capacity=args.capacity, runs=args.runs, out=out
+            ),
+        )
+        return 0 if record["rows"] else 1
     record = report(
         args, lambda out: manager.run(num_keys=args.keys, capacity=args.capacity, runs=args.runs, out=out)
     )
