@@ -257,8 +257,9 @@ def test_sglang_logs_the_line_the_quickstart_quotes(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="sglang.kvtier")
     pool = mha_pool("page_first")
     backend = build_backend(pool, extra)
+    assert backend.tiers  # the stores open at the first page operation (a request's lookup)
     backend.close()
-    quoted = _quoted_line(SGLANG_PAGE, "kvtier: page_first")
+    quoted = _quoted_line(SGLANG_PAGE, "pool, page_first")
     pattern = re.escape(quoted[quoted.index("kvtier: ") :]).replace(re.escape("..."), ".*")
     pattern = pattern.replace("64", r"\d+")  # the test pool's page size, not the quickstart's
     assert any(re.fullmatch(pattern, r.getMessage()) for r in caplog.records), [
