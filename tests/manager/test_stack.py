@@ -332,3 +332,33 @@ def test_shutdown_ends_when_a_save_was_counted_but_never_sent(caplog):
     assert "1 blocks were being saved by jobs that no longer exist" in caplog.text
     stats = manager.stats()  # as they were just before the tiers closed
     assert stats[f"{disk.name}.demotions"] == 2  # the real saves went through first
+
+
+def test_a_failed_read_behind_a_miss_is_counted_once():
+    """A key looked up None (its read queued) whose read fails is a miss, counted as the read
+    fails; an engine that then reports it behind the request's first miss, or asks again,
+    does not make it two."""
+    from kvtier.manager.causes import MissCauses
+
+    backend = MemoryBackend(2, BLOCK)
+    disk = MemoryTier("disk", backend.rows, 8)
+    manager = TierStackManager(
+        backend,
+        LRUPolicy(2),
+        [disk],
+        CascadeConfig(write_policy="write_through"),
+        causes=MissCauses(256, ["cpu", "disk"]),
+    )
+    keys = [key(i) for i in range(6)]
+    for k in keys:
+        store(manager, [k])
+        settle(manager)
+    assert not manager.lookup(keys[0], CTX) and manager.lookup(keys[1], CTX) is None
+    disk.corrupt(keys[1])
+    settle(manager)  # the read of keys[1] fails verification: a corrupt miss
+    before = manager.stats()
+    manager.missed_behind([keys[1]], CTX)  # behind keys[0], which missed first
+    assert manager.lookup(keys[1], CTX) is False  # asked again: the same miss
+    after = manager.stats()
+    assert after["miss_corrupt"] == before["miss_corrupt"] == 1
+    assert sum(v for name, v in after.items() if name.startswith("miss_")) == after["misses"]

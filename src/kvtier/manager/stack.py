@@ -207,6 +207,10 @@ class TierStackManager(SingleTierManager):
         #: keys whose read found no CPU row at the end of the last step, or failed since: misses
         #: until the next step ends
         self._no_room: set[OffloadKey] = set()
+        #: keys that looked up None and then missed, counted then (a read that failed, no CPU
+        #: row for it): not counted again if an engine reports them behind a miss; kept until
+        #: a request finishes
+        self._missed_pending: set[OffloadKey] = set()
         self._promote_queue: list[deque[OffloadKey]] = [deque() for _ in self._tiers]
         self._dirty = ColdQueue()
         self._demoting: dict[OffloadKey, int] = {}
@@ -279,6 +283,8 @@ class TierStackManager(SingleTierManager):
             unknown = unknown or found is None
         if unknown:
             return None  # a tier finds out by the end of the step (a remote tier asks its server)
+        if key in self._missed_pending:
+            return False  # its failed read was counted, and the engine asks again
         self.misses += 1
         if self._causes is not None:
             self._classify_miss(key, limit)
@@ -319,6 +325,8 @@ class TierStackManager(SingleTierManager):
         causes = self._causes
         if causes is None or not keys:
             return
+        if self._missed_pending:  # counted already, as the read that failed or found no row
+            keys = [key for key in keys if key not in self._missed_pending]
         self.misses += len(keys)
         contains, pending, promoting = self._contains, self._pending, self._promoting
         local = [(index, tier) for index, tier in enumerate(self._tiers, start=1) if not tier.remote]
@@ -344,6 +352,10 @@ class TierStackManager(SingleTierManager):
             rest = kept
         for key in rest:
             causes.note_miss(key)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._missed_pending.clear()
+        super().on_request_finished(req_context)
 
     def is_promoting(self, key: OffloadKey) -> bool:
         """Whether a read of ``key`` from a lower tier is queued or in flight.
@@ -516,6 +528,7 @@ class TierStackManager(SingleTierManager):
                     self.misses += len(queue)
                     if self._causes is not None:
                         self._causes.count("store_failed", 0, n=len(queue))
+                        self._missed_pending.update(queue)
                     queue.clear()
                 continue  # else blocks being saved below free rows soon: try next step
             keys = tuple(queue.popleft() for _ in range(len(rows)))
@@ -553,6 +566,7 @@ class TierStackManager(SingleTierManager):
             self.misses += len(failed)  # the lookup that queued each read said None, not False
             if self._causes is not None:
                 self._causes.read_failed(result.failed, index + 1)
+                self._missed_pending.update(failed)
 
     def _submit_demotions(self) -> None:
         if not self._dirty and not self._spill:

@@ -245,6 +245,11 @@ def _shared_figures(engines: list[SoakEngine]) -> dict[str, int]:
         stats = engine.stats()
         figures["shared_hits"] += int(stats.get("shared.promotions", 0))
         figures["unavailable_misses"] += int(stats.get("miss_unavailable", 0))
+        # why the shared tier's keys failed, by reason (``failed_timeout``, ...): what the
+        # unavailable misses came from
+        for name, value in stats.items():
+            if name.startswith("shared.failed_") and name != "shared.failed_keys":
+                figures[name.removeprefix("shared.")] += int(value)
         for name in (
             "node_outages",
             "redirects_ask",

@@ -143,10 +143,17 @@ class TLSProxy:
     def close(self) -> None:
         async def stop() -> None:
             self._server.close()
+            # the connections' pipes end here, while the loop runs: left to the garbage
+            # collector, their `finally` would close a writer on a closed loop
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop.close()
 
     def __enter__(self) -> TLSProxy:
         return self

@@ -313,7 +313,15 @@ class LocalValkeyCluster:
             self._call(self.servers[0], "CLUSTER", "MEET", LOOPBACK, server.port)
         self.wait_until(lambda: self._all_know(len(self.servers)), "every node knows every other")
         for index, server in enumerate(replicas):
-            self._call(server, "CLUSTER", "REPLICATE", self.node_id(primaries[index // self.replicas]))
+            primary = self.node_id(primaries[index // self.replicas])
+            # known_nodes counts a peer still in its handshake under a temporary id: the
+            # replica may not know the primary's own id yet ("Unknown node"), so ask again
+            self.wait_until(
+                lambda server=server, primary=primary: (
+                    self._call(server, "CLUSTER", "REPLICATE", primary) is not None
+                ),
+                f"a replica of {primary}",
+            )
         self.wait_until(self._settled, "cluster_state:ok on every node, every replica in sync")
 
     # -- asking the nodes ------------------------------------------------------------------------
