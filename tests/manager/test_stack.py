@@ -362,3 +362,28 @@ def test_a_failed_read_behind_a_miss_is_counted_once():
     after = manager.stats()
     assert after["miss_corrupt"] == before["miss_corrupt"] == 1
     assert sum(v for name, v in after.items() if name.startswith("miss_")) == after["misses"]
+
+
+def test_a_read_that_fails_after_its_key_was_reported_behind_is_not_a_second_miss():
+    from kvtier.manager.causes import MissCauses
+
+    backend = MemoryBackend(2, BLOCK)
+    disk = MemoryTier("disk", backend.rows, 8)
+    manager = TierStackManager(
+        backend,
+        LRUPolicy(2),
+        [disk],
+        CascadeConfig(write_policy="write_through"),
+        causes=MissCauses(256, ["cpu", "disk"]),
+    )
+    keys = [key(i) for i in range(6)]
+    for k in keys:
+        store(manager, [k])
+        settle(manager)
+    assert manager.lookup(keys[1], CTX) is None  # its read is queued
+    manager.missed_behind([keys[1]], CTX)  # the engine computes it: behind, one miss
+    disk.corrupt(keys[1])
+    settle(manager)  # the read fails now, after it was counted
+    stats = manager.stats()
+    assert stats["miss_behind"] == 1 and stats["miss_corrupt"] == 0
+    assert sum(v for name, v in stats.items() if name.startswith("miss_")) == stats["misses"] == 1

@@ -211,6 +211,9 @@ class TierStackManager(SingleTierManager):
         #: row for it): not counted again if an engine reports them behind a miss; kept until
         #: a request finishes
         self._missed_pending: set[OffloadKey] = set()
+        #: keys reported behind a miss (so counted) while their read was queued or in flight:
+        #: that read failing is not a second miss; dropped as the read ends
+        self._behind_reads: set[OffloadKey] = set()
         self._promote_queue: list[deque[OffloadKey]] = [deque() for _ in self._tiers]
         self._dirty = ColdQueue()
         self._demoting: dict[OffloadKey, int] = {}
@@ -335,6 +338,8 @@ class TierStackManager(SingleTierManager):
         for key in keys:
             if contains(key) or key in pending or key in promoting:
                 causes.count("behind", 0)
+                if key in promoting:
+                    self._behind_reads.add(key)
                 continue
             holder = next((index for index, tier in local if tier.lookup(key) is True), None)
             if holder is None:
@@ -524,10 +529,13 @@ class TierStackManager(SingleTierManager):
                     for key in queue:
                         del self._promoting[key]
                     self._no_room.update(queue)
-                    # misses: the CPU tier could not take them
-                    self.misses += len(queue)
+                    # misses: the CPU tier could not take them (but those counted already,
+                    # behind their request's first miss)
+                    uncounted = len(queue) - len(self._behind_reads.intersection(queue))
+                    self._behind_reads.difference_update(queue)
+                    self.misses += uncounted
                     if self._causes is not None:
-                        self._causes.count("store_failed", 0, n=len(queue))
+                        self._causes.count("store_failed", 0, n=uncounted)
                         self._missed_pending.update(queue)
                     queue.clear()
                 continue  # else blocks being saved below free rows soon: try next step
@@ -544,6 +552,9 @@ class TierStackManager(SingleTierManager):
         counters = self._counters[index]
         ok = list(result.ok)
         rows = [self._promoting.pop(key) for key in ok]
+        behind = self._behind_reads
+        if behind:
+            behind.difference_update(ok)
         if ok:
             self._policy.insert(ok, rows)  # clean: a tier below holds it
             counters.promotions += len(ok)
@@ -563,9 +574,13 @@ class TierStackManager(SingleTierManager):
             counters.corrupt_blocks += sum(
                 1 for reason in result.failed.values() if reason.kind is FailureKind.CORRUPT
             )
-            self.misses += len(failed)  # the lookup that queued each read said None, not False
+            reasons = result.failed
+            if behind:  # counted already, as blocks behind their request's first miss
+                reasons = {key: reason for key, reason in reasons.items() if key not in behind}
+                behind.difference_update(failed)
+            self.misses += len(reasons)  # the lookup that queued each read said None, not False
             if self._causes is not None:
-                self._causes.read_failed(result.failed, index + 1)
+                self._causes.read_failed(reasons, index + 1)
                 self._missed_pending.update(failed)
 
     def _submit_demotions(self) -> None:

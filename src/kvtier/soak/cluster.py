@@ -255,6 +255,7 @@ def _shared_figures(engines: list[SoakEngine]) -> dict[str, int]:
             "redirects_ask",
             "redirects_moved",
             "redirects_exhausted",
+            "keys_unrouted",
             "slot_map_reads",
         ):
             figures[name] += int(stats.get(f"shared.{name}", 0))

@@ -528,6 +528,8 @@ class ValkeyConnection:
         try:
             groups = self._groups(names)
         except Exception as error:  # the cluster's topology could not be read
+            if self.health is not None:
+                self.health.unrouted(len(names))
             return [reason_of(error)] * len(names)
         sends = [(node, server, indexes, False) for node, server, indexes in groups]
         for hop in range(MAX_REDIRECTS + 1):
@@ -561,6 +563,8 @@ class ValkeyConnection:
         ``None``, an error reply's exception or a Failure). The keys of a cluster node that is
         down fail at once; a node that cannot be reached is marked down."""
         if server is None:
+            if self.health is not None:
+                self.health.unrouted(len(indexes))
             return [_UNCOVERED] * len(indexes)
         health = self.health
         if health is not None and node is not None:

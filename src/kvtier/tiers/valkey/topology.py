@@ -46,13 +46,23 @@ class ClusterHealth:
     :attr:`counters` (in the tier's stats): ``node_outages`` is raised as a node goes down,
     ``redirects_moved`` and ``redirects_ask`` with each key followed to another node,
     ``redirects_exhausted`` with each key that failed because it was still redirected after
-    the most redirects a batch follows, ``slot_map_reads`` with each read of the map.
+    the most redirects a batch follows, ``keys_unrouted`` with each key failed because the
+    slot map named no node for it (or could not be read), ``slot_map_reads`` with each read
+    of the map.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.counters = dict.fromkeys(
-            ("node_outages", "redirects_moved", "redirects_ask", "redirects_exhausted", "slot_map_reads"), 0
+            (
+                "node_outages",
+                "redirects_moved",
+                "redirects_ask",
+                "redirects_exhausted",
+                "keys_unrouted",
+                "slot_map_reads",
+            ),
+            0,
         )
         #: node name (host:port) -> its outage; replaced, never changed in place
         self._down: dict[str, NodeOutage] = {}
@@ -95,6 +105,13 @@ class ClusterHealth:
         disagree about its slot, so the map is read again at once."""
         with self.lock:
             self.counters["redirects_exhausted"] += 1
+            self._due_at = time.monotonic()
+
+    def unrouted(self, count: int) -> None:
+        """``count`` keys failed because the slot map named no node for them, or could not be
+        read: the map is read again at once."""
+        with self.lock:
+            self.counters["keys_unrouted"] += count
             self._due_at = time.monotonic()
 
     def read_due(self) -> bool:
