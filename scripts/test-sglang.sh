@@ -19,18 +19,7 @@ fi
 # An environment made by hand may lack this checkout; the install is a no-op when it has it.
 # An environment made before kvtier gained a dependency lacks it: installing with the dependencies
 # adds what is missing and leaves the engine's own pins (torch included) as they are.
-"$VENV/bin/python" - <<'PY' || "$VENV/bin/pip" install -q -e .
-import os, sys, importlib.metadata as md, kvtier
-from packaging.requirements import Requirement
-here = os.path.realpath(kvtier.__file__).startswith(os.path.realpath("src"))
-def present(requirement):
-    try:
-        return md.version(Requirement(requirement).name) is not None
-    except md.PackageNotFoundError:
-        return False
-needed = [r for r in md.requires("kvtier") or [] if "extra ==" not in r]
-sys.exit(0 if here and all(present(r) for r in needed) else 1)
-PY
+"$VENV/bin/python" scripts/env-has-kvtier.py || "$VENV/bin/pip" install -q -e .
 
 echo "== sglang-marked tests ($("$VENV/bin/python" -W ignore -c 'import sglang; print("SGLang", sglang.__version__)' 2>/dev/null))"
 out=$(mktemp)

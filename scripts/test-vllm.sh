@@ -20,18 +20,7 @@ fi
 "$VENV/bin/python" -c "import pytest, hypothesis" 2>/dev/null || "$VENV/bin/pip" install -q pytest hypothesis
 # An environment made before kvtier gained a dependency lacks it: installing with the dependencies
 # adds what is missing and leaves the engine's own pins (torch included) as they are.
-"$VENV/bin/python" - <<'PY' || "$VENV/bin/pip" install -q -e .
-import os, sys, importlib.metadata as md, kvtier
-from packaging.requirements import Requirement
-here = os.path.realpath(kvtier.__file__).startswith(os.path.realpath("src"))
-def present(requirement):
-    try:
-        return md.version(Requirement(requirement).name) is not None
-    except md.PackageNotFoundError:
-        return False
-needed = [r for r in md.requires("kvtier") or [] if "extra ==" not in r]
-sys.exit(0 if here and all(present(r) for r in needed) else 1)
-PY
+"$VENV/bin/python" scripts/env-has-kvtier.py || "$VENV/bin/pip" install -q -e .
 
 echo "== vllm-marked tests ($("$VENV/bin/python" -c 'import vllm; print("vLLM", vllm.__version__)'))"
 # -rs lists skips; a skip here means the environment is broken, so it fails the run.

@@ -334,10 +334,9 @@ def test_shutdown_ends_when_a_save_was_counted_but_never_sent(caplog):
     assert stats[f"{disk.name}.demotions"] == 2  # the real saves went through first
 
 
-def test_a_failed_read_behind_a_miss_is_counted_once():
-    """A key looked up None (its read queued) whose read fails is a miss, counted as the read
-    fails; an engine that then reports it behind the request's first miss, or asks again,
-    does not make it two."""
+def saved_below_with_causes():
+    """A CPU tier of 2 over a disk of 8, miss causes on, six keys stored and saved below (the
+    first four gone from the CPU tier): (manager, disk, keys)."""
     from kvtier.manager.causes import MissCauses
 
     backend = MemoryBackend(2, BLOCK)
@@ -353,6 +352,14 @@ def test_a_failed_read_behind_a_miss_is_counted_once():
     for k in keys:
         store(manager, [k])
         settle(manager)
+    return manager, disk, keys
+
+
+def test_a_failed_read_behind_a_miss_is_counted_once():
+    """A key looked up None (its read queued) whose read fails is a miss, counted as the read
+    fails; an engine that then reports it behind the request's first miss, or asks again,
+    does not make it two."""
+    manager, disk, keys = saved_below_with_causes()
     assert not manager.lookup(keys[0], CTX) and manager.lookup(keys[1], CTX) is None
     disk.corrupt(keys[1])
     settle(manager)  # the read of keys[1] fails verification: a corrupt miss
@@ -365,21 +372,7 @@ def test_a_failed_read_behind_a_miss_is_counted_once():
 
 
 def test_a_read_that_fails_after_its_key_was_reported_behind_is_not_a_second_miss():
-    from kvtier.manager.causes import MissCauses
-
-    backend = MemoryBackend(2, BLOCK)
-    disk = MemoryTier("disk", backend.rows, 8)
-    manager = TierStackManager(
-        backend,
-        LRUPolicy(2),
-        [disk],
-        CascadeConfig(write_policy="write_through"),
-        causes=MissCauses(256, ["cpu", "disk"]),
-    )
-    keys = [key(i) for i in range(6)]
-    for k in keys:
-        store(manager, [k])
-        settle(manager)
+    manager, disk, keys = saved_below_with_causes()
     assert manager.lookup(keys[1], CTX) is None  # its read is queued
     manager.missed_behind([keys[1]], CTX)  # the engine computes it: behind, one miss
     disk.corrupt(keys[1])
