@@ -27,7 +27,7 @@ def soak(*args: str) -> dict:
         env={**os.environ, "PYTHONPATH": SRC},
         check=False,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, (done.stderr[-3000:], done.stdout[-3000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -59,8 +59,10 @@ def test_a_wrong_block_fails_the_soak(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(soak_engine, "is_exact", one_wrong)
     assert main(["soak", "--minutes", "0.01", "--json", "--dir", str(tmp_path)]) == 1
-    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out, err = capsys.readouterr()
+    record = json.loads(out.strip().splitlines()[-1])
     assert record["wrong_blocks_served"] == 1 and record["faults_injected"] == 0
+    assert err.strip().splitlines()[-1] == "kvtier soak: failed: 1 wrong blocks served"  # why, last
 
 
 def test_without_root_the_filling_fault_is_left_out_with_the_reason(tmp_path, monkeypatch):
@@ -96,21 +98,27 @@ def test_a_cluster_soak_with_faults_serves_nothing_wrong_and_every_fault_recover
     faults = {fault["fault"]: fault for fault in record["faults"]}
     assert list(faults) == list(cluster_soak.FAULTS) and record["faults_not_recovered"] == 0
     assert all("error" not in fault and fault["recovered_after_s"] is not None for fault in faults.values())
-    # the killed primary's keys missed as unavailable for a while, and only then
-    assert (
-        faults["primary_killed"]["unavailable_misses"] > 0 and record["baseline"]["unavailable_misses"] == 0
-    )
+    # the killed primary's keys missed as unavailable for a while; before the faults, only a
+    # lookup's read that outlived timeout_s on a loaded machine misses so
+    baseline = record["baseline"]
+    assert faults["primary_killed"]["unavailable_misses"] > 0
+    assert baseline["unavailable_misses"] == 0 or baseline["probe_timeouts"] > 0, baseline
     assert faults["primary_killed"]["node_outages"] > 0 and faults["primary_stalled"]["node_outages"] > 0
     # a move is followed through ASK while it runs, MOVED after; a miss meanwhile can only be a
-    # node that timed out (a busy machine), nodes that still disagreed about the slot after the
-    # redirects a batch follows, or a slot map that named no node for a key (each counted),
-    # never a redirect not followed
+    # node that timed out (a busy machine: a round trip that failed, or a lookup's read that
+    # outlived timeout_s while the node was MIGRATing), nodes that still disagreed about the
+    # slot after the redirects a batch follows, or a slot map that named no node for a key
+    # (each counted), never a redirect not followed
     assert faults["slots_moved"]["redirects_ask"] > 0 and faults["slots_moved"]["redirects_moved"] > 0
     assert faults["primary_added"]["redirects_moved"] > 0
     for move in (faults["slots_moved"], faults["primary_added"]):
         assert (
             move["unavailable_misses"] == 0
-            or move["node_outages"] + move["redirects_exhausted"] + move["keys_unrouted"] > 0
+            or move["node_outages"]
+            + move["probe_timeouts"]
+            + move["redirects_exhausted"]
+            + move["keys_unrouted"]
+            > 0
         ), {
             name: value
             for name, value in move.items()

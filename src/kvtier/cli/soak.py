@@ -62,7 +62,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # a wrong byte served or a committed block lost is the failure a soak exists to catch (and
     # for a cluster, slots never served again after a fault)
-    failed = (
-        record["wrong_blocks_served"] or record["committed_blocks_lost"] or record.get("faults_not_recovered")
-    )
-    return 1 if failed else 0
+    reasons = [
+        f"{record[name]} {name.replace('_', ' ')}"
+        for name in ("wrong_blocks_served", "committed_blocks_lost", "faults_not_recovered")
+        if record.get(name)
+    ]
+    if not reasons:
+        return 0
+    # the last line of stderr says why (the faults' own errors with it)
+    faults = record["faults"] if args.cluster else []  # a list of records (else counts by name)
+    reasons += [f"{fault['fault']}: {fault['error']}" for fault in faults if "error" in fault]
+    print(f"kvtier soak: failed: {'; '.join(reasons)}", file=sys.stderr)
+    return 1

@@ -257,6 +257,7 @@ def _shared_figures(engines: list[SoakEngine]) -> dict[str, int]:
             "redirects_exhausted",
             "keys_unrouted",
             "slot_map_reads",
+            "probe_timeouts",
         ):
             figures[name] += int(stats.get(f"shared.{name}", 0))
     return dict(figures)
