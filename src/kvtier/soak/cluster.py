@@ -258,6 +258,7 @@ def _shared_figures(engines: list[SoakEngine]) -> dict[str, int]:
             "keys_unrouted",
             "slot_map_reads",
             "probe_timeouts",
+            "nodes_down",
         ):
             figures[name] += int(stats.get(f"shared.{name}", 0))
     return dict(figures)
@@ -365,9 +366,11 @@ def run_cluster(
 
 
 def _phase(start: dict[str, int], engines: list[SoakEngine], counts: Counter) -> dict[str, Any]:
-    """What the engines saw since ``start`` (a snapshot of :func:`_shared_figures`)."""
+    """What the engines saw since ``start`` (a snapshot of :func:`_shared_figures`), and the
+    nodes they held down then (an outage that began before)."""
     now = {**_shared_figures(engines), "requests": counts["requests"]}
-    return {name: value - start.get(name, 0) for name, value in now.items()}
+    figures = {name: value - start.get(name, 0) for name, value in now.items() if name != "nodes_down"}
+    return {**figures, "nodes_down_at_start": start.get("nodes_down", 0)}
 
 
 def _report(
