@@ -162,3 +162,26 @@ def test_bench_disk_with_a_missing_dir_names_it_and_the_fix(tmp_path, capsys):
     assert main(["bench", "disk", "--backend", "files", "--gib", "0.01", "--dir", str(missing)]) == 1
     err = capsys.readouterr().err
     assert "--dir" in err and str(missing) in err and "mkdir -p" in err
+
+
+def test_bench_disk_at_the_baselines_durability_reports_each_rounds_spread(tmp_path, capsys):
+    """``--fsync end``: the tier unflushed, one flush at the end (the raw baseline's
+    durability). Every block still goes through the tier and comes back as stored (the bench
+    checks each row); the record gives the rounds' spread, the load and both sides' CPU."""
+    argv = ["bench", "disk", "--backend", "files", "--gib", "0.004", "--rounds", "3", "--open-blocks", "0"]
+    assert (
+        main(
+            [*argv, "--threads", "2", "--dir", str(tmp_path), "--no-drop-caches", "--fsync", "end", "--json"]
+        )
+        == 0
+    )
+    record = json.loads(capsys.readouterr().out)
+    assert record["fsync"] == "end" and record["rounds"] == 3
+    for name in ("write_ratio", "read_ratio"):
+        low, high = record[f"{name}_range"]
+        assert low <= record[name] <= high
+        rounds = sorted(sample[name] for sample in record["samples"])
+        assert [rounds[0], rounds[-1]] == [low, high]
+    assert record["load_range"][0] <= record["load_range"][1] and record["load_before"] >= 0
+    assert record["write_cpu_s_per_gb"] > 0 and record["baseline_write_cpu_s_per_gb"] >= 0
+    assert list(tmp_path.iterdir()) == []  # every store and the baseline's file removed

@@ -9,6 +9,9 @@ ratio is the median of the rounds' own kvtier/baseline ratios):
    batch`` unless ``--fsync`` says, ``o_direct: auto``) in a fresh directory under ``--dir``; every
    block submitted as store jobs of 16 blocks, all at once; timed from the first submission
    until every job finished (index committed, data flushed). Every key must be stored.
+   ``--fsync end`` (the bench's own, not a tier policy): the tier under ``fsync: none``, and
+   one ``syncfs`` of its filesystem inside the timed write, after the last job: durable at
+   the end, as the baseline is.
 3. kvtier read: the rows zeroed; the page cache emptied of the store where the reads are not
    O_DIRECT anyway (``cold_read_method``); every block loaded back into its row as load jobs
    of 16; timed the same way. Every key must load, verified by the tier, and every row must
@@ -19,7 +22,18 @@ ratio is the median of the rounds' own kvtier/baseline ratios):
    device's limit through the same Python I/O calls.
 
 The order of kvtier and baseline alternates between rounds, so neither always meets the disk
-in the state the other left. ``write_ratio`` / ``read_ratio`` are kvtier over baseline.
+in the state the other left. ``write_ratio`` / ``read_ratio`` are kvtier over baseline: the
+median of the rounds' own ratios, with their lowest and highest (``write_ratio_range`` ...).
+The machine's 1-minute load average is noted before the first round (``load_before``) and as
+each round starts (``load``; ``load_range`` over the run, which counts the bench's own I/O
+threads too while they wait for the disk). The tier spends several times the baseline's CPU
+per GB (``write_cpu_s_per_gb`` against ``baseline_write_cpu_s_per_gb``: the file system's
+work for a file per block, the checksum, the threads), so where other jobs keep the cores
+busy its ratios fall while the baseline's rate holds (docs/design/disk.md#the-files-tiers-write-gap-on-a-busy-machine).
+
+Durability: the baseline makes its bytes durable once, at the end; the tier under ``fsync:
+batch`` makes each job's blocks durable before reporting it (one ``syncfs``, shared by the
+jobs finishing together), a stronger promise that costs flushes during the run.
 
 When vLLM imports (the CPU-only environment of docs/bench.md), each round also runs vLLM 0.33's
 fs tier I/O path on the same bytes (``vllm_fs_write_gbps``/``vllm_fs_read_gbps``; see
@@ -64,12 +78,15 @@ from kvtier.tiers.base import TierJob
 from kvtier.tiers.disk.format import LayoutFingerprint, on_disk_block_bytes
 from kvtier.tiers.disk.blockio import O_DIRECT, probe_o_direct
 from kvtier.tiers.disk.mover import DEFAULT_THREADS
+from kvtier.tiers.disk.syscalls import syncfs
 from kvtier.tiers.cpu.region import SharedRegion
 
-__all__ = ["VLLM_FS_REFERENCE", "default_directory", "run"]
+__all__ = ["FSYNC_AT_END", "VLLM_FS_REFERENCE", "default_directory", "run"]
 
 BLOCK_BYTES = 2 << 20
 JOB_BLOCKS = 16
+#: ``--fsync end``: the tier unflushed, then one flush of its filesystem, as the baseline
+FSYNC_AT_END = "end"
 OPEN_BLOCKS = 100_000
 OPEN_BLOCK_BYTES = 4096
 #: vLLM 0.33's fs tier on this machine kind (GB/s; 16+16 threads, 1 GiB of 2 MiB chunks)
@@ -198,7 +215,7 @@ def _kvtier_round(
         kind=kind,
         capacity_bytes=count * on_disk_block_bytes(BLOCK_BYTES),
         path=path,
-        fsync=fsync,
+        fsync="none" if fsync == FSYNC_AT_END else fsync,
         **secret_options,
     )
     keys = _keys(count, kind.encode())
@@ -208,7 +225,11 @@ def _kvtier_round(
         )
         try:
             cpu = time.process_time()
-            write_s = _run_jobs(tier, keys, list(range(count)), load=False, job_base=0)
+            start = time.perf_counter()
+            _run_jobs(tier, keys, list(range(count)), load=False, job_base=0)
+            if fsync == FSYNC_AT_END:
+                _sync_filesystem(path)
+            write_s = time.perf_counter() - start
             write_cpu = time.process_time() - cpu
             rows[:] = 0
             method = "o_direct" if tier.o_direct else _drop_page_cache(_store_files(path), drop_caches)
@@ -236,6 +257,16 @@ def _kvtier_round(
     }
 
 
+def _sync_filesystem(path: str) -> None:
+    """Make everything written on ``path``'s filesystem durable: syncfs, else sync."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if syncfs is None or syncfs(fd) != 0:
+            os.sync()
+    finally:
+        os.close(fd)
+
+
 def _baseline_round(
     region: SharedRegion, directory: str, threads: int, drop_caches: bool
 ) -> dict[str, float]:
@@ -257,10 +288,12 @@ def _baseline_round(
                 raise OSError("short read")
 
         with ThreadPoolExecutor(threads) as pool:
+            cpu = time.process_time()
             start = time.perf_counter()
             list(pool.map(write, range(count)))
             os.fdatasync(fd)
             write_s = time.perf_counter() - start
+            write_cpu = time.process_time() - cpu
             if not direct:
                 _drop_page_cache([path], drop_caches)
             start = time.perf_counter()
@@ -269,7 +302,11 @@ def _baseline_round(
     finally:
         os.close(fd)
         os.unlink(path)
-    return {"baseline_write_gbps": nbytes / write_s / 1e9, "baseline_read_gbps": nbytes / read_s / 1e9}
+    return {
+        "baseline_write_gbps": nbytes / write_s / 1e9,
+        "baseline_read_gbps": nbytes / read_s / 1e9,
+        "baseline_write_cpu_s_per_gb": write_cpu / (nbytes / 1e9),
+    }
 
 
 def _vllm_fs_round(region: SharedRegion, directory: str, drop_caches: bool) -> dict[str, float] | None:
@@ -393,7 +430,8 @@ def run(
     ``open_blocks``: size of the store whose open is timed (0: skip that measurement).
     ``drop_caches``: may empty the machine's page cache (root) for cold reads and opens.
     ``fsync``: the tier's policy for the write phase (``batch``, the default, is durable per job;
-    vLLM's fs tier never flushes, so ``none`` is its like-for-like).
+    vLLM's fs tier never flushes, so ``none`` is its like-for-like), or :data:`FSYNC_AT_END`
+    (durable once at the end, as the baseline).
     ``secrets``: also the keyed and encrypted tier, side by side (module docstring).
     Blocks the caller for the whole run (about a minute with the defaults).
     """
@@ -406,6 +444,7 @@ def run(
             f"create it first (mkdir -p {directory}), or leave --dir out for {default_directory()}",
         )
     threads = threads or DEFAULT_THREADS
+    load_before = os.getloadavg()[0]
     count = max(JOB_BLOCKS, int(gib * (1 << 30)) // BLOCK_BYTES)
     region = SharedRegion.create(count, BLOCK_BYTES)
     try:
@@ -426,6 +465,7 @@ def run(
             # the plain tier and its variants in an order that rotates between rounds (the
             # run after another meets the disk busy with the deletion of the last store)
             turn = round_index % len(tiers)
+            load = os.getloadavg()[0]
             if round_index % 2 == 0:
                 baseline = _baseline_round(region, directory, threads, drop_caches)
             runs = {
@@ -445,7 +485,7 @@ def run(
                         keyed[f"{phase}_cpu_s_per_gb"] - measured[f"{phase}_cpu_s_per_gb"]
                     )
             vllm_fs = _vllm_fs_round(region, directory, drop_caches)
-            samples.append({**sample, **(vllm_fs or {})})
+            samples.append({**sample, **(vllm_fs or {}), "load": load})
     finally:
         region.close()
         if secret_dir is not None:
@@ -457,6 +497,7 @@ def run(
         "baseline_read_gbps",
         "write_cpu_s_per_gb",
         "read_cpu_s_per_gb",
+        "baseline_write_cpu_s_per_gb",
     ]
     if "vllm_fs_write_gbps" in samples[0]:
         names += ["vllm_fs_write_gbps", "vllm_fs_read_gbps"]
@@ -473,12 +514,18 @@ def run(
     for sample in samples:
         sample["write_ratio"] = sample["write_gbps"] / sample["baseline_write_gbps"]
         sample["read_ratio"] = sample["read_gbps"] / sample["baseline_read_gbps"]
+    spread = {
+        f"{name}_range": [min(s[name] for s in samples), max(s[name] for s in samples)]
+        for name in ("write_ratio", "read_ratio", "load")
+    }
     record: dict[str, Any] = {
         "bench": "disk",
         "backend": backend,
         **figures,
         "write_ratio": median(sample["write_ratio"] for sample in samples),
         "read_ratio": median(sample["read_ratio"] for sample in samples),
+        **spread,
+        "load_before": load_before,
         "gib": count * BLOCK_BYTES / (1 << 30),
         "block_bytes": BLOCK_BYTES,
         "threads": threads,
@@ -489,7 +536,8 @@ def run(
         "dir": directory,
         "filesystem": _filesystem(directory),
         "samples": [
-            {k: v for k, v in s.items() if k.endswith(("gbps", "ratio", "cost", "_gb"))} for s in samples
+            {k: v for k, v in s.items() if k.endswith(("gbps", "ratio", "cost", "_gb", "load"))}
+            for s in samples
         ],
         "secrets": [name for name, _ in variants],
         # "measured": vLLM's fs tier ran in this run (vllm_fs_*_gbps); else its reference figures
@@ -505,6 +553,7 @@ def run(
             "kvtier_gbps": figures["write_gbps"],
             "baseline_gbps": figures["baseline_write_gbps"],
             "ratio": record["write_ratio"],
+            "ratio_range": "{:.2f}-{:.2f}".format(*record["write_ratio_range"]),
             "vllm_fs_gbps": figures["vllm_fs_write_gbps"] if measured_vllm else "2.6-3.3 (ref)",
         },
         {
@@ -512,6 +561,7 @@ def run(
             "kvtier_gbps": figures["read_gbps"],
             "baseline_gbps": figures["baseline_read_gbps"],
             "ratio": record["read_ratio"],
+            "ratio_range": "{:.2f}-{:.2f}".format(*record["read_ratio_range"]),
             "vllm_fs_gbps": figures["vllm_fs_read_gbps"] if measured_vllm else "0.5-1.7 (ref)",
         },
     ]
@@ -521,7 +571,17 @@ def run(
         f"{'on' if record['o_direct'] else 'off'}, cold reads by {record['cold_read_method']}",
         file=out,
     )
-    print_table(table, ["phase", "kvtier_gbps", "baseline_gbps", "ratio", "vllm_fs_gbps"], out)
+    print_table(table, ["phase", "kvtier_gbps", "baseline_gbps", "ratio", "ratio_range", "vllm_fs_gbps"], out)
+    print(
+        "load average {:.1f} before, {:.1f}-{:.1f} over the rounds; CPU per GB written: kvtier {:.3f} s, "
+        "baseline {:.3f} s".format(
+            load_before,
+            *record["load_range"],
+            figures["write_cpu_s_per_gb"],
+            figures["baseline_write_cpu_s_per_gb"],
+        ),
+        file=out,
+    )
     if variants:
         print_table(
             [

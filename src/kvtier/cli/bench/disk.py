@@ -34,9 +34,10 @@ def add_parser(sub: Any) -> None:
     )
     bench_disk.add_argument(
         "--fsync",
-        choices=FSYNC_CHOICES,
+        choices=(*FSYNC_CHOICES, "end"),
         default="batch",
-        help="the tier's fsync policy while writing (default batch; vLLM's fs tier never flushes)",
+        help="the tier's fsync policy while writing (default batch; vLLM's fs tier never flushes); "
+        "end: none, then one flush of the filesystem at the end, as the raw baseline",
     )
     bench_disk.add_argument(
         "--no-drop-caches",
