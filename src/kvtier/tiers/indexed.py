@@ -209,7 +209,9 @@ class IndexedTier(SecondaryTier):
             return
         self._writing.update(new_keys)
         self._pending[job.job_id] = pending
-        self._start_store(TierWork(job.job_id, False, new_keys, new_rows, victims=victims, victim_ids=victim_ids))
+        self._start_store(
+            TierWork(job.job_id, False, new_keys, new_rows, victims=victims, victim_ids=victim_ids)
+        )
 
     def submit_load(self, job: TierJob) -> None:
         reading = self._reading

@@ -146,7 +146,9 @@ def test_check_finds_a_name_that_understates_its_block_and_a_low_count(tmp_path,
     tier.close()
 
 
-@pytest.mark.parametrize(("first", "then"), [("lossless", "int8"), ("int8", "lossless"), ("lossless", "none")])
+@pytest.mark.parametrize(
+    ("first", "then"), [("lossless", "int8"), ("int8", "lossless"), ("lossless", "none")]
+)
 def test_a_store_of_another_codec_is_never_decoded_as_its_own(tmp_path, rows, first, then):
     path = tmp_path / "s"
     keys = [key(i) for i in range(4)]

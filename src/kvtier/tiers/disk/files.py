@@ -681,7 +681,9 @@ class FilesTier(DiskTier):
                             # the room it is counted at bounds the bytes it takes
                             size = os.fstat(fd).st_size
                             if problem is None and size > units * self.unit_bytes:
-                                problem = f"{size} bytes, more than the {units * self.unit_bytes} it is counted at"
+                                problem = (
+                                    f"{size} bytes, more than the {units * self.unit_bytes} it is counted at"
+                                )
                         finally:
                             os.close(fd)
                 if problem is None:
