@@ -192,7 +192,7 @@ class IndexedTier(SecondaryTier):
         victim_ids: list[int] = []
         if new_keys:
             need = self._block_units
-            room = self._free_units()
+            room = self._free_units() - self._foreign_units
             if len(new_keys) * need > room:
                 victims, victim_ids = self._evict(len(new_keys) * need - room, present)
                 room += self._units(victim_ids)
@@ -261,18 +261,13 @@ class IndexedTier(SecondaryTier):
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _units(self, block_ids: Iterable[int]) -> int:
+    def _units(self, block_ids: Collection[int]) -> int:
         """The units blocks of ``block_ids`` take."""
-        return sum(block_ids) if self._sized else sum(1 for _ in block_ids)
+        return sum(block_ids) if self._sized else len(block_ids)
 
     def _free_units(self) -> int:
-        """Units neither held, nor reserved by keys being written, nor other processes' (as last seen)."""
-        return (
-            self.capacity_units
-            - self._held_units
-            - len(self._writing) * self._block_units
-            - self._foreign_units
-        )
+        """Units neither held nor reserved by keys being written (this process's view)."""
+        return self.capacity_units - self._held_units - len(self._writing) * self._block_units
 
     def _insert(self, keys: list[OffloadKey], block_ids: list[int]) -> None:
         """Commit ``keys`` (none present) to the index."""
@@ -335,7 +330,7 @@ class IndexedTier(SecondaryTier):
         adopted = [entry for entry in listed if not policy.contains(entry[0]) and entry[0] not in writing]
         # never more than the room this process's view leaves: its view may still count
         # blocks other processes removed since, and must not grow past the capacity
-        room = self.capacity_units - self._held_units - len(writing) * self._block_units
+        room = self._free_units()
         adopted.sort(key=lambda entry: entry[1])
         del adopted[bisect_right(list(accumulate(self._units((e[2],)) for e in adopted)), room) :]
         if not adopted:
@@ -349,7 +344,7 @@ class IndexedTier(SecondaryTier):
         if own:
             own.reverse()
             self._insert([key for key, _ in own], [block_id for _, block_id in own])
-        self._foreign_units = max(0, self._foreign_units - self._units(e[2] for e in adopted))
+        self._foreign_units = max(0, self._foreign_units - self._units([e[2] for e in adopted]))
         self._counters.add("adopted", len(adopted))
 
     def _result(self, pending: _Pending) -> TierJobResult:

@@ -555,12 +555,12 @@ class DiskTier(IndexedTier):
 
     def _after_store(self, job: MoverJob) -> None:
         self._store_after(job)
-        written = (i for i, (r, s) in enumerate(zip(job.reasons, job.skip)) if r is None and not s)
-        self._counters.add("bytes_written", self._units(job.block_ids[i] for i in written) * self.unit_bytes)
+        written = [b for b, r, s in zip(job.block_ids, job.reasons, job.skip) if r is None and not s]
+        self._counters.add("bytes_written", self._units(written) * self.unit_bytes)
         self._log_failures(job, "store")
 
     def _after_load(self, job: MoverJob) -> None:
-        ok = (block_id for r, block_id in zip(job.reasons, job.block_ids) if r is None)
+        ok = [block_id for r, block_id in zip(job.reasons, job.block_ids) if r is None]
         self._counters.add("bytes_read", self._units(ok) * self.unit_bytes)
         self._log_failures(job, "load")
 

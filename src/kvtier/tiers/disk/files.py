@@ -193,7 +193,7 @@ class FilesTier(DiskTier):
         entries = [(key, stamps.get(key, 0), block_id) for key, block_id in blocks.items()]
         if self.read_only:  # `kvtier check`: nothing is written, not even the recency log
             return entries
-        held = self._units(e[2] for e in entries)
+        held = self._units([e[2] for e in entries])
         if alone:
             if held > self.capacity_units:  # the capacity was lowered
                 entries.sort(key=lambda entry: entry[1])
