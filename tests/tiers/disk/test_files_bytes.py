@@ -53,6 +53,15 @@ def fill(tier, rows, keys, make) -> None:
         assert run(tier, batch, range(len(batch)), load=False).success
 
 
+def filled(tmp_path, rows, count: int, make=kv_payload, codec: str = "lossless"):
+    """A store of ``N`` raw blocks' bytes, offered ``count`` keys' blocks: its path, the keys, the tier."""
+    path = tmp_path / "s"
+    keys = [key(i) for i in range(count)]
+    tier = open_tier("files", path, rows, N, codec=codec)
+    fill(tier, rows, keys, make)
+    return path, keys, tier
+
+
 def held_exactly(tier, rows, keys, make) -> list[bytes]:
     """The keys the tier holds, each loaded and compared byte for byte with what was stored."""
     held = [k for k in keys if tier.lookup(k)]
@@ -65,10 +74,7 @@ def held_exactly(tier, rows, keys, make) -> list[bytes]:
 
 
 def test_lossless_on_kv_holds_more_blocks_than_raw_in_the_same_bytes(tmp_path, rows):
-    path = tmp_path / "s"
-    keys = [key(i) for i in range(3 * N)]
-    tier = open_tier("files", path, rows, N, codec="lossless")
-    fill(tier, rows, keys, kv_payload)
+    path, keys, tier = filled(tmp_path, rows, 3 * N)
     held = held_exactly(tier, rows, keys, kv_payload)
     stats = tier.stats()
     # 13 pages a block where a raw one takes 17; a job is admitted with a raw block's room
@@ -99,10 +105,7 @@ def test_lossless_on_kv_holds_more_blocks_than_raw_in_the_same_bytes(tmp_path, r
 
 
 def test_lossless_on_incompressible_bytes_holds_what_raw_does_and_no_more(tmp_path, rows):
-    path = tmp_path / "s"
-    keys = [key(i) for i in range(3 * N)]
-    tier = open_tier("files", path, rows, N, codec="lossless")
-    fill(tier, rows, keys, random_payload)
+    path, keys, tier = filled(tmp_path, rows, 3 * N, random_payload)
     held = held_exactly(tier, rows, keys, random_payload)
     assert len(held) == N and held == keys[-N:]
     assert files_bytes(path) <= usage(path) * PAGE_BYTES == CAPACITY
@@ -110,10 +113,7 @@ def test_lossless_on_incompressible_bytes_holds_what_raw_does_and_no_more(tmp_pa
 
 
 def test_a_lowered_capacity_trims_the_oldest_blocks_to_the_bytes(tmp_path, rows):
-    path = tmp_path / "s"
-    keys = [key(i) for i in range(20)]
-    tier = open_tier("files", path, rows, N, codec="lossless")
-    fill(tier, rows, keys, kv_payload)
+    path, keys, tier = filled(tmp_path, rows, 20)
     tier.close()
     tier = open_tier("files", path, rows, N // 2, codec="lossless")  # alone: trimmed at open
     held = held_exactly(tier, rows, keys, kv_payload)
@@ -124,10 +124,7 @@ def test_a_lowered_capacity_trims_the_oldest_blocks_to_the_bytes(tmp_path, rows)
 
 
 def test_check_finds_a_name_that_understates_its_block_and_a_low_count(tmp_path, rows):
-    path = tmp_path / "s"
-    keys = [key(i) for i in range(4)]
-    tier = open_tier("files", path, rows, N, codec="lossless")
-    fill(tier, rows, keys, kv_payload)
+    path, keys, tier = filled(tmp_path, rows, 4)
     tier.close()
     named = next((path / "blocks").rglob(f"{keys[0].hex()}.*.kvb"))
     liar = named.with_name(f"{keys[0].hex()}.2.kvb")  # 8 KiB, for a block of 13 pages
@@ -150,10 +147,7 @@ def test_check_finds_a_name_that_understates_its_block_and_a_low_count(tmp_path,
     ("first", "then"), [("lossless", "int8"), ("int8", "lossless"), ("lossless", "none")]
 )
 def test_a_store_of_another_codec_is_never_decoded_as_its_own(tmp_path, rows, first, then):
-    path = tmp_path / "s"
-    keys = [key(i) for i in range(4)]
-    tier = open_tier("files", path, rows, N, codec=first)
-    fill(tier, rows, keys, kv_payload)
+    path, keys, tier = filled(tmp_path, rows, 4, codec=first)
     tier.close()
     tier = open_tier("files", path, rows, N, codec=then)  # wiped: another layout
     assert tier.num_blocks() == 0 and not load(tier, rows, keys, first_row=8).ok
