@@ -273,6 +273,9 @@ class IndexedTier(SecondaryTier):
         """Commit ``keys`` (none present) to the index."""
         self._policy.insert(keys, block_ids)
         self._held_units += self._units(block_ids)
+        if self._sized and self._held_units:
+            # the blocks the capacity holds at the sizes held: an estimate
+            self.capacity_blocks = self.capacity_units * len(self._policy) // self._held_units
 
     def _remove(self, key: OffloadKey) -> bool:
         """Drop ``key`` from the index; whether it was there."""
@@ -389,9 +392,6 @@ class IndexedTier(SecondaryTier):
                     self._list_foreign_blocks()
             else:
                 self._foreign_units = min(self._foreign_units, foreign)
-        if self._sized and self._held_units:
-            # the blocks the capacity holds at the sizes achieved so far: an estimate
-            self.capacity_blocks = self.capacity_units * len(self._policy) // self._held_units
         result = self._result(pending)
         result.nbytes = len(stored) * self.block_bytes
         return result

@@ -100,6 +100,7 @@ def test_lossless_on_kv_holds_more_blocks_than_raw_in_the_same_bytes(tmp_path, r
     assert report.healthy and report.blocks_checked == len(held), report.problems
     tier = open_tier("files", path, rows, N, codec="lossless")  # the recount reads the names
     assert tier.num_blocks() == len(held) and usage(path) * PAGE_BYTES == stats["held_bytes"]
+    assert tier.capacity_blocks == stats["capacity_blocks"]
     assert held_exactly(tier, rows, keys, kv_payload) == held
     tier.close()
 
