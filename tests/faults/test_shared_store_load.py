@@ -28,6 +28,7 @@ from kvtier.soak.store_process import open_tier
 from kvtier.tiers.base import TierJob
 from kvtier.tiers.cpu.region import SharedRegion
 from kvtier.tiers.disk import check_store
+from kvtier.tiers.disk.format import PAGE_BYTES, on_disk_block_bytes
 
 SRC = os.path.dirname(os.path.dirname(kvtier.__file__))
 BLOCK = 10_000
@@ -37,7 +38,7 @@ SECONDS = 2.0
 MIN_JOBS = 20  # however loaded the machine, each does this much
 
 
-def sharer(kind, path, seed, shm_dir):
+def sharer(kind, path, seed, shm_dir, codec="none"):
     return subprocess.Popen(
         [
             sys.executable,
@@ -56,6 +57,8 @@ def sharer(kind, path, seed, shm_dir):
             "--shm-dir",
             str(shm_dir),
             "--wait-go",
+            "--codec",
+            codec,
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -66,7 +69,8 @@ def sharer(kind, path, seed, shm_dir):
 
 
 def blocks_on_disk(kind: str, path: Path, index) -> int:
-    """Blocks the store holds right now, seen from outside the two processes.
+    """Blocks (pages, for a ``files`` store of a lossless codec) the store holds right now,
+    seen from outside the two processes.
 
     ``files``: the shared usage count, read under its flock as the tiers change it. A scan of
     the 256 directories is no snapshot (while it runs, files go in one directory and come in
@@ -83,13 +87,23 @@ def blocks_on_disk(kind: str, path: Path, index) -> int:
         return txn.stat(index.open_db(b"blocks", txn=txn, create=False))["entries"]
 
 
+def bytes_on_disk(store: Path) -> int:
+    """What the block files of a ``files`` store take (headers included)."""
+    return sum(path.stat().st_size for path in (store / "blocks").rglob("*.kvb"))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["lmdb", "files"])
-def test_two_processes_store_load_and_evict_at_once(kind, tmp_path):
+@pytest.mark.parametrize(("kind", "codec"), [("lmdb", "none"), ("files", "none"), ("files", "lossless")])
+def test_two_processes_store_load_and_evict_at_once(kind, codec, tmp_path):
+    """With ``lossless`` the files store counts pages, and holds more blocks than raw ones
+    fit in its bytes, never more bytes."""
     store = tmp_path / "store"
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
-    processes = [sharer(kind, store, seed, shm_dir) for seed in (1, 2)]
+    kv = codec != "none"
+    capacity_bytes = CAPACITY * on_disk_block_bytes(BLOCK)
+    limit = capacity_bytes // PAGE_BYTES if kv else CAPACITY  # in the usage count's units
+    processes = [sharer(kind, store, seed, shm_dir, codec) for seed in (1, 2)]
     for process in processes:
         assert process.stdout.readline().strip() == "ready", process.stderr.read()
     index = lmdb.open(str(store / "index"), readonly=True, max_dbs=4, lock=True) if kind == "lmdb" else None
@@ -118,7 +132,7 @@ def test_two_processes_store_load_and_evict_at_once(kind, tmp_path):
         if index is not None:
             index.close()
 
-    assert samples and max(samples) <= CAPACITY, (len(samples), max(samples))
+    assert samples and max(samples) <= limit, (len(samples), max(samples))
     for tally in tallies:
         stats = tally["stats"]
         assert tally["wrong"] == 0, tally  # never another key's bytes, never damaged ones
@@ -130,36 +144,44 @@ def test_two_processes_store_load_and_evict_at_once(kind, tmp_path):
         assert sum(stats.get(f"failed_{r}", 0) for r in tally["reasons"]) == stats["failed_keys"]
         assert stats["missing"] == tally["reasons"].get("missing", 0)
         assert stats["stored"] <= tally["store_ok"] and stats["corrupt"] == 0
-        assert stats["blocks"] <= CAPACITY
+        assert stats["held_bytes"] <= capacity_bytes
+        assert stats["blocks"] <= (2 * CAPACITY if kv else CAPACITY)
     assert sum(t["stats"]["evicted"] for t in tallies) > 0  # eviction ran under load
 
     report = check_store(str(store))
     assert report.healthy, report.problems
+    if kind == "files":
+        assert bytes_on_disk(store) <= capacity_bytes
     region = SharedRegion.create(8, BLOCK)
-    tier = open_tier(kind, str(store), CAPACITY, BLOCK, region.rows)
+    tier = open_tier(kind, str(store), CAPACITY, BLOCK, region.rows, codec=codec)
     try:
         present = [k for k in (block_key(n, "shared") for n in range(UNIVERSE)) if tier.lookup(k)]
-        assert 0 < len(present) == tier.num_blocks() <= CAPACITY
+        assert 0 < len(present) == tier.num_blocks()
+        if kv:  # 3 pages a block where a raw one takes 4: the same bytes hold a third more
+            assert CAPACITY < len(present) <= capacity_bytes // (3 * PAGE_BYTES), len(present)
+        else:
+            assert len(present) <= CAPACITY
         for first in range(0, len(present), 8):
             batch = tuple(present[first : first + 8])
             tier.submit_load(TierJob(first + 1, batch, tuple(range(len(batch)))))
             tier.drain_jobs()
             (result,) = tier.get_finished_jobs()
             assert result.ok == list(batch)
-            assert all(is_exact(region.rows[row], k) for row, k in enumerate(batch))
+            assert all(is_exact(region.rows[row], k, kv) for row, k in enumerate(batch))
     finally:
         tier.close()
         region.close()
 
 
-@pytest.mark.parametrize("kind", ["lmdb", "files"])
-def test_a_store_filled_by_another_process_takes_new_blocks_again(kind, tmp_path):
+@pytest.mark.parametrize(("kind", "codec"), [("lmdb", "none"), ("files", "none"), ("files", "lossless")])
+def test_a_store_filled_by_another_process_takes_new_blocks_again(kind, codec, tmp_path):
     """A process that holds too few blocks to make room by evicting its own learns the other
     processes' blocks when the medium refuses room, and evicts those: before, it answered
     ``full`` to every store for the rest of its life, even once the other process had exited."""
     store = tmp_path / "store"
+    kv = codec != "none"
     region = SharedRegion.create(8, BLOCK)
-    tier = open_tier(kind, str(store), CAPACITY, BLOCK, region.rows)
+    tier = open_tier(kind, str(store), CAPACITY, BLOCK, region.rows, codec=codec)
     try:
         writer = subprocess.Popen(
             [
@@ -175,6 +197,8 @@ def test_a_store_filled_by_another_process_takes_new_blocks_again(kind, tmp_path
                 "filler",
                 "--shm-dir",
                 str(tmp_path),
+                "--codec",
+                codec,
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -195,7 +219,7 @@ def test_a_store_filled_by_another_process_takes_new_blocks_again(kind, tmp_path
         def store_batch(attempt: int) -> int:
             keys = tuple(block_key(100 * attempt + n, "mine") for n in range(8))
             for row, k in enumerate(keys):
-                region.rows[row] = payload(k, BLOCK)
+                region.rows[row] = payload(k, BLOCK, kv)
             tier.submit_store(TierJob(attempt + 1, keys, tuple(range(8))))
             tier.drain_jobs()
             (result,) = tier.get_finished_jobs()
@@ -210,7 +234,7 @@ def test_a_store_filled_by_another_process_takes_new_blocks_again(kind, tmp_path
         # flight, which a later store reclaims from the dead process), then room again
         assert outcomes[0] < 8 and outcomes[-1] == 8, outcomes
         assert tier.stats()["adopted"] > 0
-        assert tier.num_blocks() <= CAPACITY
+        assert tier.stats()["held_bytes"] <= CAPACITY * on_disk_block_bytes(BLOCK)
         # the adopted blocks are served too, exactly
         theirs = [k for k in committed if tier.lookup(k)]
         assert theirs
@@ -219,10 +243,12 @@ def test_a_store_filled_by_another_process_takes_new_blocks_again(kind, tmp_path
         tier.drain_jobs()
         (result,) = tier.get_finished_jobs()
         assert result.ok == list(batch)
-        assert all(is_exact(region.rows[row], k) for row, k in enumerate(batch))
+        assert all(is_exact(region.rows[row], k, kv) for row, k in enumerate(batch))
         for attempt in range(len(outcomes), 4):  # later stores reclaim the dead writer's slots
             assert store_batch(attempt) == 8
     finally:
         tier.close()
         region.close()
     assert check_store(str(store)).healthy
+    if kind == "files":
+        assert bytes_on_disk(store) <= CAPACITY * on_disk_block_bytes(BLOCK)

@@ -115,7 +115,7 @@ def locate(tier, k):
         with tier._env.begin() as txn:
             slot = _ENTRY.unpack(txn.get(k, db=tier._blocks))[0]
         return os.path.join(tier.path, "slab.kvs"), slot * tier.slot_bytes
-    return tier._shown(tier._path_of(k)), 0
+    return tier._shown(tier._path_of(k, tier._policy.get(k))), 0
 
 
 def flip(path, offset):

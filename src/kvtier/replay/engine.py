@@ -37,6 +37,7 @@ stack's: the manager, the tiers, the handlers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import time
@@ -63,19 +64,36 @@ def block_key(hash_id: int) -> OffloadKey:
 
 def block_bytes_of(key: OffloadKey, nbytes: int, kv_like: bool = False) -> np.ndarray:
     """The bytes block ``key`` "computes" to: its SHA-512 repeated, so no other key's match
-    (``kv_like``: read as bf16, every value finite, of magnitude 2^-7 to 2^-3)."""
+    (``kv_like``: bf16 values, every one finite: the SHA-512's, then a stretch of synthetic
+    KV the key picks, which ``lossless`` compresses as it does real KV, about 1.4x, where the
+    repeated hash would shrink to almost nothing)."""
     return np.frombuffer(_payload(key, nbytes, kv_like), dtype=np.int8)
 
 
+@functools.lru_cache(maxsize=4)
+def _kv_pool(nbytes: int) -> bytes:
+    """Synthetic bf16 KV (:func:`kvtier.bench.codec.synthetic_kv`) the kv-like payloads of
+    ``nbytes`` take their stretch from: made once, at least twice a block."""
+    from kvtier.bench.codec import synthetic_kv
+
+    return synthetic_kv(max(4 << 20, 2 * nbytes)).tobytes()
+
+
 def _payload(key: OffloadKey, nbytes: int, kv_like: bool = False) -> bytes:
-    # bytes repetition is one C-level copy; np.resize did the same in a Python loop of numpy
-    # calls and was most of the engine's own time.
+    # bytes repetition and slicing are C-level copies; np.resize did the same in a Python
+    # loop of numpy calls and was most of the engine's own time.
     digest = hashlib.sha512(key).digest()
-    if kv_like:
-        # each bf16's high byte: sign, and an exponent of 0x78 to 0x7B, so a lossy codec
-        # sees values (random bytes hold NaN and infinity), without a cost per block
-        digest = bytes(b if i % 2 == 0 else (b & 0x81) | 0x3C for i, b in enumerate(digest))
-    return (digest * -(-nbytes // len(digest)))[:nbytes]
+    if not kv_like:
+        return (digest * -(-nbytes // len(digest)))[:nbytes]
+    # each bf16's high byte: sign, and an exponent of 0x78 to 0x7B (random bytes hold NaN
+    # and infinity); the hash keeps every key's block its own
+    digest = bytes(b if i % 2 == 0 else (b & 0x81) | 0x3C for i, b in enumerate(digest))
+    rest = nbytes - len(digest)
+    if rest <= 0:
+        return digest[:nbytes]
+    pool = _kv_pool(nbytes)
+    start = int.from_bytes(digest[:8], "little") % (len(pool) - rest) & ~1  # whole bf16 values
+    return digest + pool[start : start + rest]
 
 
 @dataclass

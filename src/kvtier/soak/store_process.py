@@ -13,6 +13,8 @@ Run as ``python -m kvtier.soak.store_process ROLE KIND PATH CAPACITY_BLOCKS BLOC
   ``load_failed``, ``wrong``, failure reasons) and its tier's ``stats()``.
 
 The CPU rows are a private shared region per process (in ``--shm-dir``, default /dev/shm).
+``--codec NAME`` stores blocks with that codec, and makes them KV-like bf16 values (which
+``lossless`` compresses) rather than random bytes.
 Each prints ``ready`` once the store is open; with ``--wait-go`` it then waits for a line on
 stdin, so that two processes start their load together.
 """
@@ -40,8 +42,11 @@ __all__ = ["JOB_KEYS", "open_tier", "main"]
 JOB_KEYS = 4
 
 
-def open_tier(kind: str, path: str, capacity_blocks: int, block_bytes: int, rows, threads: int = 4):
-    """The store at ``path`` as the soak's processes open it (LRU, ``fsync: batch``)."""
+def open_tier(
+    kind: str, path: str, capacity_blocks: int, block_bytes: int, rows, threads: int = 4, codec: str = "none"
+):
+    """The store at ``path`` as the soak's processes open it (LRU, ``fsync: batch``): room
+    for ``capacity_blocks`` raw blocks, stored with ``codec`` (bf16 values)."""
     config = DiskTierConfig(
         name="soak",
         kind=kind,
@@ -49,8 +54,10 @@ def open_tier(kind: str, path: str, capacity_blocks: int, block_bytes: int, rows
         eviction="lru",
         fsync="batch",
         capacity_bytes=capacity_blocks * on_disk_block_bytes(block_bytes),
+        codec=codec,
     )
-    return open_store(config, rows, LayoutFingerprint.standalone(block_bytes), threads=threads)
+    fingerprint = LayoutFingerprint.standalone(block_bytes, "bfloat16" if codec != "none" else "uint8")
+    return open_store(config, rows, fingerprint, threads=threads)
 
 
 def _run(tier, job: TierJob, load: bool):
@@ -60,13 +67,13 @@ def _run(tier, job: TierJob, load: bool):
     return result
 
 
-def _writer(tier, rows, start: int, salt: str) -> None:
+def _writer(tier, rows, start: int, salt: str, kv: bool) -> None:
     i = start
     job_id = 0
     while True:
         keys = tuple(block_key(n, salt) for n in range(i, i + JOB_KEYS))
         for row, key in enumerate(keys):
-            rows[row] = payload(key, rows.shape[1])
+            rows[row] = payload(key, rows.shape[1], kv)
         job_id += 1
         result = _run(tier, TierJob(job_id, keys, tuple(range(JOB_KEYS))), load=False)
         if result.ok:
@@ -75,7 +82,9 @@ def _writer(tier, rows, start: int, salt: str) -> None:
         i += JOB_KEYS
 
 
-def _sharer(tier, rows, seed: int, seconds: float, universe: int, salt: str, min_jobs: int = 0) -> dict:
+def _sharer(
+    tier, rows, seed: int, seconds: float, universe: int, salt: str, min_jobs: int = 0, kv: bool = False
+) -> dict:
     rng = random.Random(seed)
     keys = [block_key(n, salt) for n in range(universe)]
     half = rows.shape[0] // 2
@@ -93,7 +102,7 @@ def _sharer(tier, rows, seed: int, seconds: float, universe: int, salt: str, min
     while time.monotonic() < deadline or tally["jobs"] < min_jobs:
         chosen = rng.sample(keys, half)
         for row, key in enumerate(chosen):
-            rows[row] = payload(key, rows.shape[1])
+            rows[row] = payload(key, rows.shape[1], kv)
         job_id += 1
         result = _run(tier, TierJob(job_id, tuple(chosen), tuple(range(half))), load=False)
         tally["store_ok"] += len(result.ok)
@@ -110,7 +119,7 @@ def _sharer(tier, rows, seed: int, seconds: float, universe: int, salt: str, min
             for row, key in zip(job.rows, job.keys):
                 if key in result.ok:
                     tally["load_ok"] += 1
-                    tally["wrong"] += not is_exact(rows[row], key)
+                    tally["wrong"] += not is_exact(rows[row], key, kv)
                 else:
                     tally["load_failed"] += 1
                     reason = result.failed[key]
@@ -129,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("block_bytes", type=int)
     parser.add_argument("args", nargs="*")
     parser.add_argument("--shm-dir", default=None)
+    parser.add_argument("--codec", default="none", help="store blocks with this codec (KV-like bf16 blocks)")
     parser.add_argument(
         "--wait-go", action="store_true", help="after 'ready', wait for a line on stdin (to start together)"
     )
@@ -139,19 +149,22 @@ def main(argv: list[str] | None = None) -> int:
         region_path = os.path.join(options.shm_dir, f"kvtier-soak-{os.getpid()}")
     region = SharedRegion.create(rows_needed, options.block_bytes, path=region_path)
     rows = region.rows
-    tier = open_tier(options.kind, options.path, options.capacity_blocks, options.block_bytes, rows)
+    tier = open_tier(
+        options.kind, options.path, options.capacity_blocks, options.block_bytes, rows, codec=options.codec
+    )
+    kv = options.codec != "none"
     print("ready", flush=True)
     if options.wait_go:
         sys.stdin.readline()
     try:
         if options.role == "writer":
             start, salt = int(options.args[0]), options.args[1]
-            _writer(tier, rows, start, salt)
+            _writer(tier, rows, start, salt, kv)
         else:
             seed, seconds, universe = int(options.args[0]), float(options.args[1]), int(options.args[2])
             salt = options.args[3] if len(options.args) > 3 else "shared"
             min_jobs = int(options.args[4]) if len(options.args) > 4 else 0
-            tally = _sharer(tier, rows, seed, seconds, universe, salt, min_jobs)
+            tally = _sharer(tier, rows, seed, seconds, universe, salt, min_jobs, kv)
             tier.drain_jobs()
             tally["stats"] = tier.stats()
             print(json.dumps(tally, sort_keys=True), flush=True)

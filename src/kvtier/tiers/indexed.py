@@ -10,8 +10,10 @@ from __future__ import annotations
 import threading
 import time
 from abc import abstractmethod
+from bisect import bisect_right
 from collections.abc import Collection, Container, Iterable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import ClassVar
 
 from kvtier.base import OffloadingEvent, OffloadKey
@@ -77,13 +79,19 @@ class IndexedTier(SecondaryTier):
     A medium subclass implements three hooks, and never touches this state:
 
     * :meth:`_start_store` (scheduler thread, must not wait for I/O): remove ``work.victims``
-      from the medium, then write ``work.keys`` from ``work.rows``; fill ``work.reasons``
-      and ``work.block_ids``;
+      (block ids ``work.victim_ids``) from the medium, then write ``work.keys`` from
+      ``work.rows``; fill ``work.reasons`` and ``work.block_ids``;
     * :meth:`_start_load` (same): read ``work.keys`` into ``work.rows`` and verify each;
       a block that fails verification is removed from the medium and reported
       ``Failure.corrupt(...)``;
     * :meth:`_finished_work` (scheduler thread, never waits): the work finished since the
       last call, each once.
+
+    Room is counted in *units*: a block is one unit, unless the medium stores blocks of
+    varying size (a ``files`` tier with a ``lossless`` codec) and counts them in pages: then
+    ``capacity_units`` is its capacity in pages, ``block_units`` the most one block takes, and
+    each block's id is its size in pages. A key being written holds ``block_units`` until its
+    store completes with its real size; a store evicts until the units it needs are free.
 
     Class attributes: :attr:`max_key_bytes` (longer keys fail with ``KEY_TOO_LONG``).
     """
@@ -96,8 +104,25 @@ class IndexedTier(SecondaryTier):
     #: first one (a series that appears with its first count has no rate yet)
     zero_failures: ClassVar[tuple[Failure, ...]] = (Failure.FULL,)
 
-    def __init__(self, name: str, block_bytes: int, capacity_blocks: int, policy: EvictionPolicy):
+    def __init__(
+        self,
+        name: str,
+        block_bytes: int,
+        capacity_blocks: int,
+        policy: EvictionPolicy,
+        *,
+        capacity_units: int | None = None,
+        block_units: int = 1,
+    ):
         super().__init__(name, block_bytes, capacity_blocks)
+        #: block ids are sizes in units (see the class docstring), not one unit a block
+        self._sized = capacity_units is not None
+        #: the room the tier has, in units (its blocks, where a block is one unit)
+        self.capacity_units = capacity_units if capacity_units is not None else capacity_blocks
+        #: the most units one block takes: what a key being written holds
+        self._block_units = block_units
+        #: units the committed blocks take
+        self._held_units = 0
         #: committed keys -> block ids, in eviction order
         self._policy = policy
         self._writing: set[OffloadKey] = set()
@@ -106,9 +131,9 @@ class IndexedTier(SecondaryTier):
         self._ready: list[TierJobResult] = []
         self._events: list[OffloadingEvent] = []
         self._counters = TierCounters()
-        # Blocks other processes hold in a shared store, as last seen when the medium had to
+        # Units other processes hold in a shared store, as last seen when the medium had to
         # refuse room (0 while this process is the only writer; see _complete_store).
-        self._foreign_blocks = 0
+        self._foreign_units = 0
 
     # -- medium hooks ---------------------------------------------------------------------------
 
@@ -164,15 +189,17 @@ class IndexedTier(SecondaryTier):
                 new_keys.append(key)
                 new_rows.append(row)
         victims: list[OffloadKey] = []
+        victim_ids: list[int] = []
         if new_keys:
-            room = self.capacity_blocks - len(policy) - len(self._writing) - self._foreign_blocks
-            if len(new_keys) > room:
-                victims = self._evict(len(new_keys) - room, present)
-                room += len(victims)
-            room = max(room, 0)
-            for key in new_keys[room:]:
+            need = self._block_units
+            room = self._free_units() - self._foreign_units
+            if len(new_keys) * need > room:
+                victims, victim_ids = self._evict(len(new_keys) * need - room, present)
+                room += self._units(victim_ids)
+            fits = max(room, 0) // need
+            for key in new_keys[fits:]:
                 failed[key] = Failure.FULL
-            del new_keys[room:], new_rows[room:]
+            del new_keys[fits:], new_rows[fits:]
         if victims:
             self._counters.add("evicted", len(victims))
             self._events.append(OffloadingEvent(victims, self.block_bytes, self.medium, True))
@@ -182,7 +209,9 @@ class IndexedTier(SecondaryTier):
             return
         self._writing.update(new_keys)
         self._pending[job.job_id] = pending
-        self._start_store(TierWork(job.job_id, False, new_keys, new_rows, victims=victims))
+        self._start_store(
+            TierWork(job.job_id, False, new_keys, new_rows, victims=victims, victim_ids=victim_ids)
+        )
 
     def submit_load(self, job: TierJob) -> None:
         reading = self._reading
@@ -232,30 +261,65 @@ class IndexedTier(SecondaryTier):
 
     # -- helpers --------------------------------------------------------------------------------
 
+    def _units(self, block_ids: Collection[int]) -> int:
+        """The units blocks of ``block_ids`` take."""
+        return sum(block_ids) if self._sized else len(block_ids)
+
+    def _free_units(self) -> int:
+        """Units neither held nor reserved by keys being written (this process's view)."""
+        return self.capacity_units - self._held_units - len(self._writing) * self._block_units
+
+    def _insert(self, keys: list[OffloadKey], block_ids: list[int]) -> None:
+        """Commit ``keys`` (none present) to the index."""
+        self._policy.insert(keys, block_ids)
+        self._held_units += self._units(block_ids)
+        if self._sized and self._held_units:
+            # the blocks the capacity holds at the sizes held: an estimate
+            self.capacity_blocks = self.capacity_units * len(self._policy) // self._held_units
+
+    def _remove(self, key: OffloadKey) -> bool:
+        """Drop ``key`` from the index; whether it was there."""
+        block_id = self._policy.remove(key)
+        if block_id is None:
+            return False
+        self._held_units -= self._units((block_id,))
+        return True
+
     def _forget(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         """Drop ``keys`` from the index (a check found them bad or gone); the event; those dropped."""
-        removed = [key for key in keys if self._policy.remove(key) is not None]
+        removed = [key for key in keys if self._remove(key)]
         if removed:
             self._events.append(OffloadingEvent(removed, self.block_bytes, self.medium, True))
         return removed
 
-    def _evict(self, count: int, offered: set[OffloadKey]) -> list[OffloadKey]:
-        """Up to ``count`` victims in policy order, sparing keys being read and ``offered``
-        (the committed keys of the store's own offer)."""
+    def _evict(self, units: int, offered: set[OffloadKey]) -> tuple[list[OffloadKey], list[int]]:
+        """Victims in policy order freeing ``units`` (or as many as may go), sparing keys
+        being read and ``offered`` (the committed keys of the store's own offer); their keys
+        and block ids, dropped from the index."""
         policy = self._policy
         reading = self._reading
         protected = len(offered)
         if reading:
             contains = policy.contains
             protected += sum(1 for key in reading if key not in offered and contains(key))
-        count = min(count, len(policy) - protected)
-        if count <= 0:
-            return []
-        if protected:
-            chosen = policy.evict(count, _Skip(reading, offered))
-        else:  # nothing to pass over: the policy pops its coldest without a membership test each
-            chosen = policy.evict(count, ())
-        return [key for key, _ in chosen] if chosen else []
+        evictable = len(policy) - protected
+        skip = _Skip(reading, offered) if protected else ()  # (): the policy pops without a test each
+        keys: list[OffloadKey] = []
+        block_ids: list[int] = []
+        freed = 0
+        # a block frees at most block_units: evict that many, then more if blocks were smaller
+        while freed < units and evictable > 0:
+            count = min(-(-(units - freed) // self._block_units), evictable)
+            chosen = policy.evict(count, skip)
+            if not chosen:
+                break
+            evictable -= len(chosen)
+            keys.extend(key for key, _ in chosen)
+            ids = [block_id for _, block_id in chosen]
+            block_ids.extend(ids)
+            freed += self._units(ids)
+        self._held_units -= freed
+        return keys, block_ids
 
     def _adopt_blocks(self, listed: list[tuple[OffloadKey, int, int]]) -> None:
         """Make blocks other processes stored known here, as the coldest (so evicted first).
@@ -269,20 +333,21 @@ class IndexedTier(SecondaryTier):
         adopted = [entry for entry in listed if not policy.contains(entry[0]) and entry[0] not in writing]
         # never more than the room this process's view leaves: its view may still count
         # blocks other processes removed since, and must not grow past the capacity
-        room = self.capacity_blocks - len(policy) - len(writing)
+        room = self._free_units()
         adopted.sort(key=lambda entry: entry[1])
-        del adopted[max(room, 0) :]
+        del adopted[bisect_right(list(accumulate(self._units((e[2],)) for e in adopted)), room) :]
         if not adopted:
             return
         own = policy.clear()
+        self._held_units = 0
         # Oldest first here, while a policy makes the first key of a call the newest (a
         # request's head): hand them over newest first.
         adopted.reverse()
-        policy.insert([e[0] for e in adopted], [e[2] for e in adopted])
+        self._insert([e[0] for e in adopted], [e[2] for e in adopted])
         if own:
             own.reverse()
-            policy.insert([key for key, _ in own], [block_id for _, block_id in own])
-        self._foreign_blocks = max(0, self._foreign_blocks - len(adopted))
+            self._insert([key for key, _ in own], [block_id for _, block_id in own])
+        self._foreign_units = max(0, self._foreign_units - self._units([e[2] for e in adopted]))
         self._counters.add("adopted", len(adopted))
 
     def _result(self, pending: _Pending) -> TierJobResult:
@@ -308,25 +373,25 @@ class IndexedTier(SecondaryTier):
             # A job's keys come coldest first (the stack saves its coldest blocks first), and
             # a policy makes the first key of a call the newest: hand them over reversed, so
             # the coldest stays the oldest here too.
-            self._policy.insert(stored[::-1], block_ids[::-1])
+            self._insert(stored[::-1], block_ids[::-1])
             pending.ok.extend(stored)
             self._events.append(OffloadingEvent(stored, self.block_bytes, self.medium, False))
             self._counters.add("stored", len(stored))
-        if work.shared_blocks is not None:
-            own = len(self._policy) + len(self._writing)
-            foreign = max(0, work.shared_blocks - own)
+        if work.shared_units is not None:
+            own = self._held_units + len(self._writing) * self._block_units
+            foreign = max(0, work.shared_units - own)
             # Only a refusal by the medium proves that other processes fill the store; without
             # one, an estimate can only shrink (this process's in-flight evictions would
             # otherwise look like foreign blocks and cause needless evictions).
             if work.refused:
-                self._foreign_blocks = foreign
-                if len(self._policy) < self.capacity_blocks // 2:
+                self._foreign_units = foreign
+                if self._held_units < self.capacity_units // 2:
                     # Other processes fill the store and this one holds too few blocks to make
                     # room by evicting its own: it could never store again, even after they
                     # exit. Learn their blocks so that eviction can take them too.
                     self._list_foreign_blocks()
             else:
-                self._foreign_blocks = min(self._foreign_blocks, foreign)
+                self._foreign_units = min(self._foreign_units, foreign)
         result = self._result(pending)
         result.nbytes = len(stored) * self.block_bytes
         return result
@@ -347,7 +412,7 @@ class IndexedTier(SecondaryTier):
             elif reason.kind is FailureKind.CORRUPT:
                 self._counters.add("corrupt")
                 self._counters.add(f"corrupt_{reason.counter}")
-            if reason.block_gone and self._policy.remove(key) is not None:
+            if reason.block_gone and self._remove(key):
                 dropped.append(key)
         if dropped:
             self._events.append(OffloadingEvent(dropped, self.block_bytes, self.medium, True))

@@ -201,7 +201,7 @@ class TierWork:
 
     Built by :class:`IndexedTier` on the scheduler thread and handed to the medium
     (``_start_store`` / ``_start_load``); the medium fills ``reasons`` (and ``block_ids`` for
-    stores, ``shared_blocks``/``refused`` where the store is shared by processes) and hands it
+    stores, ``shared_units``/``refused`` where the store is shared by processes) and hands it
     back through ``_finished_work``. Between the two only the medium touches it.
     """
 
@@ -212,13 +212,17 @@ class TierWork:
     rows: list[int]
     #: store jobs: keys the bookkeeping evicted to make room; the medium removes them first
     victims: list[OffloadKey] = field(default_factory=list)
+    #: their block ids, as the index held them
+    victim_ids: list[int] = field(default_factory=list)
     #: per key: None (done) or why it failed
     reasons: list[Failure | None] = field(default_factory=list)
-    #: per key: where the block lies on the medium (a slot; 0 where the medium has none)
+    #: per key: where the block lies on the medium (a slot; 0 where the medium has none), or
+    #: the room it takes where the tier counts units (see :class:`~kvtier.tiers.indexed.IndexedTier`)
     block_ids: list[int] = field(default_factory=list)
-    #: store jobs of a store shared by processes: blocks on the medium, all processes
-    #: together, when the medium counted them (None: not shared, or not counted)
-    shared_blocks: int | None = None
+    #: store jobs of a store shared by processes: the room its blocks take, all processes
+    #: together, in the tier's units, when the medium counted them (None: not shared, or not
+    #: counted)
+    shared_units: int | None = None
     #: store jobs: keys the medium refused for lack of room (other processes filled it)
     refused: int = 0
 

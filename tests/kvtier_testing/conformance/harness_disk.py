@@ -85,7 +85,7 @@ class DiskHarness(Harness):
                     assert txn.delete(k, db=tier._blocks)
         else:
             for k in keys:
-                os.unlink(tier._shown(tier._path_of(k)))
+                os.unlink(tier._shown(tier._path_of(k, tier._policy.get(k))))
 
     def corrupt(self, tier, keys):
         for k in keys:

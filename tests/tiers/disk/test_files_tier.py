@@ -25,7 +25,7 @@ def test_layout_one_file_per_block(tmp_path, shm):
 def test_temp_files_of_dead_writers_are_removed(tmp_path, shm):
     tier = open_tier("files", tmp_path / "s", shm.rows, 8)
     store(tier, shm.rows, [key(1)])
-    subdir = os.path.dirname(tier._shown(tier._path_of(key(2))))
+    subdir = os.path.dirname(tier._shown(tier._path_of(key(2), 0)))
     temp = os.path.join(subdir, f".{key(2).hex()}.{dead_pid()}.1.tmp")
     with open(temp, "wb") as f:
         f.write(b"half a block")
@@ -44,7 +44,7 @@ def test_check_finds_strays_misplaced_blocks_and_a_low_count(tmp_path, shm):
     store(tier, shm.rows, keys)
     blocks = tmp_path / "s" / "blocks"
     (blocks / "00" / "README").write_text("not a block")
-    right = tier._shown(tier._path_of(keys[0]))
+    right = tier._shown(tier._path_of(keys[0], 0))
     wrong_dir = next(tier._shown(d) for d in tier._subdirs if tier._shown(d) != os.path.dirname(right))
     os.rename(right, os.path.join(wrong_dir, os.path.basename(right)))
     (tmp_path / "s" / "usage").write_bytes((1).to_bytes(8, "little"))
@@ -90,7 +90,7 @@ def test_a_torn_recency_log_is_only_a_hint(tmp_path, shm):
 def test_publish_never_replaces_a_published_block(tmp_path, shm):
     tier = open_tier("files", tmp_path / "s", shm.rows, 4)
     store(tier, shm.rows, [key(1)])
-    final = tier._path_of(key(1))  # relative to blocks/, as the tier names them
+    final = tier._path_of(key(1), 0)  # relative to blocks/, as the tier names them
     with open(tier._shown(final), "rb") as f:
         before = f.read()
     temp = final + ".other.tmp"

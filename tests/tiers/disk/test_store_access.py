@@ -345,7 +345,7 @@ def test_a_fifo_under_a_block_name_is_a_failed_read_never_a_hang(tmp_path, shm):
     path = tmp_path / "store"
     make_store("files", path, shm.rows)
     tier = open_tier("files", path, shm.rows, 8)
-    block = Path(tier._shown(tier._path_of(key(1))))
+    block = Path(tier._shown(tier._path_of(key(1), 0)))
     tier.close()
     block.unlink()
     os.mkfifo(block)

@@ -48,7 +48,7 @@ from kvtier.tiers.indexed import IndexedTier
 from kvtier.tiers.jobs import CheckReport, Failure, FailureKind, TierWork
 from kvtier.tiers.disk.blockio import BlockIO, RowIO
 from kvtier.tiers.disk.config import FSYNC_CHOICES, O_DIRECT_CHOICES, DiskTierConfig, free_bytes, room_problem
-from kvtier.tiers.disk.format import LayoutFingerprint, on_disk_block_bytes
+from kvtier.tiers.disk.format import PAGE_BYTES, LayoutFingerprint, on_disk_block_bytes
 from kvtier.tiers.disk.mover import Mover, MoverJob
 from kvtier.tiers.disk.store import (
     StoreLocks,
@@ -91,6 +91,9 @@ class DiskTier(IndexedTier):
     kind: ClassVar[str] = ""
     #: entries of the store directory that belong to the medium (removed when wiping)
     medium_names: ClassVar[tuple[str, ...]] = ()
+    #: whether blocks of a codec of varying size take only their own pages (``files``), and
+    #: room is counted in pages; else each takes a slot for the largest (``lmdb``'s slab)
+    sizes_blocks: ClassVar[bool] = False
     #: a full, failing or read-only disk, and a block that fails its checksum (docs/operations.md)
     zero_failures = (
         Failure.FULL,
@@ -310,16 +313,29 @@ class DiskTier(IndexedTier):
         codec: BlockCodec | None = None,
     ):
         """Use :meth:`open`."""
-        super().__init__(config.name, rowio.block_bytes, capacity_blocks, policy_class(capacity_blocks))
+        #: the most bytes one block takes on disk: with a codec, room for the largest encoded
+        #: block, so a tier of a fixed-size codec holds more blocks
+        self.slot_bytes = on_disk_block_bytes(
+            codec.max_encoded_bytes if codec is not None else rowio.block_bytes
+        )
+        sized = self.sizes_blocks and codec is not None and not codec.fixed_size
+        #: bytes of the unit room is counted in: a page where blocks take their own size, else a slot
+        self.unit_bytes = PAGE_BYTES if sized else self.slot_bytes
+        # Blocks of their own size: the policy's figure bounds its ghost lists and shares
+        # only, so twice the raw blocks (more than lossless's 1.4-1.5x on KV) rather than the
+        # bytes over the smallest block (a bound that lets ghosts outgrow memory).
+        super().__init__(
+            config.name,
+            rowio.block_bytes,
+            capacity_blocks,
+            policy_class(2 * capacity_blocks if sized else capacity_blocks),
+            capacity_units=config.capacity_bytes // PAGE_BYTES if sized else None,
+            block_units=self.slot_bytes // PAGE_BYTES if sized else 1,
+        )
         self.config = config
         #: the store directory (absolute)
         self.path = directory
         self.fingerprint = fingerprint
-        #: bytes one block takes on disk (capacity is counted in these): with a codec, room
-        #: for the largest encoded block, so a compressed tier holds more blocks
-        self.slot_bytes = on_disk_block_bytes(
-            codec.max_encoded_bytes if codec is not None else rowio.block_bytes
-        )
         #: seconds the last open took to build the index
         self.open_s = 0.0
         self._field = field
@@ -365,7 +381,7 @@ class DiskTier(IndexedTier):
         """Fill the policy from ``(key, recency stamp, block id)`` entries, oldest use first."""
         # newest first: a policy makes the first key of a call the most recent
         entries.sort(key=lambda entry: entry[1], reverse=True)
-        self._policy.insert([e[0] for e in entries], [e[2] for e in entries])
+        self._insert([e[0] for e in entries], [e[2] for e in entries])
 
     # -- the medium, as IndexedTier sees it (scheduler thread; never waits) ----------------------
 
@@ -388,6 +404,7 @@ class DiskTier(IndexedTier):
                 work.keys,
                 work.rows,
                 victims=work.victims,
+                victim_ids=work.victim_ids,
                 block=self._store_block,
                 before=partial(self._store_before, touched=touched),
                 after=self._after_store,
@@ -436,6 +453,8 @@ class DiskTier(IndexedTier):
             "bytes_read": 0,
             "o_direct_fallbacks": 0,
             "on_disk_block_bytes": self.slot_bytes,
+            # what this process's blocks take on disk (headers included)
+            "held_bytes": self._held_units * self.unit_bytes,
             "o_direct": int(self._io.direct),
             "short_bytes": self.short_bytes,
         }
@@ -536,13 +555,13 @@ class DiskTier(IndexedTier):
 
     def _after_store(self, job: MoverJob) -> None:
         self._store_after(job)
-        written = sum(1 for r, s in zip(job.reasons, job.skip) if r is None and not s)
-        self._counters.add("bytes_written", written * self.slot_bytes)
+        written = [b for b, r, s in zip(job.block_ids, job.reasons, job.skip) if r is None and not s]
+        self._counters.add("bytes_written", self._units(written) * self.unit_bytes)
         self._log_failures(job, "store")
 
     def _after_load(self, job: MoverJob) -> None:
-        ok = sum(1 for r in job.reasons if r is None)
-        self._counters.add("bytes_read", ok * self.slot_bytes)
+        ok = [block_id for r, block_id in zip(job.reasons, job.block_ids) if r is None]
+        self._counters.add("bytes_read", self._units(ok) * self.unit_bytes)
         self._log_failures(job, "load")
 
     def _log_failures(self, job: MoverJob, what: str) -> None:
@@ -590,8 +609,8 @@ class DiskTier(IndexedTier):
     def _store_before(self, job: MoverJob, *, touched: list[OffloadKey]) -> None:
         """Sequencer: remove ``job.victims`` from the medium, persist ``touched`` recency,
         reserve room for ``job.keys`` (``skip`` those already on disk, fail with
-        ``Failure.FULL`` those that do not fit), and set ``job.shared_blocks`` (blocks on the
-        medium, all processes) and ``job.refused``."""
+        ``Failure.FULL`` those that do not fit), and set ``job.shared_units`` (the room the
+        medium's blocks take, all processes) and ``job.refused``."""
 
     @abstractmethod
     def _store_block(self, job: MoverJob, index: int) -> Failure | None:

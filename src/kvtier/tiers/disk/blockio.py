@@ -290,15 +290,17 @@ class BlockIO:
             self.fall_back(f"an O_DIRECT {what} failed: {exc.strerror}")
         return operation(False)
 
-    def write(self, fd: int, offset: int, key: OffloadKey, row: int, direct: bool) -> None:
+    def write(self, fd: int, offset: int, key: OffloadKey, row: int, direct: bool) -> int:
         """Write ``key``'s block from CPU row ``row`` at ``offset`` of ``fd``: header page + row.
 
-        One ``pwritev`` straight from the row (no staging copy). Raises ``OSError``; a short
-        write on a regular file means the filesystem ran out of room, reported as ENOSPC.
+        One ``pwritev`` straight from the row (no staging copy); the payload bytes stored
+        (encoded, with a codec). Raises ``OSError``; a short write on a regular file means the
+        filesystem ran out of room, reported as ENOSPC.
         """
         page = scratch_page()
+        stored = self.block_bytes
         if self.codec is not None:
-            iov = self._encoded(page, key, row, direct)
+            iov, stored = self._encoded(page, key, row, direct)
         else:
             rowio = self.rowio
             encode_block_header(
@@ -314,6 +316,7 @@ class BlockIO:
         written = os.pwritev(fd, [page, iov], offset)  # type: ignore[list-item]  # numpy stubs: Buffer on 3.12+
         if written != expected:
             raise OSError(errno.ENOSPC, f"short write: {written} of {expected} bytes")
+        return stored
 
     def _sealed(self, page, row: int, direct: bool):
         """Tag the block (header in ``page``) and return its payload as an I/O buffer: the
@@ -338,9 +341,9 @@ class BlockIO:
             out = local.page = np.frombuffer(aligned_buffer(size), dtype=np.uint8)
         return out
 
-    def _encoded(self, page, key: OffloadKey, row: int, direct: bool) -> np.ndarray:
+    def _encoded(self, page, key: OffloadKey, row: int, direct: bool) -> tuple[np.ndarray, int]:
         """Encode row ``row`` into this thread's codec buffer, write its header (over the
-        encoded bytes) into ``page`` and seal it; the payload as an I/O buffer."""
+        encoded bytes) into ``page`` and seal it; the payload as an I/O buffer, and its bytes."""
         codec = self.codec
         assert codec is not None  # write() calls this only with a codec
         out = self._thread_buffer(self._codec_pages)
@@ -364,7 +367,7 @@ class BlockIO:
                 keys.seal(page, encoded)
         self._counters.add("codec_block_bytes", self.block_bytes)
         self._counters.add("codec_stored_bytes", size)
-        return out[: padded_payload_bytes(size) if direct else size]
+        return out[: padded_payload_bytes(size) if direct else size], size
 
     def read(self, fd: int, offset: int, key: OffloadKey, row: int, direct: bool) -> Failure | None:
         """Read the block at ``offset`` of ``fd`` straight into CPU row ``row`` and verify it there.

@@ -5,8 +5,10 @@ Layout of a store directory::
     kvtier-store.json         manifest (kind, layout fingerprint, capacity)
     blocks/00 .. blocks/ff/   256 fan-out directories (low byte of the key's xxh3-64)
         <key hex>.kvb         one block: 4096-byte header page + payload
+        <key hex>.<pages>.kvb the same, where blocks vary in size (a lossless codec): the
+                              pages it takes on disk, header page included
         .<key hex>.<pid>.<thread>.tmp   a block being written
-    usage                     blocks on disk, all processes: a u64 changed under flock
+    usage                     blocks (or pages) on disk, all processes: a u64 changed under flock
     recency.log               appended (stamp, key) records: the eviction order across restarts
 
 Why one file per block (the ``lmdb`` tier uses a slab): each block is an independent file any
@@ -27,6 +29,13 @@ raised) before a block is written and given back if it is not published; a file 
 before the count is lowered. Every step a crash can interrupt therefore leaves the count too
 high, never too low, so the directory never holds more than its capacity; the next process to
 open the store alone recounts.
+
+Where a codec's blocks vary in size (``lossless``), the count is in 4096-byte pages: a write
+reserves the largest block's pages, and once the block is encoded, written and published
+under a name that says its pages, gives back what it did not take; an unlink lowers the count
+by the pages its name says. The same crash rule holds, the open-time recount and the
+adoption of other processes' blocks read the sizes from the names (no ``stat``), and the
+store holds as many blocks as their real sizes fit (docs/tiers/codecs.md).
 
 ``fsync`` (what survives an OS crash; a ``kill -9`` loses nothing published under any
 policy — a block is fully written before its name appears):
@@ -64,10 +73,12 @@ from dataclasses import dataclass, field
 import xxhash
 
 from kvtier.base import OffloadKey
+from kvtier.config import format_size
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import CheckReport, Failure
 from kvtier.tiers.disk.base import DiskTier
 from kvtier.tiers.disk.blockio import O_DIRECT
+from kvtier.tiers.disk.format import PAGE_BYTES, on_disk_block_bytes
 from kvtier.tiers.disk.group_flush import GroupFlush
 from kvtier.tiers.disk.mover import MoverJob
 from kvtier.tiers.disk.recency import encode_records, read_recency
@@ -85,6 +96,20 @@ _RECENCY = "recency.log"
 _SUFFIX = ".kvb"
 _TEMP_SUFFIX = ".tmp"
 _FANOUT = 256
+
+
+def _parse_name(name: str) -> tuple[OffloadKey, int] | None:
+    """The key and pages of a block file's name (0 pages where the name says none); None
+    for any other name."""
+    if name.startswith(".") or not name.endswith(_SUFFIX):
+        return None
+    hexed, _, pages = name[: -len(_SUFFIX)].partition(".")
+    if pages and not pages.isdigit():
+        return None
+    try:
+        return OffloadKey(bytes.fromhex(hexed)), int(pages or 0)
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -111,6 +136,7 @@ class FilesTier(DiskTier):
     # the file name is the key in hex: 2 x 100 + suffix stays under NAME_MAX (255)
     max_key_bytes = 100
     medium_names = (_BLOCKS_DIR, _USAGE, _RECENCY)
+    sizes_blocks = True
 
     # -- open / close (caller's thread) ---------------------------------------------------------
 
@@ -127,11 +153,9 @@ class FilesTier(DiskTier):
                     continue
                 with os.scandir(subdir.path) as names:
                     for entry in names:
-                        name = entry.name
-                        if name.startswith(".") or not name.endswith(_SUFFIX):
-                            continue
-                        with contextlib.suppress(ValueError):
-                            keys.append(OffloadKey(bytes.fromhex(name[: -len(_SUFFIX)])))
+                        parsed = _parse_name(entry.name)
+                        if parsed is not None:
+                            keys.append(parsed[0])
                         if len(keys) >= limit:
                             return keys
         return keys
@@ -164,35 +188,52 @@ class FilesTier(DiskTier):
         self._dir_fd = os.dup(self._store_fd)
         self._group_flush = GroupFlush(self._syncfs)
         # `kvtier check` (with or without --fix) reports stale temp files rather than sweep them
-        keys = self._scan(alone and self._access == "serve")
+        blocks = self._scan(alone and self._access == "serve")
         stamps, records = read_recency(_RECENCY, self._store_fd)
-        entries = [(key, stamps.get(key, 0), 0) for key in keys]
+        entries = [(key, stamps.get(key, 0), block_id) for key, block_id in blocks.items()]
         if self.read_only:  # `kvtier check`: nothing is written, not even the recency log
             return entries
+        held = self._units([e[2] for e in entries])
         if alone:
-            if len(entries) > self.capacity_blocks:  # the capacity was lowered
+            if held > self.capacity_units:  # the capacity was lowered
                 entries.sort(key=lambda entry: entry[1])
-                extra = entries[: len(entries) - self.capacity_blocks]
-                for key, _, _ in extra:
+                removed = 0
+                while held > self.capacity_units:
+                    key, _, block_id = entries[removed]
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self._path_of(key), dir_fd=self._bfd)
-                del entries[: len(extra)]
+                        os.unlink(self._path_of(key, block_id), dir_fd=self._bfd)
+                    held -= self._units((block_id,))
+                    removed += 1
+                del entries[:removed]
                 logger.warning(
-                    "kvtier tier %s: capacity lowered to %d blocks: removed the %d least recently used",
+                    "kvtier tier %s: capacity lowered to %s: removed the %d least recently used blocks",
                     self.name,
-                    self.capacity_blocks,
-                    len(extra),
+                    format_size(self.config.capacity_bytes),
+                    removed,
                 )
-            self._count.set(len(entries))
+            self._count.set(held)
             if records > 2 * len(entries) + 4096:
                 self._compact_recency(entries)
-        self._note_room((self.capacity_blocks - len(entries)) * self.slot_bytes)
+        self._note_room((self.capacity_units - held) * self.unit_bytes)
         self._log_fd = open_private(_RECENCY, os.O_WRONLY | os.O_CREAT | os.O_APPEND, dir_fd=self._store_fd)
         return entries
 
-    def _scan(self, alone: bool) -> list[OffloadKey]:
-        """Every published block's key; temp files of dead writers (all, when alone) removed."""
-        keys: list[OffloadKey] = []
+    def _block_of(self, name: str) -> tuple[OffloadKey, int] | None:
+        """The key and block id (its pages where blocks vary in size, else 0) of a block
+        file's name in this store; None for any other name."""
+        parsed = _parse_name(name)
+        if parsed is None:
+            return None
+        pages = parsed[1]
+        fits = 0 < pages <= self._block_units if self._sized else pages == 0
+        return parsed if fits else None
+
+    def _scan(self, alone: bool) -> dict[OffloadKey, int]:
+        """Every published block's key and block id; temp files of dead writers (all, when
+        alone) removed. A key published twice at different sizes (by processes whose encoders
+        differed) is listed once; its other file is removed when alone, and until then stays
+        counted by the writer that reserved it."""
+        blocks: dict[OffloadKey, int] = {}
         for subdir in self._subdirs:
             try:
                 listing = os.scandir(os.path.join(self._blocks_dir, subdir))
@@ -202,18 +243,22 @@ class FilesTier(DiskTier):
                 for entry in listing:
                     name = entry.name
                     if name.endswith(_SUFFIX):
-                        try:
-                            keys.append(OffloadKey(bytes.fromhex(name[: -len(_SUFFIX)])))
-                        except ValueError:
+                        found = self._block_of(name)
+                        if found is None:
                             logger.warning("kvtier tier %s: ignoring stray file %s", self.name, entry.path)
+                        elif found[0] not in blocks:
+                            blocks[found[0]] = found[1]
+                        elif alone and not self.read_only:
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(f"{subdir}/{name}", dir_fd=self._bfd)
                     elif name.endswith(_TEMP_SUFFIX) and (alone or not pid_alive(self._temp_owner(name))):
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(f"{subdir}/{name}", dir_fd=self._bfd)
-        return keys
+        return blocks
 
     def _list_blocks(self) -> list[tuple[OffloadKey, int, int]]:
         # no stamps (reading the recency log would cost more than the listing): equally old
-        return [(key, 0, 0) for key in self._scan(alone=False)]
+        return [(key, 0, block_id) for key, block_id in self._scan(alone=False).items()]
 
     def _compact_recency(self, entries: list[tuple[OffloadKey, int, int]]) -> None:
         temp = f"{_RECENCY}.{os.getpid()}.tmp"
@@ -255,8 +300,10 @@ class FilesTier(DiskTier):
     def _subdir_of(self, key: OffloadKey) -> str:
         return self._subdirs[xxhash.xxh3_64_intdigest(key) & (_FANOUT - 1)]
 
-    def _path_of(self, key: OffloadKey) -> str:
-        return f"{self._subdir_of(key)}/{key.hex()}{_SUFFIX}"
+    def _path_of(self, key: OffloadKey, block_id: int) -> str:
+        """The name of ``key``'s block of id ``block_id`` (its pages where blocks vary in size)."""
+        pages = f".{block_id}" if self._sized else ""
+        return f"{self._subdir_of(key)}/{key.hex()}{pages}{_SUFFIX}"
 
     def _temp_path_of(self, key: OffloadKey) -> str:
         return f"{self._subdir_of(key)}/.{key.hex()}.{os.getpid()}.{threading.get_ident()}{_TEMP_SUFFIX}"
@@ -297,21 +344,21 @@ class FilesTier(DiskTier):
                 "kvtier tier %s: could not record recency of %d blocks: %s", self.name, len(keys), exc
             )
 
-    def _unlink_counted(self, path: str) -> bool:
+    def _unlink_counted(self, key: OffloadKey, block_id: int) -> bool:
         """Remove a published block file and lower the shared count (file first: see the docstring)."""
         try:
-            os.unlink(path, dir_fd=self._bfd)
+            os.unlink(self._path_of(key, block_id), dir_fd=self._bfd)
         except FileNotFoundError:
             return False  # another process removed it, and counted that
-        self._count.add(-1)
+        self._count.add(-self._units((block_id,)))
         return True
 
     # -- store (mover threads) ------------------------------------------------------------------
 
     def _store_before(self, job: MoverJob[_FilesStoreState], *, touched: list[OffloadKey]) -> None:
-        for key in job.victims:
+        for key, block_id in zip(job.victims, job.victim_ids):
             try:
-                self._unlink_counted(self._path_of(key))
+                self._unlink_counted(key, block_id)
             except OSError as exc:
                 # the block stays on disk (and counted); nothing is served wrong
                 logger.warning("kvtier tier %s: could not evict %s: %s", self.name, key.hex(), exc)
@@ -320,41 +367,48 @@ class FilesTier(DiskTier):
         # at publishing (the rename refuses to replace it) and its room goes back. A stat of
         # each block first would cost a system call a block (each hands the GIL round the
         # writer threads); only keys refused room are looked for, since those need none.
+        # Each key reserves the largest block's room; _store_after gives back what it did not take.
         todo = list(range(len(job.keys)))
+        need = self._block_units
         try:
-            granted, count = self._count.reserve(len(todo), self.capacity_blocks)
+            granted, count = self._count.reserve(len(todo) * need, self.capacity_units, need)
         except OSError as exc:  # the usage file cannot be written (EROFS, EIO): no room taken
             for i in todo:
                 job.reasons[i] = Failure.from_exception(exc)
             return
+        granted //= need
         for i in todo[granted:]:
-            if self._exists(self._path_of(job.keys[i])):  # published by another process
+            # published by another process? (where blocks vary in size, its name is not known)
+            if not self._sized and self._exists(self._path_of(job.keys[i], 0)):
                 job.skip[i] = True
             else:
                 job.reasons[i] = Failure.FULL
         job.state = _FilesStoreState(reserved=todo[:granted])
-        job.shared_blocks = count
+        job.shared_units = count
         job.refused = len(todo) - granted
 
     def _store_block(self, job: MoverJob[_FilesStoreState], index: int) -> Failure | None:
         key, row = job.keys[index], job.rows[index]
         temp = self._temp_path_of(key)
         try:
-            self._io.with_fallback("write", lambda direct: self._write_file(temp, key, row, direct))
+            stored = self._io.with_fallback("write", lambda direct: self._write_file(temp, key, row, direct))
         except OSError as exc:
             return Failure.from_exception(exc)
+        if self._sized:  # its name says the pages it takes
+            job.block_ids[index] = on_disk_block_bytes(stored) // PAGE_BYTES
         assert job.state is not None  # _store_before set it for every block it let through
         if self._fsync == "batch" and syncfs is None:
             job.state.temps[index] = temp  # flushed, then published, by the epilogue
             return None
         return self._publish_one(job, index, temp)
 
-    def _write_file(self, temp: str, key: OffloadKey, row: int, direct: bool) -> None:
-        """Write the block into a new temp file; on any failure the temp file is gone."""
+    def _write_file(self, temp: str, key: OffloadKey, row: int, direct: bool) -> int:
+        """Write the block into a new temp file; its payload bytes. On any failure the temp
+        file is gone."""
         fd = create_private(temp, os.O_WRONLY | (O_DIRECT if direct else 0), dir_fd=self._bfd)
         try:
             try:
-                self._io.write(fd, 0, key, row, direct)
+                stored = self._io.write(fd, 0, key, row, direct)
                 if self._fsync == "always":
                     os.fdatasync(fd)  # before publishing: a published name never points at unflushed data
             finally:
@@ -363,10 +417,11 @@ class FilesTier(DiskTier):
             with contextlib.suppress(OSError):
                 os.unlink(temp, dir_fd=self._bfd)
             raise
+        return stored
 
     def _publish_one(self, job: MoverJob[_FilesStoreState], index: int, temp: str) -> Failure | None:
         """Publish one written temp file from its I/O thread (``always``: durably)."""
-        final = self._path_of(job.keys[index])
+        final = self._path_of(job.keys[index], job.block_ids[index])
         try:
             if not self._publish(temp, final):
                 assert job.state is not None  # as in _store_block
@@ -445,8 +500,13 @@ class FilesTier(DiskTier):
                     self._flush_filesystem()
                 except OSError as exc:
                     self._withdraw(job, published, Failure.from_exception(exc))
-        # reservations of blocks that were not published by us go back
-        unused = sum(1 for i in reserved if job.reasons[i] is not None or i in present)
+        # reservations of blocks that were not published by us go back, and of those that
+        # were, what they did not take
+        need = self._block_units
+        unused = sum(
+            need if job.reasons[i] is not None or i in present else need - self._units((job.block_ids[i],))
+            for i in reserved
+        )
         if unused:
             try:
                 self._count.add(-unused)
@@ -454,7 +514,7 @@ class FilesTier(DiskTier):
                 # the count stays too high, the safe way (see the module docstring), until
                 # the next process alone at open recounts; the published blocks stand
                 logger.warning(
-                    "kvtier tier %s: could not give back %d reservations in %s: %s",
+                    "kvtier tier %s: could not give back %d reserved units in %s: %s",
                     self.name,
                     unused,
                     self.path,
@@ -493,7 +553,7 @@ class FilesTier(DiskTier):
                 with contextlib.suppress(OSError):
                     os.unlink(temp, dir_fd=self._bfd)
                 continue
-            final = self._path_of(job.keys[index])
+            final = self._path_of(job.keys[index], job.block_ids[index])
             try:
                 if not self._publish(temp, final):
                     state.present.add(index)
@@ -514,14 +574,14 @@ class FilesTier(DiskTier):
         """Blocks published but not made durable: unpublish and fail them rather than report
         blocks that might not survive an OS crash."""
         for index in indexes:
-            self._unlink_published(self._path_of(job.keys[index]))
+            self._unlink_published(self._path_of(job.keys[index], job.block_ids[index]))
             job.reasons[index] = reason
 
     # -- load (mover threads) -------------------------------------------------------------------
 
     def _load_block(self, job: MoverJob, index: int) -> Failure | None:
-        key, row = job.keys[index], job.rows[index]
-        path = self._path_of(key)
+        key, row, block_id = job.keys[index], job.rows[index], job.block_ids[index]
+        path = self._path_of(key, block_id)
         try:
             reason, identity = self._io.with_fallback(
                 "read", lambda direct: self._read_file(path, key, row, direct)
@@ -533,7 +593,7 @@ class FilesTier(DiskTier):
         if reason is None:
             return None
         assert identity is not None  # _read_file gives one with every reason
-        return self._drop(key, path, identity, reason)
+        return self._drop(key, block_id, identity, reason)
 
     def _read_file(
         self, path: str, key: OffloadKey, row: int, direct: bool
@@ -547,8 +607,9 @@ class FilesTier(DiskTier):
         finally:
             os.close(fd)
 
-    def _drop(self, key: OffloadKey, path: str, identity: os.stat_result, reason: Failure) -> Failure:
+    def _drop(self, key: OffloadKey, block_id: int, identity: os.stat_result, reason: Failure) -> Failure:
         """A block failed verification: remove its file, unless another replaced it meanwhile."""
+        path = self._path_of(key, block_id)
         try:
             now = os.stat(path, dir_fd=self._bfd, follow_symlinks=False)
         except FileNotFoundError:
@@ -556,7 +617,7 @@ class FilesTier(DiskTier):
         if (now.st_dev, now.st_ino) != (identity.st_dev, identity.st_ino):
             return Failure.MISSING  # replaced under us; the new file is another process's, unread
         try:
-            self._unlink_counted(path)
+            self._unlink_counted(key, block_id)
         except OSError as exc:
             logger.warning(
                 "kvtier tier %s: could not remove damaged %s: %s", self.name, self._shown(path), exc
@@ -573,10 +634,11 @@ class FilesTier(DiskTier):
         report = CheckReport(self.name)
         page, payload = self._io.check_buffers()
         direct = self._io.direct
-        bad_files: list[str] = []
+        bad_files: list[tuple[str, int]] = []  # and the units each is counted at
         bad_keys: list[OffloadKey] = []
         stray: list[str] = []
         found: set[OffloadKey] = set()
+        found_units = bad_units = 0
         me = os.getpid()
         fix = fix and not self.read_only
         for subdir in self._subdirs:
@@ -594,14 +656,13 @@ class FilesTier(DiskTier):
                         report.problems.append(f"{shown}: temp file of a writer that is gone")
                         stray.append(path)
                     continue
-                try:
-                    if not name.endswith(_SUFFIX):
-                        raise ValueError(name)
-                    key = OffloadKey(bytes.fromhex(name[: -len(_SUFFIX)]))
-                except ValueError:
+                parsed = self._block_of(name)
+                if parsed is None:
                     report.problems.append(f"{shown}: not a block file")
                     stray.append(path)
                     continue
+                key, block_id = parsed
+                units = self._units((block_id,))
                 report.blocks_checked += 1
                 problem: str | None
                 if self._subdir_of(key) != subdir:
@@ -617,44 +678,54 @@ class FilesTier(DiskTier):
                     else:
                         try:
                             problem = self._io.read_for_check(fd, 0, key, page, payload)
+                            # the room it is counted at bounds the bytes it takes
+                            size = os.fstat(fd).st_size
+                            if problem is None and size > units * self.unit_bytes:
+                                problem = (
+                                    f"{size} bytes, more than the {units * self.unit_bytes} it is counted at"
+                                )
                         finally:
                             os.close(fd)
                 if problem is None:
                     found.add(key)
+                    found_units += units
                 else:
                     report.problems.append(f"{shown}: {problem}")
-                    bad_files.append(path)
+                    bad_files.append((path, units))
                     bad_keys.append(key)
-        if len(found) + len(bad_keys) > self.capacity_blocks:
+                    bad_units += units
+        what = "pages" if self._sized else "blocks"
+        on_disk = found_units + bad_units
+        if on_disk > self.capacity_units:
             report.problems.append(
-                f"{len(found) + len(bad_keys)} blocks on disk, more than the capacity of {self.capacity_blocks}"
+                f"{on_disk} {what} on disk, more than the capacity of {self.capacity_units}"
             )
         counted = self._count.get()
-        on_disk = len(found) + len(bad_keys)
         if counted < on_disk:
-            report.problems.append(f"the usage count says {counted} blocks, but {on_disk} are on disk")
+            report.problems.append(f"the usage count says {counted} {what}, but {on_disk} are on disk")
         unknown = [key for key in self._policy if key not in found and key not in bad_keys]
         if unknown:
             report.problems.append(
                 f"{len(unknown)} blocks known to this process are not on disk (removed by another process)"
             )
         if fix:
-            removed = 0
-            for path in bad_files:
+            removed = removed_units = 0
+            for path, units in bad_files:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path, dir_fd=self._bfd)
                     removed += 1
+                    removed_units += units
             for path in stray:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path, dir_fd=self._bfd)
             if removed:
-                self._count.add(-removed)
+                self._count.add(-removed_units)
                 report.fixed.append(f"removed {removed} bad block files")
             if stray:
                 report.fixed.append(f"removed {len(stray)} stray or stale temp files")
             if counted < on_disk:
-                self._count.set(len(found))
-                report.fixed.append(f"set the usage count to {len(found)}")
+                self._count.set(found_units)
+                report.fixed.append(f"set the usage count to {found_units}")
             if unknown:
                 report.fixed.append(f"forgot {len(unknown)} blocks no longer on disk")
         return report, (bad_keys + unknown) if fix else []

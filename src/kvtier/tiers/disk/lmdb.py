@@ -546,7 +546,7 @@ class LMDBTier(DiskTier):
             self._index_failed(job, list(range(len(job.keys))), exc, "reserving room")
             return
         job.state = reserved  # indexes of the keys given a slot, to publish or give back
-        job.shared_blocks = shared
+        job.shared_units = shared
         job.refused = refused
 
     def _store_block(self, job: MoverJob[list[int]], index: int) -> Failure | None:

@@ -67,7 +67,7 @@ class MoverJob(TierWork, Generic[S]):
     before any block; it may fail keys (``reasons[i] = Failure.FULL``) or mark them done
     without I/O (``skip[i] = True``, e.g. already on disk). ``after(job)`` runs once after
     the last block, on a finisher thread; it may fail keys too (a failed commit fails them
-    all). ``block_ids``, ``shared_blocks`` and ``refused`` (from :class:`TierWork`) carry the
+    all). ``block_ids``, ``shared_units`` and ``refused`` (from :class:`TierWork`) carry the
     medium's results back to the tier; ``state`` is the medium's own typed notes between the
     three steps (``MoverJob[_FilesStoreState]`` ...).
 

@@ -1,4 +1,6 @@
-"""The ``usage`` file of a ``files`` store: its block count, shared by every process.
+"""The ``usage`` file of a ``files`` store: the room its blocks take, shared by every process.
+
+In blocks, or in pages where blocks take their own size (a codec of varying size).
 
 Room is reserved (count raised) before a block is written and given back if it is not
 published; a file is unlinked before the count is lowered, so a crash leaves the count too
@@ -21,7 +23,7 @@ _COUNT = struct.Struct("<Q")
 
 
 class SharedCount:
-    """The store's block count shared by every process: a u64 in a file.
+    """The store's count (blocks or pages) shared by every process: a u64 in a file.
 
     Changed under ``flock`` (other processes) and a thread lock (``flock`` is per open file,
     so it does not exclude this process's own threads). Any thread; blocks for a few syscalls.
@@ -59,11 +61,12 @@ class SharedCount:
     def add(self, delta: int) -> int:
         return self._update(lambda value: (None, max(0, value + delta)))[1]
 
-    def reserve(self, wanted: int, capacity: int) -> tuple[int, int]:
-        """Raise the count by up to ``wanted`` within ``capacity``; ``(granted, count after)``."""
+    def reserve(self, wanted: int, capacity: int, step: int = 1) -> tuple[int, int]:
+        """Raise the count by up to ``wanted`` (a multiple of ``step``) within ``capacity``,
+        in whole steps; ``(granted, count after)``."""
 
         def change(value: int) -> tuple[int, int]:
-            granted = max(0, min(wanted, capacity - value))
+            granted = max(0, min(wanted, (capacity - value) // step * step))
             return granted, value + granted
 
         return self._update(change)
