@@ -41,6 +41,23 @@ def test_reservations_of_a_dead_writer_are_recovered(tmp_path, shm):
     tier.close()
 
 
+def test_a_full_store_takes_back_what_a_dead_writer_reserved(tmp_path, shm):
+    """Its slots come back at the next store that finds no room, not only at an open alone:
+    a writer killed mid-write once left them reserved for the rest of every process's life."""
+    tier = open_tier("lmdb", tmp_path / "s", shm.rows, 4)
+    store(tier, shm.rows, [key(0), key(1)])
+    with tier._env.begin(write=True) as txn:  # as a writer killed between reserve and publish
+        for slot in (2, 3):
+            txn.put(_slot_key(slot), _OWNER.pack(dead_pid()), db=tier._reserved)
+        txn.put(_NEXT_SLOT, _OWNER.pack(4), db=tier._meta)
+    assert store(tier, shm.rows, [key(2), key(3)], first_row=2).success  # no eviction needed
+    assert tier.check().healthy
+    keys = [key(i) for i in range(4)]
+    assert load(tier, shm.rows, keys, first_row=20).success
+    assert all(holds(shm.rows, 20 + i, k) for i, k in enumerate(keys))
+    tier.close()
+
+
 def test_check_fix_repairs_slot_bookkeeping(tmp_path, shm):
     tier = open_tier("lmdb", tmp_path / "s", shm.rows, 8)
     store(tier, shm.rows, [key(i) for i in range(3)])

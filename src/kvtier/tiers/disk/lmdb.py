@@ -378,17 +378,42 @@ class LMDBTier(DiskTier):
         with self._env.begin() as txn:
             return self._entries(txn)
 
-    def _recover(self, txn: lmdb.Transaction[bytes]) -> None:
-        """Alone at open: give back what crashed writers reserved, and apply a smaller capacity."""
-        stale = [key for key, _ in txn.cursor(db=self._reserved)]
-        indexed: set[bytes] = set()
-        if stale:
-            # a reserved slot is never indexed, unless the index was damaged: never free one that is
-            indexed = {_slot_key(_ENTRY.unpack(v)[0]) for _, v in txn.cursor(db=self._blocks)}
+    def _give_back(self, txn: lmdb.Transaction[bytes], stale: list[bytes]) -> None:
+        """End the reservations ``stale`` (slot keys) of writers that are gone: each slot goes
+        back to the free list, unless indexed (a reserved slot never is, unless the index was
+        damaged: never free one that is)."""
+        if not stale:
+            return
+        indexed = {_slot_key(_ENTRY.unpack(v)[0]) for _, v in txn.cursor(db=self._blocks)}
         for slot_key in stale:
             txn.delete(slot_key, db=self._reserved)
             if slot_key not in indexed:
                 txn.put(slot_key, b"", db=self._free)
+
+    def _reclaim_dead(self, txn: lmdb.Transaction[bytes]) -> int:
+        """A full store's last resort before refusing: give back the slots that processes no
+        longer alive had reserved (a writer killed mid-write), which only an open alone or
+        ``check --fix`` would otherwise free. How many."""
+        me = os.getpid()
+        alive: dict[int, bool] = {}
+        dead = []
+        for slot_key, value in txn.cursor(db=self._reserved):
+            pid = _OWNER.unpack(value)[0]
+            if pid != me and not alive.setdefault(pid, pid_alive(pid)):
+                dead.append(slot_key)
+        self._give_back(txn, dead)
+        if dead:
+            logger.info(
+                "kvtier tier %s: gave back %d slots reserved by processes that died mid-write",
+                self.name,
+                len(dead),
+            )
+        return len(dead)
+
+    def _recover(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Alone at open: give back what crashed writers reserved, and apply a smaller capacity."""
+        stale = [key for key, _ in txn.cursor(db=self._reserved)]
+        self._give_back(txn, stale)
         if stale:
             logger.info(
                 "kvtier tier %s: gave back %d slots reserved by processes that died mid-write",
@@ -518,12 +543,17 @@ class LMDBTier(DiskTier):
                 self._stamp(txn, touched, time.time_ns())
                 free = txn.cursor(db=self._free)
                 next_slot = self._next_slot(txn)
+                reclaimed = False
                 for i, key in enumerate(job.keys):
                     value = txn.get(key, db=self._blocks)
                     if value is not None:  # committed by another process since we looked
                         job.skip[i] = True
                         job.block_ids[i] = _ENTRY.unpack(value)[0]
                         continue
+                    if not reclaimed and next_slot >= self.capacity_blocks and not free.first():
+                        reclaimed = True
+                        if self._reclaim_dead(txn):
+                            free = txn.cursor(db=self._free)
                     if free.first():
                         slot = int.from_bytes(free.key(), "big")
                         free.delete()
