@@ -27,8 +27,7 @@ the appends of the scheduler's hot path never take.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
-from itertools import islice
+from collections.abc import Iterable, Iterator, Sequence
 from typing import cast
 
 import numpy as np
@@ -485,6 +484,7 @@ class MissCauses:
         with self._lock:
             missed = self.missed
             noted = len(missed)  # misses appended from here on wait for the next flush
+            unread = iter(missed)  # each _decide reads on from where the last one stopped
             news, self._news, self._news_keys = self._news, [], 0
             decided = self._decided
             done = 0
@@ -494,13 +494,13 @@ class MissCauses:
                 if before - decided > done:  # misses came between: the news so far first
                     self._apply(batch, records)
                     batch, records = [], []
-                    self._decide(done, before - decided)
+                    self._decide(unread, done, before - decided)
                     done = before - decided
                 batch.extend(told)
                 records.append((record, len(told)))
             self._apply(batch, records)
             if noted > done:
-                self._decide(done, noted)
+                self._decide(unread, done, noted)
             del missed[:noted]
             self._decided = decided + noted
 
@@ -509,13 +509,12 @@ class MissCauses:
             values, lengths = zip(*records)
             self.sketch.put_records(keys, np.repeat(np.array(values, dtype=np.uint8), lengths))
 
-    def _decide(self, start: int, stop: int) -> None:
+    def _decide(self, keys: Iterator[OffloadKey], start: int, stop: int) -> None:
         """Count each of the logged misses ``missed[start:stop]`` (misses no tier could
-        explain) under what the sketch says. The keys are hashed straight from the log, a
-        probe's batch at a time, and each batch's records counted as they come (no copy of
-        the keys, no array of their records)."""
+        explain) under what the sketch says; ``keys`` iterates the log from ``start``. The
+        keys are hashed straight from the log, a probe's batch at a time, and each batch's
+        records counted as they come (no copy of the keys, no array of their records)."""
         missed, sketch = self.missed, self.sketch
-        keys = islice(missed, start, stop)
         seen = np.zeros(256, dtype=np.intp)
         for first in range(start, stop, _PROBE_KEYS):
             words = sketch.words_at(key_hashes(keys, min(_PROBE_KEYS, stop - first)))
