@@ -22,6 +22,7 @@ from kvtier.manager.causes import (
     MIN_STACK_KEYS,
     REFUSED,
     STORED,
+    _PROBE_KEYS,
     CauseSketch,
     MissCauses,
     stack_keys,
@@ -263,6 +264,32 @@ def test_stats_read_from_another_thread_meanwhile_count_every_miss_once():
     manager.shutdown()
     assert stats["miss_new"] == 20 * 64 and stats["miss_evicted"] == 19 * 64
     assert_causes_sum(stats)
+
+
+def test_a_log_longer_than_a_probe_is_decided_in_order_across_its_batches():
+    """Misses hashed straight from the log, a probe's batch at a time, with news between them
+    at a point no batch boundary falls on: each miss is counted under what the sketch held
+    when it was noted (a direct probe of the same keys says what), and the keys decided new
+    come back in the order they missed."""
+    rng = random.Random(11)
+    causes = MissCauses(1 << 16, ["cpu", "disk"])
+    causes.collect_new = True
+    keys = random_keys(rng, 3 * _PROBE_KEYS + 123)
+    half = len(keys) // 2
+    assert half % _PROBE_KEYS
+    evicted = keys[::3]
+    causes.missed.extend(keys[:half])
+    causes.remember(evicted, EVICTED, 1)
+    causes.missed.extend(keys[half:])
+    totals = causes.totals()  # the log applied
+    assert not causes.missed and causes.sketch.forgotten == 0
+    later = causes.sketch.records(keys[half:]).tolist()
+    assert set(later) <= {0, EVICTED << 5 | 1}
+    found = sum(map(bool, later))
+    assert found >= len(set(evicted) & set(keys[half:]))  # a key remembered is always found
+    assert totals["evicted"] == causes.per_tier[1]["evicted"] == found
+    assert totals["new"] == len(keys) - found
+    assert causes.take_new() == keys[:half] + [k for k, record in zip(keys[half:], later) if not record]
 
 
 def test_configured_size_is_the_sketch_size():

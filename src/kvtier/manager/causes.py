@@ -13,7 +13,7 @@ keys with numpy. Why this table and not a Bloom or cuckoo filter: docs/design/mi
 
 :class:`MissCauses` is what a manager holds: the sketch, the counters ``stats()`` shows
 (``miss_<cause>``, ``<tier>.miss_<cause>``, ``foreign_<part>``), and a log between them. A
-lookup that misses appends its key to the log (:attr:`MissCauses.note_miss`, one C call) and
+lookup that misses appends its key to the log (:attr:`MissCauses.missed`, one C call) and
 a tier's news appends its keys (:meth:`MissCauses.remember`); the log goes through the sketch
 in order, a batch at a time, once :data:`FLUSH_KEYS` keys wait at a step's end, and whenever
 the counters are read. Every lookup answered ``False`` for want of the block, and every read
@@ -27,7 +27,8 @@ the appends of the scheduler's hot path never take.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -89,9 +90,12 @@ MAX_TIERS = 31  # the low 5 bits of a record
 _WAYS = 4
 _TAG_BITS = 24  # a slot is one 32-bit word: the tag above the record byte
 _GOLDEN = np.uint32(0x9E3779B1)  # spreads a tag over the offset of the second bucket
-_U64_1, _U64_32, _U64_255 = np.uint64(1), np.uint64(32), np.uint64(255)
-_FOLD = (np.uint64(32), np.uint64(16), np.uint64(8))  # shifts that bring any byte of a word down
-_PROBE_KEYS = 1 << 14  # keys a probe of the sketch reads at once
+_U64_1, _U64_32, _U64_56, _U64_255 = np.uint64(1), np.uint64(32), np.uint64(56), np.uint64(255)
+_BYTES_SUM = np.uint64(0x0101010101010101)
+#: keys a probe of the sketch reads at once: its largest temporary (both buckets of each key)
+#: is then 256 KB, in the CPU's cache; at 16,384 keys glibc gives the 512 KB temporaries back
+#: to the kernel after each batch and the next one page-faults them in (34 ns a key, not 13)
+_PROBE_KEYS = 1 << 13
 
 
 def stack_keys(cpu_blocks: int, lower_blocks: int) -> int:
@@ -231,25 +235,33 @@ class CauseSketch:
         """:meth:`records` of the keys whose :func:`key_hashes` are ``hashes``."""
         found = np.empty(hashes.size, dtype=np.uint8)
         # in batches whose temporaries stay in the CPU's cache, and large enough that each
-        # numpy call's own cost is spread thin: 11 ns a key, against 14 at 4,096 and 46 in one
-        # pass over 50,000
+        # numpy call's own cost is spread thin (:data:`_PROBE_KEYS`)
         for first in range(0, hashes.size, _PROBE_KEYS):
-            found[first : first + _PROBE_KEYS] = self._records_batch(hashes[first : first + _PROBE_KEYS])
+            found[first : first + _PROBE_KEYS] = self.words_at(hashes[first : first + _PROBE_KEYS])
         return found
 
-    def _records_batch(self, hashes: np.ndarray) -> np.ndarray:
+    def words_at(self, hashes: np.ndarray) -> np.ndarray:
+        """Each key's record as a 64-bit word (its value below 256), for a batch of at most
+        :data:`_PROBE_KEYS` hashes: what :meth:`records_at` narrows to bytes, and what
+        ``np.bincount`` counts as it is (``.view(np.int64)``), with no conversion."""
         tags, first, second = self._place(hashes)
         # both buckets of a key side by side: eight 32-bit slots a row, the first bucket's first
         rows = np.take(self._table, np.stack((first, second), axis=1), axis=0).reshape(-1, 2 * _WAYS)
-        # one byte a slot (1 where the tag matches), read as one little-endian 64-bit word a
-        # key: slot i is byte i, bits 8i up
-        match = ((rows >> 8) == tags[:, None]).view("<u8").ravel()
-        lowest = match & (~match + _U64_1)  # the first matching slot's byte: 1 << 8 * slot; 0 if none
-        # each slot's record byte, all but the first matching slot's masked off, folded down
-        found = rows.astype(np.uint8).view("<u8").ravel() & lowest * _U64_255
-        for shift in _FOLD:
-            found |= found >> shift
-        return found.astype(np.uint8)
+        # each slot's record byte, read as one little-endian 64-bit word a key: slot i is byte i
+        found = rows.astype(np.uint8).view("<u8").ravel()
+        # one byte a slot, 1 where the tag matches, read the same way
+        rows >>= np.uint32(8)
+        match = (rows == tags[:, None]).view("<u8").ravel()
+        # the first matching slot's byte, 1 << 8 * slot (0 if none), made 0xFF: its record's mask
+        lowest = ~match
+        lowest += _U64_1
+        lowest &= match
+        lowest *= _U64_255
+        found &= lowest
+        # one byte left: a multiply sums every byte into the top one (no carries), a shift brings it down
+        found *= _BYTES_SUM
+        found >>= _U64_56
+        return found
 
     def get(self, key: OffloadKey) -> int:
         """The key's record byte (event << 5 | tier), or 0 if not remembered."""
@@ -325,10 +337,13 @@ class CauseSketch:
             waiting = waiting[later]
 
 
-def key_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
+def key_hashes(keys: Iterable[OffloadKey], count: int | None = None) -> np.ndarray:
     """Python's hash of each key (int64): what places a key in the sketch. A bytes object
-    keeps its hash once computed, and the manager's dicts have computed it already."""
-    return np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys))
+    keeps its hash once computed, and the manager's dicts have computed it already.
+    ``count``: take that many keys from an iterator (default: all of a sequence)."""
+    if count is None:
+        count = len(cast("Sequence[OffloadKey]", keys))
+    return np.fromiter(map(hash, keys), dtype=np.int64, count=count)
 
 
 def _lanes(mask: np.ndarray) -> np.ndarray:
@@ -363,12 +378,12 @@ class MissCauses:
         self.foreign = dict.fromkeys(FOREIGN_PARTS, 0)
         # per tier: every cause but new (nothing is new because of a tier)
         self.per_tier = [dict.fromkeys(CAUSES[1:], 0) for _ in tier_names]
-        #: keys that missed, in order, their causes not decided yet
-        self._missed: list[OffloadKey] = []
-        #: a miss the sketch decides: ``note_miss(key)`` (a list's append: no lock, no count
-        #: yet; the lookup's fast path)
-        self.note_miss = self._missed.append
-        #: misses decided since creation (the position of ``_missed[0]`` in the whole sequence)
+        #: keys that missed, in order, their causes not decided yet: a miss the sketch decides
+        #: is ``missed.append(key)`` (no lock, no count yet; the lookup's fast path, where
+        #: CPython runs a list's ``append`` called so without a call); only :meth:`flush`
+        #: takes keys out, and only at the front
+        self.missed: list[OffloadKey] = []
+        #: misses decided since creation (the position of ``missed[0]`` in the whole sequence)
         self._decided = 0
         #: news for the sketch, in order: (keys, record, misses noted before it)
         self._news: list[tuple[Sequence[OffloadKey], int, int]] = []
@@ -387,14 +402,14 @@ class MissCauses:
         if not keys:
             return
         with self._lock:
-            self._news.append((keys, event << 5 | tier, self._decided + len(self._missed)))
+            self._news.append((keys, event << 5 | tier, self._decided + len(self.missed)))
             self._news_keys += len(keys)
         if self._news_keys >= 4 * FLUSH_KEYS:  # a burst with no step's end in between
             self.flush()
 
     def step_end(self) -> None:
         """A step ended: apply the log once :data:`FLUSH_KEYS` keys wait in it."""
-        if len(self._missed) + self._news_keys >= FLUSH_KEYS:
+        if len(self.missed) + self._news_keys >= FLUSH_KEYS:
             self.flush()
 
     def count(self, cause: str, tier: int | None = None, part: str | None = None, n: int = 1) -> None:
@@ -464,12 +479,12 @@ class MissCauses:
 
     def flush(self) -> None:
         """Put the logged news through the sketch and decide the logged misses, in their order."""
-        if not self._missed and not self._news:
+        if not self.missed and not self._news:
             return
         with self._lock:
-            missed = self._missed
+            missed = self.missed
             noted = len(missed)  # misses appended from here on wait for the next flush
-            keys = missed[:noted]
+            unread = iter(missed)  # each _decide reads on from where the last one stopped
             news, self._news, self._news_keys = self._news, [], 0
             decided = self._decided
             done = 0
@@ -479,13 +494,13 @@ class MissCauses:
                 if before - decided > done:  # misses came between: the news so far first
                     self._apply(batch, records)
                     batch, records = [], []
-                    self._decide(keys[done : before - decided])
+                    self._decide(unread, done, before - decided)
                     done = before - decided
                 batch.extend(told)
                 records.append((record, len(told)))
             self._apply(batch, records)
             if noted > done:
-                self._decide(keys[done:])
+                self._decide(unread, done, noted)
             del missed[:noted]
             self._decided = decided + noted
 
@@ -494,17 +509,23 @@ class MissCauses:
             values, lengths = zip(*records)
             self.sketch.put_records(keys, np.repeat(np.array(values, dtype=np.uint8), lengths))
 
-    def _decide(self, keys: list[OffloadKey]) -> None:
-        """Count each of ``keys`` (misses no tier could explain) under what the sketch says."""
-        records = self.sketch.records(keys)
-        seen = np.bincount(records, minlength=256)
+    def _decide(self, keys: Iterator[OffloadKey], start: int, stop: int) -> None:
+        """Count each of the logged misses ``missed[start:stop]`` (misses no tier could
+        explain) under what the sketch says; ``keys`` iterates the log from ``start``. The
+        keys are hashed straight from the log, a probe's batch at a time, and each batch's
+        records counted as they come (no copy of the keys, no array of their records)."""
+        missed, sketch = self.missed, self.sketch
+        seen = np.zeros(256, dtype=np.intp)
+        for first in range(start, stop, _PROBE_KEYS):
+            words = sketch.words_at(key_hashes(keys, min(_PROBE_KEYS, stop - first)))
+            seen += np.bincount(words.view(np.int64), minlength=256)
+            if self.collect_new:
+                self._new.extend(missed[first + i] for i in np.flatnonzero(words == 0).tolist())
         for record in np.flatnonzero(seen).tolist():
             n = int(seen[record])
             event = record >> 5
             if not event:
                 self._count("new", None, None, n)
-                if self.collect_new:
-                    self._new.extend(keys[i] for i in np.flatnonzero(records == 0).tolist())
             elif event == FOREIGN:
                 index = record & 31
                 self._count(

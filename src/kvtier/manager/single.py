@@ -174,7 +174,7 @@ class SingleTierManager(OffloadingManager):
         if self._contains(key):
             return True
         if self._causes is not None and key not in self._pending:  # being written: not a miss
-            self._causes.note_miss(key)
+            self._causes.missed.append(key)
         return False
 
     def _bound_lookup(self) -> Callable[[OffloadKey, ReqContext], bool]:
@@ -192,13 +192,13 @@ class SingleTierManager(OffloadingManager):
                 return key in index
 
             return lookup
-        note_miss = self._causes.note_miss
+        missed = self._causes.missed
 
         def lookup_noting(key: OffloadKey, req_context: ReqContext) -> bool:
             if key in index:
                 return True
             if key not in pending:  # being written: not a miss
-                note_miss(key)
+                missed.append(key)  # not a bound append in a cell: CPython calls this form inline
             return False
 
         return lookup_noting
@@ -213,7 +213,7 @@ class SingleTierManager(OffloadingManager):
         causes = self._causes
         if causes is None:
             return
-        contains, pending, note = self._contains, self._pending, causes.note_miss
+        contains, pending, note = self._contains, self._pending, causes.missed.append
         held = 0
         for key in keys:
             if contains(key) or key in pending:

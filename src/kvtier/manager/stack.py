@@ -317,7 +317,7 @@ class TierStackManager(SingleTierManager):
                 if cause != "evicted":
                     causes.count(cause, index, part)
                     return
-        causes.note_miss(key)  # the sketch decides, with the step's other misses
+        causes.missed.append(key)  # the sketch decides, with the step's other misses
 
     def missed_behind(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """``keys`` come after a miss in their request's prefix (see
@@ -355,8 +355,7 @@ class TierStackManager(SingleTierManager):
                 else:
                     kept.append(key)
             rest = kept
-        for key in rest:
-            causes.note_miss(key)
+        causes.missed.extend(rest)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._missed_pending.clear()
