@@ -160,3 +160,19 @@ def test_a_store_of_another_codec_is_never_decoded_as_its_own(tmp_path, rows, fi
 def decoded_int8(tier):
     """What an int8 tier gives back for a key: the codec's decode of its block."""
     return lambda k, nbytes: tier.codec.decode(tier.codec.encode(kv_payload(k, nbytes)))
+
+
+def test_lossless_on_lmdb_keeps_raw_slots_and_says_so(tmp_path, rows, caplog):
+    """lmdb's slab has fixed slots: the same capacity holds the raw count, and the open warns
+    where the room would be (kind: files)."""
+    caplog.set_level("WARNING", logger="kvtier")
+    tier = open_tier("lmdb", tmp_path / "s", rows, N, codec="lossless")
+    try:
+        assert tier.capacity_blocks == N
+        assert "saves bytes written and read, not room" in caplog.text and "kind: files" in caplog.text
+    finally:
+        tier.close()
+    caplog.clear()
+    open_tier("files", tmp_path / "f", rows, N, codec="lossless").close()
+    open_tier("lmdb", tmp_path / "i", rows, N, codec="int8").close()  # fixed size: slots fit it
+    assert "not room" not in caplog.text

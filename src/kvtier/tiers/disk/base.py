@@ -172,6 +172,14 @@ class DiskTier(IndexedTier):
             config.eviction, config.eviction_module_path, field=f"{field}.eviction"
         )
         stored_bytes = codec.max_encoded_bytes if codec is not None else rowio.block_bytes
+        if codec is not None and stored_bytes == rowio.block_bytes and not cls.sizes_blocks:
+            logger.warning(
+                "kvtier tier %s: codec %s on a %s tier saves bytes written and read, not room: "
+                "each block keeps a raw block's slot (kind: files holds more blocks)",
+                config.name,
+                config.codec,
+                cls.kind,
+            )
         slot_bytes = on_disk_block_bytes(stored_bytes)
         capacity_blocks = config.capacity_bytes // slot_bytes
         if capacity_blocks < 1:
