@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing
 import time
 from collections.abc import Sequence
@@ -273,11 +274,14 @@ def _codec_slots(codec: str, block_bytes: int) -> tuple[int, int]:
     """The bytes a disk tier spends per block without and with ``codec`` (bf16 KV), or
     :class:`ConfigError` naming ``--codec``."""
     from kvtier.codecs import make_codec, parse_codec_option
+    from kvtier.costs.bandwidth import codec_cost
     from kvtier.tiers.disk.format import on_disk_block_bytes
 
     parse_codec_option({"codec": codec}, "--codec")
     made = make_codec(codec, block_bytes, "bfloat16", "--codec")
     stored = made.max_encoded_bytes if made is not None else block_bytes
+    if made is not None and stored == block_bytes:  # varying sizes: a files tier counts pages
+        stored = math.ceil(block_bytes / codec_cost(codec).ratio)  # at the ratio measured on KV
     return on_disk_block_bytes(block_bytes), on_disk_block_bytes(stored)
 
 
@@ -563,7 +567,7 @@ def _print_codec(record: dict[str, Any], out: TextIO) -> None:
     codec = record["codec"]
     print(
         f"codec {codec['name']} on a disk tier of the same bytes (bf16 KV; {codec['blocks_per_byte_ratio']:.2f}x "
-        "the blocks per byte; lossless reserves a whole block per slot):",
+        "the blocks per byte; lossless: a files tier at the ratio measured on SmolLM2's KV, lmdb none):",
         file=out,
     )
     print_table(
