@@ -389,6 +389,11 @@ class LMDBTier(DiskTier):
             txn.delete(slot_key, db=self._reserved)
             if slot_key not in indexed:
                 txn.put(slot_key, b"", db=self._free)
+        logger.info(
+            "kvtier tier %s: gave back %d slots reserved by processes that died mid-write",
+            self.name,
+            len(stale),
+        )
 
     def _reclaim_dead(self, txn: lmdb.Transaction[bytes]) -> int:
         """A full store's last resort before refusing: give back the slots that processes no
@@ -402,24 +407,11 @@ class LMDBTier(DiskTier):
             if pid != me and not alive.setdefault(pid, pid_alive(pid)):
                 dead.append(slot_key)
         self._give_back(txn, dead)
-        if dead:
-            logger.info(
-                "kvtier tier %s: gave back %d slots reserved by processes that died mid-write",
-                self.name,
-                len(dead),
-            )
         return len(dead)
 
     def _recover(self, txn: lmdb.Transaction[bytes]) -> None:
         """Alone at open: give back what crashed writers reserved, and apply a smaller capacity."""
-        stale = [key for key, _ in txn.cursor(db=self._reserved)]
-        self._give_back(txn, stale)
-        if stale:
-            logger.info(
-                "kvtier tier %s: gave back %d slots reserved by processes that died mid-write",
-                self.name,
-                len(stale),
-            )
+        self._give_back(txn, [key for key, _ in txn.cursor(db=self._reserved)])
         next_slot = self._next_slot(txn)
         if next_slot > self.capacity_blocks:
             cap = self.capacity_blocks
