@@ -280,7 +280,7 @@ def _codec_slots(codec: str, block_bytes: int) -> tuple[int, int]:
     parse_codec_option({"codec": codec}, "--codec")
     made = make_codec(codec, block_bytes, "bfloat16", "--codec")
     stored = made.max_encoded_bytes if made is not None else block_bytes
-    if made is not None and stored == block_bytes:  # varying sizes: a files tier counts pages
+    if made is not None and not made.fixed_size:  # varying sizes: a files tier counts pages
         stored = math.ceil(block_bytes / codec_cost(codec).ratio)  # at the ratio measured on KV
     return on_disk_block_bytes(block_bytes), on_disk_block_bytes(stored)
 

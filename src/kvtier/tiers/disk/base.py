@@ -172,7 +172,7 @@ class DiskTier(IndexedTier):
             config.eviction, config.eviction_module_path, field=f"{field}.eviction"
         )
         stored_bytes = codec.max_encoded_bytes if codec is not None else rowio.block_bytes
-        if codec is not None and stored_bytes == rowio.block_bytes and not cls.sizes_blocks:
+        if codec is not None and not codec.fixed_size and not cls.sizes_blocks:
             logger.warning(
                 "kvtier tier %s: codec %s on a %s tier saves bytes written and read, not room: "
                 "each block keeps a raw block's slot (kind: files holds more blocks)",
