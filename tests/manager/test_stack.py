@@ -14,11 +14,15 @@ CTX = ReqContext("r")
 BLOCK = 64
 
 
-def make(cpu_blocks=4, disk_blocks=8, write_policy="write_through", policy=LRUPolicy, **cascade):
+def make(cpu_blocks=4, disk_blocks=8, write_policy="write_through", policy=LRUPolicy, causes=None, **cascade):
     backend = MemoryBackend(cpu_blocks, BLOCK)
     disk = MemoryTier("disk", backend.rows, disk_blocks)
     manager = TierStackManager(
-        backend, policy(cpu_blocks), [disk], CascadeConfig(write_policy=write_policy, **cascade)
+        backend,
+        policy(cpu_blocks),
+        [disk],
+        CascadeConfig(write_policy=write_policy, **cascade),
+        causes=causes,
     )
     return manager, disk
 
@@ -339,15 +343,7 @@ def saved_below_with_causes():
     first four gone from the CPU tier): (manager, disk, keys)."""
     from kvtier.manager.causes import MissCauses
 
-    backend = MemoryBackend(2, BLOCK)
-    disk = MemoryTier("disk", backend.rows, 8)
-    manager = TierStackManager(
-        backend,
-        LRUPolicy(2),
-        [disk],
-        CascadeConfig(write_policy="write_through"),
-        causes=MissCauses(256, ["cpu", "disk"]),
-    )
+    manager, disk = make(cpu_blocks=2, disk_blocks=8, causes=MissCauses(256, ["cpu", "disk"]))
     keys = [key(i) for i in range(6)]
     for k in keys:
         store(manager, [k])

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 import pytest
-from kvtier_testing import key, kv_payload
+from kvtier_testing import key, kv_payload, payload
 from kvtier_testing.store import load, open_tier, region, run
 
 from kvtier.tiers.disk import check_store
@@ -21,11 +21,6 @@ BLOCK = 64 * 1024
 #: raw blocks the capacity holds
 N = 16
 CAPACITY = N * on_disk_block_bytes(BLOCK)
-
-
-def random_payload(k: bytes, nbytes: int) -> np.ndarray:
-    seed = int.from_bytes(k[:8], "little")
-    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
 @pytest.fixture
@@ -106,8 +101,8 @@ def test_lossless_on_kv_holds_more_blocks_than_raw_in_the_same_bytes(tmp_path, r
 
 
 def test_lossless_on_incompressible_bytes_holds_what_raw_does_and_no_more(tmp_path, rows):
-    path, keys, tier = filled(tmp_path, rows, 3 * N, random_payload)
-    held = held_exactly(tier, rows, keys, random_payload)
+    path, keys, tier = filled(tmp_path, rows, 3 * N, payload)
+    held = held_exactly(tier, rows, keys, payload)
     assert len(held) == N and held == keys[-N:]
     assert files_bytes(path) <= usage(path) * PAGE_BYTES == CAPACITY
     tier.close()
