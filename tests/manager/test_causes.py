@@ -25,6 +25,7 @@ from kvtier.manager.causes import (
     _PROBE_KEYS,
     CauseSketch,
     MissCauses,
+    key_hashes,
     stack_keys,
 )
 from kvtier.tiers.cpu.region import row_stride_for
@@ -94,6 +95,17 @@ class TestSketch:
         assert sketch.forgotten == 1000 - slots
         assert sum(1 for k in keys[-64:] if sketch.get(k)) > sum(1 for k in keys[:64] if sketch.get(k))
 
+    def test_a_key_hashes_the_same_in_any_batch_and_by_all_of_its_bytes(self):
+        """Keys a packed row could confuse (a trailing zero byte, one past the row's 47 bytes,
+        keys that are not bytes) hash apart, and each the same alone as in any batch."""
+        keys = [b"", b"ab", b"ab\0", b"x" * 46, b"x" * 47, b"x" * 48, b"x" * 99 + b"y", b"x" * 99 + b"z"]
+        keys += ["ab", (1, 2), random.Random(7).randbytes(36)]
+        together = key_hashes(keys).tolist()
+        assert len(set(together)) == len(keys)
+        assert [key_hashes([key])[0] for key in keys] == together
+        assert key_hashes(keys[::-1]).tolist() == together[::-1]
+        assert key_hashes(keys[:4]).tolist() == together[:4]  # a batch of bytes only: one pack
+
     @pytest.mark.parametrize(("keys", "tag_bits"), [(4, 3), (1000, 4), (50_000, 24)])
     def test_a_probe_reads_the_first_matching_slot_of_the_two_buckets(self, keys, tag_bits):
         """The vectorised probe against a scan of each key's eight slots in order: with few
@@ -105,7 +117,7 @@ class TestSketch:
         records = [rng.randint(STORED, FOREIGN) << 5 | rng.randint(0, 30) for _ in stored]
         sketch.put_records(stored, np.array(records, dtype=np.uint8))
         probed = stored + random_keys(rng, 2 * keys)
-        tags, first, second = sketch._place(np.array([hash(k) for k in probed], dtype=np.int64))
+        tags, first, second = sketch._place(key_hashes(probed))
         assert not (first == second).any() and max(first.max(), second.max()) < len(sketch._table)
         scanned, ambiguous = [], 0
         for tag, one, two in zip(tags.tolist(), first.tolist(), second.tolist()):

@@ -326,10 +326,10 @@ def lookup_floor(
     batch that decides the misses' causes) and off, for vLLM's, and for the floors beside
     them on kvtier's own index dict: the probe alone in a loop, and the probe as a Python
     function of ``(key, context)`` (the least any dict-based ``lookup`` costs in CPython);
-    and ``np.fromiter(map(hash, missed))`` over the missed keys, per lookup (the least a
-    sketch keyed by Python's hash costs the misses). Rounds alternate the order of the
-    subjects, and each subject starts with cold caches; each figure's min, median and max
-    over ``runs`` rounds, and vLLM's time over it, the median of the rounds' own ratios.
+    and the sketch's hash of the missed keys (:func:`~kvtier.manager.causes.key_hashes`), per
+    lookup. Rounds alternate the order of the subjects, and each subject starts with cold
+    caches; each figure's min, median and max over ``runs`` rounds, and vLLM's time over it,
+    the median of the rounds' own ratios.
     """
     out = out or sys.stdout
     keys = make_keys(num_keys)

@@ -26,9 +26,12 @@ the appends of the scheduler's hot path never take.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+import struct
 import threading
-from collections.abc import Iterable, Iterator, Sequence
-from typing import cast
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -167,9 +170,8 @@ def _merged(old: np.ndarray, new: np.ndarray) -> np.ndarray:
 class CauseSketch:
     """A fixed table remembering one record byte for each of up to ``keys`` keys.
 
-    Keys are placed by Python's own hash of the key (a keyed SipHash the bytes object caches,
-    so a key the engine already looked up costs no hashing again): the top ``tag_bits`` bits of
-    one half are the tag, the other half picks the first bucket, and the tag the offset of the
+    Keys are placed by :func:`key_hashes` (keyed, a batch at a time): the top ``tag_bits`` bits
+    of one half are the tag, the other half picks the first bucket, and the tag the offset of the
     second.
 
     ``tag_bits`` (at most 24) trades memory-free accuracy for testing: with fewer bits the
@@ -337,13 +339,66 @@ class CauseSketch:
             waiting = waiting[later]
 
 
-def key_hashes(keys: Iterable[OffloadKey], count: int | None = None) -> np.ndarray:
-    """Python's hash of each key (int64): what places a key in the sketch. A bytes object
-    keeps its hash once computed, and the manager's dicts have computed it already.
-    ``count``: take that many keys from an iterator (default: all of a sequence)."""
-    if count is None:
-        count = len(cast("Sequence[OffloadKey]", keys))
-    return np.fromiter(map(hash, keys), dtype=np.int64, count=count)
+#: the bytes a key is packed into to be hashed: its length (one byte), then its first 47
+#: bytes, zero-padded (vLLM's keys are 36: a 32-byte block hash and a 4-byte group; SGLang's 32)
+_ROW_BYTES = 48
+_WORDS = _ROW_BYTES // 8
+#: a row's length byte from here on: the words do not hold the whole key (or it is not bytes)
+_LONG = _ROW_BYTES - 1
+#: this process's random odd multipliers, one a word, and the key of the long keys' hash: the
+#: hash is keyed, as Python's own is (nobody outside the process can choose keys that collide)
+_SECRET = os.urandom(8 * _WORDS + 16)
+_MULTIPLIERS = [np.uint64(int(m) | 1) for m in np.frombuffer(_SECRET[: 8 * _WORDS], dtype=np.uint64)]
+_U64_29 = np.uint64(29)
+_FINAL = np.uint64(0xFF51AFD7ED558CCD)
+
+
+@functools.lru_cache(maxsize=32)
+def _packer(count: int) -> struct.Struct:
+    """Packs ``count`` bytes keys, each as a row of :data:`_ROW_BYTES`: a Pascal string (its
+    length, capped at :data:`_LONG`, then its bytes, cut or padded with zeros)."""
+    return struct.Struct(f"{_ROW_BYTES}p" * count)
+
+
+def _row(key: object) -> bytes:
+    """One key's row; a key that is not bytes gets a length byte of 255 (none packed has it)."""
+    if isinstance(key, bytes):
+        return _packer(1).pack(key)
+    return b"\xff" * _ROW_BYTES
+
+
+def _one_hash(key: object) -> int:
+    """The hash of a key its row does not hold (longer than :data:`_LONG` bytes, or not bytes)."""
+    if isinstance(key, bytes):
+        digest = hashlib.blake2b(key, digest_size=8, key=_SECRET[8 * _WORDS :]).digest()
+        return int.from_bytes(digest, "little")
+    return hash(key) & 0xFFFFFFFFFFFFFFFF
+
+
+def key_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
+    """A keyed 64-bit hash of each key (uint64): what places a key in the sketch.
+
+    The keys are packed in one C call, each as its length and bytes, and the rows mixed a
+    word at a time over the whole batch (xor in a word, multiply by an odd number,
+    xor-shift: each step a bijection of the state, so two rows that differ in one word never
+    collide). A key of :data:`_LONG` bytes or more, or not bytes, is hashed alone
+    (BLAKE2b), so every key is told apart by all of it."""
+    try:
+        packed = _packer(len(keys)).pack(*keys)
+    except struct.error:  # a key that is not bytes
+        packed = b"".join(map(_row, keys))
+    rows = np.frombuffer(packed, dtype=np.uint64).reshape(len(keys), _WORDS)
+    hashes = rows[:, 0] * _MULTIPLIERS[0]
+    hashes ^= hashes >> _U64_29
+    for column in range(1, _WORDS):
+        hashes ^= rows[:, column]
+        hashes *= _MULTIPLIERS[column]
+        hashes ^= hashes >> _U64_29
+    hashes *= _FINAL
+    hashes ^= hashes >> _U64_32
+    for index in np.flatnonzero(np.frombuffer(packed, dtype=np.uint8)[::_ROW_BYTES] >= _LONG).tolist():
+        hashes[index] = _one_hash(keys[index])
+    return hashes
 
 
 def _lanes(mask: np.ndarray) -> np.ndarray:
@@ -484,7 +539,6 @@ class MissCauses:
         with self._lock:
             missed = self.missed
             noted = len(missed)  # misses appended from here on wait for the next flush
-            unread = iter(missed)  # each _decide reads on from where the last one stopped
             news, self._news, self._news_keys = self._news, [], 0
             decided = self._decided
             done = 0
@@ -494,13 +548,13 @@ class MissCauses:
                 if before - decided > done:  # misses came between: the news so far first
                     self._apply(batch, records)
                     batch, records = [], []
-                    self._decide(unread, done, before - decided)
+                    self._decide(done, before - decided)
                     done = before - decided
                 batch.extend(told)
                 records.append((record, len(told)))
             self._apply(batch, records)
             if noted > done:
-                self._decide(unread, done, noted)
+                self._decide(done, noted)
             del missed[:noted]
             self._decided = decided + noted
 
@@ -509,15 +563,14 @@ class MissCauses:
             values, lengths = zip(*records)
             self.sketch.put_records(keys, np.repeat(np.array(values, dtype=np.uint8), lengths))
 
-    def _decide(self, keys: Iterator[OffloadKey], start: int, stop: int) -> None:
+    def _decide(self, start: int, stop: int) -> None:
         """Count each of the logged misses ``missed[start:stop]`` (misses no tier could
-        explain) under what the sketch says; ``keys`` iterates the log from ``start``. The
-        keys are hashed straight from the log, a probe's batch at a time, and each batch's
-        records counted as they come (no copy of the keys, no array of their records)."""
+        explain) under what the sketch says: a probe's batch of keys at a time, each batch's
+        records counted as they come (no array of their records)."""
         missed, sketch = self.missed, self.sketch
         seen = np.zeros(256, dtype=np.intp)
         for first in range(start, stop, _PROBE_KEYS):
-            words = sketch.words_at(key_hashes(keys, min(_PROBE_KEYS, stop - first)))
+            words = sketch.words_at(key_hashes(missed[first : min(first + _PROBE_KEYS, stop)]))
             seen += np.bincount(words.view(np.int64), minlength=256)
             if self.collect_new:
                 self._new.extend(missed[first + i] for i in np.flatnonzero(words == 0).tolist())
