@@ -354,3 +354,26 @@ def test_a_server_given_a_taken_port_says_so(server_binary):
                 server.start()
         finally:
             server.stop()
+
+
+def test_a_slot_move_waits_for_a_node_loading_its_dataset(server_binary):
+    """A replica loading the dataset of a full sync answers LOADING to every command (the
+    cluster soak once met it in a slot move after a failover): the move's commands go again
+    once it has loaded, instead of failing the move."""
+    import valkey
+
+    from kvtier.tiers.valkey.server import LOOPBACK, LocalValkeyServer, pipeline
+
+    with LocalValkeyServer(server_binary) as primary, LocalValkeyServer(server_binary) as replica:
+        fill = "for i=1,tonumber(ARGV[1]) do redis.call('SET', 'k'..i, string.rep('x', 200)) end"
+        primary.client().eval(fill, 0, 1_000_000)  # about 250 MB: a load that takes a moment
+        client = replica.client()
+        client.execute_command("REPLICAOF", LOOPBACK, primary.port)
+        deadline = time.monotonic() + RECOVERY_GUARD_S
+        while True:  # until the replica says LOADING (before: the sync's transfer)
+            try:
+                client.get("k1")
+            except valkey.exceptions.BusyLoadingError:
+                break
+            assert time.monotonic() < deadline, "the replica never reported LOADING"
+        assert pipeline(replica, [("GET", "k1"), ("DBSIZE",)]) == [b"x" * 200, 1_000_000]

@@ -508,6 +508,31 @@ class LocalValkeyCluster:
 
 #: connections a slot move sends its CLUSTER SETSLOT commands on at once
 _SETSLOT_CONNECTIONS = 32
+#: how long a slot move waits for a node that answers LOADING
+_LOADING_WAIT_S = 30.0
+
+
+def pipeline(server: LocalValkeyServer, commands, strict: bool = True) -> list:
+    """``commands`` on ``server`` in one pipeline. A node loading its dataset (a replica's
+    full sync after a failover, which can begin after the cluster looked settled) answers
+    LOADING to every command and runs none: they go again once it has loaded (every
+    command a move sends may be sent twice: SETSLOT, GETKEYSINSLOT, MIGRATE ... REPLACE)."""
+    from valkey.exceptions import BusyLoadingError
+
+    deadline = time.monotonic() + _LOADING_WAIT_S
+    while True:
+        client = server.client()
+        try:
+            pipe = client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            return pipe.execute(raise_on_error=strict)
+        except BusyLoadingError:
+            if time.monotonic() > deadline:
+                raise
+        finally:
+            client.close()
+        time.sleep(0.05)
 
 
 class SlotMove:
@@ -526,16 +551,6 @@ class SlotMove:
         self.sources: dict[int, LocalValkeyServer] = {}  # slot -> its owner when the move began
         self.keys_moved = 0
 
-    def _pipeline(self, server: LocalValkeyServer, commands, strict: bool = True) -> list:
-        client = server.client()
-        try:
-            pipe = client.pipeline(transaction=False)
-            for command in commands:
-                pipe.execute_command(*command)
-            return pipe.execute(raise_on_error=strict)
-        finally:
-            client.close()
-
     def _setslot(self, server: LocalValkeyServer, commands: list, strict: bool = True) -> None:
         """CLUSTER SETSLOT ``commands`` on ``server``, on :data:`_SETSLOT_CONNECTIONS` connections
         at once: a primary with replicas answers each only once they have it (Valkey 8+), a few
@@ -544,7 +559,7 @@ class SlotMove:
 
         parts = [commands[i::_SETSLOT_CONNECTIONS] for i in range(_SETSLOT_CONNECTIONS)]
         with ThreadPoolExecutor(_SETSLOT_CONNECTIONS) as pool:
-            list(pool.map(lambda part: self._pipeline(server, part, strict), [p for p in parts if p]))
+            list(pool.map(lambda part: pipeline(server, part, strict), [p for p in parts if p]))
 
     def begin(self) -> SlotMove:
         cluster, target = self.cluster, self.target
@@ -566,11 +581,11 @@ class SlotMove:
         moved = 0
         for source in set(self.sources.values()):
             mine = [slot for slot, owner in self.sources.items() if owner is source]
-            for names in self._pipeline(source, [("CLUSTER", "GETKEYSINSLOT", s, 1000) for s in mine]):
+            for names in pipeline(source, [("CLUSTER", "GETKEYSINSLOT", s, 1000) for s in mine]):
                 names = names[: None if limit is None else limit - moved]
                 if names:  # one slot's keys: MIGRATE refuses keys of several slots
                     migrate = ("MIGRATE", LOOPBACK, self.target.port, "", 0, 5000, "REPLACE", "KEYS", *names)
-                    self._pipeline(source, [migrate])
+                    pipeline(source, [migrate])
                     moved += len(names)
         self.keys_moved += moved
         return moved
