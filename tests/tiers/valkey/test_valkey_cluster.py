@@ -365,8 +365,10 @@ def test_a_slot_move_waits_for_a_node_loading_its_dataset(server_binary):
     from kvtier.tiers.valkey.server import LOOPBACK, LocalValkeyServer, pipeline
 
     with LocalValkeyServer(server_binary) as primary, LocalValkeyServer(server_binary) as replica:
-        fill = "for i=1,tonumber(ARGV[1]) do redis.call('SET', 'k'..i, string.rep('x', 200)) end"
-        primary.client().eval(fill, 0, 1_000_000)  # about 250 MB: a load that takes a moment
+        fill = "for i=ARGV[1],ARGV[2] do redis.call('SET', 'k'..i, string.rep('x', 200)) end"
+        writer = primary.client()
+        for first in range(1, 1_000_000, 100_000):  # about 250 MB: a load that takes a moment
+            writer.eval(fill, 0, first, first + 99_999)  # in parts: each well within the timeout
         client = replica.client()
         client.execute_command("REPLICAOF", LOOPBACK, primary.port)
         deadline = time.monotonic() + RECOVERY_GUARD_S
