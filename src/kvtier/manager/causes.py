@@ -353,10 +353,12 @@ _U64_29 = np.uint64(29)
 _FINAL = np.uint64(0xFF51AFD7ED558CCD)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=4)
 def _packer(count: int) -> struct.Struct:
     """Packs ``count`` bytes keys, each as a row of :data:`_ROW_BYTES`: a Pascal string (its
-    length, capped at :data:`_LONG`, then its bytes, cut or padded with zeros)."""
+    length, capped at :data:`_LONG`, then its bytes, cut or padded with zeros). A packer
+    holds about 35 bytes a key (287 KB at a probe's 8,192) and takes 5 ns a key to build: the
+    few last sizes are kept (a full probe batch, a full flush), the rest built when asked."""
     return struct.Struct(f"{_ROW_BYTES}p" * count)
 
 
