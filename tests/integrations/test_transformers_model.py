@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ from kvtier_testing.valkey_tier import local_server as valkey_server
 from transformers_support import PASSAGE, disk_tier, stack, valkey_tier
 
 from kvtier.cli.main import main
+from kvtier.cuda import cuda_available
 from kvtier.integrations.transformers import (
     TieredPrefixCache,
     cache_prefix,
@@ -118,6 +120,29 @@ def test_a_secret_and_encryption(models, tokens, tmp_path):
     first_block = computed.layers[0].keys[0, :, :32]
     stored = b"".join(open(f, "rb").read() for f in glob.glob(str(tmp_path / "s" / "*")) if os.path.isfile(f))
     assert first_block.contiguous().view(torch.uint8).numpy().tobytes()[:4096] not in stored
+
+
+@pytest.fixture(scope="session")
+def cuda_model(models):
+    models()  # skips without the wheel, and makes the converted copy
+    model, _ = load_model(SMOLLM2, "bfloat16", device="cuda")
+    return model
+
+
+_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+
+
+@pytest.mark.parametrize("engine", ["cuda", pytest.param("kernel", marks=_TRITON)])
+@pytest.mark.parametrize("kind", ["cpu", "lmdb", "files"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+def test_on_cuda_the_kv_comes_back_bit_for_bit(cuda_model, tokens, tmp_path, kind, engine):
+    """The model on the GPU: its KV goes out through a copy engine (DMA or the kernel), down
+    to the tier and back, and the continuation's logits equal those over the in-memory cache."""
+    config = stack() if kind == "cpu" else stack(disk_tier(kind, tmp_path / kind))
+    reloaded = reload(cuda_model, tokens, config, engine=engine)
+    assert reloaded.tiered.is_cuda
+    assert_exact(reloaded, {"cpu": 3} if kind == "cpu" else {"disk": 3})
 
 
 def test_a_flipped_byte_is_a_counted_corrupt_miss_and_recomputed(models, tokens, tmp_path):

@@ -87,6 +87,13 @@ def add_parser(sub: Any) -> None:
         help="the model's dtype (default bfloat16; auto: the checkpoint's)",
     )
     parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the model runs and its KV cache lives: cuda if available (default auto), "
+        "so loads and stores take kvtier's CUDA copy path",
+    )
+    parser.add_argument(
         "--raw", action="store_true", help="tokenize the prompt as it is, without the chat template"
     )
     parser.add_argument(
@@ -142,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             ) from None
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
         _quiet_transformers()
-        model, tokenizer = load_model(args.model, args.dtype)
+        model, tokenizer = load_model(args.model, args.dtype, device=args.device)
         ids = _encode(tokenizer, text, chat=not args.raw)
         with TieredPrefixCache(model, args.config or default_config()) as cache:
             _warm_up(model)
@@ -197,6 +204,7 @@ def generation_record(name: str, cache: Any, result: Any, baseline: Any | None) 
         "model": name,
         "architecture": layout.architecture,
         "dtype": layout.dtype,
+        "device": str(cache.model.device),
         "block_tokens": layout.tokens_per_block,
         "block_bytes": layout.block_bytes,
         "ttft_s": result.ttft_s,
@@ -228,7 +236,7 @@ def describe(record: dict[str, Any]) -> str:
     lines = [
         record["text"],
         "",
-        f"model {record['model']} ({record['architecture']}, {record['dtype']}), "
+        f"model {record['model']} ({record['architecture']}, {record['dtype']}, on {record['device']}), "
         f"{record['block_tokens']}-token blocks of {record['block_bytes']:,} bytes",
         f"prompt {record['prompt_tokens']} tokens: {record['cached_tokens']} loaded from the tiers "
         f"(blocks by tier: {hits}), {record['prompt_tokens'] - record['cached_tokens']} computed; "

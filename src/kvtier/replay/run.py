@@ -12,6 +12,7 @@ from typing import Any, TextIO, cast
 
 from kvtier.bench.report import print_json, print_table, progress_bar, pyplot, save_figure
 from kvtier.config import KvtierConfig, MetricsConfig, load_config
+from kvtier.cuda import resolve_device
 from kvtier.errors import KvtierError
 from kvtier.replay.engine import ReplayEngine
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, bundled_trace_path, ceiling_hit_ratio, load_trace
@@ -124,18 +125,6 @@ def _held(config: KvtierConfig, stats: dict[str, Any], block_bytes: int) -> dict
 def _cpu_only(config: KvtierConfig) -> KvtierConfig:
     # the baseline reports nothing: the endpoint and stats file belong to the stack replayed
     return dataclasses.replace(config, tiers=config.tiers[:1], metrics=MetricsConfig())
-
-
-def _resolve_device(device: str) -> str:
-    from kvtier.cuda import cuda_available
-
-    if device not in ("auto", "cpu", "cuda"):
-        raise KvtierError(f"device {device!r} is not one of auto, cpu, cuda")
-    if device == "auto":
-        return "cuda" if cuda_available() else "cpu"
-    if device == "cuda" and not cuda_available():
-        raise KvtierError("--device cuda, but CUDA is not available here (use cpu or auto)")
-    return device
 
 
 def _run_one(
@@ -348,7 +337,7 @@ def replay(
     disk stores first (kvtier's own stores only; a shared server is never emptied).
     """
     out = out or sys.stdout
-    device = _resolve_device(device)
+    device = resolve_device(device)
     if gpu_blocks < 1:
         raise KvtierError(f"--gpu-blocks must be at least 1 (got {gpu_blocks}): the engine needs a GPU cache")
     requests = load_trace(trace or bundled_trace_path(), limit)

@@ -23,6 +23,7 @@ from typing import Any
 
 import xxhash
 
+from kvtier.cuda import resolve_device
 from kvtier.errors import ConfigError
 from kvtier.tiers.disk.config import user_cache_root
 from kvtier.tiers.disk.store import directory_problem
@@ -139,13 +140,17 @@ def converted_copy(gguf: Path, cache_root: str | None = None) -> Path:
     return target
 
 
-def load_model(name: str, dtype: str = "auto", *, cache_root: str | None = None) -> tuple[Any, Any]:
+def load_model(
+    name: str, dtype: str = "auto", *, device: str = "cpu", cache_root: str | None = None
+) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of ``name`` (a folder, a ``.gguf`` file or ``smollm2``) in
-    ``dtype`` (``auto``: the checkpoint's), in evaluation mode. Raises :class:`ConfigError`."""
+    ``dtype`` (``auto``: the checkpoint's) on ``device`` (``cpu``, ``cuda`` or ``auto``: cuda
+    where it is available), in evaluation mode. Raises :class:`ConfigError`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPE_NAMES:
         raise ConfigError("--dtype", dtype, f"one of {', '.join(DTYPE_NAMES)}")
+    device = resolve_device(device)
     source = model_source(name)
     folder = converted_copy(source, cache_root) if source.is_file() else source
     model, tokenizer = _loaded(
@@ -153,7 +158,7 @@ def load_model(name: str, dtype: str = "auto", *, cache_root: str | None = None)
         lambda: AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype),
         lambda: AutoTokenizer.from_pretrained(str(folder)),
     )
-    model.eval()
+    model.to(device).eval()
     return model, tokenizer
 
 

@@ -45,6 +45,7 @@ def reload_logits(
     reload_config: KvtierConfig | dict | str | None = None,
     model_id: str | None = None,
     kv_dtype: str | None = None,
+    engine: str = "auto",
 ) -> Reloaded:
     """Prefill ``prefix_ids`` through a stack built from ``config`` (storing its full blocks),
     then prefill ``prefix_ids + continuation_ids`` loading them back; the continuation's
@@ -56,19 +57,24 @@ def reload_logits(
     codecs; with a CPU tier alone, from it. A ``reload_config`` sharing only some of the
     tiers is another engine: one sharing only the Valkey tier reads from it. ``kv_dtype``:
     the dtype the tiers store the KV in (see :class:`TieredPrefixCache`); the in-memory cache
-    is rounded to it too, so the two differ by what the tiers do alone.
+    is rounded to it too, so the two differ by what the tiers do alone. ``engine``: the copy
+    engine between the model's device and the CPU tier (``auto``: DMA on CUDA).
     """
     parsed = load_config(config)
     prefix = [int(t) for t in prefix_ids]
     continuation = [int(t) for t in continuation_ids]
-    first = TieredPrefixCache(model, parsed, model_id=model_id, kv_dtype=kv_dtype)
+    first = TieredPrefixCache(model, parsed, model_id=model_id, kv_dtype=kv_dtype, engine=engine)
     try:
         stored = first.prefill(prefix)
         if len(parsed.tiers) > 1 or reload_config is not None:
             first.close()
             # the weights are hashed once
             second = TieredPrefixCache(
-                model, reload_config or parsed, model_id=first.layout.weights, kv_dtype=kv_dtype
+                model,
+                reload_config or parsed,
+                model_id=first.layout.weights,
+                kv_dtype=kv_dtype,
+                engine=engine,
             )
         else:
             second = first
