@@ -611,3 +611,42 @@ def test_config_check_shows_the_sketch_size():
     assert "miss_causes: off" in describe(
         kvtier.load_config({"tiers": [cpu_section(8)], "miss_causes": False})
     )
+
+
+def test_a_failed_read_is_its_askers_one_miss_whoever_finishes_meanwhile(tmp_path):
+    """A read that fails is counted as the miss of the lookup that queued it: that asker's
+    next lookup is not a second miss, even after another request finished in between (the
+    marks once went with any request's end); a later asker's lookup is a miss of its own."""
+    ctx, other, later = ReqContext("r"), ReqContext("other"), ReqContext("later")
+    blocks = [key(i) for i in range(2)]
+    manager = disk_stack(tmp_path)
+    try:
+        store_blocks(manager, blocks, ctx)
+        manager.on_schedule_end()
+        manager.flush()
+    finally:
+        manager.shutdown()
+    manager = disk_stack(tmp_path)
+    try:
+        path, offset = locate(manager.tiers[0], blocks[0])
+        flip(path, offset + 4096 + 7)  # a payload byte: the block's checksum fails
+        manager.on_new_request(other)
+        assert manager.lookup(blocks[0], ctx) is None  # its read is queued
+        for _ in range(200):
+            if manager.misses:
+                break
+            manager.on_schedule_end()
+            for tier in manager.tiers:
+                tier.drain_jobs()
+        assert manager.misses == 1 and manager.stats()["miss_corrupt"] == 1
+        manager.on_schedule_end()  # a step later the key is no longer refused a row
+        manager.on_request_finished(other)
+        assert manager.lookup(blocks[0], ctx) is False
+        assert manager.misses == 1
+        assert manager.lookup(blocks[0], later) is False
+        manager.on_schedule_end()
+        stats = manager.stats()
+        assert manager.misses == 2 and stats["miss_corrupt"] + stats["miss_new"] == 2
+        assert_causes_sum(stats)
+    finally:
+        manager.shutdown()

@@ -54,7 +54,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -86,6 +86,8 @@ CLEAN_HEADROOM_FRACTION = 0.25
 REFUSED_OFFER_MEMORY_STEPS = 16
 #: ``_promoting`` value of a key whose read is queued but has no CPU row yet
 _UNRESERVED = -1
+#: keys whose miss was counted when their read ended, kept for their askers' next lookup
+_MAX_MARKS = 1 << 16
 
 
 @dataclass
@@ -208,9 +210,9 @@ class TierStackManager(SingleTierManager):
         #: until the next step ends
         self._no_room: set[OffloadKey] = set()
         #: keys that looked up None and then missed, counted then (a read that failed, no CPU
-        #: row for it): not counted again if an engine reports them behind a miss; kept until
-        #: a request finishes
-        self._missed_pending: set[OffloadKey] = set()
+        #: row for it): the next lookup answering False, or report behind a miss, is that
+        #: miss and takes the mark; at most _MAX_MARKS, the oldest dropped (asked no more)
+        self._missed_pending: dict[OffloadKey, None] = {}
         #: keys reported behind a miss (so counted) while their read was queued or in flight:
         #: that read failing is not a second miss; dropped as the read ends
         self._behind_reads: set[OffloadKey] = set()
@@ -268,8 +270,11 @@ class TierStackManager(SingleTierManager):
             if self._contains(key):
                 return True
             return None if key in self._promoting else False
-        if key in self._pending or key in self._no_room:
-            return False  # being written into the CPU tier, or no CPU row to read it into
+        if key in self._pending:
+            return False  # being written into the CPU tier
+        if key in self._no_room:
+            self._missed_pending.pop(key, None)  # its miss was counted as its read ended
+            return False  # no CPU row to read it into, or its read failed: until the step ends
         limit = req_context.get_state(LoadTiers)
         unknown = False
         for index, tier in enumerate(self._tiers):
@@ -287,6 +292,7 @@ class TierStackManager(SingleTierManager):
         if unknown:
             return None  # a tier finds out by the end of the step (a remote tier asks its server)
         if key in self._missed_pending:
+            del self._missed_pending[key]
             return False  # its failed read was counted, and the engine asks again
         self.misses += 1
         if self._causes is not None:
@@ -328,8 +334,9 @@ class TierStackManager(SingleTierManager):
         causes = self._causes
         if causes is None or not keys:
             return
-        if self._missed_pending:  # counted already, as the read that failed or found no row
-            keys = [key for key in keys if key not in self._missed_pending]
+        marks = self._missed_pending
+        if marks:  # counted already, as the read that failed or found no row
+            keys = [key for key in keys if key not in marks or marks.pop(key)]  # pop: None
         self.misses += len(keys)
         contains, pending, promoting = self._contains, self._pending, self._promoting
         local = [(index, tier) for index, tier in enumerate(self._tiers, start=1) if not tier.remote]
@@ -357,9 +364,12 @@ class TierStackManager(SingleTierManager):
             rest = kept
         causes.missed.extend(rest)
 
-    def on_request_finished(self, req_context: ReqContext) -> None:
-        self._missed_pending.clear()
-        super().on_request_finished(req_context)
+    def _mark_counted(self, keys: Iterable[OffloadKey]) -> None:
+        """``keys``' misses are counted: their askers' next lookups are not misses again."""
+        marks = self._missed_pending
+        marks.update(dict.fromkeys(keys))
+        while len(marks) > _MAX_MARKS:
+            del marks[next(iter(marks))]
 
     def is_promoting(self, key: OffloadKey) -> bool:
         """Whether a read of ``key`` from a lower tier is queued or in flight.
@@ -535,7 +545,7 @@ class TierStackManager(SingleTierManager):
                     self.misses += uncounted
                     if self._causes is not None:
                         self._causes.count("store_failed", 0, n=uncounted)
-                        self._missed_pending.update(queue)
+                        self._mark_counted(queue)
                     queue.clear()
                 continue  # else blocks being saved below free rows soon: try next step
             keys = tuple(queue.popleft() for _ in range(len(rows)))
@@ -580,7 +590,7 @@ class TierStackManager(SingleTierManager):
             self.misses += len(reasons)  # the lookup that queued each read said None, not False
             if self._causes is not None:
                 self._causes.read_failed(reasons, index + 1)
-                self._missed_pending.update(failed)
+                self._mark_counted(failed)
 
     def _submit_demotions(self) -> None:
         if not self._dirty and not self._spill:
