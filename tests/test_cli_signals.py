@@ -48,6 +48,8 @@ def _wait_for(predicate, timeout_s=60.0):
 @pytest.mark.slow
 def test_a_replay_stopped_mid_run_removes_its_region_and_store(tmp_path, signum):
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # where the temporary store goes
+    scratch = tmp_path / "cache" / "kvtier"
     process = subprocess.Popen(
         [sys.executable, "-m", "kvtier.cli.main", "replay", "--no-progress", "--no-baseline", "--json"],
         cwd=tmp_path,
@@ -57,7 +59,7 @@ def test_a_replay_stopped_mid_run_removes_its_region_and_store(tmp_path, signum)
     )
     try:
         # mid-run: the region and the temporary store exist, requests are being served
-        started = _wait_for(lambda: regions_of(process.pid) and list(tmp_path.glob("kvtier-replay-*")))
+        started = _wait_for(lambda: regions_of(process.pid) and list(scratch.glob("replay-*")))
         assert started, "the replay never created its region and store"
         regions = regions_of(process.pid)
         time.sleep(0.5)
@@ -73,7 +75,7 @@ def test_a_replay_stopped_mid_run_removes_its_region_and_store(tmp_path, signum)
     assert f"stopped by {signal.Signals(signum).name}".encode() in err
     assert out == b""  # no half report
     assert regions and not any(os.path.lexists(path) for path in regions)
-    assert list(tmp_path.iterdir()) == []  # the temporary store is gone
+    assert list(scratch.iterdir()) == []  # the temporary store is gone
 
 
 def _session_processes(sid):

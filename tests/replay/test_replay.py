@@ -213,6 +213,27 @@ def test_cli_replay_default_stack_on_a_slice(capsys):
     assert "cpu_only_hit_ratio" in record
 
 
+def test_the_default_stack_lives_in_the_user_cache_whatever_the_working_directory(
+    tmp_path, monkeypatch, capsys
+):
+    """Its throwaway store goes under XDG_CACHE_HOME (0700), not into the working directory,
+    which may be read-only or not a folder of this user's; where the cache folder cannot be
+    made, the error names it and the fix."""
+    from kvtier.cli.main import main
+
+    args = ["replay", "--limit", "30", "--no-progress", "--no-baseline", "--block-bytes", "4096", "--json"]
+    monkeypatch.chdir("/proc")  # no folder can be made here
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["mismatched_blocks"] == 0
+    root = tmp_path / "cache" / "kvtier"
+    assert oct(root.stat().st_mode & 0o777) == "0o700" and list(root.iterdir()) == []  # removed
+    monkeypatch.setenv("XDG_CACHE_HOME", "/proc/cache")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "XDG_CACHE_HOME: got '/proc/cache/kvtier'" in err and "give --config a stack" in err
+
+
 def test_replay_reports_each_lower_tiers_admission(tmp_path):
     """`admit: reuse` on a small stack: the JSON says per tier what was admitted and refused,
     and its bytes written are the tier's bytes in the table."""

@@ -21,7 +21,6 @@ the working set). Times are one run each.
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, TextIO, cast
 
@@ -29,6 +28,7 @@ import yaml
 
 from kvtier.bench.report import print_table
 from kvtier.replay.run import DEFAULT_BLOCK_BYTES, DEFAULT_DISK_BLOCKS, default_config, replay
+from kvtier.tiers.disk.store import scratch_directory
 
 __all__ = ["STACKS", "run"]
 
@@ -67,7 +67,7 @@ def run(
     results: dict[str, dict[str, Any]] = {}
     ceiling = block_refs = requests = None  # the trace's, the same for every stack
     for name in STACKS:
-        with tempfile.TemporaryDirectory(prefix="kvtier-cascade-", dir=Path.cwd()) as directory:
+        with scratch_directory("cascade-") as directory:
             config = _config(name, Path(directory), block_bytes)
             record = replay(
                 trace,

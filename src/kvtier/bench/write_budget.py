@@ -26,7 +26,6 @@ stack), run here so that the disk tier's bytes can be sampled after every reques
 from __future__ import annotations
 
 import bisect
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -35,6 +34,7 @@ from kvtier.config import load_config
 from kvtier.replay.engine import ReplayEngine
 from kvtier.replay.run import DEFAULT_BLOCK_BYTES, DEFAULT_GPU_BLOCKS, default_config
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, Request, bundled_trace_path, load_trace
+from kvtier.tiers.disk.store import scratch_directory
 
 __all__ = ["DRIVE_BYTES", "compare_write_budget"]
 
@@ -172,7 +172,7 @@ def compare_write_budget(
     span_s = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000
     if span_s <= 0:
         raise ValueError(f"the trace's requests span no time ({trace}): a budget per second needs some")
-    with tempfile.TemporaryDirectory(prefix="kvtier-budget-", dir=Path.cwd()) as folder:
+    with scratch_directory("budget-") as folder:
         directory = Path(folder)
         full = _run(requests, directory, "all", {"admit": "all"}, window_s)
         reuse = _run(requests, directory, "reuse", {"admit": "reuse", "min_reuse": min_reuse}, window_s)

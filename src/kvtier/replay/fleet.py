@@ -33,7 +33,6 @@ import dataclasses
 import multiprocessing
 import queue
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -58,6 +57,7 @@ from kvtier.replay.trace import TRACE_BLOCK_TOKENS, Request, bundled_trace_path,
 from kvtier.routing import ROUTERS, Router
 from kvtier.tiers.valkey.config import ValkeyTierConfig, redact_url
 from kvtier.tiers.valkey.config import parse as parse_valkey
+from kvtier.tiers.disk.store import scratch_directory
 
 __all__ = ["replay_fleet"]
 
@@ -401,7 +401,7 @@ def replay_fleet(
     requests, skipped = _fitting(load_trace(trace or bundled_trace_path(), limit), gpu_blocks)
     ceiling, _ = ceiling_hit_ratio(requests)
     with contextlib.ExitStack() as stack:
-        directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-fleet-", dir=Path.cwd()))
+        directory = stack.enter_context(scratch_directory("fleet-"))
         base = _local_config(config, directory, block_bytes)
         target: dict[str, Any]
         if cluster_nodes:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, TextIO, cast
@@ -18,6 +17,7 @@ from kvtier.replay.engine import ReplayEngine
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, bundled_trace_path, ceiling_hit_ratio, load_trace
 from kvtier.tiers.cpu.region import row_stride_for
 from kvtier.tiers.disk.config import DiskTierConfig
+from kvtier.tiers.disk.store import scratch_directory
 
 __all__ = ["replay", "default_config", "in_trace_blocks"]
 
@@ -345,9 +345,7 @@ def replay(
     ceiling, refs = ceiling_hit_ratio(requests)
     with contextlib.ExitStack() as stack:
         if config is None:
-            directory = stack.enter_context(
-                tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=Path.cwd())
-            )
+            directory = stack.enter_context(scratch_directory("replay-"))
             parsed = load_config(default_config(directory, block_bytes, disk_kind))
         else:
             parsed = in_trace_blocks(load_config(config))

@@ -33,6 +33,7 @@ import pwd
 import secrets
 import shutil
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -303,6 +304,23 @@ def _make_private_dirs(directory: str) -> None:
         _make_private_dirs(parent)
     with contextlib.suppress(FileExistsError):
         _mkdir_private(directory)
+
+
+def scratch_directory(prefix: str) -> tempfile.TemporaryDirectory[str]:
+    """A throwaway folder for a command's own stores, removed when it exits: in this user's
+    cache folder (on disk, where ``/tmp`` is often memory; 0700, whatever the working
+    directory). :class:`ConfigError` naming the folder if it cannot be made there."""
+    root = user_cache_root()
+    try:
+        _make_private_dirs(root)
+        return tempfile.TemporaryDirectory(prefix=prefix, dir=root)
+    except OSError as exc:
+        raise ConfigError(
+            "XDG_CACHE_HOME",
+            root,
+            f"a folder on disk this user can write, for a temporary store ({exc.strerror or exc})",
+            "set XDG_CACHE_HOME to one, or give --config a stack of your own",
+        ) from None
 
 
 def store_directory_path(path: str, where: str) -> str:
