@@ -156,6 +156,9 @@ if grep -q "^lmdb MISSING" "$LOGS/env.txt"; then
   PYTEST_EXTRA+=(--continue-on-collection-errors)
   REPLAY_EXTRA+=(--disk files)
 fi
+if wanted model; then  # the model's GPU tests run in its own step, once
+  PYTEST_EXTRA+=(--ignore=tests/integrations/test_transformers_model.py)
+fi
 BENCH_EXTRA=()
 KERNEL_EXTRA=()
 if [ "$QUICK" = 1 ]; then
