@@ -350,6 +350,16 @@ def disk_stack(tmp_path, cpu_blocks=16, disk_blocks=64, fingerprint=None, causes
     return kvtier.build_manager(config, BLOCK, fingerprint=fingerprint)
 
 
+def store_and_close(manager, keys, ctx):
+    """Store ``keys`` through ``manager``, save them below and close it."""
+    try:
+        store_blocks(manager, keys, ctx)
+        manager.on_schedule_end()
+        manager.flush()
+    finally:
+        manager.shutdown()
+
+
 def settle(manager, keys, ctx):
     """Look ``keys`` up once each as an engine does (stepping while any is None); answers."""
     for _ in range(200):
@@ -533,13 +543,7 @@ def test_blocks_written_without_a_secret_are_foreign_to_a_tier_with_one(tmp_path
     pytest.importorskip("cryptography")
     ctx = ReqContext("r")
     blocks = [key(i) for i in range(5)]
-    manager = disk_stack(tmp_path)
-    try:
-        store_blocks(manager, blocks, ctx)
-        manager.on_schedule_end()
-        manager.flush()
-    finally:
-        manager.shutdown()
+    store_and_close(disk_stack(tmp_path), blocks, ctx)
     secret = tmp_path / "secret"
     secret.write_bytes(os.urandom(32))
     secret.chmod(0o600)
@@ -576,13 +580,7 @@ def test_blocks_under_another_secret_are_foreign_and_a_bad_mac_is_corrupt(tmp_pa
     ctx = ReqContext("r")
     blocks = [key(i) for i in range(4)]
     first, second = write_secret(tmp_path / "a"), write_secret(tmp_path / "b")
-    manager = disk_stack(tmp_path, secret_file=first)
-    try:
-        store_blocks(manager, blocks, ctx)
-        manager.on_schedule_end()
-        manager.flush()
-    finally:
-        manager.shutdown()
+    store_and_close(disk_stack(tmp_path, secret_file=first), blocks, ctx)
     manager = disk_stack(tmp_path, secret_file=second)
     try:
         assert settle(manager, blocks[:2], ctx) == [False] * 2
@@ -619,13 +617,7 @@ def test_a_failed_read_is_its_askers_one_miss_whoever_finishes_meanwhile(tmp_pat
     marks once went with any request's end); a later asker's lookup is a miss of its own."""
     ctx, other, later = ReqContext("r"), ReqContext("other"), ReqContext("later")
     blocks = [key(i) for i in range(2)]
-    manager = disk_stack(tmp_path)
-    try:
-        store_blocks(manager, blocks, ctx)
-        manager.on_schedule_end()
-        manager.flush()
-    finally:
-        manager.shutdown()
+    store_and_close(disk_stack(tmp_path), blocks, ctx)
     manager = disk_stack(tmp_path)
     try:
         path, offset = locate(manager.tiers[0], blocks[0])
