@@ -333,9 +333,33 @@ def test_shutdown_ends_when_a_save_was_counted_but_never_sent(caplog):
     manager._demoting[orphan] = 1  # as _demote leaves it when interrupted before its submit
     with caplog.at_level("WARNING", logger="kvtier.manager.stack"):
         manager.shutdown()
-    assert "1 blocks were being saved by jobs that no longer exist" in caplog.text
+    assert "1 blocks were being saved by jobs that no longer report (0 jobs)" in caplog.text
     stats = manager.stats()  # as they were just before the tiers closed
     assert stats[f"{disk.name}.demotions"] == 2  # the real saves went through first
+
+
+def test_shutdown_ends_when_a_job_was_counted_but_its_result_never_folded_in(caplog):
+    """A signal's exception between a job's bookkeeping and its submit, or in the middle of a
+    poll that had taken its result, leaves the job in the manager's books with no tier behind
+    it (seen as a replay that SIGHUP left spinning): shutdown still ends, saying so."""
+    import threading
+    import time
+
+    from kvtier.tiers.jobs import TierJob
+
+    manager, disk = make(write_policy="write_back")
+    store(manager, [key(1), key(2)])
+    settle(manager)
+    orphan = key(3)
+    manager._demoting[orphan] = 1
+    manager._jobs[999] = (0, TierJob(999, (orphan,), (0,)), False, time.monotonic())
+    with caplog.at_level("WARNING", logger="kvtier.manager.stack"):
+        closing = threading.Thread(target=manager.shutdown, daemon=True)
+        closing.start()
+        closing.join(timeout=60)
+    assert not closing.is_alive(), "shutdown waited for ever on a job no tier runs"
+    assert "1 blocks were being saved by jobs that no longer report (1 jobs)" in caplog.text
+    assert manager.stats()[f"{disk.name}.demotions"] == 2
 
 
 def saved_below_with_causes():

@@ -838,14 +838,17 @@ class TierStackManager(SingleTierManager):
             self._spill.clear()
             self._submit_spill(keys)
             self._drain()
-            if not self._jobs and self._unsaved() == before:
-                # Nothing was sent and nothing finished: saves counted with no job behind
-                # them (a call cut short, by a signal's exception, between its bookkeeping
-                # and its submit) would otherwise keep this loop, and shutdown, going for ever.
+            if self._unsaved() == before:
+                # The tiers are idle and nothing they finished changed what is left: saves
+                # counted with no job behind them, or jobs whose results were taken and never
+                # folded in (a call cut short by a signal's exception: between its bookkeeping
+                # and its submit, or in the middle of a poll). They would otherwise keep this
+                # loop, and shutdown, going for ever.
                 logger.warning(
-                    "kvtier: %d blocks were being saved by jobs that no longer exist; shutting "
-                    "down without them",
+                    "kvtier: %d blocks were being saved by jobs that no longer report (%d "
+                    "jobs); shutting down without them",
                     len(self._demoting) + len(self._spilling),
+                    len(self._jobs),
                 )
                 break
 
