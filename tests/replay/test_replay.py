@@ -390,3 +390,32 @@ def test_cli_refuses_a_router_without_a_fleet(capsys):
 
     assert main(["replay", "--router", "prefix", "--no-progress"]) == 2
     assert "--router routes a fleet's requests: add --engines N" in capsys.readouterr().err
+
+
+def test_a_stop_signal_waits_for_the_request_in_hand(tmp_path):
+    """kvtier's commands turn SIGTERM into an exception; one raised in the middle of a request
+    could leave a job counted and never queued, and the shutdown after it waiting for ever
+    (seen: a replay that SIGHUP left spinning). It comes as the request ends instead."""
+    import os
+    import signal
+
+    from kvtier.cli.signals import Stopped, stop_on_signals
+
+    engine, store = stack_engine(tmp_path, cpu_blocks=8, store_blocks=100, gpu_blocks=4)
+    serve, served = engine.run_request, []
+
+    def run_request(index, request):
+        if index == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at once, in this (the main) thread
+        serve(index, request)
+        served.append(index)
+
+    engine.run_request = run_request
+    requests = [Request(i, 0, 0, tuple(range(10 * i, 10 * i + 4))) for i in range(4)]
+    try:
+        with stop_on_signals(), pytest.raises(Stopped):
+            engine.run(requests)
+        assert served == [0, 1]  # the request in hand was served whole; none after it
+    finally:
+        engine.close()
+    assert engine.counts.stored_blocks == 8 and engine.counts.mismatched_blocks == 0

@@ -30,7 +30,7 @@ def stop_on_signals() -> Iterator[None]:
 
     By default either kills the process outright: the CPU tier's region (the tier's whole
     capacity, holding users' KV data) stays in ``/dev/shm`` and ``kvtier replay``'s temporary
-    store in the working directory. Here the first one raises :class:`Stopped` in the main
+    store in the user's cache folder. Here the first one raises :class:`Stopped` in the main
     thread, which unwinds through the stack's shutdown and the temporary directories; later
     ones are ignored until that is done, so they cannot cut the clean-up short. Outside the
     main thread (signals cannot be caught there) nothing changes.
@@ -65,7 +65,11 @@ _deferred: list[int] = []
 def deferred_stop() -> Iterator[None]:
     """A step that must not be cut in two (starting a process: cut between its spawn and the
     data written to it, the child starts on nothing and dies with a traceback): a stop signal
-    that comes meanwhile raises :class:`Stopped` as the step ends, not inside it."""
+    that comes meanwhile raises :class:`Stopped` as the step ends, not inside it. Outside the
+    main thread (where no signal handler runs) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     _deferring.append(True)
     try:
         yield

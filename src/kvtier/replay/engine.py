@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.base import OffloadingEvent, OffloadKey, ReqContext, make_offload_key
+from kvtier.cli.signals import deferred_stop
 from kvtier.driver import DriverCounts, StackDriver
 from kvtier.errors import KvtierError
 from kvtier.mediums import GPULoadStoreSpec
@@ -440,16 +441,22 @@ class ReplayEngine(StackDriver):
         every = max(1, total // samples) if total else 50
         start = time.perf_counter()
         for index, request in enumerate(requests):
-            self.run_request(index, request)
+            # A stop signal (kvtier's commands turn SIGTERM and SIGHUP into an exception)
+            # waits for the request's end: raised inside it, it could cut the manager's or a
+            # tier's books in two (a job counted and never queued), and the shutdown that
+            # follows would wait for ever for what never runs.
+            with deferred_stop():
+                self.run_request(index, request)
             if progress is not None:
                 progress(1)
             if (index + 1) % every == 0:
                 self._sample(index + 1)
-        self.wait_for_stores()  # the run ends when what it started has finished
-        while getattr(self.manager, "has_pending_work", lambda: False)():
-            self.wait_for_tiers()
+        with deferred_stop():
+            self.wait_for_stores()  # the run ends when what it started has finished
+            while getattr(self.manager, "has_pending_work", lambda: False)():
+                self.wait_for_tiers()
+                self.step()
             self.step()
-        self.step()
         self._sample(self.counts.requests)
         return time.perf_counter() - start
 
