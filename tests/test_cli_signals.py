@@ -190,3 +190,35 @@ def test_a_plan_stopped_mid_run_ends_its_workers_and_exits_within_seconds(tmp_pa
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+HANGING_CLEANUP = """
+import sys, time
+from kvtier.cli import signals
+signals.CLEANUP_DEADLINE_S = 1.0
+with signals.stop_on_signals():
+    try:
+        print("ready", flush=True)
+        time.sleep(60)
+    finally:
+        time.sleep(60)  # a clean-up that never ends
+"""
+
+
+def test_a_clean_up_that_hangs_after_a_stop_signal_still_ends_the_process(tmp_path):
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    process = subprocess.Popen(
+        [sys.executable, "-c", HANGING_CLEANUP], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert process.stdout.readline() == b"ready\n"
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 128 + signal.SIGTERM
+    assert time.monotonic() - started < 20
+    assert b"the clean-up after SIGTERM did not end within 1 s; exiting without it" in err

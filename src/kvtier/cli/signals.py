@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
-__all__ = ["STOP_SIGNALS", "Stopped", "deferred_stop", "stop_on_signals"]
+__all__ = ["CLEANUP_DEADLINE_S", "STOP_SIGNALS", "Stopped", "deferred_stop", "stop_on_signals"]
 
 
 class Stopped(BaseException):
@@ -39,10 +41,16 @@ def stop_on_signals() -> Iterator[None]:
         yield
         return
     numbers = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
+    deadlines: list[threading.Timer] = []
 
     def stop(signum: int, frame: object) -> None:
         for number in numbers:
             signal.signal(number, signal.SIG_IGN)
+        # the clean-up gets a deadline: should it hang, the process still ends
+        deadline = threading.Timer(CLEANUP_DEADLINE_S, _give_up, (signum,))
+        deadline.daemon = True
+        deadline.start()
+        deadlines.append(deadline)
         if _deferring:
             _deferred.append(signum)  # raised when the step that must not be cut ends
             return
@@ -52,8 +60,25 @@ def stop_on_signals() -> Iterator[None]:
     try:
         yield
     finally:
+        for deadline in deadlines:
+            deadline.cancel()
         for number, handler in previous.items():
             signal.signal(number, handler)
+
+
+#: seconds a command has, after a stop signal, to clean up before it exits without finishing
+#: (systemd's default stop timeout is 90 s, after which it kills the process outright)
+CLEANUP_DEADLINE_S = 60.0
+
+
+def _give_up(signum: int) -> None:
+    sys.stderr.write(
+        f"kvtier: the clean-up after {signal.Signals(signum).name} did not end within "
+        f"{CLEANUP_DEADLINE_S:.0f} s; exiting without it (a CPU region left behind is swept "
+        "at the next start)\n"
+    )
+    sys.stderr.flush()
+    os._exit(128 + signum)
 
 
 # Main-thread state of deferred_stop (signal handlers run in the main thread only).
