@@ -55,6 +55,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvtier.bench.report import print_table
+from kvtier.errors import ConfigError
 
 KiB = 1024
 #: name -> bytes per layer and block
@@ -292,12 +293,12 @@ def run(
     out = out or sys.stdout
     import torch
 
-    from kvtier.cuda import cuda_available
+    from kvtier.cuda import resolve_device
 
-    if device == "auto":
-        device = "cuda" if cuda_available() else "cpu"
-    if device == "cuda" and not cuda_available():
-        raise SystemExit("kvtier bench transfer: --device cuda, but CUDA is not available here")
+    try:
+        device = resolve_device(device)
+    except ConfigError as exc:
+        raise SystemExit(f"kvtier bench transfer: {exc}") from None
     if max_batch < 1 or runs < 1 or layers < 1:
         raise SystemExit("kvtier bench transfer: --max-batch, --runs and --layers must be >= 1")
     from importlib.util import find_spec
