@@ -17,7 +17,6 @@ def gpu_check(tmp_path, *args, **env):
         "PYTHON": sys.executable,
         "OUT": str(tmp_path / "out"),
         "KVTIER_WHEELS": str(tmp_path / "no-wheels"),
-        "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")),
         **env,
     }
     return subprocess.run(
