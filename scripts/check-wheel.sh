@@ -33,6 +33,11 @@ import os, sys, kvtier
 site = os.path.realpath(os.path.join(sys.prefix, "lib"))
 assert os.path.realpath(kvtier.__file__).startswith(site), f"kvtier is not the installed one: {kvtier.__file__}"
 print(f"kvtier {kvtier.__version__} from {os.path.dirname(kvtier.__file__)}", file=sys.stderr)
+# where a C compiler is, the wheel carries the hot path in C (else kvtier runs it in Python)
+import shutil
+if shutil.which(os.environ.get("CC", "cc")):
+    import kvtier._speedups
+    print(f"kvtier._speedups built: {kvtier._speedups.__file__}", file=sys.stderr)
 PY
 echo "== wheel: kvtier --version, then a short replay of each bundled trace" >&2
 "$work/venv/bin/kvtier" --version

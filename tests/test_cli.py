@@ -131,6 +131,9 @@ def test_bench_manager_json_has_every_figure(capsys):
     assert len(lines) == 1
     record = json.loads(lines[0])
     assert record["bench"] == "manager" and record["baseline"] in ("vllm", "reference")
+    from kvtier.manager.causes import speedups
+
+    assert record["speedups"] is (speedups is not None)
     combos = {(row["policy"], row["keys_per_call"]) for row in record["rows"]}
     assert combos == {("lru", 64), ("lru", 1), ("arc", 64), ("arc", 1)}
     for row in record["rows"]:

@@ -642,3 +642,49 @@ def test_a_failed_read_is_its_askers_one_miss_whoever_finishes_meanwhile(tmp_pat
         assert_causes_sum(stats)
     finally:
         manager.shutdown()
+
+
+@pytest.mark.parametrize(("keys", "tag_bits"), [(4, 3), (1000, 4), (50_000, 24)])
+def test_the_c_probe_reads_what_numpy_reads(keys, tag_bits):
+    """kvtier._speedups' probe (hash, buckets, first matching slot in one C pass) answers each
+    key's record as numpy's path does, for any slice of the keys, keys it leaves to Python
+    (long, not bytes) included."""
+    from kvtier.manager import causes
+
+    if causes.speedups is None:
+        pytest.skip("kvtier._speedups is not built here (no C compiler at install)")
+    rng = random.Random(keys + tag_bits)
+    sketch = CauseSketch(keys, tag_bits=tag_bits)
+    stored: list[object] = random_keys(rng, 2 * keys) + [b"x" * 47, b"y" * 99, "ab", (1, 2)]
+    records = [rng.randint(STORED, FOREIGN) << 5 | rng.randint(0, 30) for _ in stored]
+    sketch.put_records(stored, np.array(records, dtype=np.uint8))  # type: ignore[arg-type]
+    probed = stored + random_keys(rng, 2 * keys) + [b"x" * 48, "abc"]
+    rng.shuffle(probed)
+    probed = probed[:_PROBE_KEYS]
+    expected = sketch.records_at(causes.numpy_key_hashes(probed)).tolist()  # type: ignore[arg-type]
+    assert any(expected)
+    if tag_bits == 24:  # with few tag bits nearly any key matches a slot
+        assert not all(expected)
+    assert sketch.records(probed).tolist() == expected  # type: ignore[arg-type]
+    assert sketch.records(tuple(probed), 3, 40).tolist() == expected[3:40]  # type: ignore[arg-type]
+    assert sketch.records(probed, 5, len(probed) + 10).tolist() == expected[5:]  # type: ignore[arg-type]
+    assert sketch.records(probed, 7, 7).size == 0  # type: ignore[arg-type]
+
+
+def test_the_c_hash_is_the_numpy_hash():
+    """kvtier._speedups' key_hashes gives every key the hash numpy's path does: keys of every
+    length around a row's, keys that are not bytes, a bytes subclass, lists and tuples."""
+    from kvtier.manager import causes
+
+    if causes.speedups is None:
+        pytest.skip("kvtier._speedups is not built here (no C compiler at install)")
+
+    class Tagged(bytes):
+        pass
+
+    rng = random.Random(11)
+    keys: list[object] = [rng.randbytes(n) for n in range(100)] + [b"", b"\0", b"ab\0", Tagged(b"ab")]
+    keys += ["ab", (1, 2), 7, rng.randbytes(36)]
+    assert causes.key_hashes(keys).tolist() == causes.numpy_key_hashes(keys).tolist()  # type: ignore[arg-type]
+    assert causes.key_hashes(tuple(keys)).tolist() == causes.numpy_key_hashes(keys).tolist()  # type: ignore[arg-type]
+    assert causes.key_hashes([]).size == 0

@@ -192,3 +192,45 @@ def test_null_backend_refuses_every_store():
     manager = SingleTierManager(NullBackend(BLOCK), LRUPolicy(0))
     assert manager.prepare_store([key(0)], CTX) is None
     assert manager.prepare_store([], CTX).keys_to_store == []
+
+
+class _OwnContains(LRUPolicy):
+    """A policy whose ``contains`` is its own method (an out-of-tree policy's shape)."""
+
+    def __init__(self, capacity):
+        super().__init__(capacity)
+        self.contains = lambda key: key in self._index
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+@pytest.mark.parametrize("policy", [LRUPolicy, ARCPolicy, _OwnContains], ids=["lru", "arc", "own"])
+@pytest.mark.parametrize("causes", [True, False], ids=["causes", "no-causes"])
+def test_lookup_answers_and_notes_misses_the_same_in_c_and_python(monkeypatch, path, policy, causes):
+    """The lookup (C where kvtier._speedups is built, a closure else): a ready key is True, a
+    key being written False and not a miss, any other key False and noted for its cause, in
+    order; bad calls fail as a function's would."""
+    import kvtier.manager.single as single
+    from kvtier.manager.causes import MissCauses
+
+    if path == "c" and single.speedups is None:
+        pytest.skip("kvtier._speedups is not built here (no C compiler at install)")
+    if path == "python":
+        monkeypatch.setattr(single, "speedups", None)
+    manager = SingleTierManager(
+        MemoryBackend(4, BLOCK), policy(4), causes=MissCauses(64, ["cpu"]) if causes else None
+    )
+    expect_c = path == "c" and policy is not _OwnContains
+    assert (type(manager.lookup).__module__ == "kvtier._speedups") is expect_c
+    store(manager, [key(0), key(1)])
+    manager.prepare_store([key(2)], CTX)  # being written
+    answers = [manager.lookup(k, CTX) for k in (key(0), key(2), key(3), key(1), key(4), key(3))]
+    assert answers == [True, False, False, True, False, False]
+    if causes:
+        assert manager.miss_causes.missed == [key(3), key(4), key(3)]
+        assert manager.stats()["miss_new"] == 3
+    with pytest.raises(TypeError):
+        manager.lookup(key(0))  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        manager.lookup([1], CTX)  # unhashable: no key of any tier
+    manager.complete_store([key(2)], CTX)
+    assert manager.lookup(key(2), CTX) is True

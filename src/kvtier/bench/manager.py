@@ -271,10 +271,14 @@ def run(
         for row in rows
         if row["metadata_bytes_per_block"] > GOAL_BYTES_PER_BLOCK
     ]
+    from kvtier.manager.causes import speedups
+
     record: dict[str, Any] = {
         "bench": "manager",
         "baseline": "vllm" if baseline is not None else "reference",
         "config": "default (miss causes on)",
+        # the lookup and the sketch's hash in C (kvtier._speedups), or in Python: not built
+        "speedups": speedups is not None,
         "timer": "process_time",
         "num_keys": num_keys,
         "capacity_blocks": capacity,
@@ -286,7 +290,8 @@ def run(
     }
     print(
         f"kvtier bench manager: {num_keys} keys into {capacity} blocks, default config (miss causes "
-        f"on), CPU time, median of {runs} alternating rounds; baseline = "
+        f"on{'' if speedups else '; kvtier._speedups not built: the Python path'}), CPU time, "
+        f"median of {runs} alternating rounds; baseline = "
         f"{'vLLM measured now' if baseline else 'vLLM 0.33 reference figures (vllm not importable)'}",
         file=out,
     )

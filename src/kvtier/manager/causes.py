@@ -9,7 +9,7 @@ one-byte replacement cursor per bucket. A key it never saw matches a remembered 
 probability at most ``1 - (1 - 2**-24)**8`` (4.8e-7, :attr:`CauseSketch.error_rate`); a key that
 finds both its buckets full replaces an entry of the first in turn (round robin: roughly the
 oldest; ``forgotten``), which then reads as never seen. It reads and writes whole batches of
-keys with numpy. Why this table and not a Bloom or cuckoo filter: docs/design/miss-causes.md.
+keys with numpy, and reads them in C where :mod:`kvtier._speedups` was built. Why this table and not a Bloom or cuckoo filter: docs/design/miss-causes.md.
 
 :class:`MissCauses` is what a manager holds: the sketch, the counters ``stats()`` shows
 (``miss_<cause>``, ``<tier>.miss_<cause>``, ``foreign_<part>``), and a log between them. A
@@ -31,12 +31,19 @@ import hashlib
 import os
 import struct
 import threading
+import types
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from kvtier.base import OffloadKey
 from kvtier.tiers.jobs import Failure, FailureKind
+
+speedups: types.ModuleType | None
+try:  # the hot path in C, built with the package where a C compiler was (src/kvtier/_speedups.c)
+    from kvtier import _speedups as speedups
+except ImportError:  # none: the same logic in Python and numpy
+    speedups = None
 
 __all__ = [
     "CAUSES",
@@ -229,9 +236,23 @@ class CauseSketch:
         second -= (second >= buckets) * buckets
         return tags, first.astype(np.intp), second.astype(np.intp)
 
-    def records(self, keys: Sequence[OffloadKey]) -> np.ndarray:
-        """Each key's record byte (event << 5 | tier), 0 where it is not remembered."""
-        return self.records_at(key_hashes(keys))
+    def records(self, keys: Sequence[OffloadKey], start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Each record byte (event << 5 | tier) of ``keys[start:stop]``, 0 where it is not
+        remembered. With :mod:`kvtier._speedups`, hashed and probed in C in one pass (the same
+        answers: tests/manager/test_causes.py), at most :data:`_PROBE_KEYS` keys a call."""
+        stop = len(keys) if stop is None else stop
+        if speedups is None or stop - start > _PROBE_KEYS:
+            return self.records_at(key_hashes(keys[start:stop]))
+        listed = keys if type(keys) is list else list(keys)
+        raw, left = speedups.probe(
+            listed, start, stop, _MULTIPLIER_BYTES, self._slots, int(self._shift), int(self._moves)
+        )
+        found = np.frombuffer(raw, dtype=np.uint8)
+        if left:  # keys C does not hash (not bytes, or long): their hash here, probed in numpy
+            found = found.copy()
+            hashes = np.array([_one_hash(listed[start + index]) for index in left], dtype=np.uint64)
+            found[left] = self.words_at(hashes)
+        return found
 
     def records_at(self, hashes: np.ndarray) -> np.ndarray:
         """:meth:`records` of the keys whose :func:`key_hashes` are ``hashes``."""
@@ -349,6 +370,7 @@ _LONG = _ROW_BYTES - 1
 #: hash is keyed, as Python's own is (nobody outside the process can choose keys that collide)
 _SECRET = os.urandom(8 * _WORDS + 16)
 _MULTIPLIERS = [np.uint64(int(m) | 1) for m in np.frombuffer(_SECRET[: 8 * _WORDS], dtype=np.uint64)]
+_MULTIPLIER_BYTES = np.array(_MULTIPLIERS, dtype=np.uint64).tobytes()  # for the C hash
 _U64_29 = np.uint64(29)
 _FINAL = np.uint64(0xFF51AFD7ED558CCD)
 
@@ -380,11 +402,23 @@ def _one_hash(key: object) -> int:
 def key_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
     """A keyed 64-bit hash of each key (uint64): what places a key in the sketch.
 
-    The keys are packed in one C call, each as its length and bytes, and the rows mixed a
-    word at a time over the whole batch (xor in a word, multiply by an odd number,
-    xor-shift: each step a bijection of the state, so two rows that differ in one word never
-    collide). A key of :data:`_LONG` bytes or more, or not bytes, is hashed alone
-    (BLAKE2b), so every key is told apart by all of it."""
+    Each key is a row of :data:`_ROW_BYTES`: its length and bytes. The rows are mixed a word
+    at a time (xor in a word, multiply by an odd number, xor-shift: each step a bijection of
+    the state, so two rows that differ in one word never collide). A key of :data:`_LONG`
+    bytes or more, or not bytes, is hashed alone (BLAKE2b), so every key is told apart by all
+    of it. With :mod:`kvtier._speedups` the rows are mixed in C, a key at a time; else
+    :func:`numpy_key_hashes` does it over the whole batch; both give the same hashes."""
+    if speedups is None:
+        return numpy_key_hashes(keys)
+    raw, left = speedups.key_hashes(keys if type(keys) is list else list(keys), _MULTIPLIER_BYTES)
+    hashes = np.frombuffer(raw, dtype=np.uint64)
+    for index in left:
+        hashes[index] = _one_hash(keys[index])
+    return hashes
+
+
+def numpy_key_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
+    """:func:`key_hashes` without C: the keys packed in one call, the rows mixed with numpy."""
     try:
         packed = _packer(len(keys)).pack(*keys)
     except struct.error:  # a key that is not bytes
@@ -572,10 +606,10 @@ class MissCauses:
         missed, sketch = self.missed, self.sketch
         seen = np.zeros(256, dtype=np.intp)
         for first in range(start, stop, _PROBE_KEYS):
-            words = sketch.words_at(key_hashes(missed[first : min(first + _PROBE_KEYS, stop)]))
-            seen += np.bincount(words.view(np.int64), minlength=256)
+            found = sketch.records(missed, first, min(first + _PROBE_KEYS, stop))
+            seen += np.bincount(found, minlength=256)
             if self.collect_new:
-                self._new.extend(missed[first + i] for i in np.flatnonzero(words == 0).tolist())
+                self._new.extend(missed[first + i] for i in np.flatnonzero(found == 0).tolist())
         for record in np.flatnonzero(seen).tolist():
             n = int(seen[record])
             event = record >> 5

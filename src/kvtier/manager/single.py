@@ -18,7 +18,7 @@ from kvtier.base import (
     RequestOffloadingContext,
 )
 from kvtier.errors import BlockStateError
-from kvtier.manager.causes import CAUSES, EVICTED, MissCauses
+from kvtier.manager.causes import CAUSES, EVICTED, MissCauses, speedups
 from kvtier.policies.base import EvictionPolicy, tail_first
 
 __all__ = ["SingleTierManager"]
@@ -181,11 +181,16 @@ class SingleTierManager(OffloadingManager):
         """:meth:`lookup` over this manager's containers, as a closure: it reads them as cell
         variables, with no attribute lookups, and tests the policy's index with ``in`` where
         ``contains`` is that dict's own method: less than half the method's cost (a hit 60 ns
-        against vLLM's 209, docs/bench.md). Every container it names only changes in place."""
+        against vLLM's 209, docs/bench.md). Where :mod:`kvtier._speedups` was built and the
+        index is a dict, the same logic as a C callable over the same containers (no Python
+        frame a call: docs/design/miss-causes.md). Every container it names only changes in
+        place."""
         contains, pending = self._contains, self._pending
         index = getattr(contains, "__self__", None)
         if type(index) is not dict or contains != index.__contains__:
             index = _Contains(contains)
+        elif speedups is not None:
+            return speedups.Lookup(index, pending, None if self._causes is None else self._causes.missed)
         if self._causes is None:
 
             def lookup(key: OffloadKey, req_context: ReqContext) -> bool:
