@@ -41,7 +41,7 @@ from kvtier.tiers.jobs import Failure, FailureKind
 
 speedups: types.ModuleType | None
 try:  # the hot path in C, built with the package where a C compiler was (src/kvtier/_speedups.c)
-    from kvtier import _speedups as speedups
+    import kvtier._speedups as speedups
 except ImportError:  # none: the same logic in Python and numpy
     speedups = None
 
