@@ -71,7 +71,7 @@ lookup_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (!PyArg_ParseTuple(args, "O!O!O:Lookup", &PyDict_Type, &index, &PyDict_Type, &pending, &missed)) {
         return NULL;
     }
-    if (missed != Py_None && !PyList_Check(missed)) {
+    if (missed != Py_None && !PyList_CheckExact(missed)) {
         PyErr_SetString(PyExc_TypeError, "Lookup: missed must be a list or None");
         return NULL;
     }
@@ -150,6 +150,11 @@ hash_keys(PyObject *keys, Py_ssize_t start, Py_ssize_t stop, const uint64_t mult
         return -1;
     }
     for (Py_ssize_t k = 0; k < count; k++) {
+        if (start + k >= PyList_GET_SIZE(keys)) { /* a finalizer run by an allocation shrank it */
+            PyErr_SetString(PyExc_RuntimeError, "the list of keys shrank while it was hashed");
+            PyMem_Free(rows);
+            return -1;
+        }
         PyObject *key = PyList_GET_ITEM(keys, start + k);
         unsigned char *row = rows + ROW_BYTES * k;
         if (PyBytes_Check(key) && PyBytes_GET_SIZE(key) < LONG_KEY) {
