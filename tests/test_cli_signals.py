@@ -222,3 +222,44 @@ def test_a_clean_up_that_hangs_after_a_stop_signal_still_ends_the_process(tmp_pa
     assert process.returncode == 128 + signal.SIGTERM
     assert time.monotonic() - started < 20
     assert b"the clean-up after SIGTERM did not end within 1 s; exiting without it" in err
+
+
+@pytest.mark.slow
+def test_a_killed_replays_store_is_removed_by_the_next_command_never_a_live_ones(tmp_path, monkeypatch):
+    """SIGKILL (the OOM killer's) gives a command no clean-up: its temporary store stays.
+    The next scratch folder made under the same cache root removes it, and leaves alone one
+    whose command still runs."""
+    from kvtier.tiers.disk.store import SCRATCH_OWNER, scratch_directory
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    scratch = tmp_path / "cache" / "kvtier"
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli.main", "replay", "--no-progress", "--no-baseline", "--json"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    regions = []
+    try:
+        owned = lambda: [p for p in scratch.glob("replay-*") if (p / SCRATCH_OWNER).exists()]  # noqa: E731
+        assert _wait_for(lambda: regions_of(process.pid) and owned()), "the replay never made its store"
+        regions = regions_of(process.pid)
+        [theirs] = owned()
+        with scratch_directory("test-") as mine:  # the replay lives: its store stays
+            assert theirs.is_dir() and os.path.isdir(mine)
+        assert process.poll() is None, "the replay ended before it could be killed"
+        process.kill()
+        process.wait()
+        assert theirs.is_dir()  # nothing of it ran: the store is left behind
+        with scratch_directory("test-") as mine:
+            assert not theirs.exists() and os.path.isdir(mine)
+        assert list(scratch.iterdir()) == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for path in regions:  # a killed replay cannot remove its region either
+            with contextlib.suppress(OSError):
+                os.unlink(path)

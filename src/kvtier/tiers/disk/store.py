@@ -36,7 +36,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kvtier.base import OffloadKey
 from kvtier.config import format_size
@@ -306,14 +306,27 @@ def _make_private_dirs(directory: str) -> None:
         _mkdir_private(directory)
 
 
-def scratch_directory(prefix: str) -> tempfile.TemporaryDirectory[str]:
+#: in each scratch folder: the file its owner holds locked (flock) for as long as it lives
+SCRATCH_OWNER = ".kvtier-scratch-owner"
+
+
+@contextlib.contextmanager
+def scratch_directory(prefix: str) -> Iterator[str]:
     """A throwaway folder for a command's own stores, removed when it exits: in this user's
     cache folder (on disk, where ``/tmp`` is often memory; 0700, whatever the working
-    directory). :class:`ConfigError` naming the folder if it cannot be made there."""
+    directory). :class:`ConfigError` naming the folder if it cannot be made there.
+
+    Its owner holds :data:`SCRATCH_OWNER` locked while it lives; a folder whose owner died
+    before removing it (SIGKILL, the OOM killer, a clean-up past its deadline) has that file
+    unlocked, and the next scratch folder made under the same root removes it first."""
     root = user_cache_root()
     try:
         _make_private_dirs(root)
-        return tempfile.TemporaryDirectory(prefix=prefix, dir=root)
+        _remove_abandoned(root)
+        folder = tempfile.mkdtemp(prefix=prefix, dir=root)
+        # locked under another name, then renamed: a sweep never sees it unlocked
+        claiming = os.path.join(folder, SCRATCH_OWNER + ".new")
+        owner = os.open(claiming, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         raise ConfigError(
             "XDG_CACHE_HOME",
@@ -321,6 +334,36 @@ def scratch_directory(prefix: str) -> tempfile.TemporaryDirectory[str]:
             f"a folder on disk this user can write, for a temporary store ({exc.strerror or exc})",
             "set XDG_CACHE_HOME to one, or give --config a stack of your own",
         ) from None
+    try:
+        fcntl.flock(owner, fcntl.LOCK_EX)
+        os.rename(claiming, os.path.join(folder, SCRATCH_OWNER))
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.close(owner)
+
+
+def _remove_abandoned(root: str) -> None:
+    """Remove the scratch folders under ``root`` whose owner is gone (see
+    :func:`scratch_directory`): each one's owner file is locked here first, so a folder in
+    use is never touched."""
+    with os.scandir(root) as entries:
+        folders = [entry.path for entry in entries if entry.is_dir(follow_symlinks=False)]
+    for folder in folders:
+        try:
+            fd = os.open(os.path.join(folder, SCRATCH_OWNER), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # not a scratch folder (a model cache, say), or gone already
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its owner lives
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+            logger.info("kvtier: removed %s, a temporary store whose command died before removing it", folder)
+        finally:
+            os.close(fd)
 
 
 def store_directory_path(path: str, where: str) -> str:
