@@ -44,19 +44,25 @@ def _wait_for(predicate, timeout_s=60.0):
     return False
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-@pytest.mark.slow
-def test_a_replay_stopped_mid_run_removes_its_region_and_store(tmp_path, signum):
+def _start_replay(tmp_path, output):
+    """``kvtier replay`` of the bundled trace in a process of its own, from ``tmp_path``, its
+    temporary store under ``tmp_path/cache``; its stdout and stderr to ``output``."""
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # where the temporary store goes
-    scratch = tmp_path / "cache" / "kvtier"
-    process = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "kvtier.cli.main", "replay", "--no-progress", "--no-baseline", "--json"],
         cwd=tmp_path,
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=output,
+        stderr=output,
     )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.slow
+def test_a_replay_stopped_mid_run_removes_its_region_and_store(tmp_path, signum):
+    scratch = tmp_path / "cache" / "kvtier"
+    process = _start_replay(tmp_path, subprocess.PIPE)
     try:
         # mid-run: the region and the temporary store exist, requests are being served
         started = _wait_for(lambda: regions_of(process.pid) and list(scratch.glob("replay-*")))
@@ -231,16 +237,9 @@ def test_a_killed_replays_store_is_removed_by_the_next_command_never_a_live_ones
     whose command still runs."""
     from kvtier.tiers.disk.store import SCRATCH_OWNER, scratch_directory
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the replay's root, and ours
     scratch = tmp_path / "cache" / "kvtier"
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli.main", "replay", "--no-progress", "--no-baseline", "--json"],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    process = _start_replay(tmp_path, subprocess.DEVNULL)
     regions = []
     try:
         owned = lambda: [p for p in scratch.glob("replay-*") if (p / SCRATCH_OWNER).exists()]  # noqa: E731
