@@ -320,14 +320,27 @@ def scratch_directory(prefix: str) -> Iterator[str]:
     before removing it (SIGKILL, the OOM killer, a clean-up past its deadline) has that file
     unlocked, and the next scratch folder made under the same root removes it first."""
     root = user_cache_root()
+    folder = None
     try:
         _make_private_dirs(root)
-        _remove_abandoned(root)
-        folder = tempfile.mkdtemp(prefix=prefix, dir=root)
-        # locked under another name, then renamed: a sweep never sees it unlocked
-        claiming = os.path.join(folder, SCRATCH_OWNER + ".new")
-        owner = os.open(claiming, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _remove_abandoned(root, root_fd)
+            folder = tempfile.mkdtemp(prefix=prefix, dir=root)
+            owner_file = os.path.join(os.path.basename(folder), SCRATCH_OWNER)
+            # locked under another name, then renamed: a sweep never sees it unlocked
+            owner = create_private(owner_file + ".new", os.O_RDWR, dir_fd=root_fd)
+            try:
+                fcntl.flock(owner, fcntl.LOCK_EX)
+                os.rename(owner_file + ".new", owner_file, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+            except BaseException:
+                os.close(owner)
+                raise
+        finally:
+            os.close(root_fd)
     except OSError as exc:
+        if folder is not None:  # made, but never owned: no sweep would ever remove it
+            shutil.rmtree(folder, ignore_errors=True)
         raise ConfigError(
             "XDG_CACHE_HOME",
             root,
@@ -335,23 +348,21 @@ def scratch_directory(prefix: str) -> Iterator[str]:
             "set XDG_CACHE_HOME to one, or give --config a stack of your own",
         ) from None
     try:
-        fcntl.flock(owner, fcntl.LOCK_EX)
-        os.rename(claiming, os.path.join(folder, SCRATCH_OWNER))
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         os.close(owner)
 
 
-def _remove_abandoned(root: str) -> None:
-    """Remove the scratch folders under ``root`` whose owner is gone (see
-    :func:`scratch_directory`): each one's owner file is locked here first, so a folder in
-    use is never touched."""
-    with os.scandir(root) as entries:
-        folders = [entry.path for entry in entries if entry.is_dir(follow_symlinks=False)]
-    for folder in folders:
+def _remove_abandoned(root: str, root_fd: int) -> None:
+    """Remove the scratch folders under ``root`` (open as ``root_fd``) whose owner is gone
+    (see :func:`scratch_directory`): each one's owner file, a regular file of this user's,
+    is locked here first, so a folder in use is never touched."""
+    with os.scandir(root_fd) as entries:
+        names = [entry.name for entry in entries if entry.is_dir(follow_symlinks=False)]
+    for name in names:
         try:
-            fd = os.open(os.path.join(folder, SCRATCH_OWNER), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = open_private(os.path.join(name, SCRATCH_OWNER), os.O_RDONLY, dir_fd=root_fd)
         except OSError:
             continue  # not a scratch folder (a model cache, say), or gone already
         try:
@@ -360,6 +371,7 @@ def _remove_abandoned(root: str) -> None:
             os.close(fd)
             continue  # its owner lives
         try:
+            folder = os.path.join(root, name)
             shutil.rmtree(folder, ignore_errors=True)
             logger.info("kvtier: removed %s, a temporary store whose command died before removing it", folder)
         finally:
