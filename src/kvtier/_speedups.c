@@ -6,8 +6,8 @@
  *   The same logic as SingleTierManager._bound_lookup's closure, without a Python frame.
  *
  * key_hashes(keys, multipliers): the sketch's keyed 64-bit hash of each key (as a bytearray
- *   of uint64s in the machine's order) and the indices of the keys it leaves to the caller (not bytes,
- *   or too long for a row). The same function as kvtier.manager.causes.key_hashes' numpy
+ *   of uint64s in the machine's order) and the indices of the keys it leaves to the caller
+ *   (not bytes, or too long for a row). The same function as kvtier.manager.causes.key_hashes' numpy
  *   path, word for word: a row is a length byte then the key's bytes, zero-padded to 48; the
  *   state takes each word by xor, an odd multiply and a xor-shift, then a final mix.
  *
@@ -15,8 +15,8 @@
  *   each of keys[start:stop] (CauseSketch.words_at's answer, from the same hash, the same two
  *   buckets and the same first matching slot), without the hashes ever reaching Python.
  *
- * None keeps state between calls beyond the containers a Lookup was given; both run on
- * the calling thread with the GIL held.
+ * None keeps state between calls beyond the containers a Lookup was given; all run on the
+ * calling thread with the GIL held.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -277,7 +277,7 @@ def run(
         "bench": "manager",
         "baseline": "vllm" if baseline is not None else "reference",
         "config": "default (miss causes on)",
-        # the lookup and the sketch's hash in C (kvtier._speedups), or in Python: not built
+        # the lookup and the miss causes' hash and probe in C (kvtier._speedups), or Python
         "speedups": speedups is not None,
         "timer": "process_time",
         "num_keys": num_keys,

@@ -9,7 +9,8 @@ one-byte replacement cursor per bucket. A key it never saw matches a remembered 
 probability at most ``1 - (1 - 2**-24)**8`` (4.8e-7, :attr:`CauseSketch.error_rate`); a key that
 finds both its buckets full replaces an entry of the first in turn (round robin: roughly the
 oldest; ``forgotten``), which then reads as never seen. It reads and writes whole batches of
-keys with numpy, and reads them in C where :mod:`kvtier._speedups` was built. Why this table and not a Bloom or cuckoo filter: docs/design/miss-causes.md.
+keys with numpy, and reads them in C where :mod:`kvtier._speedups` was built. Why this table
+and not a Bloom or cuckoo filter: docs/design/miss-causes.md.
 
 :class:`MissCauses` is what a manager holds: the sketch, the counters ``stats()`` shows
 (``miss_<cause>``, ``<tier>.miss_<cause>``, ``foreign_<part>``), and a log between them. A
@@ -265,8 +266,7 @@ class CauseSketch:
 
     def words_at(self, hashes: np.ndarray) -> np.ndarray:
         """Each key's record as a 64-bit word (its value below 256), for a batch of at most
-        :data:`_PROBE_KEYS` hashes: what :meth:`records_at` narrows to bytes, and what
-        ``np.bincount`` counts as it is (``.view(np.int64)``), with no conversion."""
+        :data:`_PROBE_KEYS` hashes: what :meth:`records_at` narrows to bytes."""
         tags, first, second = self._place(hashes)
         # both buckets of a key side by side: eight 32-bit slots a row, the first bucket's first
         rows = np.take(self._table, np.stack((first, second), axis=1), axis=0).reshape(-1, 2 * _WAYS)
