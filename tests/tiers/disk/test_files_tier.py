@@ -1,9 +1,16 @@
 """What only the files tier has: names, temp files, the shared count, the recency log."""
 
+import fcntl
 import os
+import struct
+import tempfile
 
+import pytest
 from kvtier_testing import key
 from kvtier_testing.store import dead_pid, load, open_tier, store
+
+from kvtier.bench.disk import _filesystem
+from kvtier.tiers.disk.syscalls import spread_subdirectories
 
 
 def usage(path) -> int:
@@ -212,3 +219,45 @@ def test_a_key_published_by_another_process_meanwhile_takes_no_room(tmp_path, sh
     assert usage(tmp_path / "s") == 2  # key(1) counted once, though written twice
     assert load(tier, shm.rows, [key(1), key(2)], first_row=20).ok == [key(1), key(2)]
     tier.close()
+
+
+def _flags(path) -> int:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, 0x80086601, b"\0" * 4))[0]  # FS_IOC_GETFLAGS
+    finally:
+        os.close(fd)
+
+
+def test_fan_out_directories_are_made_apart_on_ext4(tmp_path, shm):
+    """On ext4 a file's inode comes from its directory's block group, and without a journal
+    each creation steps over every inode freed there lately: fan-out directories made next to
+    their parent shared /var/tmp's group and its churn (0.8 ms of kernel CPU a file). blocks/
+    is marked as the top of a hierarchy, so its fan-out directories go to groups apart."""
+    if _filesystem(str(tmp_path)) not in ("ext2", "ext3", "ext4"):
+        pytest.skip("block groups and the top-directory flag are ext2/3/4's")
+    tier = open_tier("files", tmp_path / "s", shm.rows, 8)
+    blocks = tmp_path / "s" / "blocks"
+    assert _flags(blocks) & 0x00020000  # FS_TOPDIR_FL
+    inodes = sorted(os.stat(blocks / f"{i:02x}").st_ino for i in range(256))
+    # made next to their parent, 256 directories take 256 neighbouring inodes; apart, they
+    # span groups (each of thousands of inodes)
+    assert inodes[-1] - inodes[0] > 100 * 256
+    keys = [key(i) for i in range(8)]
+    assert store(tier, shm.rows, keys).ok == keys
+    assert load(tier, shm.rows, keys, first_row=20).ok == keys
+    tier.close()
+    # an existing store keeps its flag and its blocks
+    tier = open_tier("files", tmp_path / "s", shm.rows, 8)
+    assert _flags(blocks) & 0x00020000 and tier.num_blocks() == 8
+    tier.close()
+
+
+def test_spreading_is_skipped_where_the_filesystem_has_no_such_flag():
+    """tmpfs has no block groups: the flag is refused, and the tier goes on without it."""
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            assert spread_subdirectories(fd) is False
+        finally:
+            os.close(fd)

@@ -83,7 +83,7 @@ from kvtier.tiers.disk.group_flush import GroupFlush
 from kvtier.tiers.disk.mover import MoverJob
 from kvtier.tiers.disk.recency import encode_records, read_recency
 from kvtier.tiers.disk.store import create_private, open_private, open_private_dir, own_entries, pid_alive
-from kvtier.tiers.disk.syscalls import RENAME_NOREPLACE, renameat2, syncfs
+from kvtier.tiers.disk.syscalls import RENAME_NOREPLACE, renameat2, spread_subdirectories, syncfs
 from kvtier.tiers.disk.usage import SharedCount
 
 __all__ = ["FilesTier"]
@@ -172,6 +172,8 @@ class FilesTier(DiskTier):
         try:
             self._bfd = open_private_dir(_BLOCKS_DIR, dir_fd=self._store_fd, read_only=self.read_only)
             if not self.read_only:
+                # before the fan-out directories are made: they go to block groups of their own
+                spread_subdirectories(self._bfd)
                 for subdir in self._subdirs:  # created, or checked and made 0700
                     os.close(open_private_dir(subdir, dir_fd=self._bfd))
         except FileNotFoundError:
