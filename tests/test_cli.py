@@ -180,7 +180,7 @@ def test_bench_disk_at_the_baselines_durability_reports_each_rounds_spread(tmp_p
     )
     record = json.loads(capsys.readouterr().out)
     assert record["fsync"] == "end" and record["rounds"] == 3
-    for name in ("write_ratio", "read_ratio"):
+    for name in ("write_ratio", "read_ratio", "full_write_ratio"):
         low, high = record[f"{name}_range"]
         assert low <= record[name] <= high
         rounds = sorted(sample[name] for sample in record["samples"])

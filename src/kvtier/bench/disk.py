@@ -14,15 +14,19 @@ ratio is the median of the rounds' own kvtier/baseline ratios):
    the end, as the baseline is.
 3. kvtier read: the rows zeroed; the page cache emptied of the store where the reads are not
    O_DIRECT anyway (``cold_read_method``); every block loaded back into its row as load jobs
-   of 16; timed the same way. Every key must load, verified by the tier, and every row must
-   match its checksum from step 1.
-4. baseline: the same bytes from the same rows, by the same number of threads, written with
+   of 16; timed the same way. Every key must load, verified by the tier.
+4. kvtier write into a full store (``full_write_gbps``): the same rows stored again under new
+   keys, each block evicting one, timed as step 2 (a full store is where a serving engine's
+   tier spends its life); then loaded back, untimed. Every row must now match its checksum
+   from step 1: the bytes went through both writes and both reads.
+5. baseline: the same bytes from the same rows, by the same number of threads, written with
    O_DIRECT as 2 MiB chunks into one preallocated (fallocate) file in the same directory, one
    fdatasync at the end; then read back with O_DIRECT. No format, no index, no checksum: the
    device's limit through the same Python I/O calls.
 
 The order of kvtier and baseline alternates between rounds, so neither always meets the disk
-in the state the other left. ``write_ratio`` / ``read_ratio`` are kvtier over baseline: the
+in the state the other left. ``write_ratio`` / ``read_ratio`` / ``full_write_ratio`` are kvtier
+over baseline (the full store's write against the baseline's write): the
 median of the rounds' own ratios, with their lowest and highest (``write_ratio_range`` ...).
 The machine's 1-minute load average is noted before the first round (``load_before``) and as
 each round starts (``load``; ``load_range`` over the run, which counts the bench's own I/O
@@ -236,6 +240,15 @@ def _kvtier_round(
             cpu = time.process_time()
             read_s = _run_jobs(tier, keys, list(range(count)), load=True, job_base=1 << 20)
             read_cpu = time.process_time() - cpu
+            # the store is full: as many blocks again under new keys, each evicting one
+            full_keys = _keys(count, kind.encode() + b"-full")
+            start = time.perf_counter()
+            _run_jobs(tier, full_keys, list(range(count)), load=False, job_base=2 << 20)
+            if fsync == FSYNC_AT_END:
+                _sync_filesystem(path)
+            full_write_s = time.perf_counter() - start
+            rows[:] = 0  # what the full store holds now comes back, compared below
+            _run_jobs(tier, full_keys, list(range(count)), load=True, job_base=3 << 20)
             o_direct = tier.o_direct
         finally:
             tier.close()
@@ -248,6 +261,7 @@ def _kvtier_round(
     return {
         "write_gbps": nbytes / write_s / 1e9,
         "read_gbps": nbytes / read_s / 1e9,
+        "full_write_gbps": nbytes / full_write_s / 1e9,
         # CPU seconds of this process (every thread) per GB moved: what a secret adds, free
         # of the disk's drift (the rates swing +-25% here from round to round)
         "write_cpu_s_per_gb": write_cpu / (nbytes / 1e9),
@@ -493,6 +507,7 @@ def run(
     names = [
         "write_gbps",
         "read_gbps",
+        "full_write_gbps",
         "baseline_write_gbps",
         "baseline_read_gbps",
         "write_cpu_s_per_gb",
@@ -514,9 +529,10 @@ def run(
     for sample in samples:
         sample["write_ratio"] = sample["write_gbps"] / sample["baseline_write_gbps"]
         sample["read_ratio"] = sample["read_gbps"] / sample["baseline_read_gbps"]
+        sample["full_write_ratio"] = sample["full_write_gbps"] / sample["baseline_write_gbps"]
     spread = {
         f"{name}_range": [min(s[name] for s in samples), max(s[name] for s in samples)]
-        for name in ("write_ratio", "read_ratio", "load")
+        for name in ("write_ratio", "read_ratio", "full_write_ratio", "load")
     }
     record: dict[str, Any] = {
         "bench": "disk",
@@ -524,6 +540,7 @@ def run(
         **figures,
         "write_ratio": median(sample["write_ratio"] for sample in samples),
         "read_ratio": median(sample["read_ratio"] for sample in samples),
+        "full_write_ratio": median(sample["full_write_ratio"] for sample in samples),
         **spread,
         "load_before": load_before,
         "gib": count * BLOCK_BYTES / (1 << 30),
@@ -555,6 +572,14 @@ def run(
             "ratio": record["write_ratio"],
             "ratio_range": "{:.2f}-{:.2f}".format(*record["write_ratio_range"]),
             "vllm_fs_gbps": figures["vllm_fs_write_gbps"] if measured_vllm else "2.6-3.3 (ref)",
+        },
+        {
+            "phase": "write (full)",
+            "kvtier_gbps": figures["full_write_gbps"],
+            "baseline_gbps": figures["baseline_write_gbps"],
+            "ratio": record["full_write_ratio"],
+            "ratio_range": "{:.2f}-{:.2f}".format(*record["full_write_ratio_range"]),
+            "vllm_fs_gbps": "",
         },
         {
             "phase": "read (cold)",
