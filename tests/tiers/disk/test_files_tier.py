@@ -1,15 +1,18 @@
 """What only the files tier has: names, temp files, the shared count, the recency log."""
 
+import errno
 import fcntl
 import os
 import struct
 import tempfile
+import time
 
 import pytest
 from kvtier_testing import key
-from kvtier_testing.store import dead_pid, load, open_tier, store
+from kvtier_testing.store import dead_pid, holds, load, open_tier, store
 
 from kvtier.bench.disk import _filesystem
+from kvtier.tiers.base import Failure
 from kvtier.tiers.disk.syscalls import spread_subdirectories
 
 
@@ -261,3 +264,124 @@ def test_spreading_is_skipped_where_the_filesystem_has_no_such_flag():
             assert spread_subdirectories(fd) is False
         finally:
             os.close(fd)
+
+
+def _inodes(path) -> dict[str, int]:
+    return {p.name: p.stat().st_ino for p in (path / "blocks").rglob("*.kvb")}
+
+
+def test_a_full_store_writes_new_blocks_into_the_evicted_blocks_files(tmp_path, shm):
+    """A new block takes an evicted block's file, written over in place: no inode or extent
+    is allocated or freed (no discard), as in a preallocated file; the bytes, the count and
+    the store's health are as if the file were new."""
+    tier = open_tier("files", tmp_path / "s", shm.rows, 8)
+    old = [key(i) for i in range(8)]
+    assert store(tier, shm.rows, old).ok == old
+    before = _inodes(tmp_path / "s")
+    new = [key(100 + i) for i in range(6)]
+    assert store(tier, shm.rows, new, first_row=8).ok == new
+    after = _inodes(tmp_path / "s")
+    assert set(after) == {k.hex() + ".kvb" for k in old[6:] + new}
+    assert {after[k.hex() + ".kvb"] for k in new} == {before[k.hex() + ".kvb"] for k in old[:6]}
+    assert not [p for p in (tmp_path / "s" / "blocks").rglob(".*")]  # no temp file left
+    assert usage(tmp_path / "s") == 8
+    result = load(tier, shm.rows, new + old[6:], first_row=30)
+    assert result.ok == new + old[6:]
+    assert all(holds(shm.rows, 30 + i, k) for i, k in enumerate(new + old[6:]))
+    assert load(tier, shm.rows, old[:1], first_row=50).ok == []
+    assert tier.check().healthy
+    tier.close()
+    tier = open_tier("files", tmp_path / "s", shm.rows, 8)  # and after a restart
+    assert sorted(tier._policy) == sorted(new + old[6:]) and usage(tmp_path / "s") == 8
+    tier.close()
+
+
+def test_a_reader_of_an_evicted_block_written_over_gets_a_miss_never_the_new_block(tmp_path, shm):
+    """Another process may hold the evicted block's file open while a new block is written
+    into it: what it reads then names another key (or fails its checksum), so it fails
+    verification as the evicted key; read as the new key, it is the new block."""
+    tier = open_tier("files", tmp_path / "s", shm.rows, 1)
+    assert store(tier, shm.rows, [key(1)]).ok == [key(1)]
+    fd = os.open(tier._shown(tier._path_of(key(1), 0)), os.O_RDONLY)
+    try:
+        assert store(tier, shm.rows, [key(2)], first_row=1).ok == [key(2)]
+        assert os.fstat(fd).st_ino == os.stat(tier._shown(tier._path_of(key(2), 0))).st_ino
+        failure = tier._io.read(fd, 0, key(1), 10, False)
+        assert failure is not None and failure.kind.name == "CORRUPT"
+        assert tier._io.read(fd, 0, key(2), 11, False) is None and holds(shm.rows, 11, key(2))
+    finally:
+        os.close(fd)
+    tier.close()
+
+
+def test_a_failed_write_into_an_evicted_blocks_file_gives_its_room_back(tmp_path, shm, monkeypatch):
+    """The evicted file is removed with the failed block, and its room with it: the count
+    says what is on disk, and the other keys of the job are stored."""
+    tier = open_tier("files", tmp_path / "s", shm.rows, 4)
+    old = [key(i) for i in range(4)]
+    assert store(tier, shm.rows, old).ok == old
+    real = tier._io.write
+
+    def write(fd, offset, k, row, direct):
+        if k == key(101):
+            raise OSError(errno.EIO, "injected")
+        return real(fd, offset, k, row, direct)
+
+    monkeypatch.setattr(tier._io, "write", write)
+    new = [key(100 + i) for i in range(4)]
+    result = store(tier, shm.rows, new, first_row=8)
+    assert result.ok == [k for k in new if k != key(101)] and list(result.failed) == [key(101)]
+    assert len(_inodes(tmp_path / "s")) == 3 == usage(tmp_path / "s")
+    assert not [p for p in (tmp_path / "s" / "blocks").rglob(".*")]
+    assert tier.check().healthy
+    tier.close()
+
+
+def test_an_o_direct_write_refused_over_an_evicted_blocks_file_is_retried_buffered_in_it(
+    tmp_path, shm, monkeypatch
+):
+    """A filesystem that refuses an O_DIRECT write (EINVAL) turns O_DIRECT off for the tier
+    and the write is retried buffered: into the same evicted file, which the first try kept."""
+    tier = open_tier("files", tmp_path / "s", shm.rows, 2)
+    old = [key(1), key(2)]
+    assert store(tier, shm.rows, old).ok == old
+    if not tier.o_direct:
+        pytest.skip("this filesystem takes no O_DIRECT")
+    before = _inodes(tmp_path / "s")
+    real = tier._io.write
+
+    def write(fd, offset, k, row, direct):
+        if direct:
+            raise OSError(errno.EINVAL, "injected")
+        return real(fd, offset, k, row, direct)
+
+    monkeypatch.setattr(tier._io, "write", write)
+    new = [key(3), key(4)]
+    assert store(tier, shm.rows, new, first_row=4).ok == new
+    assert not tier.o_direct
+    after = _inodes(tmp_path / "s")
+    assert sorted(after.values()) == sorted(before.values()) and usage(tmp_path / "s") == 2
+    assert load(tier, shm.rows, new, first_row=20).ok == new
+    assert holds(shm.rows, 20, key(3)) and holds(shm.rows, 21, key(4))
+    assert tier.check().healthy
+    tier.close()
+
+
+def test_a_damaged_read_never_drops_the_block_now_written_into_that_file(tmp_path, shm):
+    """A reader whose read failed because its file was reused meanwhile (evicted, written
+    over, and back under the same name for a new copy of its key) must not remove what is
+    there now: the same inode, but its ctime is newer than what the reader saw."""
+    tier = open_tier("files", tmp_path / "s", shm.rows, 1)
+    assert store(tier, shm.rows, [key(1)]).ok == [key(1)]
+    fd = os.open(tier._shown(tier._path_of(key(1), 0)), os.O_RDONLY)
+    try:
+        assert store(tier, shm.rows, [key(2)], first_row=1).ok == [key(2)]  # key(1)'s file, reused
+        seen = os.fstat(fd)  # what a reader of key(1) that read key(2)'s bytes has
+        time.sleep(0.02)  # past a coarse clock's tick
+        assert store(tier, shm.rows, [key(1)], first_row=2).ok == [key(1)]  # the same file again
+        assert os.stat(tier._shown(tier._path_of(key(1), 0))).st_ino == seen.st_ino
+    finally:
+        os.close(fd)
+    assert tier._drop(key(1), 0, seen, Failure.corrupt("key")) == Failure.MISSING
+    assert load(tier, shm.rows, [key(1)], first_row=10).ok == [key(1)] and holds(shm.rows, 10, key(1))
+    tier.close()
