@@ -40,7 +40,7 @@ store holds as many blocks as their real sizes fit (docs/tiers/codecs.md).
 Eviction: where blocks are all one size, an evicted block's file is renamed (by the
 sequencer, in order, as an unlink would be) to a temp name of this process, written over by
 one of the job's new blocks and published as a new file is: no inode or extent is allocated,
-freed or trimmed, which made a full store write 2.4x faster
+freed or trimmed, so that a full store writes as fast as one being filled, or faster
 (docs/design/disk.md#a-full-store-writes-into-its-evicted-blocks-files). Its room stays
 counted throughout; a failed write removes the file and gives the room back.
 

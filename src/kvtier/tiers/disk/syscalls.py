@@ -39,7 +39,7 @@ _FS_TOPDIR_FL = 0x00020000
 
 def spread_subdirectories(fd: int) -> bool:
     """Mark directory ``fd`` as the top of a hierarchy (``chattr +T``), so that ext2/3/4 place
-    the directories made in it afterwards apart, each in its own block group, as they place
+    the directories made in it afterwards apart, in block groups of their own, as they place
     directories made at a filesystem's root; whether the flag is set. Best effort: False on a
     filesystem without the flag.
 
@@ -47,8 +47,8 @@ def spread_subdirectories(fd: int) -> bool:
     filesystem has no journal the allocator steps over every inode freed there in the last
     minutes, each looked up in the buffer cache. Fan-out directories made next to their
     parent share its group with everything else created and deleted around it (/var/tmp, a
-    home directory): a file creation there cost 0.8 ms of kernel CPU on the reference machine,
-    11 us in spread directories (docs/design/disk.md#fan-out-directories-apart).
+    home directory), and a file creation there costs many times what it costs apart
+    (docs/design/disk.md#fan-out-directories-apart).
     """
     try:
         flags = struct.unpack("i", fcntl.ioctl(fd, _FS_IOC_GETFLAGS, b"\0" * 4))[0]
