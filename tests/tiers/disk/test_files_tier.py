@@ -270,11 +270,16 @@ def _inodes(path) -> dict[str, int]:
     return {p.name: p.stat().st_ino for p in (path / "blocks").rglob("*.kvb")}
 
 
-def test_a_full_store_writes_new_blocks_into_the_evicted_blocks_files(tmp_path, shm):
+@pytest.mark.parametrize("fsync", ["batch", "none", "always", "batch without syncfs"])
+def test_a_full_store_writes_new_blocks_into_the_evicted_blocks_files(tmp_path, shm, fsync, monkeypatch):
     """A new block takes an evicted block's file, written over in place: no inode or extent
     is allocated or freed (no discard), as in a preallocated file; the bytes, the count and
-    the store's health are as if the file were new."""
-    tier = open_tier("files", tmp_path / "s", shm.rows, 8)
+    the store's health are as if the file were new, under every flush policy (without
+    syncfs, as on other systems, `batch` flushes each file and publishes them at the end)."""
+    if fsync == "batch without syncfs":
+        monkeypatch.setattr("kvtier.tiers.disk.files.syncfs", None)
+        fsync = "batch"
+    tier = open_tier("files", tmp_path / "s", shm.rows, 8, fsync=fsync)
     old = [key(i) for i in range(8)]
     assert store(tier, shm.rows, old).ok == old
     before = _inodes(tmp_path / "s")
