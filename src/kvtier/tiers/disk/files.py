@@ -317,8 +317,11 @@ class FilesTier(DiskTier):
         pages = f".{block_id}" if self._sized else ""
         return f"{self._subdir_of(key)}/{key.hex()}{pages}{_SUFFIX}"
 
-    def _temp_path_of(self, key: OffloadKey) -> str:
-        return f"{self._subdir_of(key)}/.{key.hex()}.{os.getpid()}.{threading.get_ident()}{_TEMP_SUFFIX}"
+    def _temp_path_of(self, key: OffloadKey, tag: object = None) -> str:
+        """A temp name of ``key``'s unique to this process and ``tag`` (default: this thread);
+        the owner's pid is where :meth:`_temp_owner` reads it."""
+        tag = threading.get_ident() if tag is None else tag
+        return f"{self._subdir_of(key)}/.{key.hex()}.{os.getpid()}.{tag}{_TEMP_SUFFIX}"
 
     def _shown(self, name: str) -> str:
         return os.path.join(self._blocks_dir, name)
@@ -371,14 +374,13 @@ class FilesTier(DiskTier):
         # Each victim's file is kept for a new key of the job (renamed to a temp name, its
         # room still counted) where blocks are all one size, else removed; the rest of the
         # keys reserve room.
-        todo = list(range(len(job.keys)))
-        spares: dict[int, str] = {}
+        spares: dict[int, str] = {}  # key index -> spare file: the first keys take them
         for key, block_id in zip(job.victims, job.victim_ids):
             try:
-                if self._sized or len(spares) == len(todo):
+                if self._sized or len(spares) == len(job.keys):
                     self._unlink_counted(key, block_id)
                 elif (spare := self._take_spare(key, block_id)) is not None:
-                    spares[todo[len(spares)]] = spare
+                    spares[len(spares)] = spare
             except OSError as exc:
                 # the block stays on disk (and counted); nothing is served wrong
                 logger.warning("kvtier tier %s: could not evict %s: %s", self.name, key.hex(), exc)
@@ -389,7 +391,7 @@ class FilesTier(DiskTier):
         # writer threads); only keys refused room are looked for, since those need none.
         # Each key reserves the largest block's room; _store_after gives back what it did not take.
         held = list(spares)
-        todo = todo[len(spares) :]
+        todo = list(range(len(spares), len(job.keys)))
         need = self._block_units
         try:
             granted, count = self._count.reserve(len(todo) * need, self.capacity_units, need)
@@ -413,8 +415,8 @@ class FilesTier(DiskTier):
         """Sequencer: evict ``key`` by renaming its file to a temp name of this process, to be
         written over by a new block; that name, or None if another process removed the file
         first (and counted that). Its room stays counted, as the file stays on disk."""
-        self._spares += 1
-        spare = f"{self._subdir_of(key)}/.{key.hex()}.{os.getpid()}.s{self._spares}{_TEMP_SUFFIX}"
+        self._spares += 1  # numbered: a key evicted again before its last spare is written
+        spare = self._temp_path_of(key, f"s{self._spares}")
         try:
             os.rename(self._path_of(key, block_id), spare, src_dir_fd=self._bfd, dst_dir_fd=self._bfd)
         except FileNotFoundError:
