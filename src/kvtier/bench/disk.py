@@ -227,14 +227,18 @@ def _kvtier_round(
         tier = open_store(
             config, rows, LayoutFingerprint.standalone(BLOCK_BYTES), field="bench", threads=threads
         )
-        try:
+
+        def write(keys: list[OffloadKey], job_base: int) -> tuple[float, float]:
+            """Store every row under ``keys``, durable as ``fsync`` says; wall and CPU seconds."""
             cpu = time.process_time()
             start = time.perf_counter()
-            _run_jobs(tier, keys, list(range(count)), load=False, job_base=0)
+            _run_jobs(tier, keys, list(range(count)), load=False, job_base=job_base)
             if fsync == FSYNC_AT_END:
                 _sync_filesystem(path)
-            write_s = time.perf_counter() - start
-            write_cpu = time.process_time() - cpu
+            return time.perf_counter() - start, time.process_time() - cpu
+
+        try:
+            write_s, write_cpu = write(keys, 0)
             rows[:] = 0
             method = "o_direct" if tier.o_direct else _drop_page_cache(_store_files(path), drop_caches)
             cpu = time.process_time()
@@ -242,11 +246,7 @@ def _kvtier_round(
             read_cpu = time.process_time() - cpu
             # the store is full: as many blocks again under new keys, each evicting one
             full_keys = _keys(count, kind.encode() + b"-full")
-            start = time.perf_counter()
-            _run_jobs(tier, full_keys, list(range(count)), load=False, job_base=2 << 20)
-            if fsync == FSYNC_AT_END:
-                _sync_filesystem(path)
-            full_write_s = time.perf_counter() - start
+            full_write_s, _ = write(full_keys, 2 << 20)
             rows[:] = 0  # what the full store holds now comes back, compared below
             _run_jobs(tier, full_keys, list(range(count)), load=True, job_base=3 << 20)
             o_direct = tier.o_direct
