@@ -266,6 +266,71 @@ def test_spreading_is_skipped_where_the_filesystem_has_no_such_flag():
             os.close(fd)
 
 
+def _extents(path) -> int:
+    """How many extents the file at ``path`` has (FIEMAP, with no room for their list)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        query = struct.pack("=QQIIII", 0, 2**64 - 1, 1, 0, 0, 0)  # FIEMAP_FLAG_SYNC
+        return struct.unpack("=QQIIII", fcntl.ioctl(fd, 0xC020660B, query))[3]  # FS_IOC_FIEMAP
+    finally:
+        os.close(fd)
+
+
+def test_each_new_block_file_is_one_run_of_its_exact_size(tmp_path):
+    """Written with O_DIRECT into an empty file, a 2 MiB block and its header page (513 file
+    system blocks) were often allocated as 512 and, somewhere else, 1: two writes to the
+    device for one block, and two reads to load it. Allocated ahead at its exact size, each
+    file is one extent."""
+    from kvtier_testing.store import region
+
+    if _filesystem(str(tmp_path)) not in ("ext4", "xfs"):
+        pytest.skip("extents as ext4 and XFS allocate them")
+    rows = region(16, 2 << 20)
+    try:
+        tier = open_tier("files", tmp_path / "s", rows.rows, 16, threads=4)
+        if not tier.o_direct:
+            pytest.skip("O_DIRECT refused here")
+        keys = [key(i) for i in range(16)]
+        assert store(tier, rows.rows, keys).ok == keys
+        files = sorted((tmp_path / "s" / "blocks").rglob("*.kvb"))
+        assert len(files) == 16
+        assert {f.stat().st_size for f in files} == {tier.slot_bytes}
+        assert [_extents(f) for f in files] == [1] * 16
+        rows.rows[:] = 0
+        assert load(tier, rows.rows, keys).ok == keys  # verified, then compared below
+        assert all(holds(rows.rows, i, k) for i, k in enumerate(keys))
+        tier.close()
+    finally:
+        rows.close()
+
+
+def test_a_filesystem_without_fallocate_is_asked_once(tmp_path, shm, monkeypatch):
+    """Allocating ahead is a hint: refused (EOPNOTSUPP), the tier stops asking and stores as
+    before; a refusal for want of room is left for the write itself to report."""
+    import ctypes
+
+    from kvtier.tiers.disk import files as files_module
+
+    calls: list[int] = []
+
+    def refused(fd, mode, offset, length):
+        calls.append(length)
+        ctypes.set_errno(errno.EOPNOTSUPP)
+        return -1
+
+    monkeypatch.setattr(files_module, "fallocate", refused)
+    tier = open_tier("files", tmp_path / "s", shm.rows, 8, threads=1)
+    if not tier.o_direct:
+        pytest.skip("allocating ahead goes with O_DIRECT writes")
+    keys = [key(i) for i in range(8)]
+    assert store(tier, shm.rows, keys).ok == keys
+    assert calls == [tier.slot_bytes]  # asked once, for the block's whole file
+    shm.rows[:] = 0
+    assert load(tier, shm.rows, keys).ok == keys
+    assert all(holds(shm.rows, i, k) for i, k in enumerate(keys))
+    tier.close()
+
+
 def _inodes(path) -> dict[str, int]:
     return {p.name: p.stat().st_ino for p in (path / "blocks").rglob("*.kvb")}
 

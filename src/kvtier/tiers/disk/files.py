@@ -90,7 +90,7 @@ from kvtier.tiers.disk.group_flush import GroupFlush
 from kvtier.tiers.disk.mover import MoverJob
 from kvtier.tiers.disk.recency import encode_records, read_recency
 from kvtier.tiers.disk.store import create_private, open_private, open_private_dir, own_entries, pid_alive
-from kvtier.tiers.disk.syscalls import RENAME_NOREPLACE, renameat2, spread_subdirectories, syncfs
+from kvtier.tiers.disk.syscalls import RENAME_NOREPLACE, fallocate, renameat2, spread_subdirectories, syncfs
 from kvtier.tiers.disk.usage import SharedCount
 
 __all__ = ["FilesTier"]
@@ -175,6 +175,8 @@ class FilesTier(DiskTier):
         self._log_fd = self._dir_fd = self._bfd = -1
         self._spares = 0  # spare files taken (their temp names are numbered)
         self._publish_mode = "renameat2" if renameat2 is not None else "link"
+        # blocks of one size: each new file allocated at that size before its write
+        self._allocate_ahead = fallocate is not None and not self._sized
         self._blocks_dir = os.path.join(self.path, _BLOCKS_DIR)
         # Fan-out directories by name, relative to blocks/: every block file is reached
         # through the descriptor of blocks/ (self._bfd), never through a symlink.
@@ -463,6 +465,8 @@ class FilesTier(DiskTier):
             fd = create_private(temp, flags, dir_fd=self._bfd)
         try:
             try:
+                if direct and not spare and self._allocate_ahead:
+                    self._allocate(fd)
                 stored = self._io.write(fd, 0, key, row, direct)
                 if self._fsync == "always":
                     os.fdatasync(fd)  # before publishing: a published name never points at unflushed data
@@ -474,6 +478,18 @@ class FilesTier(DiskTier):
                     os.unlink(temp, dir_fd=self._bfd)
             raise
         return stored
+
+    def _allocate(self, fd: int) -> None:
+        """Give a new block's file its blocks before the O_DIRECT write, at the exact size it
+        will have. Written into empty, ext4 rounds the file's request up (2 MiB and the header
+        page: to 4 MiB) and gives the rest back at close; allocated ahead, the files of a
+        filling store lie in runs of exactly their size (docs/design/disk.md#filling-a-store).
+        A hint: where the filesystem has no fallocate it is not asked again, and a full disk
+        is left for the write to report."""
+        assert fallocate is not None  # _allocate_ahead is False without it
+        if fallocate(fd, 0, 0, self.slot_bytes) != 0:
+            if ctypes.get_errno() in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                self._allocate_ahead = False
 
     def _publish_one(self, job: MoverJob[_FilesStoreState], index: int, temp: str) -> Failure | None:
         """Publish one written temp file from its I/O thread (``always``: durably)."""

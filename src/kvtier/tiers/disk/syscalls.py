@@ -1,8 +1,8 @@
-"""The Linux-only calls the ``files`` tier uses beyond :mod:`os`: syncfs, renameat2, and the
-directory flag that spreads its fan-out directories.
+"""The Linux-only calls the ``files`` tier uses beyond :mod:`os`: syncfs, renameat2, fallocate,
+and the directory flag that spreads its fan-out directories.
 
-syncfs and renameat2 are None where libc lacks them (another OS, an old libc); the tier then
-falls back (fdatasync per file, link + unlink).
+syncfs, renameat2 and fallocate are None where libc lacks them (another OS, an old libc); the
+tier then falls back (fdatasync per file, link + unlink, no allocation ahead of a write).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import ctypes
 import fcntl
 import struct
 
-__all__ = ["RENAME_NOREPLACE", "renameat2", "spread_subdirectories", "syncfs"]
+__all__ = ["RENAME_NOREPLACE", "fallocate", "renameat2", "spread_subdirectories", "syncfs"]
 
 
 def _libc_function(name: str, argtypes: list):
@@ -30,6 +30,9 @@ renameat2 = _libc_function(
     "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
 )
 RENAME_NOREPLACE = 1
+# the system call itself (mode, offset, length), never glibc's posix_fallocate, which where a
+# filesystem lacks it writes the range instead
+fallocate = _libc_function("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
 
 # linux/fs.h: the inode flags ioctls and the "top of a directory hierarchy" flag
 _FS_IOC_GETFLAGS = 0x80086601
