@@ -155,6 +155,58 @@ def test_group_flush_shares_a_flush_begun_after_each_caller_asked():
     assert [returned[i] for i in range(1, 6)] == [2] * 5
 
 
+def test_group_flush_gathers_the_callers_of_a_busy_tier_into_one_flush():
+    """While busy() says more blocks queue, the flush about to start waits for them and the
+    callers asking meanwhile share it: one flush for five callers, where without gathering
+    the first caller's flush starts at once and the four later ones need a second."""
+    import threading
+
+    from kvtier.tiers.disk.group_flush import GroupFlush as _GroupFlush
+
+    busy = threading.Event()
+    busy.set()
+    flushes: list[bool] = []  # each flush: whether the tier was still busy when it began
+    group = _GroupFlush(lambda: flushes.append(busy.is_set()), busy=busy.is_set, gather_s=3600)
+    first = threading.Thread(target=group.flush)
+    first.start()
+    others = [threading.Thread(target=group.flush) for _ in range(4)]
+    for thread in others:
+        thread.start()
+    # the four wait on the flush's condition for good; the gathering caller joins them
+    # between its polls: all five waiting means all five asked before the flush began
+    deadline = time.monotonic() + 10
+    while len(group._cond._waiters) < 5 and time.monotonic() < deadline:  # noqa: SLF001
+        time.sleep(0.001)
+    assert flushes == []  # nothing flushed while the tier was busy
+    busy.clear()
+    for thread in (first, *others):
+        thread.join(10)
+        assert not thread.is_alive()
+    assert flushes == [False]
+
+
+def test_group_flush_gathers_for_gather_s_at_most_and_never_when_idle():
+    """A tier busy for ever still gets its flush (after gather_s); an idle one at once."""
+    import threading
+
+    from kvtier.tiers.disk.group_flush import GroupFlush as _GroupFlush
+
+    flushes: list[int] = []
+    for busy in (lambda: True, lambda: False):
+        group = _GroupFlush(lambda: flushes.append(1), busy=busy, gather_s=0.01)
+        caller = threading.Thread(target=group.flush)
+        caller.start()
+        caller.join(10)
+        assert not caller.is_alive()
+    assert flushes == [1, 1]
+    # an idle tier never waits, however long gather_s is
+    group = _GroupFlush(lambda: flushes.append(1), busy=lambda: False, gather_s=3600)
+    caller = threading.Thread(target=group.flush)
+    caller.start()
+    caller.join(10)
+    assert not caller.is_alive() and flushes == [1, 1, 1]
+
+
 def test_group_flush_reports_a_failed_flush_to_its_callers_only():
     import errno
 

@@ -208,3 +208,25 @@ def test_wait_loads_times_out_while_a_load_is_stuck():
     finally:
         gate.set()
         mover.close()
+
+
+def test_stores_waiting_while_store_blocks_wait_for_a_thread():
+    """What a files tier's flush asks before it gathers: true only while store blocks queue."""
+    entered, gate = threading.Event(), threading.Event()
+    mover = Mover("t", threads=1)
+    try:
+        assert not mover.stores_waiting()
+
+        def block(j, i):
+            entered.set()
+            gate.wait(10)
+
+        mover.submit(job(1, 3, block))
+        assert entered.wait(10)  # the only thread holds block 0; blocks 1 and 2 queue
+        assert mover.stores_waiting()
+        gate.set()
+        assert mover.wait_idle(timeout_s=10)
+        assert not mover.stores_waiting()
+    finally:
+        gate.set()
+        mover.close()

@@ -52,7 +52,9 @@ policy — a block is fully written before its name appears):
 * ``batch``: blocks are published as written, and the job reports them stored only after a
   ``syncfs`` of the store's filesystem, begun after they were published, made their data and
   names durable together; jobs that finish while one runs share the next (see
-  ``GroupFlush`` in :mod:`~kvtier.tiers.disk.group_flush`), run by the mover's finisher threads. Until then
+  ``GroupFlush`` in :mod:`~kvtier.tiers.disk.group_flush`), run by the mover's finisher threads;
+  while more store blocks wait for the I/O threads, a flush waits for them up to
+  ``FLUSH_GATHER_S`` so that they share it too. Until then
   an OS crash may leave a just-published block that fails verification — a miss, never
   served. syncfs flushes other writers' dirty data on that filesystem too: give the store its
   own disk if it shares one with heavy buffered writers. Where there is no syncfs: each file
@@ -103,6 +105,9 @@ _RECENCY = "recency.log"
 _SUFFIX = ".kvb"
 _TEMP_SUFFIX = ".tmp"
 _FANOUT = 256
+#: under ``fsync: batch``, how long a flush may wait for the store blocks still queued
+#: behind it, so that they share it (GroupFlush; never while the tier keeps up)
+FLUSH_GATHER_S = 0.05
 
 
 def _parse_name(name: str) -> tuple[OffloadKey, int] | None:
@@ -200,7 +205,7 @@ class FilesTier(DiskTier):
             ) from None
         self._count = SharedCount(_USAGE, dir_fd=self._store_fd, read_only=self.read_only)
         self._dir_fd = os.dup(self._store_fd)
-        self._group_flush = GroupFlush(self._syncfs)
+        self._group_flush = GroupFlush(self._syncfs, busy=self._stores_waiting, gather_s=FLUSH_GATHER_S)
         # `kvtier check` (with or without --fix) reports stale temp files rather than sweep them
         blocks = self._scan(alone and self._access == "serve")
         stamps, records = read_recency(_RECENCY, self._store_fd)
@@ -594,6 +599,10 @@ class FilesTier(DiskTier):
                 )
         stored = [job.keys[i] for i in reserved if job.reasons[i] is None and i not in present]
         self._append_recency(stored, time.time_ns())
+
+    def _stores_waiting(self) -> bool:
+        mover = self._mover
+        return mover is not None and mover.stores_waiting()
 
     def _flush_filesystem(self) -> None:
         """Make everything published so far durable: one shared syncfs (see GroupFlush)."""

@@ -172,6 +172,10 @@ class Mover:
             done.append(finished.popleft())
         return done
 
+    def stores_waiting(self) -> bool:
+        """Whether store blocks wait for an I/O thread: the tier is behind. Any thread, no lock."""
+        return bool(self._stores)
+
     def pending(self) -> int:
         """Jobs submitted and not finished yet (finished ones may still await :meth:`poll`)."""
         return self._inflight
