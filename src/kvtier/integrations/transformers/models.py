@@ -26,7 +26,7 @@ import xxhash
 from kvtier.cuda import resolve_device
 from kvtier.errors import ConfigError
 from kvtier.tiers.disk.config import user_cache_root
-from kvtier.tiers.disk.store import directory_problem
+from kvtier.tiers.disk.store import directory_problem, make_private_dirs
 
 __all__ = ["SMOLLM2", "SMOLLM2_INSTALL", "converted_copy", "load_model", "model_source", "smollm2_path"]
 
@@ -84,10 +84,7 @@ def _private_folder(folder: Path, create: bool = True) -> Path:
     """``folder``, created 0700 with its missing parents (``create``); :class:`ConfigError`
     unless it is a real folder (not a symlink) of this user's that no one else may write."""
     if create:
-        missing = [path for path in (folder, *folder.parents) if not os.path.lexists(path)]
-        for path in reversed(missing):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(path, 0o700)  # the umask can only take bits away
+        make_private_dirs(str(folder))
     info = os.lstat(folder)
     if stat.S_ISDIR(info.st_mode):
         problem = directory_problem(info, str(folder))

@@ -62,6 +62,7 @@ __all__ = [
     "decide_direct",
     "default_store_path",
     "empty_store",
+    "make_private_dirs",
     "open_private",
     "own_entries",
     "open_private_dir",
@@ -297,11 +298,11 @@ def _mkdir_private(directory: str) -> None:
         os.close(fd)
 
 
-def _make_private_dirs(directory: str) -> None:
+def make_private_dirs(directory: str) -> None:
     """Create ``directory`` and its missing parents, each 0700 whatever the umask."""
     parent = os.path.dirname(directory)
-    if parent != directory and not os.path.isdir(parent):
-        _make_private_dirs(parent)
+    if parent and parent != directory and not os.path.isdir(parent):  # "" above a relative path
+        make_private_dirs(parent)
     with contextlib.suppress(FileExistsError):
         _mkdir_private(directory)
 
@@ -322,7 +323,7 @@ def scratch_directory(prefix: str) -> Iterator[str]:
     root = user_cache_root()
     folder = None
     try:
-        _make_private_dirs(root)
+        make_private_dirs(root)
         root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             _remove_abandoned(root, root_fd)
@@ -565,7 +566,7 @@ def prepare_directory(path: str, field: str, *, read_only: bool = False) -> str:
                         f"create {parent} first (kvtier creates only the last path component, "
                         f"and the missing parents of its per-user default {user_cache_root()})",
                     )
-                _make_private_dirs(parent)
+                make_private_dirs(parent)
             _reject_open_parent(parent, where, path)
             _mkdir_private(directory)
         except FileExistsError:
