@@ -207,6 +207,54 @@ def test_group_flush_gathers_for_gather_s_at_most_and_never_when_idle():
     assert not caller.is_alive() and flushes == [1, 1, 1]
 
 
+def test_group_flush_serves_a_ticket_with_the_first_flush_begun_after_it():
+    """A job whose blocks were all published before a flush began is covered by that flush,
+    even if it asks while it runs: it returns when that one ends, not after another. A
+    ticket taken after the flush began needs the next; one too old for its outcome to be
+    known gets a fresh one."""
+    import threading
+
+    from kvtier.tiers.disk.group_flush import GroupFlush as _GroupFlush
+
+    started: list[int] = []
+    gates = {1: threading.Event(), 2: threading.Event()}
+    entered = {1: threading.Event(), 2: threading.Event()}
+
+    def flush():
+        number = len(started) + 1
+        started.append(number)
+        if number in gates:
+            entered[number].set()
+            gates[number].wait(10)
+
+    group = _GroupFlush(flush)
+    before = group.ticket()  # blocks published, then flush 1 begins
+    first = threading.Thread(target=group.flush)
+    first.start()
+    assert entered[1].wait(10)
+    after = group.ticket()  # published while flush 1 runs
+    covered = threading.Thread(target=group.flush, args=(before,))
+    late = threading.Thread(target=group.flush, args=(after,))
+    covered.start()
+    late.start()
+    gates[1].set()
+    assert entered[2].wait(10)  # the late ticket's flush has begun, and is held
+    covered.join(10)
+    assert not covered.is_alive()  # served by flush 1, while flush 2 still runs
+    assert late.is_alive()
+    gates[2].set()
+    for thread in (first, late):
+        thread.join(10)
+        assert not thread.is_alive()
+    assert started == [1, 2]
+    # a ticket from 70 flushes ago: whether the flush after it failed is no longer known
+    for _ in range(70):
+        group.flush()
+    count = len(started)
+    group.flush(before)
+    assert len(started) == count + 1
+
+
 def test_group_flush_reports_a_failed_flush_to_its_callers_only():
     import errno
 

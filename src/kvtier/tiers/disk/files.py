@@ -136,6 +136,8 @@ class _FilesStoreState:
     temps: dict[int, str] = field(default_factory=dict)
     #: keys written over an evicted block's file: their index -> that file's temp name
     spares: dict[int, str] = field(default_factory=dict)
+    #: ``batch``: each published key's GroupFlush ticket, taken once its file was published
+    tickets: dict[int, int] = field(default_factory=dict)
 
 
 class FilesTier(DiskTier):
@@ -451,7 +453,10 @@ class FilesTier(DiskTier):
         if self._fsync == "batch" and syncfs is None:
             job.state.temps[index] = temp  # flushed, then published, by the epilogue
             return None
-        return self._publish_one(job, index, temp)
+        failure = self._publish_one(job, index, temp)
+        if failure is None and self._fsync == "batch":
+            job.state.tickets[index] = self._group_flush.ticket()
+        return failure
 
     def _write_file(self, temp: str, key: OffloadKey, row: int, direct: bool, spare: bool) -> int:
         """Write the block into the temp file ``temp``: a new file, or a ``spare`` (an evicted
@@ -574,7 +579,9 @@ class FilesTier(DiskTier):
             published = [i for i in reserved if job.reasons[i] is None and i not in present]
             if published:
                 try:
-                    self._flush_filesystem()
+                    tickets = state.tickets
+                    covered = all(i in tickets for i in published)
+                    self._flush_filesystem(max(tickets[i] for i in published) if covered else None)
                 except OSError as exc:
                     self._withdraw(job, published, Failure.from_exception(exc))
         # reservations of blocks that were not published by us go back, and of those that
@@ -604,9 +611,10 @@ class FilesTier(DiskTier):
         mover = self._mover
         return mover is not None and mover.stores_waiting()
 
-    def _flush_filesystem(self) -> None:
-        """Make everything published so far durable: one shared syncfs (see GroupFlush)."""
-        self._group_flush.flush()
+    def _flush_filesystem(self, after: int | None = None) -> None:
+        """Make what was published before ticket ``after`` (default: before this call)
+        durable: one shared syncfs (see GroupFlush)."""
+        self._group_flush.flush(after)
 
     def _syncfs(self) -> None:
         """syncfs(2) of the store's filesystem; raises OSError."""

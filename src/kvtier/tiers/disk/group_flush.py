@@ -10,6 +10,8 @@ __all__ = ["GroupFlush"]
 
 #: how often a gathering flush looks again whether the tier is still busy
 _GATHER_POLL_S = 0.002
+#: how many flushes back an error stays known to the callers a flush served
+_ERRORS_KEPT = 64
 
 
 class GroupFlush:
@@ -42,12 +44,25 @@ class GroupFlush:
         self._running = False
         self._errors: dict[int, OSError] = {}  # flush number -> its error, while anyone may ask
 
-    def flush(self) -> None:
-        """Return once a flush begun after this call has ended; raise its OSError if it failed."""
+    def ticket(self) -> int:
+        """The flushes begun so far: read after the caller's data is written and published,
+        any flush numbered above it covers that data (see :meth:`flush`). No lock: the count
+        only grows, and is raised before its flush's system call."""
+        return self._started
+
+    def flush(self, after: int | None = None) -> None:
+        """Return once a flush begun after :meth:`ticket` returned ``after`` (default: after
+        this call) has ended; raise its OSError if it failed.
+
+        A job passes the highest ticket its blocks took as each was published: a flush that
+        began after the last of them covers the job, even if it began before the job asked,
+        so jobs finishing behind a flush do not each ask for another."""
         with self._cond:
             # a flush running now may have started before our blocks were published: only
-            # the next one counts
-            needed = self._started + 1
+            # one begun after counts
+            needed = (self._started if after is None else after) + 1
+            if needed < self._finished - _ERRORS_KEPT:  # its outcome may be forgotten
+                needed = self._started + 1
             while self._finished < needed:
                 if self._running:
                     self._cond.wait()
@@ -69,7 +84,7 @@ class GroupFlush:
                     if error is not None:
                         self._errors[number] = error
                     # errors older than a few flushes can no longer be asked for
-                    for old in [n for n in self._errors if n < number - 64]:
+                    for old in [n for n in self._errors if n < number - _ERRORS_KEPT]:
                         del self._errors[old]
                     self._cond.notify_all()
             # flushes run one at a time and are numbered in order, so flush `needed` is the
