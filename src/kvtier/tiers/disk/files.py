@@ -579,9 +579,10 @@ class FilesTier(DiskTier):
             published = [i for i in reserved if job.reasons[i] is None and i not in present]
             if published:
                 try:
+                    # one shared syncfs begun after the last of them was published
                     tickets = state.tickets
                     covered = all(i in tickets for i in published)
-                    self._flush_filesystem(max(tickets[i] for i in published) if covered else None)
+                    self._group_flush.flush(max(tickets[i] for i in published) if covered else None)
                 except OSError as exc:
                     self._withdraw(job, published, Failure.from_exception(exc))
         # reservations of blocks that were not published by us go back, and of those that
@@ -610,11 +611,6 @@ class FilesTier(DiskTier):
     def _stores_waiting(self) -> bool:
         mover = self._mover
         return mover is not None and mover.stores_waiting()
-
-    def _flush_filesystem(self, after: int | None = None) -> None:
-        """Make what was published before ticket ``after`` (default: before this call)
-        durable: one shared syncfs (see GroupFlush)."""
-        self._group_flush.flush(after)
 
     def _syncfs(self) -> None:
         """syncfs(2) of the store's filesystem; raises OSError."""
